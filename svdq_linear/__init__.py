@@ -1,0 +1,16 @@
+"""svdq-linear: SVDQuant W4A4 (NVFP4) drop-in replacement for ``nn.Linear`` in diffusion transformers."""
+
+from . import backends, nvfp4
+from .linear import SVDQW4A4Linear
+from .svdquant import SVDQuantConfig, SVDQuantWeights, svdquant
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SVDQW4A4Linear",
+    "SVDQuantConfig",
+    "SVDQuantWeights",
+    "backends",
+    "nvfp4",
+    "svdquant",
+]

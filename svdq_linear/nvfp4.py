@@ -1,0 +1,219 @@
+"""The numerics contract of svdq-linear: NVFP4 codes, block scales, packing and the W4A4 formula.
+
+Every backend, converter and test imports this module; backends differ from it only in speed.
+
+E2M1 codes (4 bits)
+    bit 3 is the sign, bits 0-2 index the magnitudes ``{0, 0.5, 1, 1.5, 2, 3, 4, 6}``.
+    ``round_e2m1`` rounds to the nearest magnitude, ties to the even code (so 0.25 -> 0,
+    0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4) and saturates at +-6. The sign bit
+    is set only for strictly negative inputs, so a negative value that rounds to zero is code 0x8
+    (-0) while +0, -0.0 and NaN give code 0x0.
+
+Block scales (one per 16 consecutive k)
+    ``s = e4m3(amax / 6)``: the block's max |x| divided by 6 in float32 (IEEE division), rounded to
+    float8_e4m3fn to nearest, ties to even, saturating at 448. Special blocks:
+
+    - all-zero block, or ``amax / 6 < 2**-10`` (rounds to 0 in E4M3): ``s = 0`` and every code is 0;
+    - ``amax / 6`` in E4M3's subnormal range ``[2**-10, 2**-6)``: the subnormal scale is used as is;
+      elements whose ``x / s`` exceeds 6 after the rounding of ``s`` saturate to +-6;
+    - a block holding NaN or +-Inf: ``s = NaN`` (byte 0x7F) and every code is 0, so any output that
+      reads the block is NaN. Kernels must take the block max with NaN propagation (``max.NaN``).
+
+Codes
+    ``code = round_e2m1(x * r)`` with ``r = 1.0f / s`` (float32 IEEE division, ``div.rn``; ``r = 0``
+    when ``s`` is 0 or NaN) and ``x * r`` one float32 multiply rounded to nearest. Kernels use the same
+    reciprocal-then-multiply rule, never ``x / s`` and never an approximate reciprocal.
+
+Canonical layouts (what modules store and files hold)
+    codes ``[rows, K/2] uint8`` row-major, element ``2i`` in the low nibble, ``2i+1`` in the high
+    nibble of byte ``i``; scales ``[rows, K/16] float8_e4m3fn`` row-major. Kernels repack once at
+    load time into what they need and cache it on the module.
+
+Activations use one level of scaling at run time: the per-tensor factor chosen at conversion is
+folded into ``smooth`` (and ``wcscale``/``proj_down``). Weights get an offline per-row scale
+(``quantize_weight``) that is folded into ``wcscale``.
+
+The W4A4 linear (``w4a4_linear``)::
+
+    xs = x * (1 / smooth)                      # float32, reciprocal then multiply
+    y  = (Q(xs) (*) Qw) * wcscale + bias + (xs @ proj_down) @ proj_up^T
+
+``(*)`` is the block-scaled FP4 product ``sum_k (a_k s_a) (w_k s_w)`` with float32 accumulation.
+E2M1 times E4M3 is exact in bf16 and in fp32, so backends may dequantize into either before a
+tensor-core product that accumulates in float32; only the summation order may differ. The low-rank
+branch reads the unquantized ``xs``. A kernel that accumulates the low-rank term before its
+``* wcscale`` epilogue folds ``proj_up / wcscale`` at load time, so the answer is the same.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK_SIZE = 16
+"""Elements of K that share one E4M3 scale."""
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+NVFP4_MAX = E2M1_MAX * E4M3_MAX
+"""Largest magnitude a single-level NVFP4 block can represent (2688)."""
+
+E4M3_NAN_BYTE = 0x7F
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""Magnitude of E2M1 codes 0..7; code | 8 is the negative of the same magnitude."""
+
+# Decision points between neighbouring magnitudes. A midpoint whose upper neighbour has an even
+# code rounds up (compare with >=), otherwise down (compare with >): ties go to the even code.
+_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+SUPPORTED_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def e2m1_values(device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The 16 E2M1 code values, ``[16]``, indexed by code (0x8 is -0.0)."""
+    mags = torch.tensor(E2M1_MAGNITUDES, dtype=dtype, device=device)
+    return torch.cat([mags, -mags])
+
+
+def round_e2m1(q: torch.Tensor) -> torch.Tensor:
+    """Round float values to E2M1 codes (uint8 in 0..15), nearest-even, saturating at +-6."""
+    q = q.float()
+    a = q.abs()
+    mag = torch.zeros(q.shape, dtype=torch.uint8, device=q.device)
+    for midpoint, up_is_even in _E2M1_MIDPOINTS:
+        mag += (a >= midpoint) if up_is_even else (a > midpoint)
+    # NaN compares false everywhere: magnitude 0, sign clear.
+    return mag | ((q < 0).to(torch.uint8) << 3)
+
+
+def decode_e2m1(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values of E2M1 codes (uint8 in 0..15)."""
+    return e2m1_values(codes.device, dtype)[codes.long()]
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Pack codes ``[..., K]`` (uint8 0..15) two per byte into ``[..., K/2]``; element 2i -> low nibble."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"expected an even last dimension to pack E2M1 codes, got {codes.shape[-1]}")
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """Unpack ``[..., K/2]`` uint8 into codes ``[..., K]`` (uint8 0..15)."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"expected packed E2M1 codes as uint8, got {packed.dtype}")
+    lo, hi = packed & 0xF, packed >> 4
+    return torch.stack([lo, hi], dim=-1).flatten(-2)
+
+
+def round_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round to float8_e4m3fn, nearest-even, saturating at +-448; NaN and +-Inf become NaN (0x7F)."""
+    x = x.float()
+    out = x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    nan = torch.full_like(out.view(torch.uint8), E4M3_NAN_BYTE).view(torch.float8_e4m3fn)
+    return torch.where(torch.isfinite(x), out, nan)
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    k = x.shape[-1]
+    if k % BLOCK_SIZE:
+        raise ValueError(f"expected the last dimension to be a multiple of {BLOCK_SIZE}, got {k}")
+    return x.reshape(*x.shape[:-1], k // BLOCK_SIZE, BLOCK_SIZE)
+
+
+def block_scales(x: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scales ``[..., K/16]`` of float32 values ``[..., K]`` under the contract's rules."""
+    blocks = _blocks(x.float())
+    # amax with NaN propagation (torch's amax propagates NaN); Inf gives an Inf amax.
+    amax = blocks.abs().amax(dim=-1)
+    return round_e4m3(amax / E2M1_MAX)
+
+
+def quantize_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Single-level NVFP4 quantization of ``x [..., K]``.
+
+    Returns ``(packed [..., K/2] uint8, scales [..., K/16] float8_e4m3fn)``. ``x`` is first rounded to
+    float32 (a no-op for bf16/fp16/fp32 inputs).
+    """
+    x = x.float()
+    scales = block_scales(x)
+    s = scales.float()
+    # s = 0 and s = NaN both give r = 0: all-zero codes (a NaN scale still makes the block NaN).
+    recip = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    q = _blocks(x) * recip.unsqueeze(-1)
+    codes = round_e2m1(q).reshape(x.shape)
+    return pack_e2m1(codes), scales
+
+
+def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values ``[..., K]`` of packed codes ``[..., K/2]`` under scales ``[..., K/16]`` (exact in fp32)."""
+    if scales.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"expected float8_e4m3fn block scales, got {scales.dtype}")
+    k = packed.shape[-1] * 2
+    if scales.shape[:-1] != packed.shape[:-1] or scales.shape[-1] * BLOCK_SIZE != k:
+        raise ValueError(
+            f"block scales {tuple(scales.shape)} do not match packed codes {tuple(packed.shape)} "
+            f"(expected [..., {k // BLOCK_SIZE}])"
+        )
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    vals = decode_e2m1(unpack_e2m1(packed), compute)
+    out = _blocks(vals) * scales.to(compute).unsqueeze(-1)
+    return out.reshape(*packed.shape[:-1], k).to(dtype)
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Offline two-level NVFP4 of a weight ``[N, K]``: a float32 scale per row, E4M3 scales per block.
+
+    Each row is divided by ``row_scale = max|w_row| / 2688`` so that its largest block scale is 448,
+    then quantized single-level. Returns ``(qweight [N, K/2] uint8, wscales [N, K/16] float8_e4m3fn,
+    row_scale [N] float32)``; ``w ~= dequantize_nvfp4(qweight, wscales) * row_scale[:, None]``.
+    Raises on non-finite weights.
+    """
+    if w.dim() != 2:
+        raise ValueError(f"expected a 2-D weight [N, K], got shape {tuple(w.shape)}")
+    w = w.float()
+    if not torch.isfinite(w).all():
+        raise ValueError("weight holds NaN or Inf values; cannot quantize it")
+    row_max = w.abs().amax(dim=1)
+    row_scale = torch.where(row_max > 0, row_max / NVFP4_MAX, torch.ones_like(row_max))
+    qweight, wscales = quantize_nvfp4(w / row_scale[:, None])
+    return qweight, wscales, row_scale
+
+
+def check_act_dtype(x: torch.Tensor) -> None:
+    if x.dtype not in SUPPORTED_ACT_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_ACT_DTYPES)
+        raise TypeError(f"expected a {names} input, got {x.dtype}")
+
+
+def smooth_input(x: torch.Tensor, smooth: torch.Tensor) -> torch.Tensor:
+    """``xs = x * (1 / smooth)`` in float32, the rule every backend follows."""
+    return x.float() * (1.0 / smooth.float())
+
+
+def w4a4_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    wscales: torch.Tensor,
+    smooth: torch.Tensor,
+    proj_down: torch.Tensor,
+    proj_up: torch.Tensor,
+    wcscale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    accum_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The contract's ``y`` for ``x [M, K]``, computed plainly in ``accum_dtype`` (float32 or float64).
+
+    Activation codes and scales are always those of ``quantize_nvfp4`` on the float32 ``xs``; the
+    products and sums run in ``accum_dtype``. Returns ``[M, N]`` in ``accum_dtype``.
+    """
+    xs = smooth_input(x, smooth)
+    a_packed, a_scales = quantize_nvfp4(xs)
+    a = dequantize_nvfp4(a_packed, a_scales, accum_dtype)
+    w = dequantize_nvfp4(qweight, wscales, accum_dtype)
+    y = (a @ w.T) * wcscale.to(accum_dtype)
+    if bias is not None:
+        y = y + bias.to(accum_dtype)
+    low_rank = (xs.to(accum_dtype) @ proj_down.to(accum_dtype)) @ proj_up.to(accum_dtype).T
+    return y + low_rank

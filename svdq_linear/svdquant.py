@@ -1,0 +1,243 @@
+"""SVDQuant: smoothing, a rank-R SVD branch and an NVFP4 residual, from a float weight.
+
+For ``W [N, K]`` (and optional per-input-channel activation maxima ``act_max [K]``)::
+
+    lambda_j = act_max_j^alpha / max|W[:, j]|^(1 - alpha)       (smoothing; 1 without statistics)
+    Ws       = W diag(lambda)                                    (x W^T = (x / lambda) Ws^T)
+    L        = U_R S_R V_R^T = top-R SVD of Ws                   (the low-rank branch, fp32/fp64)
+    Qres     = NVFP4(Ws - L) with a float32 scale per row        (folded into wcscale)
+
+Optional refinement repeats ``L <- SVD_R(Ws - Q(Ws - L))`` and keeps the iterate with the smallest
+output error. With statistics, a power-of-two factor ``c`` is folded into ``smooth`` (and back into
+``wcscale`` and ``proj_down``) so that the largest activation block scale lands at or just under
+E4M3's 448: no saturation and as little underflow to subnormal scales as one factor allows. A
+power of two keeps every fold exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from . import nvfp4
+
+SMOOTH_RULES = ("auto", "none", "weight", "activation")
+SVD_METHODS = ("auto", "full", "lowrank")
+
+
+@dataclass(frozen=True)
+class SVDQuantConfig:
+    """How to decompose one weight.
+
+    rank: R of the low-rank branch (0 disables it).
+    alpha: migration strength of the smoothing rule.
+    smooth: ``"activation"`` (needs ``act_max``), ``"weight"`` (``lambda_j = max|W_j|^-(1-alpha)``,
+        normalized to geometric mean 1), ``"none"`` (lambda = 1) or ``"auto"`` (activation when
+        ``act_max`` is given, else none).
+    svd: ``"full"`` (``torch.linalg.svd``), ``"lowrank"`` (randomized ``torch.svd_lowrank``) or
+        ``"auto"`` (low-rank once ``min(N, K) >= lowrank_threshold``).
+    svd_dtype: float32 or float64.
+    refine_iters: extra ``L <- SVD_R(Ws - Q(Ws - L))`` iterations; the best iterate is kept.
+    device: where the SVD runs; default the GPU when there is one, else the weight's device.
+    """
+
+    rank: int = 32
+    alpha: float = 0.5
+    smooth: str = "auto"
+    svd: str = "auto"
+    svd_dtype: torch.dtype = torch.float32
+    refine_iters: int = 0
+    lowrank_threshold: int = 1024
+    lowrank_oversample: int = 8
+    lowrank_niter: int = 2
+    device: str | None = None
+
+    def __post_init__(self):
+        if self.rank < 0:
+            raise ValueError(f"expected rank >= 0, got {self.rank}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"expected 0 <= alpha <= 1, got {self.alpha}")
+        if self.smooth not in SMOOTH_RULES:
+            raise ValueError(f"expected smooth in {SMOOTH_RULES}, got {self.smooth!r}")
+        if self.svd not in SVD_METHODS:
+            raise ValueError(f"expected svd in {SVD_METHODS}, got {self.svd!r}")
+        if self.svd_dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"expected svd_dtype float32 or float64, got {self.svd_dtype}")
+        if self.refine_iters < 0:
+            raise ValueError(f"expected refine_iters >= 0, got {self.refine_iters}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "SVDQuantConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown SVDQuant option(s) {unknown}; expected some of {sorted(names)}")
+        return cls(**kwargs)
+
+
+@dataclass
+class SVDQuantWeights:
+    """The tensors of one ``SVDQW4A4Linear`` (shapes in its docstring) and the decomposition's error.
+
+    ``rel_error`` is ``||(Ws - L - Qres) diag(xs_max)||_F / ||Ws diag(xs_max)||_F``, the output error
+    of the weight side for inputs whose channel ranges are ``xs_max`` (all ones without statistics).
+    """
+
+    qweight: torch.Tensor
+    wscales: torch.Tensor
+    smooth: torch.Tensor
+    proj_down: torch.Tensor
+    proj_up: torch.Tensor
+    wcscale: torch.Tensor
+    bias: torch.Tensor | None
+    rel_error: float = field(default=float("nan"))
+
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        return {
+            "qweight": self.qweight,
+            "wscales": self.wscales,
+            "smooth": self.smooth,
+            "proj_down": self.proj_down,
+            "proj_up": self.proj_up,
+            "wcscale": self.wcscale,
+            "bias": self.bias,
+        }
+
+
+def _default_device(weight: torch.Tensor, device: str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if weight.device.type == "cpu" and torch.cuda.is_available():
+        return torch.device("cuda")
+    return weight.device if weight.device.type != "meta" else torch.device("cpu")
+
+
+def _rel_clamp(v: torch.Tensor, rel: float = 1e-5) -> torch.Tensor:
+    top = v.max()
+    floor = top * rel if top > 0 else torch.ones_like(top)
+    return v.clamp(min=floor)
+
+
+def smoothing_factor(
+    weight: torch.Tensor, act_max: torch.Tensor | None, alpha: float, rule: str = "auto"
+) -> torch.Tensor:
+    """``lambda [K]`` float32 for ``weight [N, K]`` under ``rule`` (see ``SVDQuantConfig.smooth``)."""
+    weight = weight.detach()
+    k = weight.shape[1]
+    if rule == "auto":
+        rule = "activation" if act_max is not None else "none"
+    if rule == "none":
+        return torch.ones(k, dtype=torch.float32, device=weight.device)
+    w_max = _rel_clamp(weight.float().abs().amax(dim=0))
+    if rule == "weight":
+        lam = w_max.pow(-(1.0 - alpha))
+        return lam / lam.log().mean().exp()
+    if act_max is None:
+        raise ValueError("smooth='activation' needs act_max (per-input-channel activation maxima)")
+    a = _rel_clamp(act_max.float().to(weight.device).abs())
+    return a.pow(alpha) / w_max.pow(1.0 - alpha)
+
+
+def low_rank(
+    a: torch.Tensor, rank: int, config: SVDQuantConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``rank`` factors of ``a [N, K]``: ``(up [N, R], down [K, R])`` with ``a ~= up @ down.T``.
+
+    The singular values are split evenly (``sqrt(S)`` on each side) to keep both factors in range
+    for bf16/fp16.
+    """
+    n, k = a.shape
+    if rank == 0:
+        return a.new_zeros(n, 0), a.new_zeros(k, 0)
+    a = a.to(config.svd_dtype)
+    method = config.svd
+    if method == "auto":
+        method = "lowrank" if min(n, k) >= config.lowrank_threshold else "full"
+    if method == "full":
+        u, s, vh = torch.linalg.svd(a, full_matrices=False)
+        v = vh.T
+    else:
+        q = min(rank + config.lowrank_oversample, n, k)
+        u, s, v = torch.svd_lowrank(a, q=q, niter=config.lowrank_niter)
+    root = s[:rank].sqrt()
+    return (u[:, :rank] * root).float().contiguous(), (v[:, :rank] * root).float().contiguous()
+
+
+def _quantize_residual(ws: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+    residual = ws - up @ down.T
+    qweight, wscales, row_scale = nvfp4.quantize_weight(residual)
+    deq = nvfp4.dequantize_nvfp4(qweight, wscales) * row_scale[:, None]
+    return qweight, wscales, row_scale, deq
+
+
+def activation_factor(xs_max: torch.Tensor | None) -> float:
+    """Power of two ``c`` so that ``max(xs_max) / c`` is at most, and within 2x of, 6 * 448."""
+    if xs_max is None:
+        return 1.0
+    top = float(xs_max.max())
+    if not math.isfinite(top) or top <= 0:
+        return 1.0
+    return 2.0 ** math.ceil(math.log2(top / nvfp4.NVFP4_MAX))
+
+
+def svdquant(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    act_max: torch.Tensor | None = None,
+    config: SVDQuantConfig | None = None,
+    dtype: torch.dtype | None = None,
+) -> SVDQuantWeights:
+    """Decompose ``weight [N, K]`` (+ ``bias [N]``) into the tensors of an ``SVDQW4A4Linear``.
+
+    ``act_max [K]`` holds per-input-channel max |x| from calibration. ``dtype`` is that of
+    ``proj_down``/``proj_up``/``bias`` (default: the weight's). Results are on the weight's device.
+    """
+    config = config or SVDQuantConfig()
+    if weight.dim() != 2:
+        raise ValueError(f"expected a 2-D weight [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if k % nvfp4.BLOCK_SIZE:
+        raise ValueError(f"expected in_features % {nvfp4.BLOCK_SIZE} == 0, got {k}")
+    if config.rank > min(n, k):
+        raise ValueError(f"rank {config.rank} exceeds min(out_features, in_features) = {min(n, k)}")
+    if act_max is not None and tuple(act_max.shape) != (k,):
+        raise ValueError(f"expected act_max of shape ({k},), got {tuple(act_max.shape)}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"expected bias of shape ({n},), got {tuple(bias.shape)}")
+    out_device = weight.device
+    dtype = dtype or weight.dtype
+    dev = _default_device(weight, config.device)
+    w = weight.detach().to(dev, torch.float32)
+    if not torch.isfinite(w).all():
+        raise ValueError("weight holds NaN or Inf values; cannot quantize it")
+
+    lam = smoothing_factor(w, act_max, config.alpha, config.smooth)
+    ws = w * lam
+    xs_max = None if act_max is None else act_max.detach().to(dev, torch.float32).abs() / lam
+    col_weight = xs_max if xs_max is not None else torch.ones_like(lam)
+    ref_norm = (ws * col_weight).norm().clamp(min=torch.finfo(torch.float32).tiny)
+
+    best = None
+    target = ws
+    for _ in range(config.refine_iters + 1):
+        up, down = low_rank(target, config.rank, config)
+        qweight, wscales, row_scale, deq = _quantize_residual(ws, up, down)
+        err = float(((ws - up @ down.T - deq) * col_weight).norm() / ref_norm)
+        if best is None or err < best[0]:
+            best = (err, up, down, qweight, wscales, row_scale)
+        target = ws - deq
+
+    err, up, down, qweight, wscales, row_scale = best
+    c = activation_factor(xs_max)
+    return SVDQuantWeights(
+        qweight=qweight.to(out_device),
+        wscales=wscales.to(out_device),
+        smooth=(lam * c).to(out_device),
+        proj_down=(down * c).to(out_device, dtype),
+        proj_up=up.to(out_device, dtype),
+        wcscale=(row_scale * c).to(out_device),
+        bias=None if bias is None else bias.detach().to(out_device, dtype),
+        rel_error=err,
+    )

@@ -1,0 +1,261 @@
+"""SVDQW4A4Linear: the contract from its own buffers, dtypes, state_dict, bad input, compile, backends."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import svdq_linear
+from svdq_linear import SVDQW4A4Linear, backends, nvfp4
+
+
+def _module(k=128, n=96, rank=16, bias=True, dtype=torch.float32, calibrate=True):
+    lin = torch.nn.Linear(k, n, bias=bias, dtype=dtype)
+    act_max = (torch.randn(64, k) * torch.exp(torch.randn(k))).abs().amax(0) if calibrate else None
+    return SVDQW4A4Linear.from_linear(lin, rank=rank, act_max=act_max), lin
+
+
+def _contract_float64(m: SVDQW4A4Linear, x: torch.Tensor) -> torch.Tensor:
+    """The formula evaluated in float64 from the module's buffers (activation codes from the contract)."""
+    x2 = x.reshape(-1, m.in_features)
+    xs = x2.double() * (1.0 / m.smooth.float()).double()
+    a_packed, a_scales = nvfp4.quantize_nvfp4(nvfp4.smooth_input(x2, m.smooth))
+    a = nvfp4.dequantize_nvfp4(a_packed, a_scales, torch.float64)
+    w = nvfp4.dequantize_nvfp4(m.qweight, m.wscales, torch.float64)
+    y = (a @ w.T) * m.wcscale.double()
+    if m.bias is not None:
+        y = y + m.bias.double()
+    y = y + (xs @ m.proj_down.double()) @ m.proj_up.double().T
+    return y.reshape(*x.shape[:-1], m.out_features)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rank", [0, 16])
+def test_forward_matches_float64_contract(bias, rank):
+    m, _ = _module(rank=rank, bias=bias)
+    x = torch.randn(3, 5, m.in_features) * 4
+    y = m(x)
+    assert y.shape == (3, 5, m.out_features) and y.dtype == torch.float32
+    assert _rel(y, _contract_float64(m, x)) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_forward_dtypes_return_input_dtype(dtype):
+    m, lin = _module()
+    m = m.to(dtype)
+    x = torch.randn(7, m.in_features, dtype=dtype)
+    y = m(x)
+    assert y.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # the output's own rounding
+    assert _rel(y, _contract_float64(m, x)) < tol
+    assert _rel(y, lin(x.float()).detach()) < 0.2  # still the layer it replaced
+
+
+def test_to_dtype_casts_only_float_buffers():
+    m, _ = _module()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    for convert in (lambda t: t.to(torch.bfloat16), lambda t: t.half(), lambda t: t.float()):
+        m = convert(m)
+        sd = m.state_dict()
+        assert sd["qweight"].dtype == torch.uint8 and torch.equal(sd["qweight"], before["qweight"])
+        assert sd["wscales"].dtype == torch.float8_e4m3fn
+        assert torch.equal(sd["wscales"].view(torch.uint8), before["wscales"].view(torch.uint8))
+        assert sd["smooth"].dtype == torch.float32 and torch.equal(sd["smooth"], before["smooth"])
+        assert sd["wcscale"].dtype == torch.float32 and torch.equal(sd["wcscale"], before["wcscale"])
+    assert m.to(torch.float16).proj_down.dtype == torch.float16
+    assert m.bias.dtype == torch.float16
+
+
+def test_safetensors_round_trip(tmp_path):
+    m, _ = _module()
+    save_file(m.state_dict(), tmp_path / "layer.safetensors")
+    fresh = SVDQW4A4Linear(m.in_features, m.out_features, rank=m.rank)
+    fresh.load_state_dict(load_file(tmp_path / "layer.safetensors"), strict=True)
+    x = torch.randn(4, m.in_features)
+    assert torch.equal(fresh(x), m(x))
+    for key, value in m.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key].view(torch.uint8), value.view(torch.uint8)), key
+
+
+def test_load_on_meta_with_assign_keeps_file_tensors():
+    m, _ = _module(dtype=torch.bfloat16)
+    meta = SVDQW4A4Linear(m.in_features, m.out_features, rank=m.rank, device="meta")
+    meta.load_state_dict(m.state_dict(), strict=True, assign=True)
+    assert meta.proj_down.dtype == torch.bfloat16 and meta.qweight.device.type == "cpu"
+    x = torch.randn(2, m.in_features, dtype=torch.bfloat16)
+    assert torch.equal(meta(x), m(x))
+
+
+def test_extra_repr_names_shape_rank_and_backend():
+    m, _ = _module(k=64, n=32, rank=8)
+    assert "in_features=64, out_features=32, rank=8, bias=True, backend=reference" in repr(m)
+
+
+def test_weight_memory_is_about_3_5x_smaller_than_bf16():
+    m, _ = _module(k=1024, n=1024, rank=32, calibrate=False)
+    packed = m.qweight.numel() + m.wscales.numel()
+    assert 1024 * 1024 * 2 / packed == pytest.approx(3.56, abs=0.01)
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+
+def test_wrong_last_dim_is_rejected():
+    m, _ = _module(k=64, n=32, rank=8)
+    with pytest.raises(ValueError, match="last dimension 64"):
+        m(torch.randn(2, 48))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.float8_e4m3fn])
+def test_unsupported_input_dtype_is_rejected(dtype):
+    m, _ = _module(k=64, n=32, rank=8)
+    with pytest.raises(TypeError, match=str(dtype)):
+        m(torch.zeros(2, 64).to(dtype))
+
+
+def test_in_features_not_multiple_of_16_is_rejected():
+    with pytest.raises(ValueError, match="multiple of 16, got 3000"):
+        SVDQW4A4Linear(3000, 64)
+    with pytest.raises(ValueError, match="in_features % 16 == 0, got 40"):
+        SVDQW4A4Linear.from_linear(torch.nn.Linear(40, 8), rank=4)
+
+
+def test_from_linear_rejects_non_linear():
+    with pytest.raises(TypeError, match="nn.Linear"):
+        SVDQW4A4Linear.from_linear(torch.nn.Conv2d(3, 3, 1))
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("qweight", torch.zeros(32, 16, dtype=torch.uint8), r"layer.qweight: expected shape \[32, 32\]"),
+        ("qweight", torch.zeros(32, 32, dtype=torch.int8), "layer.qweight: expected dtype torch.uint8"),
+        ("wscales", torch.zeros(32, 4), "layer.wscales: expected dtype torch.float8_e4m3fn"),
+        ("proj_down", torch.zeros(64, 4), r"layer.proj_down: expected shape \[64, 8\]"),
+        ("proj_up", torch.zeros(32, 8, dtype=torch.int64), "layer.proj_up: expected a float16"),
+        ("wcscale", torch.zeros(31), r"layer.wcscale: expected shape \[32\]"),
+    ],
+)
+def test_bad_state_dict_names_the_tensor(key, value, match):
+    m, _ = _module(k=64, n=32, rank=8)
+    parent = torch.nn.Module()
+    parent.layer = m
+    sd = parent.state_dict()
+    sd[f"layer.{key}"] = value
+    with pytest.raises(ValueError, match=match):
+        parent.load_state_dict(sd)
+
+
+def test_missing_key_is_reported():
+    m, _ = _module(k=64, n=32, rank=8)
+    sd = m.state_dict()
+    del sd["wscales"]
+    with pytest.raises(RuntimeError, match="wscales"):
+        SVDQW4A4Linear(64, 32, rank=8).load_state_dict(sd)
+
+
+def test_bias_in_state_dict_of_biasless_module_is_rejected():
+    m, _ = _module(k=64, n=32, rank=8)
+    with pytest.raises(ValueError, match="bias=False"):
+        SVDQW4A4Linear(64, 32, rank=8, bias=False).load_state_dict(m.state_dict())
+
+
+# ---- torch.compile and backends -------------------------------------------------------------------
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    m, _ = _module(k=64, n=48, rank=8)
+    seq = torch.nn.Sequential(m, torch.nn.GELU())
+    compiled = torch.compile(seq, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 3, 64)
+    assert torch.equal(compiled(x), seq(x))
+
+
+def test_fake_impl_gives_shapes_on_meta():
+    m, _ = _module(k=64, n=48, rank=8)
+    meta = SVDQW4A4Linear(64, 48, rank=8, device="meta")
+    y = meta(torch.empty(5, 2, 64, device="meta"))
+    assert y.shape == (5, 2, 48) and y.device.type == "meta"
+
+
+class _CountingBackend:
+    """Supports the CPU, repacks once per load/move, and runs the reference math."""
+
+    name = "counting"
+
+    def __init__(self):
+        self.prepares = 0
+        self.calls = 0
+
+    def supports(self, device):
+        return device.type == "cpu"
+
+    def prepare(self, module):
+        self.prepares += 1
+        return {"qweight_t": module.qweight.T.contiguous()}
+
+    def linear(self, module, x, prepared):
+        self.calls += 1
+        assert torch.equal(prepared["qweight_t"].T, module.qweight)
+        return backends.get_backend("reference").linear(module, x, prepared)
+
+
+@pytest.fixture
+def counting_backend():
+    backend = _CountingBackend()
+    backends.register_backend(backend, priority=100)
+    yield backend
+    backends._BACKENDS.pop(backend.name)
+
+
+def test_highest_priority_backend_is_chosen_and_prepares_once(counting_backend):
+    m, _ = _module(k=64, n=48, rank=8)
+    assert m.backend == "counting"
+    before = counting_backend.prepares
+    x = torch.randn(3, 64)
+    m(x)
+    m(x)
+    assert counting_backend.prepares == before and counting_backend.calls == 2
+    m.set_backend("reference")
+    assert m.backend == "reference" and "backend=reference" in repr(m)
+
+
+def test_env_var_forces_a_backend(monkeypatch):
+    monkeypatch.setenv(backends.ENV_BACKEND, "nope")
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        _module(k=64, n=48, rank=8)
+    monkeypatch.setenv(backends.ENV_BACKEND, "reference")
+    m, _ = _module(k=64, n=48, rank=8)
+    assert m.backend == "reference"
+
+
+def test_backend_that_does_not_support_the_device_is_refused(counting_backend):
+    with pytest.raises(RuntimeError, match="does not support meta"):
+        backends.select_backend("meta", "counting")
+
+
+def test_public_api():
+    assert svdq_linear.SVDQW4A4Linear is SVDQW4A4Linear
+    assert "reference" in backends.available_backends()
+
+
+# ---- GPU ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu_contract():
+    m, _ = _module(k=256, n=192, rank=16)
+    x = torch.randn(33, 256) * 3
+    y_cpu = m(x)
+    mc = m.to("cuda")
+    y = mc(x.cuda())
+    # Activation codes are bit-identical across devices; only the fp32 summation order differs.
+    a_cpu = nvfp4.quantize_nvfp4(nvfp4.smooth_input(x, m.smooth.cpu()))
+    a_gpu = nvfp4.quantize_nvfp4(nvfp4.smooth_input(x.cuda(), mc.smooth))
+    assert torch.equal(a_cpu[0], a_gpu[0].cpu())
+    assert torch.equal(a_cpu[1].view(torch.uint8), a_gpu[1].view(torch.uint8).cpu())
+    assert _rel(y.cpu(), y_cpu) < 1e-5
+    assert _rel(y.cpu(), _contract_float64(m.to("cpu"), x)) < 1e-5

@@ -1,0 +1,121 @@
+"""The SVDQuant decomposition: smoothing, the low-rank branch, the NVFP4 residual, calibration folds."""
+
+import pytest
+import torch
+
+from svdq_linear import SVDQuantConfig, SVDQW4A4Linear, nvfp4, svdquant
+from svdq_linear.svdquant import activation_factor, smoothing_factor
+
+
+def _outlier_layer(n=128, k=256, m=512, outliers=8, gain=40.0):
+    lin = torch.nn.Linear(k, n)
+    x = torch.randn(m, k)
+    x[:, torch.randperm(k)[:outliers]] *= gain
+    return lin, x
+
+
+def _out_error(module, lin, x):
+    ref = lin(x).detach()
+    return ((module(x) - ref).norm() / ref.norm()).item()
+
+
+def test_svdquant_beats_plain_nvfp4_on_outlier_channels():
+    lin, x = _outlier_layer()
+    act_max = x.abs().amax(dim=0)
+    plain = SVDQW4A4Linear.from_linear(lin, rank=0, smooth="none")
+    svdq = SVDQW4A4Linear.from_linear(lin, rank=32, act_max=act_max)
+    e_plain, e_svdq = _out_error(plain, lin, x), _out_error(svdq, lin, x)
+    assert e_svdq < 0.4 * e_plain, f"SVDQuant error {e_svdq:.4f} vs plain NVFP4 {e_plain:.4f}"
+
+
+def test_low_rank_branch_and_smoothing_each_help():
+    lin, x = _outlier_layer()
+    act_max = x.abs().amax(dim=0)
+    plain = _out_error(SVDQW4A4Linear.from_linear(lin, rank=0, smooth="none"), lin, x)
+    smoothed = _out_error(SVDQW4A4Linear.from_linear(lin, rank=0, act_max=act_max), lin, x)
+    full = _out_error(SVDQW4A4Linear.from_linear(lin, rank=32, act_max=act_max), lin, x)
+    assert smoothed < plain and full < smoothed, (plain, smoothed, full)
+
+
+def test_refinement_keeps_the_best_iterate():
+    lin, x = _outlier_layer()
+    act_max = x.abs().amax(dim=0)
+    base = svdquant(lin.weight, lin.bias, act_max, SVDQuantConfig(rank=16))
+    refined = svdquant(lin.weight, lin.bias, act_max, SVDQuantConfig(rank=16, refine_iters=3))
+    assert refined.rel_error <= base.rel_error
+
+
+def test_exactly_low_rank_weight_is_absorbed_by_the_branch():
+    u, v = torch.randn(96, 8), torch.randn(160, 8)
+    w = u @ v.T
+    res = svdquant(w, config=SVDQuantConfig(rank=8, svd="full", svd_dtype=torch.float64))
+    assert res.rel_error < 1e-5
+    assert torch.allclose(res.proj_up @ res.proj_down.T, w, rtol=1e-4, atol=1e-4)
+
+
+def test_lowrank_svd_is_close_to_full_svd():
+    lin, x = _outlier_layer(n=256, k=512)
+    act_max = x.abs().amax(dim=0)
+    full = svdquant(lin.weight, None, act_max, SVDQuantConfig(rank=32, svd="full"))
+    fast = svdquant(lin.weight, None, act_max, SVDQuantConfig(rank=32, svd="lowrank", lowrank_niter=4))
+    assert fast.rel_error < 1.15 * full.rel_error, (fast.rel_error, full.rel_error)
+
+
+def test_calibration_factor_keeps_activation_scales_in_e4m3_range():
+    lin, x = _outlier_layer()
+    for gain in (1e-3, 1.0, 1e4):  # tiny activations would go subnormal, huge ones would saturate
+        xg = x * gain
+        res = svdquant(lin.weight, lin.bias, xg.abs().amax(dim=0), SVDQuantConfig(rank=16))
+        scales = nvfp4.block_scales(nvfp4.smooth_input(xg, res.smooth)).float()
+        top = scales.max().item()
+        assert 224.0 <= top <= 448.0, f"gain {gain}: largest block scale {top}"
+        assert (nvfp4.smooth_input(xg, res.smooth).abs().amax() / 6).item() <= 448.0
+
+
+def test_folds_preserve_the_layer():
+    lin, x = _outlier_layer()
+    act_max = (x * 1e3).abs().amax(dim=0)
+    res = svdquant(lin.weight, lin.bias, act_max, SVDQuantConfig(rank=16))
+    c = activation_factor(act_max / smoothing_factor(lin.weight, act_max, 0.5))
+    assert c != 1.0 and c == 2.0 ** round(torch.tensor(c).log2().item())
+    # (x / smooth) Ws_hat^T with the weight side rebuilt from the buffers equals x W^T.
+    w_hat = (nvfp4.dequantize_nvfp4(res.qweight, res.wscales) * res.wcscale[:, None]
+             + res.proj_up @ res.proj_down.T) / res.smooth
+    rel = (w_hat - lin.weight).norm() / lin.weight.norm()
+    assert rel < 0.1, f"weight rebuilt from buffers is off by {rel:.3f}"
+
+
+def test_weight_rule_flattens_columns():
+    w = torch.randn(64, 128) * torch.exp(torch.randn(128))
+    lam = smoothing_factor(w, None, alpha=0.5, rule="weight")
+    spread = lambda m: (m.abs().amax(0).max() / m.abs().amax(0).min()).item()
+    assert spread(w * lam) < spread(w)
+    assert abs(lam.log().mean().item()) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"rank": -1}, "rank >= 0"),
+        ({"alpha": 1.5}, "alpha"),
+        ({"smooth": "magic"}, "smooth"),
+        ({"svd": "qr"}, "svd"),
+        ({"svd_dtype": torch.float16}, "svd_dtype"),
+    ],
+)
+def test_config_rejects_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SVDQuantConfig(**kwargs)
+
+
+def test_svdquant_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="in_features % 16"):
+        svdquant(torch.randn(8, 40))
+    with pytest.raises(ValueError, match="exceeds"):
+        svdquant(torch.randn(8, 32), config=SVDQuantConfig(rank=16))
+    with pytest.raises(ValueError, match="act_max"):
+        svdquant(torch.randn(8, 32), act_max=torch.ones(16), config=SVDQuantConfig(rank=4))
+    with pytest.raises(ValueError, match="activation"):
+        svdquant(torch.randn(8, 32), config=SVDQuantConfig(rank=4, smooth="activation"))
+    with pytest.raises(TypeError, match="unknown SVDQuant option"):
+        SVDQuantConfig.from_kwargs(rnak=4)
