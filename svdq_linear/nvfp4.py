@@ -38,6 +38,10 @@ The W4A4 linear (``w4a4_linear``)::
     xs = x * (1 / smooth)                      # float32, reciprocal then multiply
     y  = (Q(xs) (*) Qw) * wcscale + bias + (xs @ proj_down) @ proj_up^T
 
+The weight-only linear (``w4a16_linear``) keeps 16-bit activations::
+
+    y  = (x @ Qw^T) * wcscale + bias           # float32 accumulation
+
 ``(*)`` is the block-scaled FP4 product ``sum_k (a_k s_a) (w_k s_w)`` with float32 accumulation.
 E2M1 times E4M3 is exact in bf16 and in fp32, so backends may dequantize into either before a
 tensor-core product that accumulates in float32; only the summation order may differ. The low-rank
@@ -217,3 +221,17 @@ def w4a4_linear(
         y = y + bias.to(accum_dtype)
     low_rank = (xs.to(accum_dtype) @ proj_down.to(accum_dtype)) @ proj_up.to(accum_dtype).T
     return y + low_rank
+
+
+def w4a16_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    wscales: torch.Tensor,
+    wcscale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    accum_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The weight-only ``y`` for ``x [M, K]`` in ``accum_dtype``: ``(x @ Qw^T) * wcscale + bias``."""
+    w = dequantize_nvfp4(qweight, wscales, accum_dtype)
+    y = (x.to(accum_dtype) @ w.T) * wcscale.to(accum_dtype)
+    return y if bias is None else y + bias.to(accum_dtype)

@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import svdq_linear
-from svdq_linear import SVDQW4A4Linear, backends, nvfp4
+from svdq_linear import NVFP4W4A16Linear, SVDQW4A4Linear, backends, nvfp4
 
 
 def _module(k=128, n=96, rank=16, bias=True, dtype=torch.float32, calibrate=True):
@@ -100,6 +100,34 @@ def test_weight_memory_is_about_3_5x_smaller_than_bf16():
     assert 1024 * 1024 * 2 / packed == pytest.approx(3.56, abs=0.01)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weight_only_matches_float64_contract(dtype):
+    lin = torch.nn.Linear(96, 160, dtype=dtype)
+    m = NVFP4W4A16Linear.from_linear(lin)
+    assert m.qweight.dtype == torch.uint8 and m.wcscale.dtype == torch.float32 and m.bias.dtype == dtype
+    x = torch.randn(2, 3, 96, dtype=dtype)
+    w = nvfp4.dequantize_nvfp4(m.qweight, m.wscales, torch.float64) * m.wcscale.double()[:, None]
+    expected = x.double() @ w.T + m.bias.double()
+    y = m(x)
+    assert y.dtype == dtype and y.shape == (2, 3, 160)
+    assert _rel(y, expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert _rel(y, lin(x).detach()) < 0.15
+    assert "backend=reference" in repr(m)
+
+
+def test_weight_only_state_dict_round_trip_and_checks(tmp_path):
+    m = NVFP4W4A16Linear.from_linear(torch.nn.Linear(64, 32, bias=False))
+    save_file(m.state_dict(), tmp_path / "w.safetensors")
+    fresh = NVFP4W4A16Linear(64, 32, bias=False)
+    fresh.load_state_dict(load_file(tmp_path / "w.safetensors"))
+    x = torch.randn(3, 64)
+    assert torch.equal(fresh(x), m(x))
+    bad = m.state_dict()
+    bad["wscales"] = torch.zeros(32, 2, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"wscales: expected shape \[32, 4\] for NVFP4W4A16Linear"):
+        fresh.load_state_dict(bad)
+
+
 # ---- bad input ------------------------------------------------------------------------------------
 
 
@@ -190,8 +218,8 @@ class _CountingBackend:
         self.prepares = 0
         self.calls = 0
 
-    def supports(self, device):
-        return device.type == "cpu"
+    def supports(self, device, kind):
+        return device.type == "cpu" and kind == "w4a4"
 
     def prepare(self, module):
         self.prepares += 1
@@ -221,6 +249,8 @@ def test_highest_priority_backend_is_chosen_and_prepares_once(counting_backend):
     assert counting_backend.prepares == before and counting_backend.calls == 2
     m.set_backend("reference")
     assert m.backend == "reference" and "backend=reference" in repr(m)
+    # The backend has no weight-only kernel: those layers go to the next backend that has one.
+    assert NVFP4W4A16Linear(64, 32).backend == "reference"
 
 
 def test_env_var_forces_a_backend(monkeypatch):
@@ -233,7 +263,7 @@ def test_env_var_forces_a_backend(monkeypatch):
 
 
 def test_backend_that_does_not_support_the_device_is_refused(counting_backend):
-    with pytest.raises(RuntimeError, match="does not support meta"):
+    with pytest.raises(RuntimeError, match="does not support w4a4 layers on meta"):
         backends.select_backend("meta", "counting")
 
 

@@ -48,16 +48,31 @@ def _(x):
     )
 
 
+@torch.library.custom_op("svdq_linear::w4a16_linear_ref", mutates_args=())
+def w4a16_linear_ref(
+    x: torch.Tensor, qweight: torch.Tensor, wscales: torch.Tensor, wcscale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Weight-only ``y [M, N]`` (x's dtype) for ``x [M, K]``."""
+    return nvfp4.w4a16_linear(x, qweight, wscales, wcscale, bias).to(x.dtype)
+
+
+@w4a16_linear_ref.register_fake
+def _(x, qweight, wscales, wcscale, bias):
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
 class ReferenceBackend:
     name = "reference"
 
-    def supports(self, device: torch.device) -> bool:
-        return True
+    def supports(self, device: torch.device, kind: str) -> bool:
+        return kind in ("w4a4", "w4a16")
 
     def prepare(self, module) -> dict[str, torch.Tensor]:
         return {}
 
     def linear(self, module, x: torch.Tensor, prepared: dict[str, torch.Tensor]) -> torch.Tensor:
+        if module.kind == "w4a16":
+            return w4a16_linear_ref(x, module.qweight, module.wscales, module.wcscale, module.bias)
         return w4a4_linear_ref(
             x,
             module.qweight,
