@@ -1,17 +1,37 @@
-"""svdq-linear: SVDQuant W4A4 (NVFP4) drop-in replacement for ``nn.Linear`` in diffusion transformers."""
+"""svdq-linear: SVDQuant W4A4 (NVFP4) drop-in replacement for ``nn.Linear`` in diffusion transformers.
+
+Importing the package registers the ``svdq_w4a4`` quantizer with diffusers, so that
+``DiffusionPipeline.from_pretrained`` loads folders written by ``svdq-convert``.
+"""
 
 from . import backends, nvfp4
+from .diffusers_quantizer import SVDQuantizationConfig, register as _register_diffusers_quantizer
 from .linear import NVFP4W4A16Linear, SVDQW4A4Linear
+from .pipeline import load_svdq_pipeline, quantize_linears
 from .svdquant import SVDQuantConfig, SVDQuantWeights, svdquant
 
 __version__ = "0.1.0"
+
+_register_diffusers_quantizer()
+
+
+def quantize_pipeline(pipe, rank: int = 32, calib_prompts=None, **kwargs):
+    """Quantize a loaded Flux / SD3 pipeline in place (see ``converters.convert.quantize_pipeline``)."""
+    from converters.convert import quantize_pipeline as _quantize_pipeline
+
+    return _quantize_pipeline(pipe, rank=rank, calib_prompts=calib_prompts, **kwargs)
+
 
 __all__ = [
     "NVFP4W4A16Linear",
     "SVDQW4A4Linear",
     "SVDQuantConfig",
     "SVDQuantWeights",
+    "SVDQuantizationConfig",
     "backends",
+    "load_svdq_pipeline",
     "nvfp4",
+    "quantize_linears",
+    "quantize_pipeline",
     "svdquant",
 ]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from . import backends, nvfp4
-from .svdquant import SVDQuantConfig, SVDQuantWeights, svdquant
+from .svdquant import SVDQuantConfig, SVDQuantWeights, svdquant, weight_only
 
 
 def _is_16_or_32_bit_float(dtype: torch.dtype) -> bool:
@@ -82,26 +82,36 @@ class _PackedNVFP4Linear(nn.Module):
         self._refresh()
         return self
 
+    def checked_tensor(self, name: str, t: torch.Tensor, key: str | None = None) -> torch.Tensor:
+        """``t`` for buffer ``name`` after the shape/dtype check, converted to the dtype it is kept in.
+
+        Raises ValueError naming ``key`` (default ``name``). Packed buffers must match exactly; fixed
+        float32 ones are converted; 16-bit branch tensors take the module's dtype, or keep their own
+        when the module is still on ``meta`` (``load_state_dict(assign=True)``).
+        """
+        key = key or name
+        expected = self._expected_buffers()
+        if name not in expected:
+            raise ValueError(f"{key}: {self._describe()} has no buffer {name!r}")
+        shape, dtype = expected[name]
+        if name == "bias" and self.bias is None:
+            raise ValueError(f"{key}: {self._describe()} was built with bias=False, but the state_dict has a bias")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{key}: expected shape {list(shape)} for {self._describe()}, got {list(t.shape)}")
+        if dtype is not None and t.dtype != dtype:
+            raise ValueError(f"{key}: expected dtype {dtype}, got {t.dtype}")
+        if dtype is None and not _is_16_or_32_bit_float(t.dtype):
+            raise ValueError(f"{key}: expected a float16/bfloat16/float32 tensor, got {t.dtype}")
+        if name in self._fixed_dtypes:
+            return t.to(self._fixed_dtypes[name])
+        if self._buffers[name].device.type != "meta":
+            return t.to(self._buffers[name].dtype)
+        return t
+
     def _check_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        """Shape/dtype check of every incoming buffer, naming the offending tensor."""
-        for name, (shape, dtype) in self._expected_buffers().items():
-            key = prefix + name
-            if key not in state_dict:
-                continue
-            t = state_dict[key]
-            if name == "bias" and self.bias is None:
-                raise ValueError(f"{key}: {self._describe()} was built with bias=False, but the state_dict has a bias")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{key}: expected shape {list(shape)} for {self._describe()}, got {list(t.shape)}")
-            if dtype is not None and t.dtype != dtype:
-                raise ValueError(f"{key}: expected dtype {dtype}, got {t.dtype}")
-            if dtype is None and not _is_16_or_32_bit_float(t.dtype):
-                raise ValueError(f"{key}: expected a float16/bfloat16/float32 tensor, got {t.dtype}")
-            if name in self._fixed_dtypes:
-                state_dict[key] = t.to(self._fixed_dtypes[name])
-            elif self._buffers[name].device.type != "meta":
-                state_dict[key] = t.to(self._buffers[name].dtype)
-            # else assign=True onto meta: the module takes the file's float dtype
+        for name in self._expected_buffers():
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = self.checked_tensor(name, state_dict[prefix + name], prefix + name)
 
     # ---- backends -------------------------------------------------------------------------------
 
@@ -253,10 +263,7 @@ class NVFP4W4A16Linear(_PackedNVFP4Linear):
         """Quantize ``linear`` (per-row scale folded into ``wcscale``); keeps its dtype and device."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
-        qweight, wscales, row_scale = nvfp4.quantize_weight(linear.weight.detach())
-        tensors = {"qweight": qweight, "wscales": wscales, "wcscale": row_scale}
-        if linear.bias is not None:
-            tensors["bias"] = linear.bias.detach()
+        tensors = weight_only(linear.weight, linear.bias)
         module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
                      dtype=linear.weight.dtype)
         module.load_state_dict(tensors, strict=True, assign=True)

@@ -140,6 +140,23 @@ def smoothing_factor(
     return a.pow(alpha) / w_max.pow(1.0 - alpha)
 
 
+def group_smoothing_factor(
+    weights: list[torch.Tensor], act_max: torch.Tensor | None, alpha: float, rule: str = "auto"
+) -> torch.Tensor:
+    """One ``lambda [K]`` for linears that read the same input (q/k/v...): the rule applied to the
+    weights stacked along N, so every member sees the column maxima of the whole group."""
+    return smoothing_factor(torch.cat([w.detach() for w in weights], dim=0), act_max, alpha, rule)
+
+
+def weight_only(weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+    """The tensors of an ``NVFP4W4A16Linear`` for ``weight [N, K]``: qweight, wscales, wcscale, bias."""
+    qweight, wscales, row_scale = nvfp4.quantize_weight(weight.detach())
+    tensors = {"qweight": qweight, "wscales": wscales, "wcscale": row_scale}
+    if bias is not None:
+        tensors["bias"] = bias.detach().to(dtype or weight.dtype)
+    return tensors
+
+
 def low_rank(
     a: torch.Tensor, rank: int, config: SVDQuantConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,11 +205,15 @@ def svdquant(
     act_max: torch.Tensor | None = None,
     config: SVDQuantConfig | None = None,
     dtype: torch.dtype | None = None,
+    smooth: torch.Tensor | None = None,
+    seed: int = 0,
 ) -> SVDQuantWeights:
     """Decompose ``weight [N, K]`` (+ ``bias [N]``) into the tensors of an ``SVDQW4A4Linear``.
 
     ``act_max [K]`` holds per-input-channel max |x| from calibration. ``dtype`` is that of
-    ``proj_down``/``proj_up``/``bias`` (default: the weight's). Results are on the weight's device.
+    ``proj_down``/``proj_up``/``bias`` (default: the weight's). ``smooth`` overrides the smoothing
+    factor lambda (linears that read one input share one: see ``group_smoothing_factor``). ``seed``
+    seeds the randomized SVD, so a conversion is reproducible. Results are on the weight's device.
     """
     config = config or SVDQuantConfig()
     if weight.dim() != 2:
@@ -213,7 +234,9 @@ def svdquant(
     if not torch.isfinite(w).all():
         raise ValueError("weight holds NaN or Inf values; cannot quantize it")
 
-    lam = smoothing_factor(w, act_max, config.alpha, config.smooth)
+    lam = smoothing_factor(w, act_max, config.alpha, config.smooth) if smooth is None else smooth.to(dev, torch.float32)
+    if tuple(lam.shape) != (k,):
+        raise ValueError(f"expected a smoothing factor of shape ({k},), got {tuple(lam.shape)}")
     ws = w * lam
     xs_max = None if act_max is None else act_max.detach().to(dev, torch.float32).abs() / lam
     col_weight = xs_max if xs_max is not None else torch.ones_like(lam)
@@ -222,7 +245,9 @@ def svdquant(
     best = None
     target = ws
     for _ in range(config.refine_iters + 1):
-        up, down = low_rank(target, config.rank, config)
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            torch.manual_seed(seed)
+            up, down = low_rank(target, config.rank, config)
         qweight, wscales, row_scale, deq = _quantize_residual(ws, up, down)
         err = float(((ws - up @ down.T - deq) * col_weight).norm() / ref_norm)
         if best is None or err < best[0]:

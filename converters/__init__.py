@@ -1,0 +1,1 @@
+"""Converters: SVDQuant of Flux / SD3 checkpoints (``svdq-convert``) and of loaded pipelines."""

@@ -1,0 +1,297 @@
+"""svdq-convert, load_svdq_pipeline, the diffusers quantizer and in-place quantization, on tiny pipelines.
+
+All offline on CPU in float32: tiny Flux / SD3 / SD3.5 pipelines are built and saved by the tests.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import svdq_linear
+from converters import recipes
+from converters.convert import FAIL_AFTER_ENV
+from converters.tiny import KINDS, TINY_CALL_KWARGS, build_tiny_pipeline, save_tiny_pipeline
+from svdq_linear import NVFP4W4A16Linear, SVDQW4A4Linear, load_svdq_pipeline
+
+PROMPT = "a photo of a cat wearing a hat"
+PSNR_MIN_DB = 30.0  # W4A4 rank 8 of the tiny random models lands near 50 dB; plain noise is ~8 dB
+CONVERT_ARGS = ["--rank", "8", "--dtype", "float32", "--calib-num", "2", "--calib-steps", "2",
+                "--calib-resolution", "64", "--quiet"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "converters.cli", *map(str, args)], capture_output=True,
+                          text=True, env={**ENV, **(env or {})}, timeout=600)
+
+
+def generate(pipe, kind):
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(PROMPT, generator=torch.Generator().manual_seed(0), output_type="np", **TINY_CALL_KWARGS[kind])
+    return out.images[0]
+
+
+def psnr(a, b):
+    return 10 * np.log10(1.0 / max(float(np.mean((a - b) ** 2)), 1e-12))
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("src")
+    return {kind: save_tiny_pipeline(kind, root / kind) for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {kind: generate(build_tiny_pipeline(kind), kind) for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def converted(sources, tmp_path_factory):
+    root = tmp_path_factory.mktemp("out")
+    outs = {}
+    for kind in KINDS:
+        r = run_cli(sources[kind], root / kind, *CONVERT_ARGS)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "W4A4 relative weight error: median" in r.stdout, r.stdout
+        outs[kind] = root / kind
+    return outs
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_convert_then_load_both_ways_keeps_the_image(kind, converted, references):
+    out = converted[kind]
+    assert not out.with_name(out.name + ".partial").exists()
+    mine = load_svdq_pipeline(out, dtype=torch.float32)
+    stock = svdq_linear_stock_load(out)
+    assert isinstance(mine.transformer.transformer_blocks[0].attn.to_q, SVDQW4A4Linear)
+    assert isinstance(stock.transformer.transformer_blocks[0].norm1.linear, NVFP4W4A16Linear)
+    a, b = generate(mine, kind), generate(stock, kind)
+    assert np.array_equal(a, b), "load_svdq_pipeline and DiffusionPipeline.from_pretrained differ"
+    assert psnr(a, references[kind]) > PSNR_MIN_DB, f"PSNR {psnr(a, references[kind]):.1f} dB"
+
+
+def svdq_linear_stock_load(path):
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
+
+
+def test_output_folder_layout_and_config(converted):
+    out = converted["flux"]
+    qcfg = json.loads((out / "transformer" / "config.json").read_text())["quantization_config"]
+    assert qcfg["quant_method"] == "svdq_w4a4" and qcfg["format_version"] == 1 and qcfg["rank"] == 8
+    assert "transformer_blocks.0.attn.to_q" in qcfg["w4a4_modules"]
+    assert "single_transformer_blocks.0.proj_out" in qcfg["w4a4_modules"]
+    assert "transformer_blocks.0.norm1_context.linear" in qcfg["w4a16_modules"]
+    assert qcfg["calibration"]["enabled"] and qcfg["calibration"]["num_prompts"] == 2
+    for part in ("model_index.json", "scheduler", "tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2", "vae"):
+        assert (out / part).exists(), part
+    index = json.loads((out / "transformer" / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) == 5  # 2 double blocks + 2 single blocks + the rest
+    sd = load_file(out / "transformer" / index["weight_map"]["transformer_blocks.0.attn.to_q.qweight"])
+    assert sd["transformer_blocks.0.attn.to_q.qweight"].dtype == torch.uint8
+    assert sd["transformer_blocks.0.attn.to_q.wscales"].dtype == torch.float8_e4m3fn
+    # q/k/v read one input: one smoothing factor.
+    assert torch.equal(sd["transformer_blocks.0.attn.to_q.smooth"], sd["transformer_blocks.0.attn.to_v.smooth"])
+    assert not any(k.endswith(".weight") and "attn.to_" in k for k in index["weight_map"])
+
+
+def test_stock_model_from_pretrained_builds_quantized_modules(converted):
+    from diffusers import FluxTransformer2DModel
+
+    out = converted["flux"]
+    model = FluxTransformer2DModel.from_pretrained(out, subfolder="transformer", dtype=torch.bfloat16)
+    layer = model.single_transformer_blocks[1].attn.to_k
+    assert isinstance(layer, SVDQW4A4Linear) and layer.proj_down.dtype == torch.bfloat16
+    assert layer.wcscale.dtype == torch.float32 and layer.wscales.dtype == torch.float8_e4m3fn
+    index = json.loads((out / "transformer" / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    key = "single_transformer_blocks.1.attn.to_k.qweight"
+    assert torch.equal(layer.qweight, load_file(out / "transformer" / index["weight_map"][key])[key])
+
+
+def test_without_svdq_linear_the_folder_fails_loudly(converted):
+    code = ("from diffusers import FluxTransformer2DModel as M\n"
+            f"M.from_pretrained({str(converted['flux'])!r}, subfolder='transformer')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode != 0 and "Unknown quantization type, got svdq_w4a4" in r.stderr
+
+
+def test_fuse_qkv_projections_is_refused(converted):
+    pipe = load_svdq_pipeline(converted["sd3"], dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="fuse_qkv_projections"):
+        pipe.transformer.fuse_qkv_projections()
+
+
+def test_no_calib_uses_unit_smoothing(sources, tmp_path):
+    r = run_cli(sources["sd3"], tmp_path / "o", "--no-calib", "--rank", "4", "--dtype", "float32", "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+    qcfg = json.loads((tmp_path / "o" / "transformer" / "config.json").read_text())["quantization_config"]
+    assert qcfg["calibration"]["enabled"] is False and qcfg["rank"] == 4
+    model = load_svdq_pipeline(tmp_path / "o", dtype=torch.float32).transformer
+    assert torch.all(model.transformer_blocks[0].attn.to_q.smooth == 1.0)
+
+
+def _all_tensors(folder: Path) -> dict:
+    out = {}
+    for f in sorted((folder / "transformer").glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_resume_after_a_crash_gives_the_same_output(sources, converted, tmp_path):
+    out = tmp_path / "o"
+    crashed = run_cli(sources["flux"], out, *CONVERT_ARGS, env={FAIL_AFTER_ENV: "2"})
+    assert crashed.returncode != 0 and "simulated crash" in crashed.stderr
+    assert not out.exists(), "a failed run must not leave a complete-looking out_dir"
+    assert (tmp_path / "o.partial" / "progress.json").is_file()
+    again = run_cli(sources["flux"], out, *CONVERT_ARGS)
+    assert again.returncode != 0 and "--resume" in again.stderr
+    other = run_cli(sources["flux"], out, *CONVERT_ARGS[:-1], "--rank", "4", "--resume", "--quiet")
+    assert other.returncode != 0 and "other settings (rank)" in other.stderr
+    resumed = run_cli(sources["flux"], out, *CONVERT_ARGS, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "3 blocks converted, 2 resumed" in resumed.stdout
+    a, b = _all_tensors(out), _all_tensors(converted["flux"])
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+
+
+def test_missing_path_is_a_clear_error(tmp_path):
+    r = run_cli(tmp_path / "nope", tmp_path / "o")
+    assert r.returncode == 2 and "is not a local folder" in r.stderr and not (tmp_path / "o").exists()
+
+
+def test_existing_out_dir_is_refused(sources, converted):
+    r = run_cli(sources["flux"], converted["flux"], *CONVERT_ARGS)
+    assert r.returncode == 2 and "already exists" in r.stderr
+
+
+def test_unsupported_pipeline_is_a_clear_error(sources, tmp_path):
+    src = tmp_path / "pixart"
+    shutil.copytree(sources["flux"], src)
+    cfg_path = src / "transformer" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["_class_name"] = "PixArtTransformer2DModel"
+    cfg_path.write_text(json.dumps(cfg))
+    r = run_cli(src, tmp_path / "o", *CONVERT_ARGS)
+    assert r.returncode == 2 and "unsupported transformer class 'PixArtTransformer2DModel'" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def _copy(converted, tmp_path, kind="flux"):
+    dst = tmp_path / f"copy-{kind}"
+    shutil.copytree(converted[kind], dst)
+    return dst
+
+
+def test_corrupted_shard_is_a_clear_error(converted, tmp_path):
+    out = _copy(converted, tmp_path)
+    shard = sorted((out / "transformer").glob("*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=f"{shard.name} is corrupted or truncated"):
+        load_svdq_pipeline(out, dtype=torch.float32)
+
+
+def test_config_that_does_not_match_the_weights_is_a_clear_error(converted, tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    out = _copy(converted, tmp_path)
+    cfg_path = out / "transformer" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"]["w4a4_modules"].remove("transformer_blocks.1.ff.net.2")
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="does not match its quantization_config"):
+        load_svdq_pipeline(out, dtype=torch.float32)
+    with pytest.raises(ValueError, match="does not match its quantization_config"):
+        FluxTransformer2DModel.from_pretrained(out, subfolder="transformer")
+    cfg["quantization_config"]["w4a4_modules"].append("transformer_blocks.1.ff.net.2")
+    cfg["quantization_config"]["rank"] = 4
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"proj_down: expected shape \[32, 4\]"):
+        load_svdq_pipeline(out, dtype=torch.float32)
+
+
+def test_newer_format_version_is_refused(converted, tmp_path):
+    out = _copy(converted, tmp_path)
+    cfg_path = out / "transformer" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"]["format_version"] = 99
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="format_version 99 is not supported"):
+        load_svdq_pipeline(out, dtype=torch.float32)
+
+
+def test_push_to_hub_offline_fails_after_a_complete_conversion(sources, tmp_path):
+    r = run_cli(sources["sd3"], tmp_path / "o", "--no-calib", "--rank", "4", "--quiet", "--push-to-hub", "me/x")
+    assert r.returncode == 3 and "could not push to me/x" in r.stderr
+    assert (tmp_path / "o" / "transformer" / "config.json").is_file()
+
+
+def test_help():
+    r = run_cli("--help")
+    assert r.returncode == 0 and "--calib-prompts" in r.stdout and "--resume" in r.stdout
+
+
+# ---- in place -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["flux", "sd35"])
+def test_quantize_pipeline_in_place_then_save_and_load(kind, references, tmp_path):
+    pipe = build_tiny_pipeline(kind)
+    call = {k: v for k, v in TINY_CALL_KWARGS[kind].items() if k != "num_inference_steps"}
+    stats = svdq_linear.quantize_pipeline(pipe, rank=8, calib_prompts=[PROMPT, "a dog"], calib_steps=2,
+                                          call_kwargs=call, progress=False)
+    recipe_count = len(stats)
+    assert recipe_count == sum(isinstance(m, (SVDQW4A4Linear, NVFP4W4A16Linear)) for m in pipe.transformer.modules())
+    img = generate(pipe, kind)
+    assert psnr(img, references[kind]) > PSNR_MIN_DB
+    pipe.save_pretrained(tmp_path / "saved")
+    again = load_svdq_pipeline(tmp_path / "saved", dtype=torch.float32)
+    assert np.array_equal(generate(again, kind), img)
+
+
+def test_quantize_linears_in_any_module():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
+    x = torch.randn(16, 64)
+    ref = model(x).detach()
+    one_by_one = torch.nn.Sequential(SVDQW4A4Linear.from_linear(model[0], rank=8), model[1],
+                                     NVFP4W4A16Linear.from_linear(model[2]))
+    stats = svdq_linear.quantize_linears(model, w4a4=["0"], w4a16=["2"], rank=8)
+    assert isinstance(model[0], SVDQW4A4Linear) and isinstance(model[2], NVFP4W4A16Linear)
+    assert [s.kind for s in stats] == ["w4a4", "w4a16"] and stats[0].bytes_after < stats[0].bytes_before
+    assert torch.equal(model(x), one_by_one(x))
+    assert ((model(x) - ref).norm() / ref.norm()) < 0.25  # two 4-bit layers, no calibration
+    with pytest.raises(TypeError, match="not an nn.Linear"):
+        svdq_linear.quantize_linears(model, w4a4=["1"])
+
+
+# ---- recipes --------------------------------------------------------------------------------------
+
+
+def test_recipes_cover_the_targets():
+    flux = recipes.recipe_for(build_tiny_pipeline("flux").transformer)
+    assert len(flux.w4a4) == 2 * 12 + 2 * 5 and len(flux.w4a16) == 2 * 2 + 2
+    groups = flux.group_members()
+    assert sorted(groups["single_transformer_blocks.0.attn.qkv"]) == [
+        "single_transformer_blocks.0.attn.to_k", "single_transformer_blocks.0.attn.to_q",
+        "single_transformer_blocks.0.attn.to_v", "single_transformer_blocks.0.proj_mlp"]
+    assert "proj_out" not in flux.kinds and "norm_out.linear" not in flux.kinds
+    assert not any("embed" in n for n in flux.kinds)
+    sd35 = recipes.recipe_for(build_tiny_pipeline("sd35").transformer)
+    assert "transformer_blocks.0.attn2.to_out.0" in sd35.w4a4
+    assert sd35.groups["transformer_blocks.0.attn2.to_k"] == "transformer_blocks.0.attn2.qkv"
+    assert "transformer_blocks.1.attn.to_add_out" not in sd35.kinds  # the last block is context_pre_only
+    with pytest.raises(ValueError, match="unsupported transformer class 'Sequential'"):
+        recipes.recipe_for(torch.nn.Sequential(torch.nn.Linear(16, 16)))
