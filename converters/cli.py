@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-num", type=int, help="use only the first N calibration prompts")
     p.add_argument("--calib-steps", type=int, default=4, help="denoising steps per calibration prompt (default 4)")
     p.add_argument("--calib-resolution", type=int, default=512, help="calibration image size (default 512)")
+    p.add_argument("--calib-offload", action="store_true",
+                   help="calibrate with enable_model_cpu_offload (a GPU smaller than the whole pipeline)")
     p.add_argument("--no-calib", action="store_true", help="no calibration: weight-only smoothing rule (lambda = 1)")
     p.add_argument("--device", help="device for calibration and SVD (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = ConvertOptions(
         rank=args.rank, alpha=args.alpha, svd=args.svd, refine_iters=args.refine_iters, calib=not args.no_calib,
         calib_prompts=args.calib_prompts, calib_num=args.calib_num, calib_steps=args.calib_steps,
-        calib_resolution=args.calib_resolution, device=args.device, dtype=args.dtype, resume=args.resume,
+        calib_resolution=args.calib_resolution, calib_offload=args.calib_offload, device=args.device, dtype=args.dtype, resume=args.resume,
         progress=not args.quiet,
     )
     try:

@@ -48,6 +48,7 @@ class ConvertOptions:
     calib_num: int | None = None  # use the first N prompts
     calib_steps: int = 4
     calib_resolution: int = 512
+    calib_offload: bool = False  # enable_model_cpu_offload during calibration (GPUs smaller than the model)
     device: str | None = None  # calibration and SVD; default: the GPU when there is one
     dtype: str = "bfloat16"  # 16-bit branch, biases and kept tensors
     resume: bool = False
@@ -162,13 +163,18 @@ def _calibrate(
     if out_file.is_file():
         return load_file(out_file)
     device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    pipe = DiffusionPipeline.from_pretrained(src, dtype=opts.torch_dtype()).to(device)
+    pipe = DiffusionPipeline.from_pretrained(src, dtype=opts.torch_dtype(), use_safetensors=True)
+    if opts.calib_offload and device != "cpu":
+        pipe.enable_model_cpu_offload(device=device)
+    else:
+        pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     prompts = calibrate.read_prompts(opts.calib_prompts, opts.calib_num)
     act_max = calibrate.collect_act_max(pipe, recipe.w4a4, prompts, opts.calib_steps,
                                         _calibration_kwargs(model_id, opts), progress=opts.progress)
     del pipe
     save_file({k: v.contiguous() for k, v in act_max.items()}, out_file)
+    os.chmod(out_file, 0o644)
     return act_max
 
 
@@ -241,8 +247,10 @@ def convert(model_id: str, out_dir: str | os.PathLike, opts: ConvertOptions | No
         with torch.no_grad():
             new, stats = quantize_state_dict(tensors, recipe.kinds, recipe.groups, act_max, svdq_config, dtype)
         before = sum(t.numel() * t.element_size() for t in tensors.values())
-        save_file({k: v.contiguous() for k, v in new.items()}, shard.with_name(shard.name + ".tmp"))
-        os.replace(shard.with_name(shard.name + ".tmp"), shard)
+        tmp = shard.with_name(shard.name + ".tmp")
+        save_file({k: v.contiguous() for k, v in new.items()}, tmp)
+        os.chmod(tmp, 0o644)  # safetensors writes 0600; a model folder is meant to be shared
+        os.replace(tmp, shard)
         state["done"][unit] = {
             "keys": sorted(new),
             "bytes_before": before,

@@ -55,6 +55,7 @@ class _PackedNVFP4Linear(nn.Module):
         self._backend_name: str | None = None
         self._backend = None
         self._prepared: dict[str, torch.Tensor] = {}
+        self._prepared_device: torch.device | None = None
         self._register_load_state_dict_pre_hook(self._check_state_dict)
         self.register_load_state_dict_post_hook(lambda module, _: module._refresh())
 
@@ -130,6 +131,7 @@ class _PackedNVFP4Linear(nn.Module):
         device = self.qweight.device
         self._backend = backends.select_backend(device, self._backend_name, self.kind)
         self._prepared = {} if device.type == "meta" else self._backend.prepare(self)
+        self._prepared_device = device
 
     # ---- forward --------------------------------------------------------------------------------
 
@@ -139,6 +141,9 @@ class _PackedNVFP4Linear(nn.Module):
         nvfp4.check_act_dtype(x)
         if x.device != self.qweight.device:
             raise RuntimeError(f"input is on {x.device} but the {type(self).__name__} is on {self.qweight.device}")
+        if self._prepared_device != self.qweight.device:
+            # Buffers were replaced without .to() (accelerate's sequential offload sets them one by one).
+            self._refresh()
         lead = x.shape[:-1]
         y = self._backend.linear(self, x.reshape(-1, self.in_features), self._prepared)
         return y.reshape(*lead, self.out_features)

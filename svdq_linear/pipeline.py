@@ -237,5 +237,6 @@ def load_svdq_pipeline(
     if cls is None:
         raise ValueError(f"{root}/model_index.json: unknown pipeline class {index.get('_class_name')!r}")
     transformer = load_svdq_transformer(root / "transformer", dtype)
+    kwargs.setdefault("use_safetensors", True)  # never unpickle a folder's other components
     pipe = cls.from_pretrained(root, transformer=transformer, dtype=dtype, **kwargs)
     return pipe.to(device) if device is not None else pipe

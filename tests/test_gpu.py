@@ -96,3 +96,15 @@ def test_cuda_matches_cpu_contract():
     y_cpu = m(x)
     y = m.to("cuda")(x.cuda())
     assert y.device.type == "cuda" and _rel(y, y_cpu) < 1e-5  # only the fp32 summation order differs
+
+
+@pytest.mark.parametrize("offload", ["model", "sequential"])
+def test_cpu_offload_hooks_run_the_quantized_pipeline(offload):
+    pipe = build_tiny_pipeline("flux")
+    svdq_linear.quantize_pipeline(pipe, rank=8, calib=False, progress=False)
+    expected = _image(pipe)
+    if offload == "model":
+        pipe.enable_model_cpu_offload(device="cuda")
+    else:
+        pipe.enable_sequential_cpu_offload(device="cuda")
+    assert _psnr(_image(pipe), expected) > 60.0

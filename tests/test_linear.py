@@ -272,3 +272,18 @@ def test_public_api():
     assert "reference" in backends.available_backends()
 
 
+
+
+def test_buffers_replaced_without_to_are_picked_up(counting_backend):
+    m, _ = _module(k=64, n=48, rank=8)
+    before = counting_backend.prepares
+    for name in ("qweight", "wscales"):  # what accelerate's set_module_tensor_to_device does
+        m._buffers[name] = m._buffers[name].clone()
+    m._prepared_device = torch.device("meta")  # as if the buffers had come from another device
+    m(torch.randn(2, 64))
+    assert counting_backend.prepares == before + 1
+
+
+def test_empty_batch():
+    m, _ = _module(k=64, n=48, rank=8)
+    assert m(torch.randn(0, 64)).shape == (0, 48)
