@@ -10,6 +10,7 @@ import argparse
 import time
 
 import torch
+from _table import emit
 
 from svdq_linear import NVFP4W4A16Linear, SVDQW4A4Linear
 
@@ -61,11 +62,7 @@ def main() -> None:
         rows.append(f"| {name} | {m} | {k} | {n} | {t_ref:.3f} | {t_q:.3f} | {t_q / t_ref:.2f}x | {q.backend} |")
         del lin, q, x
         torch.cuda.empty_cache()
-    text = "\n".join(rows)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(rows, args.out)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import argparse
 import time
 
 import torch
+from _table import emit
 
 from svdq_linear import SVDQuantConfig, svdquant
 
@@ -51,11 +52,7 @@ def main() -> None:
                 dt = time.perf_counter() - t0
                 rows.append(f"| {n} x {k} | {dev} | {method} | {dt:.3f} | {res.rel_error:.4f} |")
                 print(rows[-1], flush=True)
-    text = "\n".join(rows)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(rows, args.out)
 
 
 if __name__ == "__main__":

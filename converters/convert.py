@@ -82,21 +82,29 @@ class Summary:
     rel_error_median: float
     rel_error_worst: float
     worst_layer: str
+    w4a16_error_median: float
     resumed_units: int = 0
     converted_units: int = 0
     layers: list[dict] = field(default_factory=list)
 
     def text(self) -> str:
-        gib = 2**30
         return (
             f"svdq-convert: wrote {self.out_dir}\n"
             f"  layers: {self.layers_w4a4} W4A4 (SVDQW4A4Linear), {self.layers_w4a16} W4A16 (NVFP4W4A16Linear)\n"
-            f"  transformer: {self.bytes_before / gib:.3f} GiB -> {self.bytes_after / gib:.3f} GiB "
+            f"  transformer: {_fmt_bytes(self.bytes_before)} -> {_fmt_bytes(self.bytes_after)} "
             f"({self.bytes_before / max(self.bytes_after, 1):.2f}x smaller)\n"
             f"  time: {self.seconds:.1f} s ({self.converted_units} blocks converted, {self.resumed_units} resumed)\n"
             f"  W4A4 relative weight error: median {self.rel_error_median:.4f}, "
-            f"worst {self.rel_error_worst:.4f} ({self.worst_layer})"
+            f"worst {self.rel_error_worst:.4f} ({self.worst_layer})\n"
+            f"  W4A16 relative weight error: median {self.w4a16_error_median:.4f}"
         )
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
 
 
 def _atomic_write_json(path: Path, data) -> None:
@@ -295,6 +303,7 @@ def convert(model_id: str, out_dir: str | os.PathLike, opts: ConvertOptions | No
     os.replace(partial, out)  # the only step that makes out_dir exist
 
     errors = sorted((layer["rel_error"], layer["name"]) for layer in layers if layer["kind"] == "w4a4")
+    w4a16_errors = [layer["rel_error"] for layer in layers if layer["kind"] == "w4a16"]
     return Summary(
         out_dir=str(out),
         layers_w4a4=sum(layer["kind"] == "w4a4" for layer in layers),
@@ -305,6 +314,7 @@ def convert(model_id: str, out_dir: str | os.PathLike, opts: ConvertOptions | No
         rel_error_median=statistics.median(e for e, _ in errors) if errors else math.nan,
         rel_error_worst=errors[-1][0] if errors else math.nan,
         worst_layer=errors[-1][1] if errors else "",
+        w4a16_error_median=statistics.median(w4a16_errors) if w4a16_errors else math.nan,
         resumed_units=resumed,
         converted_units=converted,
         layers=layers,

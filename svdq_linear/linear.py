@@ -22,8 +22,8 @@ def _is_16_or_32_bit_float(dtype: torch.dtype) -> bool:
 class _PackedNVFP4Linear(nn.Module):
     """Shared by the 4-bit modules: packed buffers, dtype rules, state_dict checks, backend choice.
 
-    Subclasses declare ``kind`` (the backend entry point) and ``_extra_buffers``: name ->
-    (shape from (N, K, R), fixed dtype or None for the module's float dtype).
+    Subclasses declare ``kind`` (the backend entry point) and extend ``_expected_buffers`` (name ->
+    (shape, exact dtype or None for a 16/32-bit float)) and ``_fixed_dtypes``.
     """
 
     kind: ClassVar[str]

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import diffusers_quantizer as dq
+from . import nvfp4
 from .svdquant import SVDQuantConfig, group_smoothing_factor, svdquant, weight_only
 
 W4A4, W4A16 = "w4a4", "w4a16"
@@ -29,7 +30,7 @@ class LayerStats:
     kind: str
     bytes_before: int  # as 16-bit weights + bias
     bytes_after: int
-    rel_error: float  # weight-side output error (nan for W4A16, see SVDQuantWeights.rel_error)
+    rel_error: float  # W4A4: weight-side output error (SVDQuantWeights.rel_error); W4A16: ||W - Qw|| / ||W||
 
 
 def _nbytes(tensors) -> int:
@@ -83,10 +84,12 @@ def quantize_state_dict(
         if kinds[name] != W4A16:
             continue
         w, b = tensors[f"{name}.weight"], tensors.get(f"{name}.bias")
-        new = {f"{name}.{k}": v for k, v in weight_only(w, b, dtype or w.dtype).items()}
+        q = weight_only(w, b, dtype or w.dtype)
+        deq = nvfp4.dequantize_nvfp4(q["qweight"], q["wscales"]) * q["wcscale"][:, None]
+        err = float((deq - w.float()).norm() / w.float().norm().clamp(min=torch.finfo(torch.float32).tiny))
+        new = {f"{name}.{k}": v for k, v in q.items()}
         out.update(new)
-        stats.append(LayerStats(name, W4A16, _nbytes([w, b]) * 2 // w.element_size(), _nbytes(new.values()),
-                                float("nan")))
+        stats.append(LayerStats(name, W4A16, _nbytes([w, b]) * 2 // w.element_size(), _nbytes(new.values()), err))
         consumed.update({f"{name}.weight", f"{name}.bias"})
     for key, t in tensors.items():
         if key not in consumed:

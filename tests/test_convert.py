@@ -43,6 +43,12 @@ def psnr(a, b):
     return 10 * np.log10(1.0 / max(float(np.mean((a - b) ** 2)), 1e-12))
 
 
+def _edit_json(path: Path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("src")
@@ -180,10 +186,7 @@ def test_existing_out_dir_is_refused(sources, converted):
 def test_unsupported_pipeline_is_a_clear_error(sources, tmp_path):
     src = tmp_path / "pixart"
     shutil.copytree(sources["flux"], src)
-    cfg_path = src / "transformer" / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["_class_name"] = "PixArtTransformer2DModel"
-    cfg_path.write_text(json.dumps(cfg))
+    _edit_json(src / "transformer" / "config.json", lambda c: c.update(_class_name="PixArtTransformer2DModel"))
     r = run_cli(src, tmp_path / "o", *CONVERT_ARGS)
     assert r.returncode == 2 and "unsupported transformer class 'PixArtTransformer2DModel'" in r.stderr
     assert not (tmp_path / "o").exists()
@@ -193,6 +196,16 @@ def _copy(converted, tmp_path, kind="flux"):
     dst = tmp_path / f"copy-{kind}"
     shutil.copytree(converted[kind], dst)
     return dst
+
+
+def test_corrupted_source_checkpoint_is_a_clear_error(sources, tmp_path):
+    src = tmp_path / "broken"
+    shutil.copytree(sources["sd3"], src)
+    ckpt = src / "transformer" / "diffusion_pytorch_model.safetensors"
+    ckpt.write_bytes(ckpt.read_bytes()[:-64])
+    r = run_cli(src, tmp_path / "o", *CONVERT_ARGS)
+    assert r.returncode == 2 and "diffusion_pytorch_model.safetensors is corrupted or truncated" in r.stderr
+    assert not (tmp_path / "o").exists()
 
 
 def test_corrupted_shard_is_a_clear_error(converted, tmp_path):
@@ -208,26 +221,20 @@ def test_config_that_does_not_match_the_weights_is_a_clear_error(converted, tmp_
 
     out = _copy(converted, tmp_path)
     cfg_path = out / "transformer" / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["quantization_config"]["w4a4_modules"].remove("transformer_blocks.1.ff.net.2")
-    cfg_path.write_text(json.dumps(cfg))
+    _edit_json(cfg_path, lambda c: c["quantization_config"]["w4a4_modules"].remove("transformer_blocks.1.ff.net.2"))
     with pytest.raises(ValueError, match="does not match its quantization_config"):
         load_svdq_pipeline(out, dtype=torch.float32)
     with pytest.raises(ValueError, match="does not match its quantization_config"):
         FluxTransformer2DModel.from_pretrained(out, subfolder="transformer")
-    cfg["quantization_config"]["w4a4_modules"].append("transformer_blocks.1.ff.net.2")
-    cfg["quantization_config"]["rank"] = 4
-    cfg_path.write_text(json.dumps(cfg))
+    _edit_json(cfg_path, lambda c: c["quantization_config"]["w4a4_modules"].append("transformer_blocks.1.ff.net.2"))
+    _edit_json(cfg_path, lambda c: c["quantization_config"].update(rank=4))
     with pytest.raises(ValueError, match=r"proj_down: expected shape \[32, 4\]"):
         load_svdq_pipeline(out, dtype=torch.float32)
 
 
 def test_newer_format_version_is_refused(converted, tmp_path):
     out = _copy(converted, tmp_path)
-    cfg_path = out / "transformer" / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["quantization_config"]["format_version"] = 99
-    cfg_path.write_text(json.dumps(cfg))
+    _edit_json(out / "transformer" / "config.json", lambda c: c["quantization_config"].update(format_version=99))
     with pytest.raises(ValueError, match="format_version 99 is not supported"):
         load_svdq_pipeline(out, dtype=torch.float32)
 
