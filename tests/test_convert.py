@@ -302,3 +302,11 @@ def test_recipes_cover_the_targets():
     assert "transformer_blocks.1.attn.to_add_out" not in sd35.kinds  # the last block is context_pre_only
     with pytest.raises(ValueError, match="unsupported transformer class 'Sequential'"):
         recipes.recipe_for(torch.nn.Sequential(torch.nn.Linear(16, 16)))
+
+
+def test_quantized_transformer_compiles_fullgraph():
+    pipe = build_tiny_pipeline("flux")
+    svdq_linear.quantize_pipeline(pipe, rank=8, calib=False, progress=False)
+    eager = generate(pipe, "flux")
+    pipe.transformer = torch.compile(pipe.transformer, fullgraph=True, backend="aot_eager")
+    assert np.array_equal(generate(pipe, "flux"), eager)
