@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .convert import TINY_PREFIX, ConvertOptions, convert
 
@@ -51,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         summary = convert(args.model_id, args.out_dir, opts)
     except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as e:
         print(f"svdq-convert: error: {e}", file=sys.stderr)
+        partial = Path(args.out_dir).expanduser().resolve()
+        partial = partial.with_name(partial.name + ".partial")
+        if (partial / "progress.json").is_file() and not isinstance(e, FileExistsError):
+            print(f"svdq-convert: the finished blocks are kept in {partial}; rerun with --resume to continue",
+                  file=sys.stderr)
         return 2
     print(summary.text())
     if args.push_to_hub:

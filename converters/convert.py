@@ -187,14 +187,13 @@ def _calibrate(
 
 
 def convert(model_id: str, out_dir: str | os.PathLike, opts: ConvertOptions | None = None) -> Summary:
-    """Convert ``model_id`` (a local diffusers folder, a hub id, or ``tiny:flux|sd3|sd35``) into ``out_dir``."""
-    import diffusers
-    from accelerate import init_empty_weights
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    """Convert ``model_id`` (a local diffusers folder, a hub id, or ``tiny:flux|sd3|sd35``) into ``out_dir``.
 
+    A run that fails before its first block is written removes ``<out_dir>.partial``; a later failure
+    keeps it for ``resume=True``.
+    """
     opts = opts or ConvertOptions()
-    dtype = opts.torch_dtype()
+    opts.torch_dtype()  # validate before touching the disk
     t0 = time.perf_counter()
     out = Path(out_dir).expanduser().resolve()
     partial = out.with_name(out.name + ".partial")
@@ -214,8 +213,23 @@ def convert(model_id: str, out_dir: str | os.PathLike, opts: ConvertOptions | No
         (partial / "transformer").mkdir(parents=True)
         state = {"settings": settings, "done": {}}
         _atomic_write_json(progress_file, state)
+    try:
+        return _convert(str(model_id), out, partial, state, opts, t0)
+    except BaseException:
+        if not state["done"]:  # nothing worth resuming: leave no trace
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
 
-    src = _source_folder(str(model_id), partial)
+
+def _convert(model_id: str, out: Path, partial: Path, state: dict, opts: ConvertOptions, t0: float) -> Summary:
+    import diffusers
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    dtype = opts.torch_dtype()
+    progress_file = partial / "progress.json"
+    src = _source_folder(model_id, partial)
     read_json(src / "model_index.json", "not a diffusers pipeline folder")
     config = read_json(src / "transformer" / "config.json", "the pipeline has no transformer/ (Flux or SD3 expected)")
     cls_name = config.get("_class_name")
@@ -229,11 +243,12 @@ def convert(model_id: str, out_dir: str | os.PathLike, opts: ConvertOptions | No
     del meta_model
 
     key_files = _source_keys(src / "transformer")
-    foreign = sorted(set(key_files) - model_keys)
-    if foreign:
-        raise ValueError(f"{src}/transformer: checkpoint tensors not in {cls_name} (e.g. {foreign[:4]})")
+    foreign, absent = sorted(set(key_files) - model_keys), sorted(model_keys - set(key_files))
+    if foreign or absent:
+        raise ValueError(f"{src}/transformer: the checkpoint does not match {cls_name}: "
+                         f"{len(foreign)} unknown tensors (e.g. {foreign[:3]}), {len(absent)} missing (e.g. {absent[:3]})")
 
-    act_max = _calibrate(str(model_id), src, recipe, opts, partial / "calibration.safetensors") if opts.calib else {}
+    act_max = _calibrate(model_id, src, recipe, opts, partial / "calibration.safetensors") if opts.calib else {}
 
     units: dict[str, list[str]] = {}
     for key in sorted(key_files, key=_natural):
@@ -249,9 +264,9 @@ def convert(model_id: str, out_dir: str | os.PathLike, opts: ConvertOptions | No
             resumed += 1
             continue
         tensors = {}
-        for key in keys:
-            with safe_open(key_files[key], framework="pt") as fh:
-                tensors[key] = fh.get_tensor(key)
+        for f in sorted({key_files[k] for k in keys}):
+            with safe_open(f, framework="pt") as fh:
+                tensors.update({k: fh.get_tensor(k) for k in keys if key_files[k] == f})
         with torch.no_grad():
             new, stats = quantize_state_dict(tensors, recipe.kinds, recipe.groups, act_max, svdq_config, dtype)
         before = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -284,7 +299,7 @@ def convert(model_id: str, out_dir: str | os.PathLike, opts: ConvertOptions | No
                      "num_prompts": len(calibrate.read_prompts(opts.calib_prompts, opts.calib_num)) if opts.calib else 0,
                      "steps": opts.calib_steps, "resolution": opts.calib_resolution},
         conversion={"alpha": opts.alpha, "svd": opts.svd, "refine_iters": opts.refine_iters, "dtype": opts.dtype,
-                    "source": str(model_id)},
+                    "source": model_id},
     )
     _atomic_write_json(partial / "transformer" / "config.json", {**config, "quantization_config": qcfg.to_dict()})
     for entry in sorted(src.iterdir()):

@@ -157,7 +157,7 @@ def _all_tensors(folder: Path) -> dict:
 def test_resume_after_a_crash_gives_the_same_output(sources, converted, tmp_path):
     out = tmp_path / "o"
     crashed = run_cli(sources["flux"], out, *CONVERT_ARGS, env={FAIL_AFTER_ENV: "2"})
-    assert crashed.returncode != 0 and "simulated crash" in crashed.stderr
+    assert crashed.returncode != 0 and "simulated crash" in crashed.stderr and "rerun with --resume" in crashed.stderr
     assert not out.exists(), "a failed run must not leave a complete-looking out_dir"
     assert (tmp_path / "o.partial" / "progress.json").is_file()
     again = run_cli(sources["flux"], out, *CONVERT_ARGS)
@@ -189,7 +189,7 @@ def test_unsupported_pipeline_is_a_clear_error(sources, tmp_path):
     _edit_json(src / "transformer" / "config.json", lambda c: c.update(_class_name="PixArtTransformer2DModel"))
     r = run_cli(src, tmp_path / "o", *CONVERT_ARGS)
     assert r.returncode == 2 and "unsupported transformer class 'PixArtTransformer2DModel'" in r.stderr
-    assert not (tmp_path / "o").exists()
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
 
 
 def _copy(converted, tmp_path, kind="flux"):
@@ -206,6 +206,19 @@ def test_corrupted_source_checkpoint_is_a_clear_error(sources, tmp_path):
     r = run_cli(src, tmp_path / "o", *CONVERT_ARGS)
     assert r.returncode == 2 and "diffusion_pytorch_model.safetensors is corrupted or truncated" in r.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_checkpoint_missing_tensors_is_a_clear_error(sources, tmp_path):
+    from safetensors.torch import save_file
+
+    src = tmp_path / "incomplete"
+    shutil.copytree(sources["flux"], src)
+    ckpt = src / "transformer" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(ckpt)
+    del tensors["transformer_blocks.1.attn.to_k.weight"]
+    save_file(tensors, ckpt)
+    r = run_cli(src, tmp_path / "o", *CONVERT_ARGS)
+    assert r.returncode == 2 and "1 missing (e.g. ['transformer_blocks.1.attn.to_k.weight'])" in r.stderr
 
 
 def test_corrupted_shard_is_a_clear_error(converted, tmp_path):
