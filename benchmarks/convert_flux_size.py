@@ -38,7 +38,7 @@ def write_source(src: Path, layers: int, single_layers: int) -> int:
     (src / "transformer").mkdir(parents=True)
     weight_map, total = {}, 0
     g = torch.Generator().manual_seed(0)
-    for i, (unit, keys) in enumerate(units.items()):
+    for i, keys in enumerate(units.values()):
         name = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(units):05d}.safetensors"
         tensors = {k: (torch.randn(shapes[k], generator=g) * 0.02).to(torch.bfloat16) for k in keys}
         total += sum(t.numel() for t in tensors.values())

@@ -60,8 +60,6 @@ def main() -> None:
         t_ref = bench(lambda: lin(x))
         t_q = bench(lambda: q(x))
         rows.append(f"| {name} | {m} | {k} | {n} | {t_ref:.3f} | {t_q:.3f} | {t_q / t_ref:.2f}x | {q.backend} |")
-        del lin, q, x
-        torch.cuda.empty_cache()
     emit(rows, args.out)
 
 

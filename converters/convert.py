@@ -24,6 +24,7 @@ from svdq_linear import diffusers_quantizer as dq
 from svdq_linear.pipeline import (
     LayerStats,
     checkpoint_files,
+    pipeline_components,
     quantize_linears,
     quantize_state_dict,
     read_json,
@@ -230,7 +231,7 @@ def _convert(model_id: str, out: Path, partial: Path, state: dict, opts: Convert
     dtype = opts.torch_dtype()
     progress_file = partial / "progress.json"
     src = _source_folder(model_id, partial)
-    read_json(src / "model_index.json", "not a diffusers pipeline folder")
+    model_index = read_json(src / "model_index.json", "not a diffusers pipeline folder")
     config = read_json(src / "transformer" / "config.json", "the pipeline has no transformer/ (Flux or SD3 expected)")
     cls_name = config.get("_class_name")
     recipes.check_supported(cls_name)
@@ -302,13 +303,10 @@ def _convert(model_id: str, out: Path, partial: Path, state: dict, opts: Convert
                     "source": model_id},
     )
     _atomic_write_json(partial / "transformer" / "config.json", {**config, "quantization_config": qcfg.to_dict()})
-    for entry in sorted(src.iterdir()):
-        if entry.name in ("transformer",) or entry.name.startswith("."):
-            continue
-        if entry.is_dir():
-            _link_or_copy_tree(entry, partial / entry.name)
-        else:
-            shutil.copy2(entry, partial / entry.name)
+    shutil.copy2(src / "model_index.json", partial / "model_index.json")
+    for component in pipeline_components(model_index):  # not stray root files (single-file checkpoints)
+        if component != "transformer" and (src / component).is_dir():
+            _link_or_copy_tree(src / component, partial / component)
     if (partial / "_tiny_source").exists():
         shutil.rmtree(partial / "_tiny_source")
     if (partial / "calibration.safetensors").exists():

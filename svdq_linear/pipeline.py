@@ -136,20 +136,33 @@ def quantize_linears(
 # ---- loading ----------------------------------------------------------------------------------------
 
 
+def pipeline_components(model_index: dict) -> list[str]:
+    """The component folders a ``model_index.json`` names (``"vae": ["diffusers", "AutoencoderKL"]``...)."""
+    return [k for k, v in model_index.items()
+            if not k.startswith("_") and isinstance(v, list) and len(v) == 2 and v[0] is not None]
+
+
 def resolve_model_path(path_or_id: str | os.PathLike) -> Path:
-    """A local folder as is; otherwise a hub id through ``huggingface_hub.snapshot_download``."""
+    """A local folder as is; otherwise a hub id through ``huggingface_hub``.
+
+    From the hub, only ``model_index.json`` and the component folders it names are fetched, and no
+    pickled weights (a FLUX.1 repo also holds a 23 GB single-file checkpoint at its root).
+    """
     path = Path(path_or_id).expanduser()
     if path.exists():
         if not path.is_dir():
             raise ValueError(f"{path} is a file; expected a diffusers pipeline folder")
         return path
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import hf_hub_download, snapshot_download
 
+    repo = str(path_or_id)
     try:
-        return Path(snapshot_download(str(path_or_id)))
+        index = json.loads(Path(hf_hub_download(repo, "model_index.json")).read_text())
+        allow = ["model_index.json"] + [f"{c}/*" for c in pipeline_components(index)]
+        return Path(snapshot_download(repo, allow_patterns=allow, ignore_patterns=["*.bin", "*.pt", "*.pth", "*.ckpt"]))
     except Exception as e:  # offline, unknown repo, no access: say which and what to do
         raise FileNotFoundError(
-            f"{path_or_id!r} is not a local folder and could not be fetched from the Hugging Face Hub "
+            f"{repo!r} is not a local folder and could not be fetched from the Hugging Face Hub "
             f"({type(e).__name__}: {e}); pass a local diffusers folder"
         ) from e
 

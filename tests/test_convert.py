@@ -52,7 +52,9 @@ def _edit_json(path: Path, edit) -> None:
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("src")
-    return {kind: save_tiny_pipeline(kind, root / kind) for kind in KINDS}
+    srcs = {kind: save_tiny_pipeline(kind, root / kind) for kind in KINDS}
+    (srcs["flux"] / "stray.safetensors").write_bytes(b"not a component")  # like flux1-dev.safetensors
+    return srcs
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +103,7 @@ def test_output_folder_layout_and_config(converted):
     assert qcfg["calibration"]["enabled"] and qcfg["calibration"]["num_prompts"] == 2
     for part in ("model_index.json", "scheduler", "tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2", "vae"):
         assert (out / part).exists(), part
+    assert not (out / "stray.safetensors").exists(), "root files outside the components are not copied"
     index = json.loads((out / "transformer" / "diffusion_pytorch_model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) == 5  # 2 double blocks + 2 single blocks + the rest
@@ -323,3 +326,20 @@ def test_quantized_transformer_compiles_fullgraph():
     eager = generate(pipe, "flux")
     pipe.transformer = torch.compile(pipe.transformer, fullgraph=True, backend="aot_eager")
     assert np.array_equal(generate(pipe, "flux"), eager)
+
+
+def test_hub_ids_fetch_only_the_pipeline_components(monkeypatch, tmp_path, sources):
+    import huggingface_hub
+
+    from svdq_linear.pipeline import resolve_model_path
+
+    calls = {}
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
+                        lambda repo, name: str(sources["flux"] / name))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, **kw: calls.update(repo=repo, **kw) or str(sources["flux"]))
+    assert resolve_model_path("org/flux-like") == sources["flux"]
+    assert calls["repo"] == "org/flux-like"
+    assert sorted(calls["allow_patterns"]) == sorted(["model_index.json", "scheduler/*", "text_encoder/*",
+        "text_encoder_2/*", "tokenizer/*", "tokenizer_2/*", "transformer/*", "vae/*"])
+    assert "*.bin" in calls["ignore_patterns"]

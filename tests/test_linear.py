@@ -203,7 +203,6 @@ def test_torch_compile_fullgraph_matches_eager():
 
 
 def test_fake_impl_gives_shapes_on_meta():
-    m, _ = _module(k=64, n=48, rank=8)
     meta = SVDQW4A4Linear(64, 48, rank=8, device="meta")
     y = meta(torch.empty(5, 2, 64, device="meta"))
     assert y.shape == (5, 2, 48) and y.device.type == "meta"
