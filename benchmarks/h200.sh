@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One H200 call: environment, the test suite (PYTEST_ARGS, default all of tests/), the benchmarks.
+# One H200 call: environment, the test suite (PYTEST_ARGS, default all of tests/), the benchmarks
+# (SKIP_BENCH=1 leaves them out).
 # Run through the device tool with carry [".devcarry/wheels"]:  bash benchmarks/h200.sh
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -8,5 +9,6 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUF
 python3 -c "import torch, diffusers, transformers; print('torch', torch.__version__, torch.cuda.get_device_name(), 'diffusers', diffusers.__version__, 'transformers', transformers.__version__)"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv
 python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/} 2>&1 | tee "$OUT/tests.log" | tail -25
+[ "${SKIP_BENCH:-0}" = 1 ] && exit 0
 python3 benchmarks/linear_bench.py --out "$OUT/linear_bench.md" 2>&1 | tee "$OUT/bench.log"
 python3 benchmarks/svdquant_bench.py --out "$OUT/svdquant_bench.md" 2>&1 | tail -20
