@@ -55,13 +55,6 @@ class Recipe:
     def w4a16(self) -> list[str]:
         return [n for n, k in self.kinds.items() if k == W4A16]
 
-    def group_members(self) -> dict[str, list[str]]:
-        """Smoothing group -> its W4A4 members (a layer alone is its own group)."""
-        members: dict[str, list[str]] = {}
-        for name in self.w4a4:
-            members.setdefault(self.groups.get(name, name), []).append(name)
-        return members
-
 
 def check_supported(transformer_class: str) -> None:
     if transformer_class not in SUPPORTED_TRANSFORMERS:
