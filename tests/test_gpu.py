@@ -108,3 +108,18 @@ def test_cpu_offload_hooks_run_the_quantized_pipeline(offload):
     else:
         pipe.enable_sequential_cpu_offload(device="cuda")
     assert _psnr(_image(pipe), expected) > 60.0
+
+
+def test_cli_calibrates_and_decomposes_on_cuda(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "converters.cli", "tiny:flux", str(tmp_path / "o"), "--rank", "8",
+                        "--dtype", "float32", "--device", "cuda", "--calib-num", "2", "--calib-steps", "2", "--quiet"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "o" / "svdq_calibration.safetensors").is_file()
+    pipe = load_svdq_pipeline(tmp_path / "o", device="cuda", dtype=torch.float32)
+    assert _psnr(_image(pipe), _image(build_tiny_pipeline("flux"))) > 30.0
