@@ -185,6 +185,11 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return qweight, wscales, row_scale
 
 
+def dequantize_weight(qweight: torch.Tensor, wscales: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    """The float32 weight ``[N, K]`` of ``quantize_weight``'s output (``row_scale`` is ``wcscale``)."""
+    return dequantize_nvfp4(qweight, wscales) * row_scale.float()[:, None]
+
+
 def check_act_dtype(x: torch.Tensor) -> None:
     if x.dtype not in SUPPORTED_ACT_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_ACT_DTYPES)

@@ -85,7 +85,7 @@ def quantize_state_dict(
             continue
         w, b = tensors[f"{name}.weight"], tensors.get(f"{name}.bias")
         q = weight_only(w, b, dtype or w.dtype)
-        deq = nvfp4.dequantize_nvfp4(q["qweight"], q["wscales"]) * q["wcscale"][:, None]
+        deq = nvfp4.dequantize_weight(q["qweight"], q["wscales"], q["wcscale"])
         err = float((deq - w.float()).norm() / w.float().norm().clamp(min=torch.finfo(torch.float32).tiny))
         new = {f"{name}.{k}": v for k, v in q.items()}
         out.update(new)

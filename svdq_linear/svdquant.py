@@ -185,7 +185,7 @@ def low_rank(
 def _quantize_residual(ws: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
     residual = ws - up @ down.T
     qweight, wscales, row_scale = nvfp4.quantize_weight(residual)
-    deq = nvfp4.dequantize_nvfp4(qweight, wscales) * row_scale[:, None]
+    deq = nvfp4.dequantize_weight(qweight, wscales, row_scale)
     return qweight, wscales, row_scale, deq
 
 
