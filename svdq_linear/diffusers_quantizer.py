@@ -191,14 +191,14 @@ class SVDQuantizer(_quantizer_base()):
         module = model.get_submodule(module_name)
         t = module.checked_tensor(name, state_dict[param_name], param_name)  # raw: param_value may be cast
         if name not in module._fixed_dtypes:
-            t = t.to(module._buffers[name].dtype)  # the 16-bit branch follows torch_dtype
-        module._buffers[name] = t.to(target_device)
+            t = t.to(module._parameters[name].dtype)  # the 16-bit branch follows torch_dtype
+        module._set(name, t.to(target_device))
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         check_no_meta(model, type(model).__name__)
         for module in model.modules():
             if isinstance(module, _PackedNVFP4Linear):
-                module._refresh()
+                module._reset_dispatch()
         return model
 
     @property

@@ -48,16 +48,35 @@ class _PackedNVFP4Linear(nn.Module):
             raise TypeError(f"expected a float16/bfloat16/float32 module dtype, got {dtype}")
         self.in_features, self.out_features = in_features, out_features
         n, k = out_features, in_features
-        self.register_buffer("qweight", torch.zeros(n, k // 2, dtype=torch.uint8, device=device))
-        self.register_buffer("wscales", torch.zeros(n, k // nvfp4.BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device))
-        self.register_buffer("wcscale", torch.ones(n, dtype=torch.float32, device=device))
-        self.register_buffer("bias", torch.zeros(n, dtype=dtype, device=device) if bias else None)
-        self._backend_name: str | None = None
-        self._backend = None
-        self._prepared: dict[str, torch.Tensor] = {}
-        self._prepared_device: torch.device | None = None
+        self._set("qweight", torch.zeros(n, k // 2, dtype=torch.uint8, device=device))
+        self._set("wscales", torch.zeros(n, k // nvfp4.BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device))
+        self._set("wcscale", torch.ones(n, dtype=torch.float32, device=device))
+        self._set("bias", torch.zeros(n, dtype=dtype, device=device) if bias else None)
+        self._backend_pref: str | None = None
+        self._reset_dispatch()
         self._register_load_state_dict_pre_hook(self._check_state_dict)
-        self.register_load_state_dict_post_hook(lambda module, _: module._refresh())
+        self.register_load_state_dict_post_hook(type(self)._after_load)
+
+    def _set(self, name: str, t: torch.Tensor | None) -> None:
+        """Store ``t`` as a frozen parameter: offload hooks move parameters (not always buffers)."""
+        self._parameters[name] = None if t is None else nn.Parameter(t, requires_grad=False)
+
+    def packed_tensors(self) -> list[torch.Tensor]:
+        """The module's tensors in a fixed order (the dispatch cache keys on them)."""
+        return [t for t in self._parameters.values() if t is not None]
+
+    def _reset_dispatch(self) -> None:
+        self._dispatch_cache: dict[str, tuple] = {}  # backend name -> (tensor key, prepared state)
+        self._declined: dict[tuple, str | None] = {}  # (backend name, device) -> reason or None
+
+    def _after_load(self, incompatible_keys) -> None:
+        self._reset_dispatch()
+
+    def __getstate__(self):
+        # Prepared states are derived data: deepcopy and pickle rebuild them on the next call.
+        state = self.__dict__.copy()
+        state["_dispatch_cache"], state["_declined"] = {}, {}
+        return state
 
     def _expected_buffers(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
         n, k = self.out_features, self.in_features
@@ -74,13 +93,13 @@ class _PackedNVFP4Linear(nn.Module):
     # ---- dtype/device handling ------------------------------------------------------------------
 
     def _apply(self, fn, recurse=True):
-        before = {name: self._buffers[name] for name in self._fixed_dtypes}
+        before = {name: self._parameters[name].data for name in self._fixed_dtypes}
         super()._apply(fn, recurse)
         device = self.qweight.device
         for name, dtype in self._fixed_dtypes.items():
-            if self._buffers[name].dtype != dtype:
-                self._buffers[name] = before[name].to(device)
-        self._refresh()
+            if self._parameters[name].dtype != dtype:
+                self._set(name, before[name].to(device))
+        self._reset_dispatch()
         return self
 
     def checked_tensor(self, name: str, t: torch.Tensor, key: str | None = None) -> torch.Tensor:
@@ -105,8 +124,8 @@ class _PackedNVFP4Linear(nn.Module):
             raise ValueError(f"{key}: expected a float16/bfloat16/float32 tensor, got {t.dtype}")
         if name in self._fixed_dtypes:
             return t.to(self._fixed_dtypes[name])
-        if self._buffers[name].device.type != "meta":
-            return t.to(self._buffers[name].dtype)
+        if self._parameters[name].device.type != "meta":
+            return t.to(self._parameters[name].dtype)
         return t
 
     def _check_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
@@ -117,21 +136,28 @@ class _PackedNVFP4Linear(nn.Module):
     # ---- backends -------------------------------------------------------------------------------
 
     def set_backend(self, name: str | None):
-        """Pin a backend by name (None: choose per device again)."""
-        self._backend_name = name
-        self._refresh()
+        """Prefer backend ``name`` for this layer (None: the per-device default, or $SVDQ_LINEAR_BACKEND).
+
+        A preference that cannot serve a call (another device, a declined layer or input) warns once
+        and falls back to the next backend.
+        """
+        if name is not None:
+            backends.get_backend(name)  # unknown names raise now
+        self._backend_pref = name
         return self
+
+    def backend_for(self, x: torch.Tensor) -> str:
+        """The name of the backend that would run ``forward(x)``."""
+        return backends.resolve(self, x.reshape(-1, self.in_features))[0].name
 
     @property
     def backend(self) -> str:
-        return self._backend.name
-
-    def _refresh(self) -> None:
-        """Pick the backend for the buffers' device and let it repack (once per move or load)."""
-        device = self.qweight.device
-        self._backend = backends.select_backend(device, self._backend_name, self.kind)
-        self._prepared = {} if device.type == "meta" else self._backend.prepare(self)
-        self._prepared_device = device
+        """The backend a call with this layer's dtype on its own device would use."""
+        dev = self.qweight.device
+        dtype = self.bias.dtype if self.bias is not None else torch.bfloat16
+        if dev.type == "meta":
+            return backends.select_backend(dev, backends.preferred_name(self), self.kind).name
+        return self.backend_for(torch.empty(1, self.in_features, device=dev, dtype=dtype))
 
     # ---- forward --------------------------------------------------------------------------------
 
@@ -141,11 +167,10 @@ class _PackedNVFP4Linear(nn.Module):
         nvfp4.check_act_dtype(x)
         if x.device != self.qweight.device:
             raise RuntimeError(f"input is on {x.device} but the {type(self).__name__} is on {self.qweight.device}")
-        if self._prepared_device != self.qweight.device:
-            # Buffers were replaced without .to() (accelerate's sequential offload sets them one by one).
-            self._refresh()
         lead = x.shape[:-1]
-        y = self._backend.linear(self, x.reshape(-1, self.in_features), self._prepared)
+        x2d = x.reshape(-1, self.in_features)
+        backend, prepared = backends.resolve(self, x2d)
+        y = backend.linear(self, x2d, prepared)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -190,10 +215,9 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
         super().__init__(in_features, out_features, bias, device, dtype)
         self.rank = rank
         n, k, r, dtype = out_features, in_features, rank, dtype or torch.get_default_dtype()
-        self.register_buffer("smooth", torch.ones(k, dtype=torch.float32, device=device))
-        self.register_buffer("proj_down", torch.zeros(k, r, dtype=dtype, device=device))
-        self.register_buffer("proj_up", torch.zeros(n, r, dtype=dtype, device=device))
-        self._refresh()
+        self._set("smooth", torch.ones(k, dtype=torch.float32, device=device))
+        self._set("proj_down", torch.zeros(k, r, dtype=dtype, device=device))
+        self._set("proj_up", torch.zeros(n, r, dtype=dtype, device=device))
 
     def _expected_buffers(self):
         n, k, r = self.out_features, self.in_features, self.rank
@@ -261,7 +285,6 @@ class NVFP4W4A16Linear(_PackedNVFP4Linear):
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device, dtype)
-        self._refresh()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "NVFP4W4A16Linear":

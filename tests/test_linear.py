@@ -208,79 +208,11 @@ def test_fake_impl_gives_shapes_on_meta():
     assert y.shape == (5, 2, 48) and y.device.type == "meta"
 
 
-class _CountingBackend:
-    """Supports the CPU, repacks once per load/move, and runs the reference math."""
-
-    name = "counting"
-
-    def __init__(self):
-        self.prepares = 0
-        self.calls = 0
-
-    def supports(self, device, kind):
-        return device.type == "cpu" and kind == "w4a4"
-
-    def prepare(self, module):
-        self.prepares += 1
-        return {"qweight_t": module.qweight.T.contiguous()}
-
-    def linear(self, module, x, prepared):
-        self.calls += 1
-        assert torch.equal(prepared["qweight_t"].T, module.qweight)
-        return backends.get_backend("reference").linear(module, x, prepared)
-
-
-@pytest.fixture
-def counting_backend():
-    backend = _CountingBackend()
-    backends.register_backend(backend, priority=100)
-    yield backend
-    backends._BACKENDS.pop(backend.name)
-
-
-def test_highest_priority_backend_is_chosen_and_prepares_once(counting_backend):
-    m, _ = _module(k=64, n=48, rank=8)
-    assert m.backend == "counting"
-    before = counting_backend.prepares
-    x = torch.randn(3, 64)
-    m(x)
-    m(x)
-    assert counting_backend.prepares == before and counting_backend.calls == 2
-    m.set_backend("reference")
-    assert m.backend == "reference" and "backend=reference" in repr(m)
-    # The backend has no weight-only kernel: those layers go to the next backend that has one.
-    assert NVFP4W4A16Linear(64, 32).backend == "reference"
-
-
-def test_env_var_forces_a_backend(monkeypatch):
-    monkeypatch.setenv(backends.ENV_BACKEND, "nope")
-    with pytest.raises(ValueError, match="unknown backend 'nope'"):
-        _module(k=64, n=48, rank=8)
-    monkeypatch.setenv(backends.ENV_BACKEND, "reference")
-    m, _ = _module(k=64, n=48, rank=8)
-    assert m.backend == "reference"
-
-
-def test_backend_that_does_not_support_the_device_is_refused(counting_backend):
-    with pytest.raises(RuntimeError, match="does not support w4a4 layers on meta"):
-        backends.select_backend("meta", "counting")
-
-
 def test_public_api():
     assert svdq_linear.SVDQW4A4Linear is SVDQW4A4Linear
     assert "reference" in backends.available_backends()
 
 
-
-
-def test_buffers_replaced_without_to_are_picked_up(counting_backend):
-    m, _ = _module(k=64, n=48, rank=8)
-    before = counting_backend.prepares
-    for name in ("qweight", "wscales"):  # what accelerate's set_module_tensor_to_device does
-        m._buffers[name] = m._buffers[name].clone()
-    m._prepared_device = torch.device("meta")  # as if the buffers had come from another device
-    m(torch.randn(2, 64))
-    assert counting_backend.prepares == before + 1
 
 
 def test_empty_batch():

@@ -1,58 +1,138 @@
-"""Backend registry: which kernel runs an ``SVDQW4A4Linear`` on a given device.
+"""Backend seam: which kernel runs a 4-bit linear, chosen per call for the device of the call.
 
-A backend is a small object with a ``name``, ``supports(device, kind) -> bool`` (``kind`` is the
-module's entry point: ``"w4a4"`` for ``SVDQW4A4Linear``, ``"w4a16"`` for ``NVFP4W4A16Linear``),
-``prepare(module)`` (repack the canonical buffers once, at load time, into what its kernel reads; the
-result is cached on the module) and ``linear(module, x2d, prepared) -> y2d``. Backends register
-with a priority; ``select_backend`` returns the highest-priority one that supports the device and
-kind, so a backend with only a W4A4 kernel leaves weight-only layers to the next one. The ``reference``
-backend supports every device and is the oracle of the tests. ``SVDQ_LINEAR_BACKEND=name`` forces
-a backend (an error if it does not support the device).
+A backend subclasses ``Backend``. It says which devices and entry points (``kind``: ``"w4a4"`` for
+``SVDQW4A4Linear``, ``"w4a16"`` for ``NVFP4W4A16Linear``) it covers (``supports``), may decline a
+layer (``declines``: alignment, rank, dtype; the answer is cached per layer and device) or a single
+call (``declines_call``: an fp32 input, say), prepares once per device what its kernel reads
+(``prepare`` returns an object of its own type, cached on the module until a buffer changes) and runs
+the layer (``linear``). Every backend computes through the two custom ops defined here,
+``svdq_linear::w4a4_linear`` and ``svdq_linear::w4a16_linear``: one schema and one fake each, so
+``torch.compile(fullgraph=True)`` and offload hooks see ordinary ops whatever runs underneath. The op
+carries the backend's name and the prepared tensors (``extra``); its implementation calls the named
+backend's ``run_w4a4`` / ``run_w4a16``.
 
-Kernels are exposed as ``torch.library`` custom ops with fake implementations, so
-``torch.compile(fullgraph=True)`` and offload hooks see ordinary ops.
+Backends register lazily (``register_lazy``): ``import svdq_linear`` imports neither Triton nor
+cutlass; a backend module is imported the first time a device it may cover asks for it.
+
+Choice for a call: the candidates for (device, kind) in priority order, the preferred backend first
+(``module.set_backend(name)`` or ``$SVDQ_LINEAR_BACKEND``); the first that neither declines the layer
+nor the call serves it. A preference that cannot serve warns once and falls back; the ``reference``
+backend serves everything, so a call always runs.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-from typing import Protocol
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 ENV_BACKEND = "SVDQ_LINEAR_BACKEND"
 
 
-class Backend(Protocol):
+class Backend:
+    """Base class of a backend; subclasses set ``name`` and override what they need."""
+
+    name: str = ""
+    kinds: frozenset[str] = frozenset({"w4a4", "w4a16"})
+
+    def supports(self, device: torch.device, kind: str) -> bool:
+        return kind in self.kinds
+
+    def declines(self, module, device: torch.device) -> str | None:
+        """Why this backend cannot run ``module`` on ``device`` (None: it can). Cached per layer."""
+        return None
+
+    def declines_call(self, module, x: torch.Tensor) -> str | None:
+        """Why this backend cannot run this call (None: it can). Must be cheap."""
+        return None
+
+    def prepare(self, module, device: torch.device) -> object | None:
+        """Repack the module's canonical tensors for this backend's kernels (cached until they change)."""
+        return None
+
+    def extra_tensors(self, prepared) -> list[torch.Tensor]:
+        """Prepared tensors handed to the custom op (so compile and offload see them as inputs)."""
+        return []
+
+    def run_w4a4(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra) -> torch.Tensor:
+        raise NotImplementedError(f"backend {self.name!r} has no W4A4 kernel")
+
+    def run_w4a16(self, x, qweight, wscales, wcscale, bias, extra) -> torch.Tensor:
+        raise NotImplementedError(f"backend {self.name!r} has no W4A16 kernel")
+
+    def linear(self, module, x: torch.Tensor, prepared) -> torch.Tensor:
+        """``y [M, N]`` for ``x [M, K]`` through the shared custom op."""
+        extra = self.extra_tensors(prepared)
+        if module.kind == "w4a16":
+            return w4a16_linear(x, module.qweight, module.wscales, module.wcscale, module.bias, extra, self.name)
+        return w4a4_linear(x, module.qweight, module.wscales, module.smooth, module.proj_down, module.proj_up,
+                           module.wcscale, module.bias, extra, self.name)
+
+
+# ---- the registry --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
     name: str
+    priority: int
+    loader: Callable[[], Backend] | None  # imports the backend module on first use
+    may_cover: Callable[[torch.device], bool]  # cheap filter that needs no import
+    backend: Backend | None = None
+    failed: str | None = None
 
-    def supports(self, device: torch.device, kind: str) -> bool: ...
 
-    def prepare(self, module) -> dict[str, torch.Tensor]: ...
-
-    def linear(self, module, x: torch.Tensor, prepared: dict[str, torch.Tensor]) -> torch.Tensor: ...
-
-
-_BACKENDS: dict[str, tuple[int, Backend]] = {}
+_ENTRIES: dict[str, _Entry] = {}
+_LOCK = threading.Lock()
+_WARNED: set[tuple] = set()
 
 
 def register_backend(backend: Backend, priority: int) -> None:
-    """Add (or replace) a backend; a higher priority wins where several support a device."""
-    _BACKENDS[backend.name] = (priority, backend)
+    """Add (or replace) a ready backend; a higher priority wins where several serve a call."""
+    _ENTRIES[backend.name] = _Entry(backend.name, priority, None, lambda d: True, backend)
+
+
+def register_lazy(name: str, priority: int, module: str, may_cover: Callable[[torch.device], bool]) -> None:
+    """Register ``module.make_backend()`` to be imported the first time ``may_cover(device)`` holds."""
+
+    def load():
+        return importlib.import_module(module).make_backend()
+
+    _ENTRIES[name] = _Entry(name, priority, load, may_cover)
+
+
+def _load(entry: _Entry) -> Backend | None:
+    if entry.backend is None and entry.failed is None:
+        with _LOCK:
+            if entry.backend is None and entry.failed is None:
+                try:
+                    entry.backend = entry.loader()
+                except Exception as e:  # a missing optional dependency: this backend is unavailable
+                    entry.failed = f"{type(e).__name__}: {e}"
+                    warnings.warn(f"svdq-linear: backend {entry.name!r} is unavailable ({entry.failed})", stacklevel=3)
+    return entry.backend
 
 
 def available_backends() -> list[str]:
-    return [name for name, _ in sorted(_BACKENDS.items(), key=lambda kv: -kv[1][0])]
+    return [e.name for e in sorted(_ENTRIES.values(), key=lambda e: -e.priority)]
 
 
 def get_backend(name: str) -> Backend:
-    try:
-        return _BACKENDS[name][1]
-    except KeyError:
-        raise ValueError(f"unknown backend {name!r}; registered: {available_backends()}") from None
+    entry = _ENTRIES.get(name)
+    if entry is None:
+        raise ValueError(f"unknown backend {name!r}; registered: {available_backends()}")
+    backend = _load(entry)
+    if backend is None:
+        raise RuntimeError(f"backend {name!r} could not be loaded: {entry.failed}")
+    return backend
 
 
-def device_capability(device: torch.device) -> tuple[int, int] | None:
+def device_capability(device: torch.device | str) -> tuple[int, int] | None:
     """``(major, minor)`` of a CUDA device, None elsewhere."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -60,32 +140,160 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device)
 
 
-def select_backend(device: torch.device | str, name: str | None = None, kind: str = "w4a4") -> Backend:
-    """The backend for ``kind`` on ``device``: ``name`` (or ``$SVDQ_LINEAR_BACKEND``) if given, else
-    the highest-priority one that supports both."""
+def _where(device: torch.device) -> str:
+    cap = device_capability(device)
+    return f"{device}" + (f" (sm_{cap[0]}{cap[1]})" if cap else "")
+
+
+def candidates(device: torch.device | str, kind: str) -> list[Backend]:
+    """The loaded backends that support ``kind`` on ``device``, highest priority first."""
     device = torch.device(device)
+    out = []
+    for entry in sorted(_ENTRIES.values(), key=lambda e: -e.priority):
+        if not entry.may_cover(device):
+            continue
+        backend = _load(entry)
+        if backend is not None and backend.supports(device, kind):
+            out.append(backend)
+    return out
+
+
+def preferred_name(module) -> str | None:
+    return module._backend_pref or os.environ.get(ENV_BACKEND) or None
+
+
+def _warn_once(key: tuple, msg: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(msg, stacklevel=4)
+
+
+def select_backend(device: torch.device | str, name: str | None = None, kind: str = "w4a4") -> Backend:
+    """The backend a layer of ``kind`` would get on ``device`` (ignoring layer and call checks)."""
+    device = torch.device(device)
+    cands = candidates(device, kind)
     name = name or os.environ.get(ENV_BACKEND) or None
     if name is not None:
-        backend = get_backend(name)
-        if not backend.supports(device, kind):
-            cap = device_capability(device)
-            where = f"{device}" + (f" (sm_{cap[0]}{cap[1]})" if cap else "")
-            raise RuntimeError(f"backend {name!r} does not support {kind} layers on {where}")
-        return backend
-    for _, backend in sorted(_BACKENDS.values(), key=lambda pb: -pb[0]):
-        if backend.supports(device, kind):
-            return backend
-    raise RuntimeError(f"no svdq-linear backend supports {kind} layers on device {device}")
+        for b in cands:
+            if b.name == name:
+                return b
+        get_backend(name)  # unknown names raise here
+    if not cands:
+        raise RuntimeError(f"no svdq-linear backend supports {kind} layers on {_where(device)}")
+    return cands[0]
+
+
+def _state_key(module, device: torch.device) -> tuple:
+    # A buffer replaced (load, offload hook, .to) changes its data_ptr; an in-place edit bumps _version.
+    return (device,) + tuple((t.data_ptr(), t._version, t.dtype) for t in module.packed_tensors())
+
+
+def resolve(module, x: torch.Tensor) -> tuple[Backend, object]:
+    """The backend and its prepared state for this call of ``module`` on ``x [M, K]``."""
+    device = x.device
+    pref = preferred_name(module)
+    cache = module._dispatch_cache
+    compiling = torch.compiler.is_compiling()
+    cands = candidates(device, module.kind)
+    if pref is not None:
+        if pref not in _ENTRIES:
+            raise ValueError(f"unknown backend {pref!r} ({ENV_BACKEND} or set_backend); registered: {available_backends()}")
+        first = [b for b in cands if b.name == pref]
+        if not first:
+            _warn_once((pref, device.type, module.kind),
+                       f"svdq-linear: backend {pref!r} does not cover {module.kind} layers on {_where(device)}; "
+                       f"falling back to the next backend")
+        cands = first + [b for b in cands if b.name != pref]
+    for backend in cands:
+        declined = module._declined.get((backend.name, device), False)
+        if declined is False:
+            declined = backend.declines(module, device)
+            module._declined[(backend.name, device)] = declined
+        if declined is None:
+            declined = backend.declines_call(module, x)
+        if declined is not None:
+            if backend.name == pref:
+                _warn_once((pref, device.type, module.kind, declined),
+                           f"svdq-linear: backend {pref!r} declines {module._describe()} on {_where(device)}: "
+                           f"{declined}; falling back to the next backend")
+            continue
+        entry = cache.get(backend.name)
+        if compiling and entry is not None:
+            return backend, entry[1]  # prepared before tracing; the guard below runs in eager mode
+        key = _state_key(module, device)
+        if entry is None or entry[0] != key:
+            entry = (key, backend.prepare(module, device))
+            cache[backend.name] = entry
+        return backend, entry[1]
+    raise RuntimeError(f"no svdq-linear backend can run {module._describe()} on {_where(device)}")
+
+
+# ---- the shared custom ops -----------------------------------------------------------------------
+
+
+@torch.library.custom_op("svdq_linear::w4a4_linear", mutates_args=())
+def w4a4_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    wscales: torch.Tensor,
+    smooth: torch.Tensor,
+    proj_down: torch.Tensor,
+    proj_up: torch.Tensor,
+    wcscale: torch.Tensor,
+    bias: torch.Tensor | None,
+    extra: list[torch.Tensor],
+    backend: str,
+) -> torch.Tensor:
+    """``y [M, N]`` (x's dtype) of the contract for ``x [M, K]``, computed by ``backend``."""
+    return get_backend(backend).run_w4a4(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra)
+
+
+@w4a4_linear.register_fake
+def _(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra, backend):
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+@torch.library.custom_op("svdq_linear::w4a16_linear", mutates_args=())
+def w4a16_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    wscales: torch.Tensor,
+    wcscale: torch.Tensor,
+    bias: torch.Tensor | None,
+    extra: list[torch.Tensor],
+    backend: str,
+) -> torch.Tensor:
+    """Weight-only ``y [M, N]`` (x's dtype) for ``x [M, K]``, computed by ``backend``."""
+    return get_backend(backend).run_w4a16(x, qweight, wscales, wcscale, bias, extra)
+
+
+@w4a16_linear.register_fake
+def _(x, qweight, wscales, wcscale, bias, extra, backend):
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+def _is_cuda_major(major: int) -> Callable[[torch.device], bool]:
+    def check(device: torch.device) -> bool:
+        cap = device_capability(device)
+        return cap is not None and cap[0] == major
+
+    return check
 
 
 from . import reference  # noqa: E402  (registers itself)
 
+register_lazy("sm90", 20, "svdq_linear.backends.sm90", _is_cuda_major(9))
+
 __all__ = [
     "Backend",
     "available_backends",
+    "candidates",
     "device_capability",
     "get_backend",
     "register_backend",
+    "register_lazy",
+    "resolve",
     "select_backend",
-    "reference",
+    "w4a4_linear",
+    "w4a16_linear",
 ]

@@ -1,0 +1,200 @@
+"""The backend seam: lazy per-call choice, preferences that fall back, declines, prepared-state caching.
+
+A counting backend on the CPU stands in for a GPU kernel: it computes through the reference math but
+records what the seam asked of it.
+"""
+
+import copy
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import svdq_linear
+from svdq_linear import NVFP4W4A16Linear, SVDQW4A4Linear, backends, nvfp4
+
+
+def _module(k=64, n=48, rank=8, dtype=torch.float32):
+    lin = torch.nn.Linear(k, n, dtype=dtype)
+    return SVDQW4A4Linear.from_linear(lin, rank=rank, act_max=torch.rand(k) * 10 + 0.1)
+
+
+class _Prepared:
+    def __init__(self, qweight_t):
+        self.qweight_t = qweight_t
+
+
+class _CountingBackend(backends.Backend):
+    """Serves W4A4 layers on the CPU whose rank is a multiple of 8 and 16-bit-or-fp32 inputs it is told."""
+
+    name = "counting"
+    kinds = frozenset({"w4a4"})
+
+    def __init__(self):
+        self.prepares = 0
+        self.calls = 0
+        self.refuse_fp64_like = torch.float16  # a call dtype it declines
+
+    def supports(self, device, kind):
+        return device.type == "cpu" and kind in self.kinds
+
+    def declines(self, module, device):
+        return None if module.rank % 8 == 0 else f"rank {module.rank} is not a multiple of 8"
+
+    def declines_call(self, module, x):
+        return "fp16 input" if x.dtype == self.refuse_fp64_like else None
+
+    def prepare(self, module, device):
+        self.prepares += 1
+        return _Prepared(module.qweight.T.contiguous())
+
+    def extra_tensors(self, prepared):
+        return [prepared.qweight_t]
+
+    def run_w4a4(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
+        self.calls += 1
+        assert torch.equal(extra[0].T, qweight), "stale prepared state"
+        return nvfp4.w4a4_linear(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias).to(x.dtype)
+
+
+@pytest.fixture
+def counting():
+    backend = _CountingBackend()
+    backends.register_backend(backend, priority=100)
+    backends._WARNED.clear()
+    yield backend
+    backends._ENTRIES.pop(backend.name)
+
+
+def test_highest_priority_backend_serves_and_prepares_once(counting):
+    m = _module()
+    x = torch.randn(3, 64)
+    assert m.backend_for(x) == "counting"
+    m(x)
+    m(x)
+    assert counting.prepares == 1 and counting.calls == 2
+    m.set_backend("reference")
+    assert m.backend_for(x) == "reference" and "backend=reference" in repr(m)
+    # No weight-only kernel: those layers go to the next backend that has one.
+    assert NVFP4W4A16Linear(64, 32).backend == "reference"
+
+
+def test_backend_declines_a_layer_and_a_call(counting):
+    odd = _module(rank=6)
+    assert odd.backend_for(torch.randn(2, 64)) == "reference"
+    m = _module()
+    assert m.backend_for(torch.randn(2, 64)) == "counting"
+    assert m.backend_for(torch.randn(2, 64, dtype=torch.float16)) == "reference"
+    y = m(torch.randn(2, 64, dtype=torch.float16))
+    assert y.dtype == torch.float16 and counting.calls == 0
+
+
+def test_preference_that_cannot_serve_warns_once_and_falls_back(counting, monkeypatch):
+    monkeypatch.setenv(backends.ENV_BACKEND, "counting")
+    odd = _module(rank=6)
+    x = torch.randn(2, 64)
+    with pytest.warns(UserWarning, match="declines .* rank 6"):
+        y = odd(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(odd(x), y)  # no second warning
+    w = NVFP4W4A16Linear(64, 32)
+    with pytest.warns(UserWarning, match="does not cover w4a16 layers on cpu"):
+        w(torch.randn(2, 64))
+
+
+def test_preference_wins_over_priority(counting, monkeypatch):
+    m = _module()
+    monkeypatch.setenv(backends.ENV_BACKEND, "reference")
+    assert m.backend_for(torch.randn(1, 64)) == "reference"
+    monkeypatch.delenv(backends.ENV_BACKEND)
+    assert m.backend_for(torch.randn(1, 64)) == "counting"
+
+
+def test_unknown_backend_names_are_errors(monkeypatch):
+    m = _module()
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        m.set_backend("nope")
+    monkeypatch.setenv(backends.ENV_BACKEND, "nope")
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        m(torch.randn(1, 64))
+
+
+def test_prepared_state_follows_buffer_changes(counting):
+    m = _module()
+    x = torch.randn(2, 64)
+    m(x)
+    assert counting.prepares == 1
+    with torch.no_grad():
+        m.qweight[0, 0] ^= 0x11  # an in-place edit
+    m(x)  # the counting backend asserts its prepared copy matches the weight
+    assert counting.prepares == 2
+    # What accelerate's set_module_tensor_to_device does: a new tensor under the same name.
+    m._set("qweight", m.qweight.detach().clone())
+    m(x)
+    assert counting.prepares == 3
+    m.to(torch.float32)  # .to() drops prepared state; the next call rebuilds it once
+    m(x)
+    m(x)
+    assert counting.prepares == 4
+
+
+def test_prepared_state_is_not_pickled_or_copied(counting, tmp_path):
+    m = _module()
+    x = torch.randn(2, 64)
+    y = m(x)
+    assert m._dispatch_cache
+    clone = copy.deepcopy(m)
+    assert clone._dispatch_cache == {} and torch.equal(clone(x), y)
+    torch.save(m, tmp_path / "m.pt")  # no lambdas or backend objects in the module's state
+    again = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert torch.equal(again(x), y)
+    m.set_backend("reference")
+    torch.save(m, tmp_path / "m.pt")
+    assert torch.load(tmp_path / "m.pt", weights_only=False)._backend_pref == "reference"
+    assert copy.deepcopy(m)._backend_pref == "reference"
+
+
+def test_packed_tensors_are_frozen_parameters_and_state_dict_is_canonical():
+    m = _module()
+    names = {n for n, _ in m.named_parameters()}
+    assert names == {"qweight", "wscales", "wcscale", "bias", "smooth", "proj_down", "proj_up"}
+    assert not any(p.requires_grad for p in m.parameters())
+    sd = m.state_dict()
+    assert sd["qweight"].dtype == torch.uint8 and sd["qweight"].shape == (48, 32)
+    assert sd["wscales"].dtype == torch.float8_e4m3fn and sd["smooth"].dtype == torch.float32
+    m16 = copy.deepcopy(m).to(torch.bfloat16)
+    assert m16.qweight.dtype == torch.uint8 and m16.wscales.dtype == torch.float8_e4m3fn
+    assert m16.wcscale.dtype == torch.float32 and m16.proj_up.dtype == torch.bfloat16
+
+
+def test_meta_modules_dispatch_to_the_fake():
+    meta = SVDQW4A4Linear(64, 48, rank=8, device="meta")
+    assert meta(torch.empty(3, 64, device="meta")).shape == (3, 48)
+
+
+def test_ops_pass_opcheck():
+    m = _module()
+    x = torch.randn(5, 64)
+    args = (x, m.qweight, m.wscales, m.smooth, m.proj_down, m.proj_up, m.wcscale, m.bias, [], "reference")
+    # test_schema is left out: its mutation check multiplies the float8 inputs, which the CPU lacks.
+    tests = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(backends.w4a4_linear, args, test_utils=tests)
+    w = NVFP4W4A16Linear.from_linear(torch.nn.Linear(64, 32))
+    torch.library.opcheck(backends.w4a16_linear, (x, w.qweight, w.wscales, w.wcscale, w.bias, [], "reference"),
+                          test_utils=tests)
+
+
+def test_import_does_not_load_kernel_libraries():
+    code = ("import sys, svdq_linear; "
+            "bad = [m for m in ('svdq_linear.backends.sm90', 'cutlass', 'quack') if m in sys.modules]; "
+            "assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_public_api():
+    assert svdq_linear.SVDQW4A4Linear is SVDQW4A4Linear
+    assert {"reference", "sm90"} <= set(backends.available_backends())
