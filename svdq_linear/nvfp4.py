@@ -43,10 +43,20 @@ The weight-only linear (``w4a16_linear``) keeps 16-bit activations::
     y  = (x @ Qw^T) * wcscale + bias           # float32 accumulation
 
 ``(*)`` is the block-scaled FP4 product ``sum_k (a_k s_a) (w_k s_w)`` with float32 accumulation.
-E2M1 times E4M3 is exact in bf16 and in fp32, so backends may dequantize into either before a
-tensor-core product that accumulates in float32; only the summation order may differ. The low-rank
-branch reads the unquantized ``xs``. A kernel that accumulates the low-rank term before its
-``* wcscale`` epilogue folds ``proj_up / wcscale`` at load time, so the answer is the same.
+E2M1 times E4M3 is exact in bf16, fp16 and fp32, so backends may dequantize into any of them before a
+tensor-core product that accumulates in float32. The low-rank branch reads the unquantized ``xs``.
+
+What a tensor-core backend may do differently, and the tolerance that follows (``tolerance``)
+    1. Sum the FP4 products (and split-K partials) in any order in float32: at most
+       ``K * 2**-24 * sum_k |a_k w_k|`` per output before ``* wcscale``.
+    2. Round the low-rank operands: ``xs`` and ``proj_down`` to bf16 or tf32, ``lora_act = xs @
+       proj_down`` to bf16 or tf32, ``proj_up`` (or ``proj_up / wcscale`` where a kernel adds the
+       low-rank product before its ``* wcscale`` epilogue) to bf16: each rounding is a relative 2**-8
+       at most, bounded together by ``4 * 2**-8 * (|xs| @ |proj_down|) @ |proj_up|^T``.
+    3. Round the output once to its dtype: ``eps(dtype) * |y|``.
+    4. Codes that do not change values: the sign of a zero code (0x0 or 0x8) and the codes inside a
+       NaN/Inf block (any code: the block's scale is NaN, so every output that reads it is NaN).
+    Activation codes and scales themselves are bit-exact when a backend writes them.
 """
 
 from __future__ import annotations
@@ -240,3 +250,33 @@ def w4a16_linear(
     w = dequantize_nvfp4(qweight, wscales, accum_dtype)
     y = (x.to(accum_dtype) @ w.T) * wcscale.to(accum_dtype)
     return y if bias is None else y + bias.to(accum_dtype)
+
+
+def tolerance(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    wscales: torch.Tensor,
+    smooth: torch.Tensor,
+    proj_down: torch.Tensor,
+    proj_up: torch.Tensor,
+    wcscale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Elementwise bound ``[M, N]`` (float64) on ``|y_backend - y_contract|`` for a tensor-core backend.
+
+    The sum of the four allowances of the module docstring, evaluated on magnitudes in float64.
+    NaN where the contract's output is NaN (a NaN/Inf block): those elements must be NaN.
+    """
+    xs = smooth_input(x, smooth).double()
+    a_packed, a_scales = quantize_nvfp4(xs.float())
+    a = dequantize_nvfp4(a_packed, a_scales, torch.float64).abs()
+    w = dequantize_nvfp4(qweight, wscales, torch.float64).abs()
+    k = x.shape[-1]
+    main = (a @ w.T) * wcscale.double().abs() * (k * 2.0**-24)
+    xs_abs = xs.abs().nan_to_num(nan=float("inf"))
+    low_rank = (xs_abs @ proj_down.double().abs()) @ proj_up.double().abs().T * (4 * 2.0**-8)
+    y = w4a4_linear(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, torch.float64)
+    eps = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[out_dtype]
+    tiny = {torch.float32: 2.0**-149, torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24}[out_dtype]
+    return main + low_rank + eps * y.abs() + tiny

@@ -1,0 +1,305 @@
+"""Triton kernels of the sm90 backend: fused NVFP4 activation quantization and the W4 GEMM.
+
+Hopper has no FP4 tensor cores, but E2M1 codes times E4M3 scales are exact in bf16 and fp16 and
+their products are exact in FP32, so the exact W4A4 product runs on 16-bit wgmma:
+
+- ``quantize_act``: one pass over ``x [M, K]``: ``xs = x * (1/smooth)``, the per-16 amax, the E4M3
+  scale, the E2M1 codes under the contract's rules (``svdq_linear.nvfp4``), writing the exact 16-bit
+  dequantized activations ``xq`` that the GEMM reads (or packed codes + scale bytes), plus
+  ``lora_act = xs @ proj_down [M, R]`` (fp32, tf32 tensor-core product) in the same pass.
+- ``w4_gemm``: ``out [M, N] = (a @ Wq^T) * wcscale (+ lora_act @ proj_up^T) (+ bias)``. The kernel
+  computes the transposed tile ``acc [BLOCK_N, BLOCK_M]``: the 4-bit weight is decoded in registers
+  (A operand of wgmma; weight rows fill wgmma's 64-row M), the activations are the shared-memory B
+  operand, so a handful of tokens still gives full-width MMAs. After the K-loop the accumulator is
+  scaled by ``wcscale`` and the low-rank product is issued into the same accumulator, then ``bias`` is
+  added and the tile is written once. With ``SPLIT_K > 1`` each split writes fp32 partials and
+  ``_splitk_epilogue_kernel`` sums them in a fixed order (deterministic) and applies the same epilogue.
+
+The E2M1 decode places the 3 magnitude bits at fp32 bits 24..22 and the sign at bit 31: that float
+times 2**126 is exactly the E2M1 value (code 1, the subnormal, included).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import nvfp4
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _round_e4m3(v):
+    """Non-negative finite fp32 -> the nearest E4M3 value (ties to even, saturating at 448), as fp32.
+
+    Arithmetic rather than a conversion instruction, so it is exact the same way everywhere
+    (Triton's CPU interpreter mis-rounds conversions that carry into the exponent).
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    # Normal range: keep 3 of fp32's 23 mantissa bits, nearest-even; a carry moves into the exponent.
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # 0xFFF00000
+    normal = bits.to(tl.float32, bitcast=True)
+    # Subnormal range (< 2**-6): multiples of 2**-9, nearest-even through the 1.5 * 2**23 trick.
+    sub = ((v * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    return tl.minimum(tl.where(v < 0.015625, sub, normal), 448.0)
+
+
+@triton.jit
+def _quantize_act_kernel(
+    x_ptr, smooth_ptr, pd_ptr, xq_ptr, codes_ptr, scales_ptr, lora_ptr,
+    M, K, R,
+    stride_xm, stride_xk, stride_pdk, stride_pdr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_LORA: tl.constexpr, WRITE_XQ: tl.constexpr, WRITE_CODES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rm = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    rr = tl.arange(0, BLOCK_R)
+    lora = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K  # K % 16 == 0: whole blocks are in or out
+        mask = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        sm = tl.load(smooth_ptr + rk, mask=k_ok, other=1.0)
+        xs = x * tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)[None, :]
+        if HAS_LORA:
+            pd = tl.load(pd_ptr + rk[:, None] * stride_pdk + rr[None, :] * stride_pdr,
+                         mask=k_ok[:, None] & (rr < R)[None, :], other=0.0).to(tl.float32)
+            lora = tl.dot(xs, pd, lora, input_precision="tf32")
+
+        xb = tl.reshape(xs, (BLOCK_M, BLOCK_K // 16, 16))
+        ab = tl.abs(xb)
+        amax = tl.max(ab, axis=2)
+        finite = tl.min((ab < float("inf")).to(tl.int32), axis=2)  # 0 for a NaN or +-Inf in the block
+        sdiv = tl.math.div_rn(amax, tl.full([BLOCK_M, BLOCK_K // 16], 6.0, tl.float32))
+        sf = tl.where(finite != 0, _round_e4m3(sdiv), 0.0)
+        s8 = sf.to(tl.float8e4nv)  # exact: sf is an E4M3 value
+        r = tl.where(sf > 0, tl.math.div_rn(tl.full([BLOCK_M, BLOCK_K // 16], 1.0, tl.float32), sf), 0.0)
+        q = xb * r[:, :, None]
+        a = tl.abs(q)
+        neg = q < 0
+        # Nearest-even E2M1: midpoints 0.25 (down), 0.75 (up), 1.25, 1.75, 2.5, 3.5, 5 alternate.
+        if WRITE_XQ:
+            v = 0.5 * ((a > 0.25).to(tl.float32) + (a >= 0.75).to(tl.float32) + (a > 1.25).to(tl.float32)
+                       + (a >= 1.75).to(tl.float32))
+            v += (a > 2.5).to(tl.float32) + (a >= 3.5).to(tl.float32) + 2.0 * (a > 5.0).to(tl.float32)
+            v = tl.where(neg, -v, v) * sf[:, :, None]
+            v = tl.where((finite != 0)[:, :, None], v, float("nan"))
+            xq = tl.reshape(v, (BLOCK_M, BLOCK_K))
+            tl.store(xq_ptr + rm[:, None] * K + rk[None, :], xq.to(xq_ptr.dtype.element_ty), mask=mask)
+        if WRITE_CODES:
+            mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+                   + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+                   + (a > 5.0).to(tl.int32))
+            code = tl.reshape(mag | (neg.to(tl.int32) << 3), (BLOCK_M, BLOCK_K // 2, 2))
+            lo, hi = tl.split(code)
+            rk2 = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            tl.store(codes_ptr + rm[:, None] * (K // 2) + rk2[None, :], (lo | (hi << 4)).to(tl.uint8),
+                     mask=m_ok[:, None] & (rk2 < K // 2)[None, :])
+            sbits = tl.where(finite != 0, s8.to(tl.uint8, bitcast=True), 0x7F)
+            rks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+            tl.store(scales_ptr + rm[:, None] * (K // 16) + rks[None, :], sbits,
+                     mask=m_ok[:, None] & (rks < K // 16)[None, :])
+    if HAS_LORA:
+        tl.store(lora_ptr + rm[:, None] * R + rr[None, :], lora, mask=m_ok[:, None] & (rr < R)[None, :])
+
+
+@triton.jit
+def _epilogue(acc, rn, rm, N, M, R, wc_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_om,
+              BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr):
+    """``acc [BLOCK_N, BLOCK_M]`` -> ``out[rm, rn] = acc * wcscale + lora @ proj_up^T + bias``."""
+    n_ok = rn < N
+    m_ok = rm < M
+    wc = tl.load(wc_ptr + rn, mask=n_ok, other=0.0)
+    acc = acc * wc[:, None]
+    if HAS_LORA:
+        rr = tl.arange(0, BLOCK_R)
+        up = tl.load(up_ptr + rn[:, None] * R + rr[None, :], mask=n_ok[:, None] & (rr < R)[None, :],
+                     other=0.0).to(tl.float32)
+        lt = tl.load(lora_ptr + rm[None, :] * R + rr[:, None], mask=m_ok[None, :] & (rr < R)[:, None], other=0.0)
+        acc = tl.dot(up, lt, acc, input_precision="tf32")
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _w4_gemm_kernel(
+    a_ptr, w_ptr, ws_ptr, wc_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, part_ptr,
+    M, N, K, R, stride_am, stride_om, k_per_split,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_N: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_m = tl.cdiv(M, BLOCK_M)
+    # Grouped order: GROUP_N weight tiles share the token tiles they sweep (L2 reuse of both).
+    per_group = GROUP_N * num_m
+    group = pid // per_group
+    first_n = group * GROUP_N
+    size_n = tl.minimum(num_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % per_group) % size_n
+    pid_m = (pid % per_group) // size_n
+
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn_l = rn % N  # clamped rows for loads; stores are masked
+    rm_l = rm % M
+    half_k = K // 2
+    sf_k = K // 16
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        rk2 = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        rks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        rk = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            wp = tl.load(w_ptr + rn_l[:, None] * half_k + rk2[None, :])
+            sc = tl.load(ws_ptr + rn_l[:, None] * sf_k + rks[None, :])
+            a = tl.load(a_ptr + rm_l[None, :] * stride_am + rk[:, None])
+        else:
+            wp = tl.load(w_ptr + rn_l[:, None] * half_k + rk2[None, :], mask=(rk2 < half_k)[None, :], other=0)
+            sc = tl.load(ws_ptr + rn_l[:, None] * sf_k + rks[None, :], mask=(rks < sf_k)[None, :], other=0)
+            a = tl.load(a_ptr + rm_l[None, :] * stride_am + rk[:, None], mask=(rk < K)[:, None], other=0.0)
+        c = tl.interleave(wp & 0xF, wp >> 4).to(tl.int32)  # element 2i is the low nibble
+        bits = ((c & 7) << 22) | ((c & 8) << 28)
+        v = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2**126
+        scf = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        w = tl.reshape(tl.reshape(v, (BLOCK_N, BLOCK_K // 16, 16)) * scf[:, :, None], (BLOCK_N, BLOCK_K))
+        if DOT_F32:  # the CPU interpreter multiplies bf16 bit patterns: give it the (exact) fp32 values
+            acc = tl.dot(w, a.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w.to(a.dtype), a, acc)
+    if SPLIT_K == 1:
+        _epilogue(acc, rn, rm, N, M, R, wc_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_om,
+                  BLOCK_R, HAS_BIAS, HAS_LORA)
+    else:
+        ptrs = part_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
+        tl.store(ptrs, acc, mask=(rn < N)[:, None] & (rm < M)[None, :])
+
+
+@triton.jit
+def _splitk_epilogue_kernel(
+    part_ptr, wc_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, M, N, R, stride_om,
+    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = (rn < N)[:, None] & (rm < M)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for s in range(SPLIT_K):  # fixed order: the result does not depend on scheduling
+        acc += tl.load(part_ptr + s * M * N + rm[None, :] * N + rn[:, None], mask=mask, other=0.0)
+    _epilogue(acc, rn, rm, N, M, R, wc_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_om,
+              BLOCK_R, HAS_BIAS, HAS_LORA)
+
+
+# ---- launchers -----------------------------------------------------------------------------------
+
+
+def _block_r(r: int) -> int:
+    return max(16, triton.next_power_of_2(r)) if r else 16
+
+
+def quantize_act(
+    x: torch.Tensor,
+    smooth: torch.Tensor,
+    proj_down: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+    packed: bool = False,
+    block_m: int = 16,
+    block_k: int = 256,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """NVFP4-quantize ``x [M, K]`` (any strides) after smoothing, in one pass.
+
+    Returns ``(xq, codes, scales, lora_act)``: ``xq [M, K]`` the exact dequantized values in
+    ``out_dtype`` (default: x's dtype if 16-bit, else bf16; None when ``packed``), ``codes [M, K/2]``
+    uint8 and ``scales [M, K/16]`` float8_e4m3fn (bit-identical to ``nvfp4.quantize_nvfp4``; None unless
+    ``packed``), ``lora_act [M, R]`` fp32 (None without ``proj_down`` or when R = 0).
+    """
+    m, k = x.shape
+    if k % nvfp4.BLOCK_SIZE:
+        raise ValueError(f"expected K % 16 == 0, got {k}")
+    r = 0 if proj_down is None else proj_down.shape[1]
+    dt = out_dtype or (x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
+    xq = None if packed else torch.empty(m, k, device=x.device, dtype=dt)
+    codes = torch.empty(m, k // 2, device=x.device, dtype=torch.uint8) if packed else None
+    scales = torch.empty(m, k // 16, device=x.device, dtype=torch.uint8) if packed else None
+    lora = torch.empty(m, r, device=x.device, dtype=torch.float32) if r else None
+    if m == 0:
+        return xq, codes, None if scales is None else scales.view(torch.float8_e4m3fn), lora
+    block_k = min(block_k, triton.next_power_of_2(k))
+    pd = proj_down if r else smooth
+    dummy = smooth
+    _quantize_act_kernel[(triton.cdiv(m, block_m),)](
+        x, smooth, pd, dummy if xq is None else xq, dummy if codes is None else codes,
+        dummy if scales is None else scales, dummy if lora is None else lora,
+        m, k, r, x.stride(0), x.stride(1), pd.stride(0), pd.stride(1) if r else 0,
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r),
+        HAS_LORA=bool(r), WRITE_XQ=not packed, WRITE_CODES=packed, num_warps=num_warps,
+    )
+    return xq, codes, None if scales is None else scales.view(torch.float8_e4m3fn), lora
+
+
+def w4_gemm(
+    a: torch.Tensor,
+    qweight: torch.Tensor,
+    wscales: torch.Tensor,
+    wcscale: torch.Tensor,
+    bias: torch.Tensor | None,
+    proj_up: torch.Tensor | None,
+    lora_act: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    cfg: "GemmConfig",
+) -> torch.Tensor:
+    """``out [M, N] = (a @ Wq^T) * wcscale + lora_act @ proj_up^T + bias`` (fp32 accumulation).
+
+    ``a [M, K]`` bf16/fp16 with unit stride along K (the exact activations, or x itself for W4A16);
+    ``qweight [N, K/2]`` / ``wscales [N, K/16]`` canonical (contiguous); ``lora_act [M, R]`` fp32.
+    """
+    m, k = a.shape
+    n = qweight.shape[0]
+    if _INTERPRET and out_dtype != torch.float32:
+        # The CPU interpreter's fp32 -> 16-bit conversion does not round to nearest: cast outside.
+        return w4_gemm(a, qweight, wscales, wcscale, bias, proj_up, lora_act, torch.float32, cfg).to(out_dtype)
+    out = torch.empty(m, n, device=a.device, dtype=out_dtype)
+    if m == 0:
+        return out
+    r = 0 if lora_act is None else lora_act.shape[1]
+    has_bias = bias is not None
+    dummy = wcscale
+    split = cfg.split_k
+    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)
+    part = torch.empty(split, m, n, device=a.device, dtype=torch.float32) if split > 1 else dummy
+    grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m), split)
+    even_k = k % cfg.block_k == 0 and k_per_split * split == k
+    _w4_gemm_kernel[grid](
+        a, qweight, wscales.view(torch.uint8), wcscale, bias if has_bias else dummy,
+        proj_up if r else dummy, lora_act if r else dummy, out, part,
+        m, n, k, r, a.stride(0), out.stride(0), k_per_split,
+        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=_block_r(r),
+        GROUP_N=cfg.group_n, SPLIT_K=split, EVEN_K=even_k, HAS_BIAS=has_bias, HAS_LORA=bool(r), DOT_F32=_INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        bn, bm = 64, min(64, max(16, triton.next_power_of_2(m)))
+        _splitk_epilogue_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+            part, wcscale, bias if has_bias else dummy, proj_up if r else dummy, lora_act if r else dummy,
+            out, m, n, r, out.stride(0),
+            SPLIT_K=split, BLOCK_N=bn, BLOCK_M=bm, BLOCK_R=_block_r(r), HAS_BIAS=has_bias, HAS_LORA=bool(r),
+            num_warps=4,
+        )
+    return out

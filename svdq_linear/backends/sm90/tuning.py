@@ -1,0 +1,75 @@
+"""Tile, split-K and pipeline choices of the sm90 W4 GEMM, per shape, from a table measured on the H200.
+
+``configs.json`` beside this file maps an M bucket (tokens) to the configuration that measured
+fastest there (``benchmarks/bench_sm90.py --sweep`` writes it); ``pick`` reads it once and falls
+back to the rules below for shapes the table does not hold. Split-K is chosen here, per (M, N, K):
+enough CTAs to cover the 132 SMs twice when the output tiles alone would not.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+SM_COUNT = 132  # H100 SXM / H200
+_TABLE = Path(__file__).with_name("configs.json")
+M_BUCKETS = (1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_n: int  # weight rows per CTA (wgmma M)
+    block_m: int  # tokens per CTA (wgmma N)
+    block_k: int
+    split_k: int = 1
+    group_n: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def m_bucket(m: int) -> int:
+    for b in M_BUCKETS:
+        if m <= b:
+            return b
+    return M_BUCKETS[-1]
+
+
+@functools.lru_cache(maxsize=1)
+def _table() -> dict[int, GemmConfig]:
+    if not _TABLE.is_file():
+        return {}
+    raw = json.loads(_TABLE.read_text())
+    return {int(b): GemmConfig(**c) for b, c in raw["configs"].items()}
+
+
+def _default(m: int) -> GemmConfig:
+    if m <= 64:
+        return GemmConfig(block_n=64, block_m=max(16, 1 << (max(m, 1) - 1).bit_length()), block_k=256,
+                          split_k=0, num_warps=4, num_stages=4)
+    if m <= 256:
+        return GemmConfig(block_n=128, block_m=64, block_k=128, num_warps=4, num_stages=4)
+    return GemmConfig(block_n=128, block_m=128, block_k=64, num_warps=8, num_stages=4)
+
+
+def split_for(cfg: GemmConfig, m: int, n: int, k: int) -> int:
+    """Split K when the output tiles leave SMs idle, keeping >= 4 K-steps a split."""
+    tiles = -(-n // cfg.block_n) * -(-m // cfg.block_m)
+    steps = k // cfg.block_k
+    split = 1
+    while tiles * split < 2 * SM_COUNT and steps // (split * 2) >= 4 and split < 16:
+        split *= 2
+    return split
+
+
+def pick(m: int, n: int, k: int) -> GemmConfig:
+    cfg = _table().get(m_bucket(m)) or _default(m)
+    if cfg.block_m > max(16, 1 << (max(m, 1) - 1).bit_length()):  # no wider than the tokens
+        cfg = replace(cfg, block_m=max(16, 1 << (max(m, 1) - 1).bit_length()))
+    if cfg.split_k == 0:  # 0 in the table: choose by occupancy
+        cfg = replace(cfg, split_k=split_for(cfg, m, n, k))
+    return cfg

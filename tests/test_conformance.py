@@ -1,0 +1,224 @@
+"""Every backend on every device present, held to the contract's tolerance (``nvfp4.tolerance``).
+
+On a CPU machine this runs the reference and the sm90 Triton kernels under Triton's interpreter
+(conftest sets ``TRITON_INTERPRET=1`` when there is no GPU); on the H200 it runs the sm90 kernels on
+the GPU at Flux shapes. The expected output is the contract evaluated here in float64 from the
+module's tensors; modules are random (codes, scales, branch), not derived from any converter.
+"""
+
+import pytest
+import torch
+
+from svdq_linear import NVFP4W4A16Linear, SVDQW4A4Linear, backends, nvfp4
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _backend_devices():
+    out = [("reference", "cpu")]
+    if HAS_CUDA:
+        out += [(b.name, "cuda") for b in backends.candidates("cuda", "w4a4") if b.name != "reference"]
+    else:
+        out += [("sm90", "cpu")]  # the Triton interpreter
+    return out
+
+
+BACKENDS = _backend_devices()
+if HAS_CUDA:
+    SHAPES = [(3072, 3072), (3072, 12288), (12288, 3072)]
+    MS = [0, 1, 7, 128, 1000, 4096]
+else:
+    SHAPES = [(64, 48), (256, 96)]
+    MS = [0, 1, 7, 128]
+
+
+def _random_e4m3(shape, lo=-6, hi=8.8):
+    """Random positive E4M3 scales between 2**lo and 2**hi (no NaN bytes)."""
+    return torch.exp2(torch.empty(shape).uniform_(lo, hi)).clamp(max=448).to(torch.float8_e4m3fn)
+
+
+def random_w4a4(k, n, r, dtype, device, bias=True):
+    m = SVDQW4A4Linear(k, n, rank=r, bias=bias, dtype=dtype, device="meta")
+    sd = {
+        "qweight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8),
+        "wscales": _random_e4m3((n, k // 16)),
+        "smooth": torch.exp(torch.randn(k) * 0.5),
+        "proj_down": (torch.randn(k, r) / k**0.5).to(dtype),
+        "proj_up": torch.randn(n, r).to(dtype),
+        "wcscale": torch.exp(torch.randn(n) * 0.3) * 1e-3,
+    }
+    if bias:
+        sd["bias"] = torch.randn(n).to(dtype)
+    m.load_state_dict(sd, assign=True)
+    return m.to(device)
+
+
+def _expected_and_bound(m, x):
+    args = [t.cpu() for t in (m.qweight, m.wscales, m.smooth, m.proj_down, m.proj_up, m.wcscale)]
+    bias = None if m.bias is None else m.bias.cpu()
+    xc = x.cpu()
+    y = nvfp4.w4a4_linear(xc, *args, bias, accum_dtype=torch.float64)
+    return y, nvfp4.tolerance(xc, *args, bias, x.dtype)
+
+
+def _run(backend_name, m, x):
+    """The backend's output, its output buffer poisoned first (the allocator hands the block back)."""
+    backend = backends.get_backend(backend_name)
+    n = m.out_features
+    poison = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=x.device)
+    del poison
+    return backend.linear(m, x, backend.prepare(m, x.device))
+
+
+def _check(y, expected, bound, what):
+    y = y.double().cpu()
+    assert y.shape == expected.shape, what
+    nan_expected = torch.isnan(expected)
+    assert torch.isnan(y[nan_expected]).all(), f"{what}: a NaN/Inf block must give NaN"
+    ok = ~nan_expected
+    assert torch.isfinite(y[ok]).all(), f"{what}: unwritten or non-finite outputs"
+    err = (y[ok] - expected[ok]).abs()
+    excess = err / bound[ok]
+    if excess.numel():
+        worst = excess.argmax()
+        assert excess.max() <= 1.0, (
+            f"{what}: |y - contract| = {err[worst]:.3g} exceeds the tolerance {bound[ok][worst]:.3g} "
+            f"(contract {expected[ok][worst]:.4g})"
+        )
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS, ids=[f"{b}-{d}" for b, d in BACKENDS])
+@pytest.mark.parametrize("m_tokens", MS)
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("rank", [0, 16, 32, 128])
+def test_w4a4_bf16_within_tolerance(backend, device, m_tokens, k, n, rank):
+    m = random_w4a4(k, n, rank, torch.bfloat16, device)
+    x = torch.randn(m_tokens, k, device=device, dtype=torch.bfloat16) * 3
+    y = _run(backend, m, x)
+    assert y.dtype == torch.bfloat16
+    _check(y, *_expected_and_bound(m, x), f"{backend} M={m_tokens} K={k} N={n} R={rank}")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS, ids=[f"{b}-{d}" for b, d in BACKENDS])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("bias", [True, False])
+def test_w4a4_other_dtypes_and_no_bias(backend, device, dtype, bias):
+    k, n = SHAPES[-1]
+    m = random_w4a4(k, n, 32, torch.float16 if dtype == torch.float16 else torch.bfloat16, device, bias=bias)
+    x = torch.randn(33, k, device=device, dtype=dtype)
+    y = _run(backend, m, x)
+    assert y.dtype == dtype
+    _check(y, *_expected_and_bound(m, x), f"{backend} {dtype} bias={bias}")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS, ids=[f"{b}-{d}" for b, d in BACKENDS])
+def test_w4a4_non_contiguous_input(backend, device):
+    k, n = SHAPES[0]
+    m = random_w4a4(k, n, 16, torch.bfloat16, device)
+    x = torch.randn(k, 40, device=device, dtype=torch.bfloat16).T  # stride (1, 40)
+    assert not x.is_contiguous()
+    _check(_run(backend, m, x), *_expected_and_bound(m, x), f"{backend} transposed x")
+    x2 = torch.randn(40, 2 * k, device=device, dtype=torch.bfloat16)[:, ::2]
+    _check(_run(backend, m, x2), *_expected_and_bound(m, x2), f"{backend} strided x")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS, ids=[f"{b}-{d}" for b, d in BACKENDS])
+def test_w4a4_special_blocks(backend, device):
+    k, n = SHAPES[0]
+    m = random_w4a4(k, n, 16, torch.bfloat16, device)
+    x = torch.randn(12, k) * 2
+    x[1, :16] = 0  # all-zero block: scale 0
+    x[2, 16:32] = torch.randn(16) * 2.0**-12  # amax/6 in E4M3's subnormal range (after smoothing)
+    x[3, 32:48] = torch.randn(16) * 2.0**-20  # rounds to a zero scale
+    x[4, 5] = float("nan")
+    x[5, 17] = float("inf")
+    x[6, :] = 0  # a whole zero row
+    x[7, :16] = 1e4  # saturating scale
+    x = x.to(device, torch.bfloat16)
+    _check(_run(backend, m, x), *_expected_and_bound(m, x), f"{backend} special blocks")
+
+
+def _nearest_even(target, grid):
+    """Index of the nearest ``grid`` value (ascending) to each ``target``; ties go to the even index."""
+    d = (target.unsqueeze(-1) - grid).abs()
+    best = d == d.min(-1, keepdim=True).values
+    index = torch.arange(grid.numel())
+    pick = best & ((index % 2 == 0) | (best.sum(-1, keepdim=True) == 1))
+    return torch.where(pick, index, grid.numel()).min(-1).values
+
+
+def _reference_codes(xs):
+    """An independent NVFP4 encoder: nearest-value searches in float64 (ties to the even code)."""
+    e4m3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).double()  # 0x7F is NaN
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
+    blocks = xs.float().reshape(xs.shape[0], -1, 16)
+    target = (blocks.abs().amax(-1) / 6).double().clamp(max=448)  # amax / 6 in float32, as the contract
+    idx = _nearest_even(target, e4m3)
+    scale = e4m3[idx].float()
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = blocks * inv.unsqueeze(-1)  # one float32 multiply
+    mag = _nearest_even(q.abs().double().clamp(max=6), e2m1)
+    codes = mag | ((q < 0).long() << 3)
+    return codes.reshape(xs.shape[0], -1).to(torch.uint8), idx.to(torch.uint8)
+
+
+@pytest.mark.parametrize("device", ["cuda"] if HAS_CUDA else ["cpu"])
+def test_quantize_act_codes_are_bit_identical(device):
+    from svdq_linear.backends.sm90 import kernels
+
+    k = SHAPES[-1][0]
+    x = torch.randn(50, k) * torch.exp(torch.randn(1, k) * 2)
+    smooth = torch.exp(torch.randn(k) * 0.5)
+    x = x.to(device)
+    _, codes, scales, _ = kernels.quantize_act(x, smooth.to(device), None, packed=True)
+    xs = x.cpu().float() * (1.0 / smooth)
+    want_codes, want_scales = _reference_codes(xs)
+    assert torch.equal(scales.view(torch.uint8).cpu(), want_scales), "E4M3 block scales differ"
+    assert torch.equal(nvfp4.unpack_e2m1(codes.cpu()), want_codes), "E2M1 codes differ"
+
+
+@pytest.mark.parametrize("device", ["cuda"] if HAS_CUDA else ["cpu"])
+def test_quantize_act_lora_and_exact_values(device):
+    from svdq_linear.backends.sm90 import kernels
+
+    k, r = SHAPES[0][0], 32
+    x = (torch.randn(20, k) * 3).to(device, torch.bfloat16)
+    smooth = torch.exp(torch.randn(k) * 0.5).to(device)
+    pd = (torch.randn(k, r) / k**0.5).to(device, torch.bfloat16)
+    xq, _, _, lora = kernels.quantize_act(x, smooth, pd)
+    xs = x.cpu().double() * (1.0 / smooth.cpu().float()).double()
+    codes, scale_idx = _reference_codes(xs.float())
+    values = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+    scales = scale_idx.view(torch.float8_e4m3fn).double()
+    want = (values[codes.long()].reshape(20, -1, 16) * scales.unsqueeze(-1)).reshape(20, k)
+    assert torch.equal(xq.double().cpu(), want), "dequantized activations are not exact"
+    want_lora = xs @ pd.cpu().double()
+    bound = 4 * 2.0**-8 * (xs.abs() @ pd.cpu().double().abs())
+    assert ((lora.double().cpu() - want_lora).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS, ids=[f"{b}-{d}" for b, d in BACKENDS])
+@pytest.mark.parametrize("m_tokens", [1, 4, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a16_matches_contract(backend, device, m_tokens, dtype):
+    k, n = SHAPES[0]
+    lin = torch.nn.Linear(k, n, dtype=torch.float32)
+    w = NVFP4W4A16Linear.from_linear(lin).to(device, dtype)
+    x = torch.randn(m_tokens, k, device=device, dtype=dtype)
+    b = backends.get_backend(backend)
+    y = b.linear(w, x, b.prepare(w, x.device)).double().cpu()
+    want = nvfp4.w4a16_linear(x.cpu(), w.qweight.cpu(), w.wscales.cpu(), w.wcscale.cpu(), w.bias.cpu(),
+                              torch.float64)
+    wabs = nvfp4.dequantize_nvfp4(w.qweight.cpu(), w.wscales.cpu(), torch.float64).abs()
+    eps = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    bound = (x.cpu().double().abs() @ wabs.T) * w.wcscale.cpu().double() * k * 2.0**-24 + eps * want.abs() + 1e-30
+    assert ((y - want).abs() <= bound).all(), ((y - want).abs() / bound).max()
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="opcheck of the GPU kernels needs the GPU")
+def test_sm90_ops_pass_opcheck():
+    m = random_w4a4(3072, 3072, 32, torch.bfloat16, "cuda")
+    x = torch.randn(64, 3072, device="cuda", dtype=torch.bfloat16)
+    for name in [b for b, d in BACKENDS if d == "cuda"]:
+        torch.library.opcheck(backends.w4a4_linear, (x, m.qweight, m.wscales, m.smooth, m.proj_down, m.proj_up,
+                                                     m.wcscale, m.bias, [], name))
