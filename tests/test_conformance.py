@@ -54,11 +54,10 @@ def random_w4a4(k, n, r, dtype, device, bias=True):
 
 
 def _expected_and_bound(m, x):
-    args = [t.cpu() for t in (m.qweight, m.wscales, m.smooth, m.proj_down, m.proj_up, m.wcscale)]
-    bias = None if m.bias is None else m.bias.cpu()
-    xc = x.cpu()
-    y = nvfp4.w4a4_linear(xc, *args, bias, accum_dtype=torch.float64)
-    return y, nvfp4.tolerance(xc, *args, bias, x.dtype)
+    """The contract in float64 and its tolerance, on the input's device (float64 GEMMs on the GPU)."""
+    args = (m.qweight, m.wscales, m.smooth, m.proj_down, m.proj_up, m.wcscale)
+    y = nvfp4.w4a4_linear(x, *args, m.bias, accum_dtype=torch.float64)
+    return y.cpu(), nvfp4.tolerance(x, *args, m.bias, x.dtype).cpu()
 
 
 def _run(backend_name, m, x):

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One H200 call for the sm90 backend: GPU conformance + seam tests, the config sweep, the benchmark.
+# Through the device tool with carry [".devcarry/wheels"]:  bash benchmarks/h200_sm90.sh [--sweep]
+# STEPS (default "tests bench") picks what runs; each step has its own time limit.
+set -uo pipefail
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+source .devcarry/wheels/env.sh
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+python3 -c "import torch, triton; print('torch', torch.__version__, torch.cuda.get_device_name(), 'triton', triton.__version__)"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv,noheader
+rc=0
+for step in ${STEPS:-tests bench}; do
+  case "$step" in
+    tests) timeout "${TEST_LIMIT:-240}" python3 -m pytest -q -x -p no:cacheprovider -W ignore ${PYTEST_ARGS:-tests/test_conformance.py tests/test_backends.py} \
+             > "$OUT/tests.log" 2>&1; rc=$?; tail -15 "$OUT/tests.log" ;;
+    bench) timeout "${BENCH_LIMIT:-420}" python3 benchmarks/bench_sm90.py --out "$OUT" "$@" > "$OUT/bench.log" 2>&1; tail -70 "$OUT/bench.log" ;;
+    suite) timeout "${TEST_LIMIT:-400}" python3 -m pytest -q -p no:cacheprovider -W ignore tests/ > "$OUT/suite.log" 2>&1; rc=$?; tail -15 "$OUT/suite.log" ;;
+  esac
+done
+exit "$rc"
