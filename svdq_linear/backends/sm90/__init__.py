@@ -2,12 +2,17 @@
 
 E2M1 codes times E4M3 scales are exact in bf16 and fp16, so the contract's block-scaled product is
 computed exactly on Hopper's 16-bit tensor cores: ``quantize_act`` writes the exact dequantized
-activations (and ``lora_act``) in one pass, and the W4 GEMM decodes the canonical packed weight in
-registers, scales the accumulator by ``wcscale``, adds the low-rank product into the same
-accumulator and writes the output once (``kernels.py``). The kernels read the canonical layouts, so
-``prepare`` keeps no copy of the weight. Deviations from the reference stay inside the contract's
-tensor-core tolerance (``svdq_linear.nvfp4``): FP32 summation order and tf32 operands of the
-low-rank products.
+activations in one pass; ``lora_act`` is one cuBLAS GEMM of ``x`` with ``proj_down / smooth``.
+By tokens M (bf16):
+
+- M <= 16: ``kernels.w4_gemv`` (FMA dot products on the decoded weight, fixed-order split-K);
+- 16 < M < 128, fp16/fp32 inputs, or no quack: ``kernels.w4_gemm`` (Triton: the weight decoded in
+  registers as wgmma's A operand, ``* wcscale`` then the low-rank MMA into the same accumulator);
+- M >= 128, bf16: quack-kernels' NVFP4 W4 GEMM (``quack_gemm``) with ``* wcscale + bias + C`` fused,
+  C the low-rank tile. It reads a repacked copy of the weight (``SVDQ_SM90_QUACK=0`` leaves it out).
+
+Deviations from the reference stay inside the contract's tensor-core tolerance
+(``svdq_linear.nvfp4``): FP32 summation order and 16-bit/tf32 operands of the low-rank products.
 
 Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (slowly): the CPU test suite checks
 them that way.
@@ -16,12 +21,50 @@ them that way.
 from __future__ import annotations
 
 import os
+import warnings
+from dataclasses import dataclass
 
 import torch
 
 from .. import Backend, device_capability
 
 MAX_RANK = 256
+QUACK_MIN_M = 128  # tokens from which quack's W4 GEMM serves bf16 calls (docs/perf.md)
+GEMV_MAX_M = 16  # tokens up to which the FMA GEMV serves
+ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (no repacked weight copy on the GPU)
+
+
+@dataclass
+class Sm90Prepared:
+    """What the sm90 kernels read besides the canonical tensors (built once per device)."""
+
+    proj_down_smoothed: torch.Tensor | None  # [K, R] bf16: proj_down / smooth[:, None], for lora_act = x @ it
+    proj_up_bf16: torch.Tensor | None  # [N, R] bf16 (the cuBLAS low-rank tile of the quack path)
+    quack: object | None  # quack_gemm.QuackWeight: the weight repacked for quack's decode
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [t for t in (self.proj_down_smoothed, self.proj_up_bf16) if t is not None]
+        if self.quack is not None:
+            out += [self.quack.blob, self.quack.sf, self.quack.wc, self.quack.bias]
+        return out
+
+
+def _quack_module():
+    """quack_gemm, or None where quack-kernels / cutlass are missing (warned once)."""
+    global _QUACK
+    if _QUACK is None:
+        try:
+            from . import quack_gemm
+
+            _QUACK = quack_gemm
+        except Exception as e:  # ImportError, or a cutlass that cannot load
+            warnings.warn(f"svdq-linear sm90: quack-kernels unavailable ({type(e).__name__}: {e}); "
+                          "large-M layers use the Triton GEMM", stacklevel=3)
+            _QUACK = False
+    return _QUACK or None
+
+
+_QUACK = None
 
 
 class Sm90Backend(Backend):
@@ -59,16 +102,50 @@ class Sm90Backend(Backend):
             return f"{x.dtype} input (the weight-only product runs on 16-bit operands)"
         return None
 
+    def _use_quack(self, module) -> bool:
+        n, k = module.out_features, module.in_features
+        return (not self.interpret and os.environ.get(ENV_QUACK, "1") != "0" and n % 128 == 0 and k % 128 == 0
+                and _quack_module() is not None)
+
+    def prepare(self, module, device):
+        if module.kind != "w4a4":
+            return None
+        r = module.rank
+        pds = (module.proj_down.float() / module.smooth[:, None]).to(torch.bfloat16) if r else None
+        quack = _quack_module() if self._use_quack(module) else None
+        qw = quack.prepare(module.qweight, module.wscales, module.wcscale, module.bias) if quack else None
+        up = module.proj_up.to(torch.bfloat16).contiguous() if r and qw is not None else None
+        return Sm90Prepared(pds, up, qw)
+
+    def extra_tensors(self, prepared):
+        return [] if prepared is None else prepared.tensors()
+
     def run_w4a4(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
         m, k = x.shape
-        r = proj_down.shape[1]
-        xq, _, _, lora = self.kernels.quantize_act(x, smooth, proj_down if r else None)
-        cfg = self.tuning.pick(m, qweight.shape[0], k)
+        n, r = qweight.shape[0], proj_down.shape[1]
+        lora = None
+        if r:
+            pds = extra[0] if extra else (proj_down.float() / smooth[:, None]).to(torch.bfloat16)
+            lora = x.to(torch.bfloat16) @ pds  # [M, R] bf16; x read once more, at copy speed
+        use_quack = len(extra) >= (6 if r else 4) and m >= QUACK_MIN_M and x.dtype == torch.bfloat16
+        xq, _, _ = self.kernels.quantize_act(x, smooth, out_dtype=torch.bfloat16 if use_quack else None)
+        if use_quack:
+            from . import quack_gemm
+            from .quack_gemm import QuackWeight
+
+            qw = QuackWeight(*extra[-4:])
+            lowrank = lora @ extra[1].T if r else None
+            return quack_gemm.gemm(xq, qw, lowrank)
+        if m <= GEMV_MAX_M:
+            return self.kernels.w4_gemv(xq, qweight, wscales, wcscale, bias, proj_up if r else None, lora, x.dtype)
+        cfg = self.tuning.pick(m, n, k)
         return self.kernels.w4_gemm(xq, qweight, wscales, wcscale, bias, proj_up if r else None, lora, x.dtype, cfg)
 
     def run_w4a16(self, x, qweight, wscales, wcscale, bias, extra):
         if x.stride(1) != 1:
             x = x.contiguous()
+        if x.shape[0] <= GEMV_MAX_M:
+            return self.kernels.w4_gemv(x, qweight, wscales, wcscale, bias, None, None, x.dtype)
         cfg = self.tuning.pick(x.shape[0], qweight.shape[0], x.shape[1])
         return self.kernels.w4_gemm(x, qweight, wscales, wcscale, bias, None, None, x.dtype, cfg)
 

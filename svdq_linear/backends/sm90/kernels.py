@@ -5,8 +5,10 @@ their products are exact in FP32, so the exact W4A4 product runs on 16-bit wgmma
 
 - ``quantize_act``: one pass over ``x [M, K]``: ``xs = x * (1/smooth)``, the per-16 amax, the E4M3
   scale, the E2M1 codes under the contract's rules (``svdq_linear.nvfp4``), writing the exact 16-bit
-  dequantized activations ``xq`` that the GEMM reads (or packed codes + scale bytes), plus
-  ``lora_act = xs @ proj_down [M, R]`` (fp32, tf32 tensor-core product) in the same pass.
+  dequantized activations ``xq`` that the GEMM reads (or packed codes + scale bytes). ``lora_act``
+  comes from one cuBLAS GEMM on ``x`` with ``proj_down / smooth`` folded at prepare time.
+- ``w4_gemv``: for a few tokens (M <= 16): FMA dot products on the decoded weight, split over K,
+  reading the 4-bit weight once.
 - ``w4_gemm``: ``out [M, N] = (a @ Wq^T) * wcscale (+ lora_act @ proj_up^T) (+ bias)``. The kernel
   computes the transposed tile ``acc [BLOCK_N, BLOCK_M]``: the 4-bit weight is decoded in registers
   (A operand of wgmma; weight rows fill wgmma's 64-row M), the activations are the shared-memory B
@@ -50,64 +52,53 @@ def _round_e4m3(v):
 
 @triton.jit
 def _quantize_act_kernel(
-    x_ptr, smooth_ptr, pd_ptr, xq_ptr, codes_ptr, scales_ptr, lora_ptr,
-    M, K, R,
-    stride_xm, stride_xk, stride_pdk, stride_pdr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    HAS_LORA: tl.constexpr, WRITE_XQ: tl.constexpr, WRITE_CODES: tl.constexpr,
+    x_ptr, smooth_ptr, xq_ptr, codes_ptr, scales_ptr,
+    M, K, stride_xm, stride_xk,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_XQ: tl.constexpr, WRITE_CODES: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rm = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    # One [BLOCK_M, BLOCK_K] tile a program: every byte is read once and the grid fills the GPU.
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    k0 = tl.program_id(1) * BLOCK_K
+    rk = k0 + tl.arange(0, BLOCK_K)
     m_ok = rm < M
-    rr = tl.arange(0, BLOCK_R)
-    lora = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K  # K % 16 == 0: whole blocks are in or out
-        mask = m_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        sm = tl.load(smooth_ptr + rk, mask=k_ok, other=1.0)
-        xs = x * tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)[None, :]
-        if HAS_LORA:
-            pd = tl.load(pd_ptr + rk[:, None] * stride_pdk + rr[None, :] * stride_pdr,
-                         mask=k_ok[:, None] & (rr < R)[None, :], other=0.0).to(tl.float32)
-            lora = tl.dot(xs, pd, lora, input_precision="tf32")
+    k_ok = rk < K  # K % 16 == 0: whole blocks are in or out
+    mask = m_ok[:, None] & k_ok[None, :]
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    sm = tl.load(smooth_ptr + rk, mask=k_ok, other=1.0)
+    xs = x * tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)[None, :]
 
-        xb = tl.reshape(xs, (BLOCK_M, BLOCK_K // 16, 16))
-        ab = tl.abs(xb)
-        amax = tl.max(ab, axis=2)
-        finite = tl.min((ab < float("inf")).to(tl.int32), axis=2)  # 0 for a NaN or +-Inf in the block
-        sdiv = tl.math.div_rn(amax, tl.full([BLOCK_M, BLOCK_K // 16], 6.0, tl.float32))
-        sf = tl.where(finite != 0, _round_e4m3(sdiv), 0.0)
-        s8 = sf.to(tl.float8e4nv)  # exact: sf is an E4M3 value
-        r = tl.where(sf > 0, tl.math.div_rn(tl.full([BLOCK_M, BLOCK_K // 16], 1.0, tl.float32), sf), 0.0)
-        q = xb * r[:, :, None]
-        a = tl.abs(q)
-        neg = q < 0
-        # Nearest-even E2M1: midpoints 0.25 (down), 0.75 (up), 1.25, 1.75, 2.5, 3.5, 5 alternate.
-        if WRITE_XQ:
-            v = 0.5 * ((a > 0.25).to(tl.float32) + (a >= 0.75).to(tl.float32) + (a > 1.25).to(tl.float32)
-                       + (a >= 1.75).to(tl.float32))
-            v += (a > 2.5).to(tl.float32) + (a >= 3.5).to(tl.float32) + 2.0 * (a > 5.0).to(tl.float32)
-            v = tl.where(neg, -v, v) * sf[:, :, None]
-            v = tl.where((finite != 0)[:, :, None], v, float("nan"))
-            xq = tl.reshape(v, (BLOCK_M, BLOCK_K))
-            tl.store(xq_ptr + rm[:, None] * K + rk[None, :], xq.to(xq_ptr.dtype.element_ty), mask=mask)
-        if WRITE_CODES:
-            mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-                   + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-                   + (a > 5.0).to(tl.int32))
-            code = tl.reshape(mag | (neg.to(tl.int32) << 3), (BLOCK_M, BLOCK_K // 2, 2))
-            lo, hi = tl.split(code)
-            rk2 = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            tl.store(codes_ptr + rm[:, None] * (K // 2) + rk2[None, :], (lo | (hi << 4)).to(tl.uint8),
-                     mask=m_ok[:, None] & (rk2 < K // 2)[None, :])
-            sbits = tl.where(finite != 0, s8.to(tl.uint8, bitcast=True), 0x7F)
-            rks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-            tl.store(scales_ptr + rm[:, None] * (K // 16) + rks[None, :], sbits,
-                     mask=m_ok[:, None] & (rks < K // 16)[None, :])
-    if HAS_LORA:
-        tl.store(lora_ptr + rm[:, None] * R + rr[None, :], lora, mask=m_ok[:, None] & (rr < R)[None, :])
+    xb = tl.reshape(xs, (BLOCK_M, BLOCK_K // 16, 16))
+    ab = tl.abs(xb)
+    amax = tl.max(ab, axis=2)
+    finite = tl.min((ab < float("inf")).to(tl.int32), axis=2)  # 0 for a NaN or +-Inf in the block
+    sdiv = tl.math.div_rn(amax, tl.full([BLOCK_M, BLOCK_K // 16], 6.0, tl.float32))
+    sf = tl.where(finite != 0, _round_e4m3(sdiv), 0.0)
+    r = tl.where(sf > 0, tl.math.div_rn(tl.full([BLOCK_M, BLOCK_K // 16], 1.0, tl.float32), sf), 0.0)
+    q = xb * r[:, :, None]
+    a = tl.abs(q)
+    neg = q < 0
+    # Nearest-even E2M1: the midpoints 0.25 (down), 0.75 (up), 1.25, 1.75, 2.5, 3.5, 5 alternate.
+    if WRITE_XQ:
+        v = 0.5 * ((a > 0.25).to(tl.float32) + (a >= 0.75).to(tl.float32) + (a > 1.25).to(tl.float32)
+                   + (a >= 1.75).to(tl.float32))
+        v += (a > 2.5).to(tl.float32) + (a >= 3.5).to(tl.float32) + 2.0 * (a > 5.0).to(tl.float32)
+        v = tl.where(neg, -v, v) * sf[:, :, None]
+        v = tl.where((finite != 0)[:, :, None], v, float("nan"))
+        tl.store(xq_ptr + rm[:, None] * K + rk[None, :], tl.reshape(v, (BLOCK_M, BLOCK_K)).to(xq_ptr.dtype.element_ty),
+                 mask=mask)
+    if WRITE_CODES:
+        mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+               + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+               + (a > 5.0).to(tl.int32))
+        code = tl.reshape(mag | (neg.to(tl.int32) << 3), (BLOCK_M, BLOCK_K // 2, 2))
+        lo, hi = tl.split(code)
+        rk2 = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        tl.store(codes_ptr + rm[:, None] * (K // 2) + rk2[None, :], (lo | (hi << 4)).to(tl.uint8),
+                 mask=m_ok[:, None] & (rk2 < K // 2)[None, :])
+        sbits = tl.where(finite != 0, sf.to(tl.float8e4nv).to(tl.uint8, bitcast=True), 0x7F)  # exact cast
+        rks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        tl.store(scales_ptr + rm[:, None] * (K // 16) + rks[None, :], sbits,
+                 mask=m_ok[:, None] & (rks < K // 16)[None, :])
 
 
 @triton.jit
@@ -122,7 +113,8 @@ def _epilogue(acc, rn, rm, N, M, R, wc_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr,
         rr = tl.arange(0, BLOCK_R)
         up = tl.load(up_ptr + rn[:, None] * R + rr[None, :], mask=n_ok[:, None] & (rr < R)[None, :],
                      other=0.0).to(tl.float32)
-        lt = tl.load(lora_ptr + rm[None, :] * R + rr[:, None], mask=m_ok[None, :] & (rr < R)[:, None], other=0.0)
+        lt = tl.load(lora_ptr + rm[None, :] * R + rr[:, None], mask=m_ok[None, :] & (rr < R)[:, None],
+                     other=0.0).to(tl.float32)
         acc = tl.dot(up, lt, acc, input_precision="tf32")
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -204,6 +196,44 @@ def _splitk_epilogue_kernel(
               BLOCK_R, HAS_BIAS, HAS_LORA)
 
 
+@triton.jit
+def _w4_gemv_kernel(
+    a_ptr, w_ptr, ws_ptr, part_ptr, M, N, K, stride_am, k_per_split,
+    BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr, M_PAD: tl.constexpr,
+):
+    """fp32 partials ``part[pid_k, m, n] = sum over this split's k of a[m, k] * W[n, k]`` (few tokens).
+
+    The packed byte ``j`` holds ``k = 2j`` (low nibble) and ``2j + 1`` (high): the activations are
+    read as even and odd columns so no interleave is needed; a block scale covers 8 bytes.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_l = rn % N
+    rm = tl.arange(0, M_PAD)
+    m_ok = rm < M
+    half_k = K // 2
+    acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+    kb_lo = pid_k * (k_per_split // 2)
+    kb_hi = tl.minimum(half_k, kb_lo + k_per_split // 2)
+    for kb in range(kb_lo, kb_hi, BLOCK_KB):
+        rj = kb + tl.arange(0, BLOCK_KB)
+        wp = tl.load(w_ptr + rn_l[:, None] * half_k + rj[None, :]).to(tl.int32)
+        sc = tl.load(ws_ptr + rn_l[:, None] * (K // 16) + (kb // 8 + tl.arange(0, BLOCK_KB // 8))[None, :])
+        scf = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        lo = (((wp & 7) << 22) | ((wp & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37
+        hi = (((wp & 0x70) << 18) | ((wp & 0x80) << 24)).to(tl.float32, bitcast=True) * 8.507059173023462e37
+        lo = tl.reshape(tl.reshape(lo, (BLOCK_N, BLOCK_KB // 8, 8)) * scf[:, :, None], (BLOCK_N, BLOCK_KB))
+        hi = tl.reshape(tl.reshape(hi, (BLOCK_N, BLOCK_KB // 8, 8)) * scf[:, :, None], (BLOCK_N, BLOCK_KB))
+        for mi in tl.static_range(M_PAD):
+            if mi < M:
+                ae = tl.load(a_ptr + mi * stride_am + 2 * rj).to(tl.float32)
+                ao = tl.load(a_ptr + mi * stride_am + 2 * rj + 1).to(tl.float32)
+                dot = tl.sum(lo * ae[None, :] + hi * ao[None, :], axis=1)
+                acc += tl.where(rm[None, :] == mi, dot[:, None], 0.0)
+    tl.store(part_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None], acc, mask=(rn < N)[:, None] & m_ok[None, :])
+
+
 # ---- launchers -----------------------------------------------------------------------------------
 
 
@@ -214,43 +244,34 @@ def _block_r(r: int) -> int:
 def quantize_act(
     x: torch.Tensor,
     smooth: torch.Tensor,
-    proj_down: torch.Tensor | None = None,
     *,
     out_dtype: torch.dtype | None = None,
     packed: bool = False,
-    block_m: int = 16,
+    block_m: int = 32,
     block_k: int = 256,
     num_warps: int = 4,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """NVFP4-quantize ``x [M, K]`` (any strides) after smoothing, in one pass.
 
-    Returns ``(xq, codes, scales, lora_act)``: ``xq [M, K]`` the exact dequantized values in
-    ``out_dtype`` (default: x's dtype if 16-bit, else bf16; None when ``packed``), ``codes [M, K/2]``
-    uint8 and ``scales [M, K/16]`` float8_e4m3fn (bit-identical to ``nvfp4.quantize_nvfp4``; None unless
-    ``packed``), ``lora_act [M, R]`` fp32 (None without ``proj_down`` or when R = 0).
+    Returns ``(xq, codes, scales)``: ``xq [M, K]`` the exact dequantized values in ``out_dtype``
+    (default: x's dtype if 16-bit, else bf16; None when ``packed``); ``codes [M, K/2]`` uint8 and
+    ``scales [M, K/16]`` float8_e4m3fn, bit-identical to ``nvfp4.quantize_nvfp4`` (None unless ``packed``).
     """
     m, k = x.shape
     if k % nvfp4.BLOCK_SIZE:
         raise ValueError(f"expected K % 16 == 0, got {k}")
-    r = 0 if proj_down is None else proj_down.shape[1]
     dt = out_dtype or (x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
     xq = None if packed else torch.empty(m, k, device=x.device, dtype=dt)
     codes = torch.empty(m, k // 2, device=x.device, dtype=torch.uint8) if packed else None
     scales = torch.empty(m, k // 16, device=x.device, dtype=torch.uint8) if packed else None
-    lora = torch.empty(m, r, device=x.device, dtype=torch.float32) if r else None
-    if m == 0:
-        return xq, codes, None if scales is None else scales.view(torch.float8_e4m3fn), lora
-    block_k = min(block_k, triton.next_power_of_2(k))
-    pd = proj_down if r else smooth
-    dummy = smooth
-    _quantize_act_kernel[(triton.cdiv(m, block_m),)](
-        x, smooth, pd, dummy if xq is None else xq, dummy if codes is None else codes,
-        dummy if scales is None else scales, dummy if lora is None else lora,
-        m, k, r, x.stride(0), x.stride(1), pd.stride(0), pd.stride(1) if r else 0,
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r),
-        HAS_LORA=bool(r), WRITE_XQ=not packed, WRITE_CODES=packed, num_warps=num_warps,
-    )
-    return xq, codes, None if scales is None else scales.view(torch.float8_e4m3fn), lora
+    if m:
+        block_k = min(block_k, triton.next_power_of_2(k))
+        _quantize_act_kernel[(triton.cdiv(m, block_m), triton.cdiv(k, block_k))](
+            x, smooth, smooth if xq is None else xq, smooth if codes is None else codes,
+            smooth if scales is None else scales, m, k, x.stride(0), x.stride(1),
+            BLOCK_M=block_m, BLOCK_K=block_k, WRITE_XQ=not packed, WRITE_CODES=packed, num_warps=num_warps,
+        )
+    return xq, codes, None if scales is None else scales.view(torch.float8_e4m3fn)
 
 
 def w4_gemm(
@@ -267,7 +288,7 @@ def w4_gemm(
     """``out [M, N] = (a @ Wq^T) * wcscale + lora_act @ proj_up^T + bias`` (fp32 accumulation).
 
     ``a [M, K]`` bf16/fp16 with unit stride along K (the exact activations, or x itself for W4A16);
-    ``qweight [N, K/2]`` / ``wscales [N, K/16]`` canonical (contiguous); ``lora_act [M, R]`` fp32.
+    ``qweight [N, K/2]`` / ``wscales [N, K/16]`` canonical (contiguous); ``lora_act [M, R]`` (any float dtype).
     """
     m, k = a.shape
     n = qweight.shape[0]
@@ -302,4 +323,58 @@ def w4_gemm(
             SPLIT_K=split, BLOCK_N=bn, BLOCK_M=bm, BLOCK_R=_block_r(r), HAS_BIAS=has_bias, HAS_LORA=bool(r),
             num_warps=4,
         )
+    return out
+
+
+def w4_gemv(
+    a: torch.Tensor,
+    qweight: torch.Tensor,
+    wscales: torch.Tensor,
+    wcscale: torch.Tensor,
+    bias: torch.Tensor | None,
+    proj_up: torch.Tensor | None,
+    lora_act: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    block_n: int = 32,
+    block_kb: int = 128,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """``w4_gemm``'s result for a few tokens (M <= 16) through FMA dot products and a fixed-order
+    split-K reduction (``_splitk_epilogue_kernel``, which also applies the epilogue)."""
+    m, k = a.shape
+    n = qweight.shape[0]
+    if m > 16:
+        raise ValueError(f"w4_gemv takes at most 16 tokens, got {m}")
+    if _INTERPRET and out_dtype != torch.float32:
+        return w4_gemv(a, qweight, wscales, wcscale, bias, proj_up, lora_act, torch.float32, block_n, block_kb,
+                       split_k).to(out_dtype)
+    out = torch.empty(m, n, device=a.device, dtype=out_dtype)
+    if m == 0:
+        return out
+    half_k = k // 2
+    block_kb = min(block_kb, triton.next_power_of_2(half_k))
+    while half_k % block_kb:  # whole blocks only: K/2 is a multiple of 8
+        block_kb //= 2
+    n_tiles = triton.cdiv(n, block_n)
+    steps = half_k // block_kb
+    if split_k is None:
+        split_k = 1
+        while n_tiles * split_k < 4 * 132 and steps % (split_k * 2) == 0 and steps // (split_k * 2) >= 2:
+            split_k *= 2
+    k_per_split = 2 * block_kb * (steps // split_k)
+    part = torch.empty(split_k, m, n, device=a.device, dtype=torch.float32)
+    _w4_gemv_kernel[(n_tiles, split_k)](
+        a, qweight, wscales.view(torch.uint8), part, m, n, k, a.stride(0), k_per_split,
+        BLOCK_N=block_n, BLOCK_KB=block_kb, M_PAD=max(2, triton.next_power_of_2(m)), num_warps=4,
+    )
+    r = 0 if lora_act is None else lora_act.shape[1]
+    has_bias = bias is not None
+    dummy = wcscale
+    bn, bm = 64, 16
+    _splitk_epilogue_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+        part, wcscale, bias if has_bias else dummy, proj_up if r else dummy, lora_act if r else dummy,
+        out, m, n, r, out.stride(0),
+        SPLIT_K=split_k, BLOCK_N=bn, BLOCK_M=bm, BLOCK_R=_block_r(r), HAS_BIAS=has_bias, HAS_LORA=bool(r),
+        num_warps=4,
+    )
     return out
