@@ -4,15 +4,21 @@ Importing the package registers the ``svdq_w4a4`` quantizer with diffusers, so t
 ``DiffusionPipeline.from_pretrained`` loads folders written by ``svdq-convert``.
 """
 
+import warnings
+
 from . import backends, nvfp4
-from .diffusers_quantizer import SVDQuantizationConfig, register as _register_diffusers_quantizer
 from .linear import NVFP4W4A16Linear, SVDQW4A4Linear
-from .pipeline import load_svdq_pipeline, quantize_linears
 from .svdquant import SVDQuantConfig, SVDQuantWeights, svdquant
 
 __version__ = "0.1.0"
 
-_register_diffusers_quantizer()
+try:
+    from .diffusers_quantizer import SVDQuantizationConfig, register as _register_diffusers_quantizer
+    from .pipeline import load_svdq_pipeline, quantize_linears
+
+    _register_diffusers_quantizer()
+except ImportError as _e:  # the modules work without diffusers; loading pipelines does not
+    warnings.warn(f"svdq-linear: diffusers integration unavailable ({_e})", stacklevel=2)
 
 
 def quantize_pipeline(pipe, rank: int = 32, calib_prompts=None, **kwargs):
