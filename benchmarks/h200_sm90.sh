@@ -4,7 +4,15 @@
 # STEPS (default "tests bench") picks what runs; each step has its own time limit.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-source .devcarry/wheels/env.sh
+# The CuTe DSL (61 MiB) and the wheels (quack, diffusers) do not fit one call: a call that carries
+# .devcarry/cutedsl stages it under /tmp; the next call (machine still warm) carries the wheels.
+if [ -d .devcarry/cutedsl ]; then source .devcarry/cutedsl/env.sh
+elif [ -f /tmp/cutedsl-site/.ok ]; then
+  export PYTHONPATH=/tmp/cutedsl-site:/tmp/cutedsl-site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+  export CUTE_DSL_CACHE_DIR=/tmp/cutedsl-cache
+else echo "CuTe DSL not staged: quack paths fall back to Triton"; fi
+[ -d .devcarry/wheels ] && source .devcarry/wheels/env.sh
+export QUACK_CACHE_DIR="${QUACK_CACHE_DIR:-/tmp/quack-cache}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print('torch', torch.__version__, torch.cuda.get_device_name(), 'triton', triton.__version__)"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv,noheader

@@ -75,7 +75,8 @@ def _check(y, expected, bound, what):
     nan_expected = torch.isnan(expected)
     assert torch.isnan(y[nan_expected]).all(), f"{what}: a NaN/Inf block must give NaN"
     ok = ~nan_expected
-    assert torch.isfinite(y[ok]).all(), f"{what}: unwritten or non-finite outputs"
+    bad = ~torch.isfinite(y) & ok
+    assert not bad.any(), f"{what}: {int(bad.sum())} unwritten or non-finite outputs, first at {bad.nonzero()[0].tolist()}"
     err = (y[ok] - expected[ok]).abs()
     excess = err / bound[ok]
     if excess.numel():
