@@ -91,18 +91,11 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-def _refuse_fuse_qkv(*args, **kwargs):
-    raise RuntimeError(
-        "fuse_qkv_projections() is not supported on an SVDQuant-quantized transformer: its q/k/v are "
-        "packed 4-bit SVDQW4A4Linear modules (no .weight to concatenate); they already share one "
-        "smoothing factor"
-    )
-
-
 def mark_quantized(model: nn.Module) -> None:
-    """Make ``fuse_qkv_projections`` (which reads ``.weight``) fail with a clear error."""
-    model.fuse_qkv_projections = _refuse_fuse_qkv
-    model.unfuse_qkv_projections = _refuse_fuse_qkv
+    """Let diffusers' ``fuse_qkv_projections`` fuse quantized q/k/v exactly (``svdq_linear.fuse``)."""
+    from .fuse import fuse_attention_projections
+
+    fuse_attention_projections(model)
 
 
 def swap_in_quantized_modules(model: nn.Module, config: SVDQuantizationConfig, dtype: torch.dtype) -> None:

@@ -135,10 +135,51 @@ def test_without_svdq_linear_the_folder_fails_loudly(converted):
     assert r.returncode != 0 and "Unknown quantization type, got svdq_w4a4" in r.stderr
 
 
-def test_fuse_qkv_projections_is_refused(converted):
-    pipe = load_svdq_pipeline(converted["sd3"], dtype=torch.float32)
-    with pytest.raises(RuntimeError, match="fuse_qkv_projections"):
-        pipe.transformer.fuse_qkv_projections()
+@pytest.mark.parametrize("kind", ["flux", "sd3"])
+def test_fuse_qkv_projections_is_exact_and_keeps_the_checkpoint(converted, kind):
+    from svdq_linear.linear import SVDQW4A4Linear
+
+    pipe = load_svdq_pipeline(converted[kind], dtype=torch.float32)
+    model = pipe.transformer
+    keys = set(model.state_dict())
+    attn = model.transformer_blocks[0].attn
+    cfg = model.config
+    torch.manual_seed(1)
+    if kind == "flux":
+        inputs = dict(hidden_states=torch.randn(1, 16, cfg.in_channels), encoder_hidden_states=torch.randn(
+            1, 8, cfg.joint_attention_dim), pooled_projections=torch.randn(1, cfg.pooled_projection_dim),
+            timestep=torch.tensor([0.5]), img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3),
+            guidance=torch.tensor([3.5]) if cfg.guidance_embeds else None)
+    else:
+        inputs = dict(hidden_states=torch.randn(1, cfg.in_channels, cfg.sample_size, cfg.sample_size),
+                      encoder_hidden_states=torch.randn(1, 8, cfg.joint_attention_dim),
+                      pooled_projections=torch.randn(1, cfg.pooled_projection_dim), timestep=torch.tensor([500]))
+    with torch.no_grad():
+        before = model(**inputs).sample
+        model.fuse_qkv_projections()
+        assert isinstance(attn.to_qkv, SVDQW4A4Linear) and attn.fused_projections
+        assert attn.to_qkv.out_features == 3 * attn.to_q.out_features
+        # q/k/v keep views of the fused packed weight: no second copy
+        assert attn.to_q.qweight.data_ptr() == attn.to_qkv.qweight.data_ptr()
+        calls = []
+        hook = attn.to_q.register_forward_hook(lambda *a: calls.append(1))
+        after = model(**inputs).sample
+        hook.remove()
+    assert not calls, "the fused model still ran the separate q projection"
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    assert set(model.state_dict()) == keys, "fusing must not change what a checkpoint holds"
+
+
+def test_concat_refuses_layers_that_do_not_share_an_input():
+    from svdq_linear.fuse import concat_w4a4
+    from svdq_linear.linear import SVDQW4A4Linear
+
+    a = SVDQW4A4Linear.from_linear(torch.nn.Linear(64, 32), rank=4, act_max=torch.rand(64) + 1)
+    b = SVDQW4A4Linear.from_linear(torch.nn.Linear(64, 32), rank=4, act_max=torch.rand(64) + 1)
+    with pytest.raises(ValueError, match="smoothing factor"):
+        concat_w4a4([a, b])
+    with pytest.raises(ValueError, match="in_features"):
+        concat_w4a4([a, SVDQW4A4Linear.from_linear(torch.nn.Linear(48, 32), rank=4)])
 
 
 def test_no_calib_uses_unit_smoothing(sources, tmp_path):

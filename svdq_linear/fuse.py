@@ -1,0 +1,128 @@
+"""One quantization pass for linears that read one input: exact concatenation of W4A4 layers.
+
+Linears that read the same input share one smoothing factor (the converter smooths them as a
+group), so stacking them along N is exact: the packed rows, block scales, ``wcscale`` and ``bias``
+concatenate, ``proj_down`` concatenates along R and ``proj_up`` becomes block-diagonal (the zeros add
+exact zeros in the FP32 accumulation). The fused layer quantizes its input once and runs one GEMM.
+
+``fuse_attention_projections`` makes diffusers' ``fuse_qkv_projections()`` work on quantized
+transformers: each attention module gets ``to_qkv`` (and ``to_added_qkv``) built this way, the
+separate q/k/v modules become views of the fused packed weight (no second copy of it), and the fused
+modules stay out of ``state_dict`` so saved checkpoints are unchanged.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from .linear import SVDQW4A4Linear
+
+
+@torch.no_grad()
+def concat_w4a4(layers: list[SVDQW4A4Linear]) -> SVDQW4A4Linear:
+    """The exact stack of ``layers`` along N (they must read one input: same K and ``smooth``)."""
+    if not layers:
+        raise ValueError("expected at least one SVDQW4A4Linear to concatenate")
+    first = layers[0]
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, SVDQW4A4Linear):
+            raise TypeError(f"layer {i} is a {type(layer).__name__}, not an SVDQW4A4Linear")
+        if layer.in_features != first.in_features:
+            raise ValueError(f"layer {i} has in_features {layer.in_features}, layer 0 {first.in_features}")
+        if not torch.equal(layer.smooth, first.smooth):
+            raise ValueError(f"layer {i} has another smoothing factor than layer 0: fusing would not be exact")
+        if layer.proj_up.dtype != first.proj_up.dtype or layer.qweight.device != first.qweight.device:
+            raise ValueError(f"layer {i} differs from layer 0 in dtype or device")
+    ranks = [layer.rank for layer in layers]
+    n_total, r_total = sum(layer.out_features for layer in layers), sum(ranks)
+    has_bias = any(layer.bias is not None for layer in layers)
+    dev, dt = first.qweight.device, first.proj_up.dtype
+    fused = SVDQW4A4Linear(first.in_features, n_total, rank=r_total, bias=has_bias, device="meta", dtype=dt)
+    proj_up = torch.zeros(n_total, r_total, dtype=dt, device=dev)
+    row = col = 0
+    for layer in layers:
+        proj_up[row:row + layer.out_features, col:col + layer.rank] = layer.proj_up
+        row, col = row + layer.out_features, col + layer.rank
+    sd = {
+        "qweight": torch.cat([layer.qweight for layer in layers]),
+        "wscales": torch.cat([layer.wscales for layer in layers]),
+        "wcscale": torch.cat([layer.wcscale for layer in layers]),
+        "smooth": first.smooth.clone(),
+        "proj_down": torch.cat([layer.proj_down for layer in layers], dim=1),
+        "proj_up": proj_up,
+    }
+    if has_bias:
+        sd["bias"] = torch.cat([layer.bias if layer.bias is not None else
+                                torch.zeros(layer.out_features, dtype=dt, device=dev) for layer in layers])
+    fused.load_state_dict(sd, assign=True)
+    fused._backend_pref = first._backend_pref
+    return fused
+
+
+def _share_packed_weight(fused: SVDQW4A4Linear, layers: list[SVDQW4A4Linear]) -> None:
+    """Point each layer's packed weight at its rows of the fused one (row slices: contiguous views)."""
+    row = 0
+    for layer in layers:
+        n = layer.out_features
+        for name in ("qweight", "wscales"):
+            layer._set(name, getattr(fused, name)[row:row + n])
+        layer._reset_dispatch()
+        row += n
+
+
+def _fuse_group(attn: nn.Module, names: tuple[str, ...], fused_name: str) -> bool:
+    layers = [getattr(attn, n, None) for n in names]
+    if not all(isinstance(layer, SVDQW4A4Linear) for layer in layers):
+        return False
+    fused = concat_w4a4(layers)
+    _share_packed_weight(fused, layers)
+    setattr(attn, fused_name, fused)
+    return True
+
+
+@torch.no_grad()
+def _fuse_projections(self, *args, **kwargs):
+    """``Attention.fuse_projections`` for quantized q/k/v (diffusers calls it per attention module)."""
+    if getattr(self, "fused_projections", False):
+        return
+    if getattr(self, "is_cross_attention", False):
+        done = _fuse_group(self, ("to_k", "to_v"), "to_kv")
+    else:
+        done = _fuse_group(self, ("to_q", "to_k", "to_v"), "to_qkv")
+    if not done:
+        raise RuntimeError(f"{type(self).__name__}: expected quantized to_q/to_k/to_v to fuse")
+    _fuse_group(self, ("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_qkv")
+    self.fused_projections = True
+
+
+@torch.no_grad()
+def _unfuse_projections(self, *args, **kwargs):
+    for name in ("to_qkv", "to_kv", "to_added_qkv"):
+        if hasattr(self, name):
+            delattr(self, name)
+    self.fused_projections = False
+
+
+def _drop_fused_from_state_dict(module, state_dict, prefix, local_metadata):
+    for key in [k for k in state_dict if k.startswith((prefix + "to_qkv.", prefix + "to_kv.",
+                                                        prefix + "to_added_qkv."))]:
+        del state_dict[key]
+
+
+def fuse_attention_projections(model: nn.Module) -> int:
+    """Give every attention module of ``model`` whose q/k/v are quantized the quantized ``fuse_projections``.
+
+    Called on quantized transformers (``mark_quantized``); diffusers' ``fuse_qkv_projections()`` then
+    builds the fused modules through it. Returns how many attention modules were patched.
+    """
+    patched = 0
+    for module in model.modules():
+        if isinstance(getattr(module, "to_q", None), SVDQW4A4Linear) and hasattr(module, "fuse_projections"):
+            module.fuse_projections = types.MethodType(_fuse_projections, module)
+            module.unfuse_projections = types.MethodType(_unfuse_projections, module)
+            module._register_state_dict_hook(_drop_fused_from_state_dict)
+            patched += 1
+    return patched
