@@ -5,8 +5,7 @@ computed exactly on Hopper's 16-bit tensor cores: ``quantize_act`` writes the ex
 activations in one pass; ``lora_act`` is one cuBLAS GEMM of ``x`` with ``proj_down / smooth``.
 By tokens M (bf16):
 
-- M <= 16: ``kernels.w4_gemv`` (FMA dot products on the decoded weight, fixed-order split-K);
-- 16 < M < 128, fp16/fp32 inputs, or no quack: ``kernels.w4_gemm`` (Triton: the weight decoded in
+- M < 128, fp16/fp32 inputs, or no quack: ``kernels.w4_gemm`` (Triton: the weight decoded in
   registers as wgmma's A operand, ``* wcscale`` then the low-rank MMA into the same accumulator);
 - M >= 128, bf16: quack-kernels' NVFP4 W4 GEMM (``quack_gemm``) with ``* wcscale + bias + C`` fused,
   C the low-rank tile. It reads a repacked copy of the weight (``SVDQ_SM90_QUACK=0`` leaves it out).
@@ -30,7 +29,6 @@ from .. import Backend, device_capability
 
 MAX_RANK = 256
 QUACK_MIN_M = 128  # tokens from which quack's W4 GEMM serves bf16 calls (docs/perf.md)
-GEMV_MAX_M = 16  # tokens up to which the FMA GEMV serves
 ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (no repacked weight copy on the GPU)
 
 
@@ -136,16 +134,12 @@ class Sm90Backend(Backend):
             qw = QuackWeight(*extra[-4:])
             lowrank = lora @ extra[1].T if r else None
             return quack_gemm.gemm(xq, qw, lowrank)
-        if m <= GEMV_MAX_M:
-            return self.kernels.w4_gemv(xq, qweight, wscales, wcscale, bias, proj_up if r else None, lora, x.dtype)
         cfg = self.tuning.pick(m, n, k)
         return self.kernels.w4_gemm(xq, qweight, wscales, wcscale, bias, proj_up if r else None, lora, x.dtype, cfg)
 
     def run_w4a16(self, x, qweight, wscales, wcscale, bias, extra):
         if x.stride(1) != 1:
             x = x.contiguous()
-        if x.shape[0] <= GEMV_MAX_M:
-            return self.kernels.w4_gemv(x, qweight, wscales, wcscale, bias, None, None, x.dtype)
         cfg = self.tuning.pick(x.shape[0], qweight.shape[0], x.shape[1])
         return self.kernels.w4_gemm(x, qweight, wscales, wcscale, bias, None, None, x.dtype, cfg)
 

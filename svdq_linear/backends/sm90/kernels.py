@@ -7,8 +7,6 @@ their products are exact in FP32, so the exact W4A4 product runs on 16-bit wgmma
   scale, the E2M1 codes under the contract's rules (``svdq_linear.nvfp4``), writing the exact 16-bit
   dequantized activations ``xq`` that the GEMM reads (or packed codes + scale bytes). ``lora_act``
   comes from one cuBLAS GEMM on ``x`` with ``proj_down / smooth`` folded at prepare time.
-- ``w4_gemv``: for a few tokens (M <= 16): FMA dot products on the decoded weight, split over K,
-  reading the 4-bit weight once.
 - ``w4_gemm``: ``out [M, N] = (a @ Wq^T) * wcscale (+ lora_act @ proj_up^T) (+ bias)``. The kernel
   computes the transposed tile ``acc [BLOCK_N, BLOCK_M]``: the 4-bit weight is decoded in registers
   (A operand of wgmma; weight rows fill wgmma's 64-row M), the activations are the shared-memory B
@@ -196,44 +194,6 @@ def _splitk_epilogue_kernel(
               BLOCK_R, HAS_BIAS, HAS_LORA)
 
 
-@triton.jit
-def _w4_gemv_kernel(
-    a_ptr, w_ptr, ws_ptr, part_ptr, M, N, K, stride_am, k_per_split,
-    BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr, M_PAD: tl.constexpr,
-):
-    """fp32 partials ``part[pid_k, m, n] = sum over this split's k of a[m, k] * W[n, k]`` (few tokens).
-
-    The packed byte ``j`` holds ``k = 2j`` (low nibble) and ``2j + 1`` (high): the activations are
-    read as even and odd columns so no interleave is needed; a block scale covers 8 bytes.
-    """
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn_l = rn % N
-    rm = tl.arange(0, M_PAD)
-    m_ok = rm < M
-    half_k = K // 2
-    acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
-    kb_lo = pid_k * (k_per_split // 2)
-    kb_hi = tl.minimum(half_k, kb_lo + k_per_split // 2)
-    for kb in range(kb_lo, kb_hi, BLOCK_KB):
-        rj = kb + tl.arange(0, BLOCK_KB)
-        wp = tl.load(w_ptr + rn_l[:, None] * half_k + rj[None, :]).to(tl.int32)
-        sc = tl.load(ws_ptr + rn_l[:, None] * (K // 16) + (kb // 8 + tl.arange(0, BLOCK_KB // 8))[None, :])
-        scf = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        lo = (((wp & 7) << 22) | ((wp & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37
-        hi = (((wp & 0x70) << 18) | ((wp & 0x80) << 24)).to(tl.float32, bitcast=True) * 8.507059173023462e37
-        lo = tl.reshape(tl.reshape(lo, (BLOCK_N, BLOCK_KB // 8, 8)) * scf[:, :, None], (BLOCK_N, BLOCK_KB))
-        hi = tl.reshape(tl.reshape(hi, (BLOCK_N, BLOCK_KB // 8, 8)) * scf[:, :, None], (BLOCK_N, BLOCK_KB))
-        for mi in tl.static_range(M_PAD):
-            if mi < M:
-                ae = tl.load(a_ptr + mi * stride_am + 2 * rj).to(tl.float32)
-                ao = tl.load(a_ptr + mi * stride_am + 2 * rj + 1).to(tl.float32)
-                dot = tl.sum(lo * ae[None, :] + hi * ao[None, :], axis=1)
-                acc += tl.where(rm[None, :] == mi, dot[:, None], 0.0)
-    tl.store(part_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None], acc, mask=(rn < N)[:, None] & m_ok[None, :])
-
-
 # ---- launchers -----------------------------------------------------------------------------------
 
 
@@ -325,56 +285,3 @@ def w4_gemm(
         )
     return out
 
-
-def w4_gemv(
-    a: torch.Tensor,
-    qweight: torch.Tensor,
-    wscales: torch.Tensor,
-    wcscale: torch.Tensor,
-    bias: torch.Tensor | None,
-    proj_up: torch.Tensor | None,
-    lora_act: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    block_n: int = 32,
-    block_kb: int = 128,
-    split_k: int | None = None,
-) -> torch.Tensor:
-    """``w4_gemm``'s result for a few tokens (M <= 16) through FMA dot products and a fixed-order
-    split-K reduction (``_splitk_epilogue_kernel``, which also applies the epilogue)."""
-    m, k = a.shape
-    n = qweight.shape[0]
-    if m > 16:
-        raise ValueError(f"w4_gemv takes at most 16 tokens, got {m}")
-    if _INTERPRET and out_dtype != torch.float32:
-        return w4_gemv(a, qweight, wscales, wcscale, bias, proj_up, lora_act, torch.float32, block_n, block_kb,
-                       split_k).to(out_dtype)
-    out = torch.empty(m, n, device=a.device, dtype=out_dtype)
-    if m == 0:
-        return out
-    half_k = k // 2
-    block_kb = min(block_kb, triton.next_power_of_2(half_k))
-    while half_k % block_kb:  # whole blocks only: K/2 is a multiple of 8
-        block_kb //= 2
-    n_tiles = triton.cdiv(n, block_n)
-    steps = half_k // block_kb
-    if split_k is None:
-        split_k = 1
-        while n_tiles * split_k < 4 * 132 and steps % (split_k * 2) == 0 and steps // (split_k * 2) >= 2:
-            split_k *= 2
-    k_per_split = 2 * block_kb * (steps // split_k)
-    part = torch.empty(split_k, m, n, device=a.device, dtype=torch.float32)
-    _w4_gemv_kernel[(n_tiles, split_k)](
-        a, qweight, wscales.view(torch.uint8), part, m, n, k, a.stride(0), k_per_split,
-        BLOCK_N=block_n, BLOCK_KB=block_kb, M_PAD=max(2, triton.next_power_of_2(m)), num_warps=4,
-    )
-    r = 0 if lora_act is None else lora_act.shape[1]
-    has_bias = bias is not None
-    dummy = wcscale
-    bn, bm = 64, 16
-    _splitk_epilogue_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
-        part, wcscale, bias if has_bias else dummy, proj_up if r else dummy, lora_act if r else dummy,
-        out, m, n, r, out.stride(0),
-        SPLIT_K=split_k, BLOCK_N=bn, BLOCK_M=bm, BLOCK_R=_block_r(r), HAS_BIAS=has_bias, HAS_LORA=bool(r),
-        num_warps=4,
-    )
-    return out

@@ -16,15 +16,15 @@ from dataclasses import dataclass
 
 import torch
 from quack.epilogue.frontend import gemm_epilogue
-from quack.epilogue.ops import RowVecLoad
+from quack.epilogue.ops import RowVecLoad, TileLoad
 from quack.gemm_w4 import prepare_w4_weight
 
-TILE_K = 128  # quack's nvfp4 k-tile
+TILE_K = 64  # the k-tile quack requires for nvfp4
 
 
-@gemm_epilogue(ops={"wc": RowVecLoad("wc"), "bias": RowVecLoad("bias")})
-def _epi_bias_lowrank(acc, c, wc, bias):
-    return {"D": acc * wc + bias + c}
+@gemm_epilogue(ops={"wc": RowVecLoad("wc"), "bias": RowVecLoad("bias"), "lr": TileLoad("lr")})
+def _epi_bias_lowrank(acc, lr, wc, bias):
+    return {"D": acc * wc + bias + lr}
 
 
 @gemm_epilogue(ops={"wc": RowVecLoad("wc"), "bias": RowVecLoad("bias")})
@@ -66,5 +66,6 @@ def gemm(xq: torch.Tensor, w: QuackWeight, lowrank: torch.Tensor | None) -> torc
     if lowrank is None:
         _epi_bias.gemm(xq, w.blob, out, epi_args={"wc": w.wc, "bias": w.bias}, **common)
     else:
-        _epi_bias_lowrank.gemm(xq, w.blob, out, lowrank, epi_args={"wc": w.wc, "bias": w.bias}, **common)
+        _epi_bias_lowrank.gemm(xq, w.blob, out, epi_args={"wc": w.wc, "bias": w.bias, "lr": lowrank},
+                               **common)
     return out
