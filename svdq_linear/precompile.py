@@ -1,0 +1,144 @@
+"""``svdq-precompile``: compile the library's GPU kernels on a machine without a GPU.
+
+    svdq-precompile --arch sm_90a [--out DIR] [--keep-sass] [--quick]
+
+``sm_90a``: every Triton kernel variant the sm90 backend launches for the Flux.1 and SD3.5 shapes
+(the activation pass per input dtype, the W4 GEMM per tile configuration of ``configs.json`` with and
+without bias / low-rank, bf16 and fp16) is compiled for compute capability 9.0 into
+``DIR/triton-cache`` (point ``TRITON_CACHE_DIR`` there on the GPU machine: the runtime finds the
+same specialisations there instead of compiling; the cache is specific to the Triton version that
+wrote it). ``--keep-sass`` also writes each kernel's SASS; a JSON report lists registers, spills,
+shared memory and the SASS counts that matter (HGMMA, local-memory LDL/STL).
+``sm_100a`` / ``sm_103a``: the Blackwell kernels (``svdq_linear.backends.sm100``), when present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+# Flux.1 and SD3.5 (M tokens at 1024^2 with 512 text tokens, K, N), the adaLN GEMVs at batch 1-4.
+SHAPES = [(4608, 3072, 3072), (4608, 3072, 12288), (4608, 12288, 3072), (4608, 15360, 3072),
+          (512, 3072, 3072), (4352, 3840, 3072), (4352, 3840, 15360), (4352, 15360, 3840),
+          (1, 3072, 18432), (4, 3072, 9216), (64, 3072, 3072)]
+
+
+def _nvidia_bin(tool: str) -> str:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool
+    return str(path) if path.exists() else tool
+
+
+def _sass_stats(cubin: bytes, work: Path, name: str, keep_sass: bool) -> dict:
+    cub = work / f"{name}.cubin"
+    cub.write_bytes(cubin)
+    sass = subprocess.run([_nvidia_bin("cuobjdump"), "--dump-sass", str(cub)], capture_output=True, text=True,
+                          check=True).stdout
+    res = subprocess.run([_nvidia_bin("cuobjdump"), "--dump-resource-usage", str(cub)], capture_output=True,
+                         text=True, check=True).stdout
+    regs = re.search(r"REG:(\d+)", res)
+    stack = re.search(r"STACK:(\d+)", res)
+    stats = {
+        "registers": int(regs.group(1)) if regs else None,
+        "stack_bytes": int(stack.group(1)) if stack else None,
+        "hgmma": len(re.findall(r"\bHGMMA\.", sass)),
+        "local_memory": len(re.findall(r"\b(?:LDL|STL)\b", sass)),
+    }
+    if keep_sass:
+        (work / f"{name}.sass").write_text(sass)
+        stats["sass"] = str(work / f"{name}.sass")
+    cub.unlink()
+    return stats
+
+
+def _variants_sm90(quick: bool):
+    """(kernel, signature, constexprs, options, label) for each specialisation the backend launches."""
+    from .backends.sm90 import kernels, tuning
+
+    k_ptr = {torch_name: f"*{t}" for torch_name, t in (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"))}
+    out = []
+    for xdt in (["bf16"] if quick else ["bf16", "fp16", "fp32"]):
+        sig = dict(x_ptr=k_ptr[xdt], smooth_ptr="*fp32", xq_ptr="*bf16" if xdt == "fp32" else k_ptr[xdt],
+                   codes_ptr="*u8", scales_ptr="*u8", M="i32", K="i32", stride_xm="i32", stride_xk="i32")
+        cx = dict(BLOCK_M=32, BLOCK_K=256, WRITE_XQ=True, WRITE_CODES=False)
+        out.append((kernels._quantize_act_kernel, sig, cx, dict(num_warps=4), f"quantize_act_{xdt}"))
+    seen = set()
+    for m, k, n in (SHAPES[:2] + SHAPES[-3:] if quick else SHAPES):
+        cfg = tuning.pick(m, n, k)
+        for dt in (["bf16"] if quick else ["bf16", "fp16"]):
+            for has_lora in (True, False):
+                key = (cfg, dt, has_lora, k % cfg.block_k == 0)
+                if key in seen:
+                    continue
+                seen.add(key)
+                sig = dict(a_ptr=f"*{dt}", w_ptr="*u8", ws_ptr="*u8", wc_ptr="*fp32", bias_ptr=f"*{dt}",
+                           up_ptr=f"*{dt}", lora_ptr="*bf16", out_ptr=f"*{dt}", part_ptr="*fp32", M="i32", N="i32",
+                           K="i32", R="i32", stride_am="i32", stride_om="i32", k_per_split="i32")
+                split = tuning.split_for(cfg, m, n, k) if cfg.split_k == 0 else cfg.split_k
+                cx = dict(BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=32,
+                          GROUP_N=cfg.group_n, SPLIT_K=split, EVEN_K=True, HAS_BIAS=True, HAS_LORA=has_lora,
+                          DOT_F32=False)
+                label = (f"w4_gemm_{dt}_{cfg.block_n}x{cfg.block_m}x{cfg.block_k}_s{split}"
+                         f"_w{cfg.num_warps}{'_lora' if has_lora else ''}")
+                out.append((kernels._w4_gemm_kernel, sig, cx,
+                            dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), label))
+    return out
+
+
+def precompile_sm90(out_dir: Path, keep_sass: bool = False, quick: bool = False) -> list[dict]:
+    """Compile the sm90 Triton kernels for sm_90a into ``out_dir``; one report record per kernel."""
+    os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, not the CPU interpreter
+    os.environ["TRITON_CACHE_DIR"] = str(out_dir / "triton-cache")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", 90, 32)
+    sass_dir = out_dir / "sass-sm_90a"
+    sass_dir.mkdir(parents=True, exist_ok=True)
+    records = []
+    for fn, sig, cx, opts, label in _variants_sm90(quick):
+        full = {name: ("constexpr" if name in cx else sig[name]) for name in fn.arg_names}
+        # What the runtime specialises: pointers and the integer sizes/strides are 16-divisible.
+        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+                 if name not in cx and name not in ("R", "M")}
+        ck = triton.compile(ASTSource(fn, full, constexprs=cx, attrs=attrs), target=target, options=opts)
+        rec = {"kernel": label, "arch": "sm_90a", "shared_bytes": ck.metadata.shared,
+               **_sass_stats(ck.asm["cubin"], sass_dir, label, keep_sass)}
+        records.append(rec)
+    return records
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="svdq-precompile", description=__doc__.splitlines()[0])
+    p.add_argument("--arch", required=True, choices=["sm_90a", "sm_100a", "sm_103a"])
+    p.add_argument("--out", default="svdq-precompiled", help="output folder (default: %(default)s)")
+    p.add_argument("--keep-sass", action="store_true", help="write each kernel's SASS")
+    p.add_argument("--quick", action="store_true", help="a representative subset (CI)")
+    args = p.parse_args(argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.arch == "sm_90a":
+        records = precompile_sm90(out_dir, args.keep_sass, args.quick)
+    else:
+        try:
+            from .backends.sm100.precompile import precompile_sm100
+        except ImportError as e:
+            print(f"svdq-precompile: the sm100 kernels are not available here ({e})", file=sys.stderr)
+            return 2
+        records = precompile_sm100(args.arch, out_dir, args.keep_sass)
+    (out_dir / f"report-{args.arch}.json").write_text(json.dumps(records, indent=1))
+    for r in records:
+        print(" ".join(f"{k}={v}" for k, v in r.items() if k != "sass"))
+    print(f"{len(records)} kernels compiled for {args.arch} into {out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
