@@ -22,6 +22,7 @@ for step in ${STEPS:-tests bench}; do
     tests) timeout "${TEST_LIMIT:-240}" python3 -m pytest -q -x -p no:cacheprovider -W ignore ${PYTEST_ARGS:-tests/test_conformance.py tests/test_backends.py} \
              > "$OUT/tests.log" 2>&1; rc=$?; tail -15 "$OUT/tests.log" ;;
     bench) timeout "${BENCH_LIMIT:-420}" python3 benchmarks/bench_sm90.py --out "$OUT" "$@" > "$OUT/bench.log" 2>&1; tail -70 "$OUT/bench.log" ;;
+    small) timeout "${SMALL_LIMIT:-120}" python3 benchmarks/bench_small_m.py --out "$OUT/bench_small_m.md" > "$OUT/small.log" 2>&1; tail -12 "$OUT/small.log" ;;
     suite) timeout "${TEST_LIMIT:-400}" python3 -m pytest -q -p no:cacheprovider -W ignore tests/ > "$OUT/suite.log" 2>&1; rc=$?; tail -15 "$OUT/suite.log" ;;
   esac
 done
