@@ -11,7 +11,7 @@ By tokens M (bf16):
   C the low-rank tile. It reads a repacked copy of the weight (``SVDQ_SM90_QUACK=0`` leaves it out).
 
 Deviations from the reference stay inside the contract's tensor-core tolerance
-(``svdq_linear.nvfp4``): FP32 summation order and 16-bit/tf32 operands of the low-rank products.
+(``svdq_linear.nvfp4``): FP32 summation order and bf16 operands of the low-rank products.
 
 Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (slowly): the CPU test suite checks
 them that way.

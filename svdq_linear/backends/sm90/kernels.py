@@ -101,7 +101,7 @@ def _quantize_act_kernel(
 
 @triton.jit
 def _epilogue(acc, rn, rm, N, M, R, wc_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_om,
-              BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr):
+              BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, DOT_F32: tl.constexpr):
     """``acc [BLOCK_N, BLOCK_M]`` -> ``out[rm, rn] = acc * wcscale + lora @ proj_up^T + bias``."""
     n_ok = rn < N
     m_ok = rm < M
@@ -109,11 +109,12 @@ def _epilogue(acc, rn, rm, N, M, R, wc_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr,
     acc = acc * wc[:, None]
     if HAS_LORA:
         rr = tl.arange(0, BLOCK_R)
-        up = tl.load(up_ptr + rn[:, None] * R + rr[None, :], mask=n_ok[:, None] & (rr < R)[None, :],
-                     other=0.0).to(tl.float32)
-        lt = tl.load(lora_ptr + rm[None, :] * R + rr[:, None], mask=m_ok[None, :] & (rr < R)[:, None],
-                     other=0.0).to(tl.float32)
-        acc = tl.dot(up, lt, acc, input_precision="tf32")
+        up = tl.load(up_ptr + rn[:, None] * R + rr[None, :], mask=n_ok[:, None] & (rr < R)[None, :], other=0.0)
+        lt = tl.load(lora_ptr + rm[None, :] * R + rr[:, None], mask=m_ok[None, :] & (rr < R)[:, None], other=0.0)
+        if DOT_F32:
+            acc = tl.dot(up.to(tl.float32), lt.to(tl.float32), acc, input_precision="ieee")
+        else:  # bf16 operands (the contract allows them): twice tf32's rate
+            acc = tl.dot(up.to(tl.bfloat16), lt.to(tl.bfloat16), acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty),
@@ -172,7 +173,7 @@ def _w4_gemm_kernel(
             acc = tl.dot(w.to(a.dtype), a, acc)
     if SPLIT_K == 1:
         _epilogue(acc, rn, rm, N, M, R, wc_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_om,
-                  BLOCK_R, HAS_BIAS, HAS_LORA)
+                  BLOCK_R, HAS_BIAS, HAS_LORA, DOT_F32)
     else:
         ptrs = part_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
         tl.store(ptrs, acc, mask=(rn < N)[:, None] & (rm < M)[None, :])
@@ -182,7 +183,7 @@ def _w4_gemm_kernel(
 def _splitk_epilogue_kernel(
     part_ptr, wc_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, M, N, R, stride_om,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -191,7 +192,7 @@ def _splitk_epilogue_kernel(
     for s in range(SPLIT_K):  # fixed order: the result does not depend on scheduling
         acc += tl.load(part_ptr + s * M * N + rm[None, :] * N + rn[:, None], mask=mask, other=0.0)
     _epilogue(acc, rn, rm, N, M, R, wc_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_om,
-              BLOCK_R, HAS_BIAS, HAS_LORA)
+              BLOCK_R, HAS_BIAS, HAS_LORA, DOT_F32)
 
 
 # ---- launchers -----------------------------------------------------------------------------------
@@ -281,7 +282,7 @@ def w4_gemm(
             part, wcscale, bias if has_bias else dummy, proj_up if r else dummy, lora_act if r else dummy,
             out, m, n, r, out.stride(0),
             SPLIT_K=split, BLOCK_N=bn, BLOCK_M=bm, BLOCK_R=_block_r(r), HAS_BIAS=has_bias, HAS_LORA=bool(r),
-            num_warps=4,
+            DOT_F32=_INTERPRET, num_warps=4,
         )
     return out
 
