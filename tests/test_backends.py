@@ -141,6 +141,22 @@ def test_prepared_state_follows_buffer_changes(counting):
     assert counting.prepares == 4
 
 
+def test_sequential_offload_keeps_no_prepared_state(counting):
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    m = _module()
+    x = torch.randn(2, 64)
+    y = m(x)
+    assert m._dispatch_cache
+    add_hook_to_module(m, AlignDevicesHook(execution_device="cpu", offload=True, io_same_device=True,
+                                           weights_map={k: v.clone() for k, v in m.state_dict().items()}))
+    before = counting.prepares
+    assert torch.equal(m(x), y) and torch.equal(m(x), y)
+    assert counting.prepares == before + 2, "under per-call offload the state is rebuilt each call"
+    assert not m._dispatch_cache, "nothing may stay cached beside weights that leave after the call"
+    assert backends.weights_are_offloaded(m)
+
+
 def test_prepared_state_is_not_pickled_or_copied(counting, tmp_path):
     m = _module()
     x = torch.randn(2, 64)

@@ -188,6 +188,18 @@ def _state_key(module, device: torch.device) -> tuple:
     return (device,) + tuple((t.data_ptr(), t._version, t.dtype) for t in module.packed_tensors())
 
 
+def weights_are_offloaded(module) -> bool:
+    """True when an offload hook moves this module's tensors in for each call and out after it.
+
+    accelerate's sequential CPU offload puts an ``AlignDevicesHook(offload=True)`` on the module. A
+    prepared state cached on the GPU would then stay there after the weights leave, so it is rebuilt
+    per call instead and backends keep it small (no repacked weight copies).
+    """
+    hook = getattr(module, "_hf_hook", None)
+    hooks = getattr(hook, "hooks", None) or ([hook] if hook is not None else [])
+    return any(getattr(h, "offload", False) for h in hooks)
+
+
 def resolve(module, x: torch.Tensor) -> tuple[Backend, object]:
     """The backend and its prepared state for this call of ``module`` on ``x [M, K]``."""
     device = x.device
@@ -220,6 +232,9 @@ def resolve(module, x: torch.Tensor) -> tuple[Backend, object]:
         entry = cache.get(backend.name)
         if compiling and entry is not None:
             return backend, entry[1]  # prepared before tracing; the guard below runs in eager mode
+        if weights_are_offloaded(module):
+            cache.clear()
+            return backend, backend.prepare(module, device)
         key = _state_key(module, device)
         if entry is None or entry[0] != key:
             entry = (key, backend.prepare(module, device))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import Backend, device_capability
+from .. import Backend, device_capability, weights_are_offloaded
 
 MAX_RANK = 256
 QUACK_MIN_M = 128  # tokens from which quack's W4 GEMM serves bf16 calls (docs/perf.md)
@@ -102,7 +102,8 @@ class Sm90Backend(Backend):
 
     def _use_quack(self, module) -> bool:
         n, k = module.out_features, module.in_features
-        return (not self.interpret and os.environ.get(ENV_QUACK, "1") != "0" and n % 128 == 0 and k % 128 == 0
+        # Under per-call offload the repacked copy would be rebuilt for every call: use the Triton GEMM.
+        return (not self.interpret and not weights_are_offloaded(module) and os.environ.get(ENV_QUACK, "1") != "0" and n % 128 == 0 and k % 128 == 0
                 and _quack_module() is not None)
 
     def prepare(self, module, device):
