@@ -148,7 +148,7 @@ class _PackedNVFP4Linear(nn.Module):
 
     def backend_for(self, x: torch.Tensor) -> str:
         """The name of the backend that would run ``forward(x)``."""
-        return backends.resolve(self, x.reshape(-1, self.in_features))[0].name
+        return backends.choose(self, x.reshape(-1, self.in_features)).name
 
     @property
     def backend(self) -> str:

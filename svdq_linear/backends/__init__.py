@@ -200,12 +200,10 @@ def weights_are_offloaded(module) -> bool:
     return any(getattr(h, "offload", False) for h in hooks)
 
 
-def resolve(module, x: torch.Tensor) -> tuple[Backend, object]:
-    """The backend and its prepared state for this call of ``module`` on ``x [M, K]``."""
+def choose(module, x: torch.Tensor) -> Backend:
+    """The backend that serves this call of ``module`` on ``x [M, K]`` (no preparation)."""
     device = x.device
     pref = preferred_name(module)
-    cache = module._dispatch_cache
-    compiling = torch.compiler.is_compiling()
     cands = candidates(device, module.kind)
     if pref is not None:
         if pref not in _ENTRIES:
@@ -223,24 +221,31 @@ def resolve(module, x: torch.Tensor) -> tuple[Backend, object]:
             module._declined[(backend.name, device)] = declined
         if declined is None:
             declined = backend.declines_call(module, x)
-        if declined is not None:
-            if backend.name == pref:
-                _warn_once((pref, device.type, module.kind, declined),
-                           f"svdq-linear: backend {pref!r} declines {module._describe()} on {_where(device)}: "
-                           f"{declined}; falling back to the next backend")
-            continue
-        entry = cache.get(backend.name)
-        if compiling and entry is not None:
-            return backend, entry[1]  # prepared before tracing; the guard below runs in eager mode
-        if weights_are_offloaded(module):
-            cache.clear()
-            return backend, backend.prepare(module, device)
-        key = _state_key(module, device)
-        if entry is None or entry[0] != key:
-            entry = (key, backend.prepare(module, device))
-            cache[backend.name] = entry
-        return backend, entry[1]
+        if declined is None:
+            return backend
+        if backend.name == pref:
+            _warn_once((pref, device.type, module.kind, declined),
+                       f"svdq-linear: backend {pref!r} declines {module._describe()} on {_where(device)}: "
+                       f"{declined}; falling back to the next backend")
     raise RuntimeError(f"no svdq-linear backend can run {module._describe()} on {_where(device)}")
+
+
+def resolve(module, x: torch.Tensor) -> tuple[Backend, object]:
+    """The backend and its prepared state for this call of ``module`` on ``x [M, K]``."""
+    backend = choose(module, x)
+    device = x.device
+    cache = module._dispatch_cache
+    entry = cache.get(backend.name)
+    if torch.compiler.is_compiling() and entry is not None:
+        return backend, entry[1]  # prepared before tracing; the guard below runs in eager mode
+    if weights_are_offloaded(module):
+        cache.clear()
+        return backend, backend.prepare(module, device)
+    key = _state_key(module, device)
+    if entry is None or entry[0] != key:
+        entry = (key, backend.prepare(module, device))
+        cache[backend.name] = entry
+    return backend, entry[1]
 
 
 # ---- the shared custom ops -----------------------------------------------------------------------
@@ -303,6 +308,7 @@ __all__ = [
     "Backend",
     "available_backends",
     "candidates",
+    "choose",
     "device_capability",
     "get_backend",
     "register_backend",
