@@ -149,3 +149,22 @@ def test_cli_calibrates_and_decomposes_on_cuda(tmp_path):
     assert (tmp_path / "o" / "svdq_calibration.safetensors").is_file()
     pipe = load_svdq_pipeline(tmp_path / "o", device="cuda", dtype=torch.float32)
     assert _psnr(_image(pipe), _image(build_tiny_pipeline("flux"))) > 30.0
+
+
+def test_fused_qkv_on_cuda_matches_separate_layers():
+    from svdq_linear.fuse import concat_w4a4
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(512, 3 * 256)
+    act_max = torch.rand(512) * 10 + 0.5
+    w = base.weight.detach()
+    layers = []
+    for i in range(3):
+        lin = torch.nn.Linear(512, 256)
+        lin.weight.data.copy_(w[256 * i:256 * (i + 1)])
+        layers.append(SVDQW4A4Linear.from_linear(lin, rank=16, act_max=act_max, alpha=1.0))  # smooth = f(act_max)
+    layers = [m.to("cuda", torch.bfloat16) for m in layers]
+    fused = concat_w4a4(layers)
+    x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16)
+    separate = torch.cat([m(x) for m in layers], dim=-1).float()
+    assert _rel(fused(x), separate) < 1e-2  # the same contract; bf16 output rounding and summation order
