@@ -7,7 +7,7 @@ Importing the package registers the ``svdq_w4a4`` quantizer with diffusers, so t
 import warnings
 
 from . import backends, nvfp4
-from .linear import NVFP4W4A16Linear, SVDQW4A4Linear
+from .linear import NVFP4W4A16Linear, SVDQW4A4Linear, set_mode
 from .svdquant import SVDQuantConfig, SVDQuantWeights, svdquant
 
 __version__ = "0.1.0"
@@ -39,5 +39,6 @@ __all__ = [
     "nvfp4",
     "quantize_linears",
     "quantize_pipeline",
+    "set_mode",
     "svdquant",
 ]

@@ -6,6 +6,7 @@ Both hold the weight as packed NVFP4 (``qweight``/``wscales``) with a float32 pe
 
 from __future__ import annotations
 
+import os
 from typing import ClassVar
 
 import torch
@@ -13,6 +14,18 @@ from torch import nn
 
 from . import backends, nvfp4
 from .svdquant import SVDQuantConfig, SVDQuantWeights, svdquant, weight_only
+
+
+ENV_MODE = "SVDQ_LINEAR_MODE"
+MODES = ("exact", "fast")
+
+
+def set_mode(model: nn.Module, mode: str | None) -> int:
+    """Set the numerics mode of every ``SVDQW4A4Linear`` in ``model``; returns how many there are."""
+    layers = [m for m in model.modules() if isinstance(m, SVDQW4A4Linear)]
+    for m in layers:
+        m.set_mode(mode)
+    return len(layers)
 
 
 def _is_16_or_32_bit_float(dtype: torch.dtype) -> bool:
@@ -198,7 +211,6 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
     those of ``svdq_linear.nvfp4.w4a4_linear`` on every backend.
     """
 
-    kind = "w4a4"
     _fixed_dtypes = {**_PackedNVFP4Linear._fixed_dtypes, "smooth": torch.float32}
 
     def __init__(
@@ -218,6 +230,29 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
         self._set("smooth", torch.ones(k, dtype=torch.float32, device=device))
         self._set("proj_down", torch.zeros(k, r, dtype=dtype, device=device))
         self._set("proj_up", torch.zeros(n, r, dtype=dtype, device=device))
+
+    # ---- numerics mode ---------------------------------------------------------------------------
+
+    @property
+    def mode(self) -> str:
+        """``"exact"`` (the W4A4 contract) or ``"fast"`` (``nvfp4.w4a8_fast_linear``: FP8 on Hopper).
+
+        Set per module (``set_mode``), per model (``svdq_linear.set_mode``) or by ``$SVDQ_LINEAR_MODE``.
+        """
+        mode = getattr(self, "_mode", None) or os.environ.get(ENV_MODE) or "exact"
+        if mode not in MODES:
+            raise ValueError(f"expected a mode in {MODES} (module or ${ENV_MODE}), got {mode!r}")
+        return mode
+
+    def set_mode(self, mode: str | None):
+        if mode is not None and mode not in MODES:
+            raise ValueError(f"expected a mode in {MODES}, got {mode!r}")
+        self._mode = mode
+        return self
+
+    @property
+    def kind(self) -> str:
+        return "w4a4_fast" if self.mode == "fast" else "w4a4"
 
     def _expected_buffers(self):
         n, k, r = self.out_features, self.in_features, self.rank

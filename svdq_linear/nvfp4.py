@@ -57,6 +57,17 @@ What a tensor-core backend may do differently, and the tolerance that follows (`
     4. Codes that do not change values: the sign of a zero code (0x0 or 0x8) and the codes inside a
        NaN/Inf block (any code: the block's scale is NaN, so every output that reads it is NaN).
     Activation codes and scales themselves are bit-exact when a backend writes them.
+
+The fast mode (``w4a8_fast_linear``; FP8 tensor cores on Hopper, same checkpoint)
+    Weights: the NVFP4 value ``w = e2m1 * s16`` divided by a per-output-channel normalizer
+    ``nw = max_k |w| / 448`` (1 for an all-zero row) and rounded once to E4M3 (nearest-even,
+    saturating): ``w8 = e4m3(w * (1 / nw))``. Activations: per token, ``sa = max_k |xs| / 448``
+    (1 for an all-zero row) and ``a8 = e4m3(xs * (1 / sa))``. Then, with FP32 accumulation,
+    ``y = (a8 @ w8^T) * sa * (nw * wcscale) + bias + (xs @ proj_down) @ proj_up^T``.
+    It differs from the exact W4A4 contract by design: E4M3 keeps 4 significant bits of a weight
+    (NVFP4 x E4M3 needs up to 6), a relative 2**-4 at most, and an activation carries a per-token
+    E4M3 value (4 significant bits, one scale per token) instead of an NVFP4 code (2 bits, one scale
+    per 16). ``docs/perf.md`` compares the two modes' errors against the 16-bit layer.
 """
 
 from __future__ import annotations
@@ -280,3 +291,40 @@ def tolerance(
     eps = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[out_dtype]
     tiny = {torch.float32: 2.0**-149, torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24}[out_dtype]
     return main + low_rank + eps * y.abs() + tiny
+
+
+def fast_weight(qweight: torch.Tensor, wscales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fast mode's weight: ``(w8 [N, K] float8_e4m3fn, nw [N] float32)`` (see the module docstring)."""
+    w = dequantize_nvfp4(qweight, wscales)
+    row_max = w.abs().amax(dim=1)
+    nw = torch.where(row_max > 0, row_max / E4M3_MAX, torch.ones_like(row_max))
+    return round_e4m3(w * (1.0 / nw)[:, None]), nw
+
+
+def fast_act(xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fast mode's activations: ``(a8 [M, K] float8_e4m3fn, sa [M] float32)`` of float32 ``xs``."""
+    amax = xs.abs().amax(dim=-1)
+    sa = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return round_e4m3(xs * (1.0 / sa)[..., None]), sa
+
+
+def w4a8_fast_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    wscales: torch.Tensor,
+    smooth: torch.Tensor,
+    proj_down: torch.Tensor,
+    proj_up: torch.Tensor,
+    wcscale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    accum_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The fast mode's ``y`` for ``x [M, K]`` in ``accum_dtype`` (the module docstring's formula)."""
+    xs = smooth_input(x, smooth)
+    a8, sa = fast_act(xs)
+    w8, nw = fast_weight(qweight, wscales)
+    y = (a8.to(accum_dtype) @ w8.to(accum_dtype).T) * sa.to(accum_dtype)[:, None]
+    y = y * (nw * wcscale.float()).to(accum_dtype)
+    if bias is not None:
+        y = y + bias.to(accum_dtype)
+    return y + (xs.to(accum_dtype) @ proj_down.to(accum_dtype)) @ proj_up.to(accum_dtype).T

@@ -1,12 +1,13 @@
 """Backend seam: which kernel runs a 4-bit linear, chosen per call for the device of the call.
 
 A backend subclasses ``Backend``. It says which devices and entry points (``kind``: ``"w4a4"`` for
-``SVDQW4A4Linear``, ``"w4a16"`` for ``NVFP4W4A16Linear``) it covers (``supports``), may decline a
+``SVDQW4A4Linear``, ``"w4a4_fast"`` for one in the fast mode, ``"w4a16"`` for ``NVFP4W4A16Linear``) it covers (``supports``), may decline a
 layer (``declines``: alignment, rank, dtype; the answer is cached per layer and device) or a single
 call (``declines_call``: an fp32 input, say), prepares once per device what its kernel reads
 (``prepare`` returns an object of its own type, cached on the module until a buffer changes) and runs
 the layer (``linear``). Every backend computes through the two custom ops defined here,
-``svdq_linear::w4a4_linear`` and ``svdq_linear::w4a16_linear``: one schema and one fake each, so
+``svdq_linear::w4a4_linear``, ``svdq_linear::w4a4_fast_linear`` and ``svdq_linear::w4a16_linear``: one schema
+and one fake each, so
 ``torch.compile(fullgraph=True)`` and offload hooks see ordinary ops whatever runs underneath. The op
 carries the backend's name and the prepared tensors (``extra``); its implementation calls the named
 backend's ``run_w4a4`` / ``run_w4a16``.
@@ -62,6 +63,9 @@ class Backend:
     def run_w4a4(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra) -> torch.Tensor:
         raise NotImplementedError(f"backend {self.name!r} has no W4A4 kernel")
 
+    def run_w4a4_fast(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra) -> torch.Tensor:
+        raise NotImplementedError(f"backend {self.name!r} has no fast-mode kernel")
+
     def run_w4a16(self, x, qweight, wscales, wcscale, bias, extra) -> torch.Tensor:
         raise NotImplementedError(f"backend {self.name!r} has no W4A16 kernel")
 
@@ -70,7 +74,8 @@ class Backend:
         extra = self.extra_tensors(prepared)
         if module.kind == "w4a16":
             return w4a16_linear(x, module.qweight, module.wscales, module.wcscale, module.bias, extra, self.name)
-        return w4a4_linear(x, module.qweight, module.wscales, module.smooth, module.proj_down, module.proj_up,
+        op = w4a4_fast_linear if module.kind == "w4a4_fast" else w4a4_linear
+        return op(x, module.qweight, module.wscales, module.smooth, module.proj_down, module.proj_up,
                            module.wcscale, module.bias, extra, self.name)
 
 
@@ -273,6 +278,29 @@ def _(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra, bac
     return x.new_empty(x.shape[0], qweight.shape[0])
 
 
+@torch.library.custom_op("svdq_linear::w4a4_fast_linear", mutates_args=())
+def w4a4_fast_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    wscales: torch.Tensor,
+    smooth: torch.Tensor,
+    proj_down: torch.Tensor,
+    proj_up: torch.Tensor,
+    wcscale: torch.Tensor,
+    bias: torch.Tensor | None,
+    extra: list[torch.Tensor],
+    backend: str,
+) -> torch.Tensor:
+    """``y [M, N]`` (x's dtype) of the fast mode (``nvfp4.w4a8_fast_linear``), computed by ``backend``."""
+    return get_backend(backend).run_w4a4_fast(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias,
+                                              extra)
+
+
+@w4a4_fast_linear.register_fake
+def _(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra, backend):
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
 @torch.library.custom_op("svdq_linear::w4a16_linear", mutates_args=())
 def w4a16_linear(
     x: torch.Tensor,
@@ -315,6 +343,7 @@ __all__ = [
     "register_lazy",
     "resolve",
     "select_backend",
+    "w4a4_fast_linear",
     "w4a4_linear",
     "w4a16_linear",
 ]

@@ -12,9 +12,13 @@ from .. import Backend, register_backend
 
 class ReferenceBackend(Backend):
     name = "reference"
+    kinds = frozenset({"w4a4", "w4a4_fast", "w4a16"})
 
     def run_w4a4(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
         return nvfp4.w4a4_linear(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias).to(x.dtype)
+
+    def run_w4a4_fast(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
+        return nvfp4.w4a8_fast_linear(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias).to(x.dtype)
 
     def run_w4a16(self, x, qweight, wscales, wcscale, bias, extra):
         return nvfp4.w4a16_linear(x, qweight, wscales, wcscale, bias).to(x.dtype)
