@@ -41,7 +41,7 @@ def main() -> None:
         dt = time.perf_counter() - t0
         err = ((m(x) - ref).norm() / ref.norm()).item()
         m_bf16 = m.to(torch.bfloat16)  # low-rank branch as it ships; packed buffers keep their dtypes
-        mib = sum(b.numel() * b.element_size() for n, b in m_bf16.named_buffers() if n != "bias") / 2**20
+        mib = sum(t.numel() * t.element_size() for n, t in m_bf16.state_dict().items() if n != "bias") / 2**20
         print(f"{name:<24}{err:>18.4f}{mib:>12.2f}{dt:>11.2f}")
 
 
