@@ -79,7 +79,7 @@ class _PackedNVFP4Linear(nn.Module):
         return [t for t in self._parameters.values() if t is not None]
 
     def _reset_dispatch(self) -> None:
-        self._dispatch_cache: dict[str, tuple] = {}  # backend name -> (tensor key, prepared state)
+        self._dispatch_cache: dict[tuple, tuple] = {}  # (backend, kind) -> (tensor key, prepared state)
         self._declined: dict[tuple, str | None] = {}  # (backend name, device) -> reason or None
 
     def _after_load(self, incompatible_keys) -> None:

@@ -240,7 +240,8 @@ def resolve(module, x: torch.Tensor) -> tuple[Backend, object]:
     backend = choose(module, x)
     device = x.device
     cache = module._dispatch_cache
-    entry = cache.get(backend.name)
+    slot = (backend.name, module.kind)  # a mode switch changes the kind and what is prepared
+    entry = cache.get(slot)
     if torch.compiler.is_compiling() and entry is not None:
         return backend, entry[1]  # prepared before tracing; the guard below runs in eager mode
     if weights_are_offloaded(module):
@@ -249,7 +250,7 @@ def resolve(module, x: torch.Tensor) -> tuple[Backend, object]:
     key = _state_key(module, device)
     if entry is None or entry[0] != key:
         entry = (key, backend.prepare(module, device))
-        cache[backend.name] = entry
+        cache[slot] = entry
     return backend, entry[1]
 
 
