@@ -4,6 +4,8 @@ Importing the package registers the ``svdq_w4a4`` quantizer with diffusers, so t
 ``DiffusionPipeline.from_pretrained`` loads folders written by ``svdq-convert``.
 """
 
+import warnings
+
 from . import backends, nvfp4
 from .diffusers_quantizer import SVDQuantizationConfig, register as _register_diffusers_quantizer
 from .linear import NVFP4W4A16Linear, SVDQW4A4Linear
@@ -12,12 +14,21 @@ from .svdquant import SVDQuantConfig, SVDQuantWeights, svdquant
 
 __version__ = "0.1.0"
 
-_register_diffusers_quantizer()
+try:
+    _register_diffusers_quantizer()
+except Exception as _e:  # a diffusers change must not take the modules down with it
+    warnings.warn(
+        f"svdq_linear: could not register the svdq_w4a4 quantizer with diffusers ({type(_e).__name__}: {_e}); "
+        "SVDQW4A4Linear / NVFP4W4A16Linear and load_svdq_pipeline still work, but "
+        "DiffusionPipeline.from_pretrained will not load svdq-convert folders",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def quantize_pipeline(pipe, rank: int = 32, calib_prompts=None, **kwargs):
-    """Quantize a loaded Flux / SD3 pipeline in place (see ``converters.convert.quantize_pipeline``)."""
-    from converters.convert import quantize_pipeline as _quantize_pipeline
+    """Quantize a loaded Flux / SD3 pipeline in place (see ``svdq_linear.convert.convert.quantize_pipeline``)."""
+    from .convert.convert import quantize_pipeline as _quantize_pipeline
 
     return _quantize_pipeline(pipe, rank=rank, calib_prompts=calib_prompts, **kwargs)
 
