@@ -72,7 +72,7 @@ def main() -> None:
     params = write_source(src, args.layers, args.single_layers)
     t_src = time.perf_counter() - t0
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "converters.cli", str(src), str(out), "--no-calib", "--rank",
+    r = subprocess.run([sys.executable, "-m", "svdq_linear.convert.cli", str(src), str(out), "--no-calib", "--rank",
                         str(args.rank), "--device", "cpu", "--quiet"], capture_output=True, text=True)
     t_conv = time.perf_counter() - t0
     peak_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20

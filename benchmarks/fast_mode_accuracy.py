@@ -16,7 +16,7 @@ import torch
 from _table import emit
 
 import svdq_linear
-from converters.tiny import TINY_CALL_KWARGS, build_tiny_pipeline
+from svdq_linear.convert.tiny import TINY_CALL_KWARGS, build_tiny_pipeline
 from svdq_linear import SVDQW4A4Linear
 
 

@@ -248,6 +248,8 @@ def svdquant(
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             torch.manual_seed(seed)
             up, down = low_rank(target, config.rank, config)
+        # The module stores the factors in ``dtype``: quantize the residual against what it will hold.
+        up, down = up.to(dtype).float(), down.to(dtype).float()
         qweight, wscales, row_scale, deq = _quantize_residual(ws, up, down)
         err = float(((ws - up @ down.T - deq) * col_weight).norm() / ref_norm)
         if best is None or err < best[0]:

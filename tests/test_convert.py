@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 import svdq_linear
-from converters import recipes
-from converters.convert import FAIL_AFTER_ENV
-from converters.tiny import KINDS, TINY_CALL_KWARGS, build_tiny_pipeline, save_tiny_pipeline
+from svdq_linear.convert import recipes
+from svdq_linear.convert.convert import FAIL_AFTER_ENV
+from svdq_linear.convert.tiny import KINDS, TINY_CALL_KWARGS, build_tiny_pipeline, save_tiny_pipeline
 from svdq_linear import NVFP4W4A16Linear, SVDQW4A4Linear, load_svdq_pipeline
 
 PROMPT = "a photo of a cat wearing a hat"
@@ -29,7 +29,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "converters.cli", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "svdq_linear.convert.cli", *map(str, args)], capture_output=True,
                           text=True, env={**ENV, **(env or {})}, timeout=600)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import svdq_linear
-from converters.tiny import TINY_CALL_KWARGS, build_tiny_pipeline
+from svdq_linear.convert.tiny import TINY_CALL_KWARGS, build_tiny_pipeline
 from svdq_linear import NVFP4W4A16Linear, SVDQuantConfig, SVDQW4A4Linear, load_svdq_pipeline, nvfp4, svdquant
 
 pytestmark = pytest.mark.gpu
@@ -142,7 +142,7 @@ def test_cli_calibrates_and_decomposes_on_cuda(tmp_path):
     import sys
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-m", "converters.cli", "tiny:flux", str(tmp_path / "o"), "--rank", "8",
+    r = subprocess.run([sys.executable, "-m", "svdq_linear.convert.cli", "tiny:flux", str(tmp_path / "o"), "--rank", "8",
                         "--dtype", "float32", "--device", "cuda", "--calib-num", "2", "--calib-steps", "2", "--quiet"],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

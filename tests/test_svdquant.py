@@ -119,3 +119,26 @@ def test_svdquant_rejects_bad_inputs():
         svdquant(torch.randn(8, 32), config=SVDQuantConfig(rank=4, smooth="activation"))
     with pytest.raises(TypeError, match="unknown SVDQuant option"):
         SVDQuantConfig.from_kwargs(rnak=4)
+
+
+def _effective_weight(m: SVDQW4A4Linear) -> torch.Tensor:
+    """W the module applies, decoded here from its buffers: (Qres * wcscale + up @ down^T) / smooth."""
+    codes = torch.stack([m.qweight & 0xF, m.qweight >> 4], dim=-1).flatten(-2).long()
+    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+    vals = mags[codes & 7] * torch.where(codes >= 8, -1.0, 1.0).double()
+    scales = m.wscales.to(torch.float64).repeat_interleave(16, dim=1)
+    res = vals * scales * m.wcscale.double()[:, None]
+    return (res + m.proj_up.double() @ m.proj_down.double().T) / m.smooth.double()[None, :]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_residual_absorbs_the_rounding_of_16_bit_factors(dtype):
+    n, k, r = 96, 128, 8
+    w = (torch.randn(n, r) @ torch.randn(r, k)) / r**0.5 + 0.003 * torch.randn(n, k)
+    err = {}
+    for dt in (torch.float32, dtype):  # same float32 weight, factors stored in dt
+        m = SVDQW4A4Linear.from_weights(svdquant(w, config=SVDQuantConfig(rank=r, smooth="none"), dtype=dt))
+        err[dt] = float((_effective_weight(m) - w.double()).norm() / w.double().norm())
+    # Rounding the factors after the residual is quantized would leave their 16-bit error
+    # (~2^-9 of the weight) in the output: several times the fp32 module's error.
+    assert err[dtype] < 1.5 * err[torch.float32], err

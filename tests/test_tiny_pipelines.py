@@ -1,4 +1,4 @@
-"""Tests for converters.tiny: tiny random-weight Flux / SD3 / SD3.5 pipelines (CPU, offline)."""
+"""Tests for svdq_linear.convert.tiny: tiny random-weight Flux / SD3 / SD3.5 pipelines (CPU, offline)."""
 
 import os
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusion3Pipeline
 
-from converters.tiny import KINDS, TINY_CALL_KWARGS, build_tiny_pipeline, save_tiny_pipeline
+from svdq_linear.convert.tiny import KINDS, TINY_CALL_KWARGS, build_tiny_pipeline, save_tiny_pipeline
 
 PROMPT = "a photo of an astronaut riding a horse"
 PIPELINE_CLASS = {"flux": FluxPipeline, "sd3": StableDiffusion3Pipeline, "sd35": StableDiffusion3Pipeline}

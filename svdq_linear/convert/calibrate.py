@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 def read_prompts(path: str | Path | None = None, limit: int | None = None) -> list[str]:
     """Prompts from ``path`` (one a line, blank lines and ``#`` comments skipped), or the shipped set."""
     if path is None:
-        text = resources.files("converters").joinpath("prompts.txt").read_text()
+        text = resources.files(__package__).joinpath("prompts.txt").read_text()
     else:
         p = Path(path)
         if not p.is_file():
