@@ -19,7 +19,7 @@ Pipelines (per CTA; in 2-CTA mode the leader CTA's barriers carry the MMA side):
 ``ab``  (A/B/SFA/SFB stages)   producer: load warp (TMA, tx-count), consumer: MMA warp (tcgen05.commit)
 ``lr``  (low-rank prelude)     producer: load warp (TMA),           consumer: MMA warp (tcgen05.commit)
 ``acc`` (TMEM accumulators)    producer: MMA warp (tcgen05.commit), consumer: 4 epilogue warps
-                               (of both CTAs in 2-CTA mode)
+                               (every thread, of both CTAs in 2-CTA mode)
 
 Phase convention (mbarrier parity): a fresh barrier is in phase 0; ``wait(parity p)`` returns once
 the phase with parity ``p`` has completed, i.e. while the barrier's current phase parity differs
@@ -49,6 +49,7 @@ class PipelineSpec:
 PRODUCER_START_PHASE = 1
 CONSUMER_START_PHASE = 0
 EPILOGUE_WARPS = 4
+EPILOGUE_THREADS = 32 * EPILOGUE_WARPS
 
 
 def pipeline_specs(cfg: KernelConfig, num_ab_stage: int) -> dict[str, PipelineSpec]:
@@ -60,9 +61,9 @@ def pipeline_specs(cfg: KernelConfig, num_ab_stage: int) -> dict[str, PipelineSp
         # tcgen05.commit (multicast to the pair) empties it.
         "ab": PipelineSpec("ab", num_ab_stage, PRODUCER_START_PHASE, CONSUMER_START_PHASE, cluster_m, 1),
         "lr": PipelineSpec("lr", NUM_LOWRANK_STAGE, PRODUCER_START_PHASE, CONSUMER_START_PHASE, cluster_m, 1),
-        # one commit fills; one elected thread per epilogue warp of each CTA of the pair empties.
+        # one commit fills; every epilogue thread of each CTA of the pair arrives to empty it.
         "acc": PipelineSpec(
-            "acc", cfg.num_acc_stage, PRODUCER_START_PHASE, CONSUMER_START_PHASE, 1, EPILOGUE_WARPS * cluster_m
+            "acc", cfg.num_acc_stage, PRODUCER_START_PHASE, CONSUMER_START_PHASE, 1, EPILOGUE_THREADS * cluster_m
         ),
     }
 
@@ -249,7 +250,7 @@ def run_model(
         yield "progress"
 
     def epilogue_role(v):
-        # EPILOGUE_WARPS warps per CTA each arrive once on the leader's acc-empty barrier.
+        # every epilogue thread of each CTA arrives once on the leader's acc-empty barrier.
         acc = fresh("acc", "c")
         for tile in range(tiles_per_cta):
             if reset_state_per_tile:
@@ -257,7 +258,7 @@ def run_model(
             yield from consumer_wait(pipes["acc"], acc, ("acc", tile))
             empty = pipes["acc"].empty[acc.index]
             before = empty.phase
-            for _ in range(EPILOGUE_WARPS):
+            for _ in range(EPILOGUE_THREADS):
                 empty.arrive()
             if empty.phase != before:  # the last arrival of the pair frees the stage
                 pipes["acc"].content[acc.index] = None
