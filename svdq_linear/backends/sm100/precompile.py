@@ -107,8 +107,10 @@ def sass_counts(sass: str) -> dict:
 
 
 def _compile_in_subprocess(args: list[str], dump: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    arch = args[args.index("--arch") + 1]
     env = {
         **os.environ,
+        "CUTE_DSL_ARCH": arch,
         "CUTE_DSL_KEEP": "cubin",
         "CUTE_DSL_DUMP_DIR": str(dump),
         "CUTE_DSL_CACHE_DIR": str(dump / "cache"),
@@ -166,8 +168,9 @@ def precompile_sm100(arch: str, out_dir: Path, keep_sass: bool = False, configs=
 
 
 def precompile_baselines(arch: str, out_dir: Path, keep_sass: bool = False) -> list[dict]:
-    """quack's ``GemmSm100`` (block-scaled NVFP4, 2-CTA 256x128, bf16 out) compiled the same way,
-    as the no-low-rank reference for registers; skipped when quack is not installed."""
+    """quack's ``GemmSm100`` (block-scaled NVFP4, 2-CTA 256x128, bf16 out) compiled the same way, as
+    the no-low-rank reference for registers, and CUTLASS's block-scaled example when
+    ``$SVDQ_CUTLASS_BLOCKSCALED_EXAMPLE`` names its file."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     nvdisasm = find_nvdisasm()
@@ -176,6 +179,12 @@ def precompile_baselines(arch: str, out_dir: Path, keep_sass: bool = False) -> l
         dump = Path(tmp)
         r = _compile_in_subprocess(["--_quack", "--arch", arch], dump)
         recs.append(_record("quack_GemmSm100_nvfp4_256x128_2cta", {}, arch, dump, out_dir, keep_sass, nvdisasm, r))
+    example = os.environ.get("SVDQ_CUTLASS_BLOCKSCALED_EXAMPLE")
+    if example:
+        with tempfile.TemporaryDirectory(prefix="svdq-sm100-base-") as tmp:
+            dump = Path(tmp)
+            r = _compile_in_subprocess(["--_cutlass_example", example, "--arch", arch], dump)
+            recs.append(_record("cutlass_example_nvfp4_256x128_2cta", {}, arch, dump, out_dir, keep_sass, nvdisasm, r))
     return recs
 
 
@@ -193,9 +202,15 @@ def main(argv=None) -> int:
     ap.add_argument("--baselines", action="store_true", help="also compile quack's GemmSm100")
     ap.add_argument("--_one", help=argparse.SUPPRESS)
     ap.add_argument("--_quack", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--_cutlass_example", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._one:
         _compile_one_here(a._one, a.arch)
+        return 0
+    if a._cutlass_example:
+        from ._baselines import compile_cutlass_example
+
+        compile_cutlass_example(a.arch, a._cutlass_example)
         return 0
     if a._quack:
         from ._baselines import compile_quack_nvfp4
