@@ -168,3 +168,18 @@ def test_lowrank_chunks_spread_over_k_and_end_by_the_last_k_tile(k_tile_cnt, num
     # chunks land about every k_tile_cnt / num_chunks K tiles
     for c, t in enumerate(when):
         assert abs((t + 1) - (c + 1) * k_tile_cnt / num_chunks) < 1
+
+
+def test_kernel_takes_its_pipeline_states_and_schedule_from_the_model():
+    # the kernel's source builds every pipeline state through _state (stages and initial phase from
+    # pipeline_specs), never resets a state between tiles, and places low-rank chunks with the model's
+    # lowrank_issue_ktile and tiles with host.tile_of_work
+    import pathlib
+
+    src = (pathlib.Path(host.__file__).parent / "kernel.py").read_text()
+    assert "make_pipeline_state" not in src and "reset_count" not in src
+    assert src.count('self._state("ab", "producer")') == 1 and src.count('self._state("ab", "consumer")') == 1
+    assert src.count('self._state("lr", "producer")') == 1 and src.count('self._state("lr", "consumer")') == 1
+    assert src.count('self._state("acc", "producer")') == 1 and src.count('self._state("acc", "consumer")') == 1
+    assert "lowrank_issue_ktile(chunk, k_tile_cnt, self.num_lr_chunks) == k_tile" in src
+    assert src.count("host.tile_of_work(work, num_clusters_m)") == 2  # load and epilogue roles
