@@ -70,3 +70,12 @@ def test_weight_scale_repack_matches_cute_scale_factor_layout():
     sv = scales.view(torch.uint8)
     for (r, kb), off in zip(coords, got["offsets"]):
         assert flat[off] == sv[r, kb], f"scale ({r}, {kb}) is not at CuTe's offset {off}"
+
+
+@pytest.mark.parametrize("rank", [16, 32, 48, 64, 96, 128])
+@pytest.mark.parametrize("m,n", [(64, 3072), (4352, 3072), (4352, 12288), (1000, 520)])
+def test_chosen_config_keeps_enough_ab_stages(rank, m, n):
+    # 2-CTA tiles keep at least 4 stages; the 1-CTA small-M tile holds a full 128-row B and keeps 3
+    cfg = host.choose_config(m, n, rank, "bfloat16")
+    want = 4 if cfg.use_2cta else 3
+    assert smem_budget(cfg)["num_ab_stage"] >= want, cfg.name

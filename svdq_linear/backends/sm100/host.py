@@ -191,12 +191,12 @@ def layer_alignment_error(n: int, k: int, rank: int) -> str | None:
 
 def choose_config(m: int, n: int, rank: int, out_dtype: str, has_bias: bool = True) -> KernelConfig:
     """The tile for a call: 1-CTA 128x128 for small M (one 2-CTA tile would be mostly padding),
-    2-CTA 256x256 where N is a multiple of 256 and the rank is at most 64, else 2-CTA 256x128.
+    2-CTA 256x256 where N is a multiple of 256 and the rank is at most 32, else 2-CTA 256x128.
 
-    256x256 with a rank-128 prelude leaves room for only 3 A/B stages (see ``layouts.smem_budget``);
-    256x128 keeps 5, so rank-128 layers take 256x128.
+    256x256 with a rank-64 or rank-128 prelude leaves room for only 3 A/B stages (see
+    ``layouts.smem_budget``); 256x128 keeps 5, so those layers take 256x128.
     """
-    tile_n = 256 if n % 256 == 0 and n >= 2048 and rank <= LOWRANK_CHUNK else 128
+    tile_n = 256 if n % 256 == 0 and n >= 2048 and rank <= 32 else 128
     tile_m = 128 if m <= 128 else 256
     return KernelConfig(tile_m, tile_n, rank, out_dtype, has_bias)
 
