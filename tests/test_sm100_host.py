@@ -183,3 +183,12 @@ def test_kernel_takes_its_pipeline_states_and_schedule_from_the_model():
     assert src.count('self._state("acc", "producer")') == 1 and src.count('self._state("acc", "consumer")') == 1
     assert "lowrank_issue_ktile(chunk, k_tile_cnt, self.num_lr_chunks) == k_tile" in src
     assert src.count("host.tile_of_work(work, num_clusters_m)") == 2  # load and epilogue roles
+
+
+@pytest.mark.parametrize("m", [1, 128, 129, 4352])
+@pytest.mark.parametrize("n", [520, 3072, 12288])
+@pytest.mark.parametrize("rank", [16, 32, 128])
+def test_chosen_configs_are_library_configs(m, n, rank):
+    # every configuration a call can pick is one that svdq-precompile compiles and CI checks
+    cfg = host.choose_config(m, n, rank, "float16")
+    assert any((c.mma_tile_m, c.mma_tile_n) == (cfg.mma_tile_m, cfg.mma_tile_n) for c in LIBRARY_CONFIGS), cfg.name

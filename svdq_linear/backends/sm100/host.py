@@ -196,9 +196,10 @@ def choose_config(m: int, n: int, rank: int, out_dtype: str, has_bias: bool = Tr
     256x256 with a rank-64 or rank-128 prelude leaves room for only 3 A/B stages (see
     ``layouts.smem_budget``); 256x128 keeps 5, so those layers take 256x128.
     """
+    if m <= 128:
+        return KernelConfig(128, 128, rank, out_dtype, has_bias)
     tile_n = 256 if n % 256 == 0 and n >= 2048 and rank <= 32 else 128
-    tile_m = 128 if m <= 128 else 256
-    return KernelConfig(tile_m, tile_n, rank, out_dtype, has_bias)
+    return KernelConfig(256, tile_n, rank, out_dtype, has_bias)
 
 
 LIBRARY_CONFIGS = tuple(
