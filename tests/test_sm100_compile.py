@@ -47,6 +47,11 @@ def test_sass_has_block_scaled_and_low_rank_mmas_tma_and_no_local_memory(compile
         assert c["UTCCP"] >= 2, f"no scale-factor SMEM->TMEM copies in {where}"
         assert c["UTMALDG"] >= 6 and c["UTMASTG"] >= 1, f"TMA loads (A, B, SFA, SFB, lora_act, proj_up) or store missing in {where}"
         assert 0 < r["registers"] <= 255
+        # ACCUMULATE: the first block-scaled atom of a K tile clears the accumulator on the tile's
+        # first K tile only (a runtime predicate), the other atoms and every low-rank atom add
+        flags = r["accumulate_flags"]
+        assert flags["block_scaled"] == ["runtime", "true", "true", "true"], f"{where}: {flags}"
+        assert flags["low_rank"] == ["true"] * (cfg.rank // 16), f"{where}: {flags}"
         lines.append(f"{r['name']:50} regs {r['registers']:3} spills {r['spills']}")
     for b in base:
         if b["ok"]:

@@ -102,6 +102,20 @@ def cubin_resources(path: Path) -> dict:
     return {"registers": max(regs) if regs else None, "frame_bytes": max(frame) if frame else 0}
 
 
+def accumulate_flags(ptx: str) -> dict:
+    """How each ``tcgen05.mma`` sets enable-input-d (ACCUMULATE), in program order: ``"true"`` for a
+    constant ``mov.pred %p, -1``, ``"runtime"`` for a computed predicate. Keys ``"block_scaled"`` and
+    ``"low_rank"`` (kind::f16)."""
+    defs = {}
+    for m in re.finditer(r"mov\.pred\s+(%p\d+),\s*(-?\d+);", ptx):
+        defs[m.group(1)] = "true" if m.group(2) in ("-1", "1") else "false"
+    out = {"block_scaled": [], "low_rank": []}
+    for m in re.finditer(r"tcgen05\.mma\.[^\n]*?kind::(\w+)[^\n]*,\s*(%p\d+);", ptx):
+        kind = "block_scaled" if m.group(1).startswith("mxf4") else "low_rank"
+        out[kind].append(defs.get(m.group(2), "runtime"))
+    return out
+
+
 def sass_counts(sass: str) -> dict:
     return {k: len(re.findall(p, sass)) for k, p in SASS_COUNTS.items()}
 
@@ -111,7 +125,7 @@ def _compile_in_subprocess(args: list[str], dump: Path, timeout: int = 600) -> s
     env = {
         **os.environ,
         "CUTE_DSL_ARCH": arch,
-        "CUTE_DSL_KEEP": "cubin",
+        "CUTE_DSL_KEEP": "ptx,cubin",
         "CUTE_DSL_DUMP_DIR": str(dump),
         "CUTE_DSL_CACHE_DIR": str(dump / "cache"),
         "CUTE_DSL_DISABLE_FILE_CACHING": "1",
@@ -136,6 +150,9 @@ def _record(name: str, config: dict, arch: str, dump: Path, out_dir: Path, keep_
     shutil.copyfile(cubins[0], cubin)
     rec.update(cubin_resources(cubin))
     rec["cubin"] = str(cubin)
+    ptxs = sorted(dump.glob(f"*.{arch}.ptx"))
+    if ptxs:
+        rec["accumulate_flags"] = accumulate_flags(ptxs[0].read_text())
     if nvdisasm:
         sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
         rec["sass_counts"] = sass_counts(sass)
