@@ -64,3 +64,4 @@ def test_quantize_act_compiles_with_ieee_division_only(arch):
     divs = set(re.findall(r"\b(div\.[a-z]+\.f32|rcp\.[a-z.]+f32)", ptx))
     assert divs == {"div.rn.f32"}, f"expected only IEEE div.rn.f32, got {divs}"
     assert "st.global" in ptx and "ld.local" not in ptx and "st.local" not in ptx
+    assert "fma.rn.f32" not in ptx, "a multiply was contracted into an FMA: the contract rounds each one"
