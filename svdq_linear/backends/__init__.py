@@ -332,6 +332,7 @@ def _is_cuda_major(major: int) -> Callable[[torch.device], bool]:
 from . import reference  # noqa: E402  (registers itself)
 
 register_lazy("sm90", 20, "svdq_linear.backends.sm90", _is_cuda_major(9))
+register_lazy("sm100", 30, "svdq_linear.backends.sm100", _is_cuda_major(10))
 
 __all__ = [
     "Backend",

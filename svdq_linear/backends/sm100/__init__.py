@@ -1,0 +1,165 @@
+"""sm100 backend: datacenter Blackwell (B200 sm_100a, B300 sm_103a), compute capability 10.x.
+
+``make_backend()`` returns the backend object the seam in ``svdq_linear.backends`` registers (lazily:
+importing ``svdq_linear`` imports nothing from here). The kernel modules (cutlass, triton) are
+imported on first use. See ``design.md`` beside this file.
+
+Per call: ``quantize_act`` (Triton) turns ``x`` into E2M1 codes + E4M3 scales in the tcgen05
+scale-factor atom layout and the float32 ``xs``; ``lora_act = (xs @ proj_down)`` in bf16; then one
+persistent kernel computes ``y = (A4 (*) W4 + lora_act @ (proj_up / wcscale)^T) * wcscale + bias``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import Backend
+from . import host
+
+_MODULE_TENSORS = ("qweight", "wscales", "smooth", "proj_down", "proj_up", "wcscale", "bias")
+
+
+@dataclass
+class Sm100Prepared:
+    """What ``prepare`` builds once per layer and device (kept on the module by the seam).
+
+    - ``wsf``: weight scales in the scale-factor atom layout, flat uint8 (``host.to_sf_atom_layout``);
+    - ``smooth_recip [K] f32``: ``1 / smooth`` (IEEE division, the contract's rule);
+    - ``proj_up_folded [N_pad, R] bf16``: ``proj_up / wcscale`` rows, zero rows past N; bf16 even for
+      fp16 output, because ``proj_up / wcscale`` routinely exceeds fp16's range;
+    - ``wcscale_pad``, ``bias_pad [N_pad] f32``: zero past N (bias zeros when the layer has none).
+    """
+
+    wsf: torch.Tensor
+    smooth_recip: torch.Tensor
+    proj_up_folded: torch.Tensor
+    wcscale_pad: torch.Tensor
+    bias_pad: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.wsf, self.smooth_recip, self.proj_up_folded, self.wcscale_pad, self.bias_pad]
+
+    @classmethod
+    def from_tensors(cls, extra: list[torch.Tensor]) -> "Sm100Prepared":
+        return cls(*extra)
+
+
+def arch_of(device: torch.device) -> str | None:
+    """``sm_100a`` / ``sm_103a`` for a CUDA device of capability 10.x, None otherwise."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 10:
+        return None
+    return "sm_103a" if minor == 3 else "sm_100a"
+
+
+class Sm100Backend(Backend):
+    name = "sm100"
+    kinds = frozenset({"w4a4"})
+
+    def __init__(self):
+        self._compiled: dict[tuple, object] = {}
+
+    # ---- choice --------------------------------------------------------------------------------
+
+    def supports(self, device: torch.device, kind: str) -> bool:
+        return kind == "w4a4" and arch_of(device) is not None
+
+    def declines(self, module, device: torch.device | None = None) -> str | None:
+        """Why this layer cannot run here (alignment, rank, scales), None if it can."""
+        if getattr(module, "kind", None) != "w4a4":
+            return "the sm100 kernel runs W4A4 layers only"
+        n, k, r = module.out_features, module.in_features, module.rank
+        reason = host.layer_alignment_error(n, k, r)
+        if reason:
+            return reason
+        wc = module.wcscale.float()
+        if not torch.isfinite(wc).all() or bool((wc == 0).any()):
+            return "wcscale holds zeros or non-finite values: proj_up / wcscale cannot be folded"
+        folded = module.proj_up.float() / wc[:, None]
+        if not torch.isfinite(folded).all() or float(folded.abs().max()) > torch.finfo(torch.bfloat16).max:
+            return "proj_up / wcscale overflows bfloat16"
+        return None
+
+    def declines_call(self, module, x: torch.Tensor) -> str | None:
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            return f"the sm100 kernel takes bfloat16/float16 inputs, got {x.dtype}"
+        if arch_of(x.device) is None:
+            return f"input on {x.device}, not a compute capability 10.x GPU"
+        if x.dim() != 2 or x.stride(-1) != 1:
+            return "expected a 2-D input with unit stride along in_features"
+        return None
+
+    # ---- preparation ---------------------------------------------------------------------------
+
+    def prepare(self, module, device: torch.device | None = None) -> Sm100Prepared:
+        n, r = module.out_features, module.rank
+        n_pad = -(-n // 256) * 256  # covers both tile_n choices
+        dev = module.qweight.device if device is None else torch.device(device)
+        wc = module.wcscale.to(dev, torch.float32)
+        folded = torch.zeros(n_pad, r, dtype=torch.bfloat16, device=dev)
+        folded[:n] = (module.proj_up.to(dev, torch.float32) / wc[:, None]).to(torch.bfloat16)
+        wcs = torch.zeros(n_pad, dtype=torch.float32, device=dev)
+        wcs[:n] = wc
+        bias = torch.zeros(n_pad, dtype=torch.float32, device=dev)
+        if module.bias is not None:
+            bias[:n] = module.bias.to(dev, torch.float32)
+        return Sm100Prepared(
+            wsf=host.to_sf_atom_layout(module.wscales.to(dev)).view(torch.uint8),
+            smooth_recip=1.0 / module.smooth.to(dev, torch.float32),
+            proj_up_folded=folded,
+            wcscale_pad=wcs,
+            bias_pad=bias,
+        )
+
+    def extra_tensors(self, prepared: Sm100Prepared) -> list[torch.Tensor]:
+        return prepared.tensors()
+
+    # ---- run -----------------------------------------------------------------------------------
+
+    def run_w4a4(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra) -> torch.Tensor:
+        from .quantize import quantize_act
+
+        p = Sm100Prepared.from_tensors(extra)
+        m, k = x.shape
+        n, r = qweight.shape[0], proj_down.shape[1]
+        codes, asf, xs = quantize_act(x, p.smooth_recip, want_xs=True)
+        lora_act = (xs @ proj_down.float()).to(torch.bfloat16)
+        out_dtype = "bfloat16" if x.dtype == torch.bfloat16 else "float16"
+        cfg = host.choose_config(m, n, r, out_dtype)
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        self._launch(cfg, arch_of(x.device), codes, qweight, asf, p.wsf, lora_act, p.proj_up_folded, y,
+                     p.wcscale_pad, p.bias_pad, m, n, k)
+        return y
+
+    def _launch(self, cfg, arch, a, b, sfa, sfb, a2, b2, c, wcs, bias, m, n, k):
+        import cuda.bindings.driver as cuda
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_ptr
+
+        from . import layouts
+        from .kernel import compile_kernel
+
+        sm_count = torch.cuda.get_device_properties(c.device).multi_processor_count
+        key = (cfg, arch, sm_count)
+        if key not in self._compiled:
+            self._compiled[key] = compile_kernel(cfg, arch, sm_count)
+        gmem = cute.AddressSpace.gmem
+        ptr = lambda dt, t, align: make_ptr(dt, t.data_ptr(), gmem, assumed_align=align)  # noqa: E731
+        args = [
+            ptr(layouts.AB_DTYPE, a, 32), ptr(layouts.AB_DTYPE, b, 32),
+            ptr(layouts.SF_DTYPE, sfa, 32), ptr(layouts.SF_DTYPE, sfb, 32),
+            ptr(layouts.LOWRANK_DTYPE, a2, 16), ptr(layouts.LOWRANK_DTYPE, b2, 16),
+            ptr(layouts.out_dtype_of(cfg), c, 16), ptr(cutlass.Float32, wcs, 16), ptr(cutlass.Float32, bias, 16),
+        ]
+        stream = cuda.CUstream(torch.cuda.current_stream(c.device).cuda_stream)
+        self._compiled[key](*args, cutlass.Int32(m), cutlass.Int32(n), cutlass.Int32(k), stream)
+
+
+def make_backend() -> Sm100Backend:
+    return Sm100Backend()

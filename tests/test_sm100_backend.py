@@ -1,0 +1,105 @@
+"""sm100 backend object: what it accepts and declines, what prepare builds (CPU), and the kernel
+against the contract on a compute capability 10.x GPU (skipped elsewhere)."""
+
+import pytest
+import torch
+
+from svdq_linear import SVDQW4A4Linear, nvfp4
+from svdq_linear.backends.sm100 import Sm100Backend, host, make_backend
+
+
+def _module(k=256, n=192, rank=32, bias=True, dtype=torch.bfloat16):
+    return SVDQW4A4Linear.from_linear(torch.nn.Linear(k, n, bias=bias), rank=rank).to(dtype)
+
+
+def _capability_10():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
+
+
+def test_importing_svdq_linear_does_not_import_cutlass():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, svdq_linear; before = set(sys.modules); import svdq_linear.backends.sm100; "
+        "new = set(sys.modules) - before; "
+        "print('cutlass' in sys.modules, any(m.split('.')[0] in ('cutlass', 'triton', 'quack') for m in new))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.stdout.split() == ["False", "False"], r.stdout + r.stderr
+
+
+def test_make_backend_and_support_rules():
+    b = make_backend()
+    assert isinstance(b, Sm100Backend) and b.name == "sm100"
+    assert not b.supports(torch.device("cpu"), "w4a4")
+    assert not b.supports(torch.device("cpu"), "w4a16")
+    if torch.cuda.is_available():
+        assert b.supports(torch.device("cuda"), "w4a4") == _capability_10()
+
+
+@pytest.mark.parametrize(
+    "k,n,rank,match",
+    [(272, 192, 32, "in_features % 32"), (256, 190, 32, "out_features % 8"), (256, 192, 24, "multiple of 16"),
+     (512, 384, 256, "rank <= 128")],
+)
+def test_declines_layers_it_cannot_run(k, n, rank, match):
+    assert match in Sm100Backend().declines(_module(k, n, rank))
+
+
+def test_declines_a_fold_that_overflows_bfloat16():
+    m = _module()
+    m.wcscale[3] = 0.0
+    assert "wcscale" in Sm100Backend().declines(m)
+    m = _module()
+    m.wcscale[3] = 1e-38
+    m.proj_up.data[3, 0] = 1e3
+    assert "overflows" in Sm100Backend().declines(m)
+
+
+def test_accepts_an_aligned_layer_and_declines_fp32_calls():
+    m = _module()
+    b = Sm100Backend()
+    assert b.declines(m) is None
+    assert "float32" in b.declines_call(m, torch.randn(4, 256))
+    assert "capability 10.x" in b.declines_call(m, torch.randn(4, 256, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_prepare_repacks_scales_and_folds_proj_up_once(bias):
+    m = _module(k=320, n=200, bias=bias)
+    p = Sm100Backend().prepare(m)
+    back = host.from_sf_atom_layout(p.wsf, m.out_features, m.in_features)
+    assert torch.equal(back.view(torch.uint8), m.wscales.view(torch.uint8))
+    n_pad = p.proj_up_folded.shape[0]
+    assert n_pad % 256 == 0 and n_pad >= 200 and p.proj_up_folded.dtype == torch.bfloat16
+    want = (m.proj_up.float() / m.wcscale[:, None]).to(torch.bfloat16)
+    assert torch.equal(p.proj_up_folded[:200], want) and not p.proj_up_folded[200:].any()
+    assert torch.equal(p.wcscale_pad[:200], m.wcscale) and not p.wcscale_pad[200:].any()
+    if bias:
+        assert torch.equal(p.bias_pad[:200], m.bias.float())
+    assert not p.bias_pad[200:].any()
+    assert torch.equal(p.smooth_recip, 1.0 / m.smooth)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _capability_10(), reason="needs a compute capability 10.x GPU (B200/B300)")
+@pytest.mark.parametrize("m_rows", [1, 100, 300, 4352])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k,n,rank", [(3072, 3072, 32), (3840, 3072, 128), (320, 200, 16)])
+def test_kernel_matches_the_contract(m_rows, dtype, k, n, rank):
+    mod = _module(k, n, rank, dtype=dtype).cuda()
+    b = Sm100Backend()
+    assert b.declines(mod) is None
+    x = torch.randn(m_rows, k, device="cuda", dtype=dtype)
+    y = b.linear(mod, x, b.prepare(mod))
+    ref = nvfp4.w4a4_linear(x, mod.qweight, mod.wscales, mod.smooth, mod.proj_down, mod.proj_up, mod.wcscale,
+                            mod.bias, accum_dtype=torch.float64)
+    lora = nvfp4.smooth_input(x, mod.smooth).double() @ mod.proj_down.double()
+    lr = lora.abs() @ mod.proj_up.double().abs().T  # sum_r |lora_act_r| |proj_up_r|
+    # tolerance: fp32 accumulation order, the bf16 rounding of lora_act and of proj_up / wcscale
+    # (2**-9 relative each, so 2 * 2**-8 covers both on every low-rank term), and the output rounding
+    eps_out = 2**-8 if dtype == torch.bfloat16 else 2**-11
+    tol = 2 * 2**-8 * lr + eps_out * ref.abs() + 1e-3 * ref.abs().max()
+    err = (y.double() - ref).abs()
+    assert bool((err <= tol).all()), f"max error {err.max().item():.3g} at {divmod(int(err.argmax()), n)}"

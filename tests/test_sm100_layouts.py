@@ -1,0 +1,81 @@
+"""sm100 backend: the shared-memory budget comes from the staged layouts' cosize, and the weight-scale
+repack matches CuTe's scale-factor layout. Traces layouts with the CuTe DSL (no compile, no GPU)."""
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass", reason="the [kernels] extra (nvidia-cutlass-dsl) is not installed")
+
+from svdq_linear import nvfp4  # noqa: E402
+from svdq_linear.backends.sm100 import host  # noqa: E402
+from svdq_linear.backends.sm100.host import K_TILE, LIBRARY_CONFIGS, SMEM_CAPACITY_SM100  # noqa: E402
+from svdq_linear.backends.sm100.layouts import BARRIER_BYTES, NUM_C_STAGE, smem_budget  # noqa: E402
+
+M, K, N, R = 4352, 3840, 3072, 128
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
+def test_flux_size_layer_keeps_four_ab_stages_on_two_ctas(out_dtype):
+    cfg = host.choose_config(M, N, R, out_dtype)
+    assert cfg.use_2cta
+    budget = smem_budget(cfg)
+    assert budget["num_ab_stage"] >= 4, f"{cfg.name}: only {budget['num_ab_stage']} A/B stages"
+
+
+@pytest.mark.parametrize("cfg", LIBRARY_CONFIGS, ids=lambda c: c.name)
+def test_every_budgeted_operand_is_its_layouts_cosize(cfg):
+    b = smem_budget(cfg)
+    n_cta = 2 if cfg.use_2cta else 1
+    # Independent oracle: bytes per CTA written out from the operand shapes. In 2-CTA mode each CTA
+    # holds half of A along M and half of B along N (the low-rank operands too); the weight scales
+    # (SFB) are held for the whole N tile, in 128-row groups.
+    per_stage = {
+        "a": cfg.cta_tile_m * K_TILE // 2,
+        "b": cfg.mma_tile_n // n_cta * K_TILE // 2,
+        "sfa": cfg.cta_tile_m * K_TILE // 16,
+        "sfb": -(-cfg.mma_tile_n // 128) * 128 * K_TILE // 16,
+        "a2": cfg.cta_tile_m * cfg.lowrank_chunk * 2,
+        "b2": cfg.mma_tile_n // n_cta * cfg.lowrank_chunk * 2,
+        "c": b["epi_tile_m"] * b["epi_tile_n"] * 2,
+    }
+    assert b["stage_bytes"] == per_stage
+    stages = {"a": b["num_ab_stage"], "b": b["num_ab_stage"], "sfa": b["num_ab_stage"], "sfb": b["num_ab_stage"],
+              "a2": 2, "b2": 2, "c": NUM_C_STAGE}
+    for name, n in stages.items():
+        assert b["total_bytes"][name] == per_stage[name] * n, name
+    used = sum(b["total_bytes"].values()) + BARRIER_BYTES
+    assert used <= SMEM_CAPACITY_SM100
+    # one more A/B stage would not fit: the budget is not leaving a stage on the table
+    assert used + sum(per_stage[k] for k in ("a", "b", "sfa", "sfb")) + 7 * 1024 > SMEM_CAPACITY_SM100
+
+
+def test_weight_scale_repack_matches_cute_scale_factor_layout():
+    import cutlass.cute as cute
+    import cutlass.utils.blockscaled_layout as blockscaled_utils
+
+    rows, k = 300, 3072
+    scales = nvfp4.round_e4m3(torch.rand(rows, k // 16) * 400 + 0.01)
+    flat = host.to_sf_atom_layout(scales).view(torch.uint8)
+    coords = [(r, kb) for r in range(0, rows, 7) for kb in range(0, k // 16, 5)] + [(rows - 1, k // 16 - 1)]
+    got = {}
+
+    @cute.jit
+    def trace():
+        lay = blockscaled_utils.tile_atom_to_shape_SF((rows, k, 1), 16)
+        got["size"] = cute.cosize(lay)
+        got["offsets"] = [cute.crd2idx((r, kb * 16, 0), lay) for r, kb in coords]
+
+    trace()
+    assert got["size"] <= flat.numel()
+    sv = scales.view(torch.uint8)
+    for (r, kb), off in zip(coords, got["offsets"]):
+        assert flat[off] == sv[r, kb], f"scale ({r}, {kb}) is not at CuTe's offset {off}"
+
+
+@pytest.mark.parametrize("rank", [16, 32, 48, 64, 96, 128])
+@pytest.mark.parametrize("m,n", [(64, 3072), (4352, 3072), (4352, 12288), (1000, 520)])
+def test_chosen_config_keeps_enough_ab_stages(rank, m, n):
+    # 2-CTA tiles keep at least 4 stages; the 1-CTA small-M tile holds a full 128-row B and keeps 3
+    cfg = host.choose_config(m, n, rank, "bfloat16")
+    want = 4 if cfg.use_2cta else 3
+    assert smem_budget(cfg)["num_ab_stage"] >= want, cfg.name

@@ -1,0 +1,72 @@
+"""sm100 activation quantization (Triton): bit-exact to the contract on the CPU (Triton's interpreter),
+writing the scales straight into the tcgen05 scale-factor atom layout; compiles for sm_100a/sm_103a
+with IEEE division only."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+CHECK = textwrap.dedent(
+    """
+    import torch
+    from svdq_linear import nvfp4
+    from svdq_linear.backends.sm100 import host
+    from svdq_linear.backends.sm100.quantize import quantize_act
+
+    torch.manual_seed({seed})
+    m, k = {m}, {k}
+    x = (torch.randn(m, k) * 3).to(torch.{dtype})
+    # the contract's special blocks: all-zero, subnormal scale, NaN, Inf, E2M1 ties, saturation, -0.0
+    x[0, :16] = 0
+    x[1 % m, 16:32] = 1e-5
+    x[2 % m, 5] = float("nan")
+    x[3 % m, 40 % k] = float("inf")
+    x[4 % m, 32:48] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 6, -0.25, -0.75, -5, -6, 0, -0.0, 1, -1])
+    x[5 % m, 50] = 30000
+    x[6 % m, 16:32] = -0.0
+    smooth = torch.rand(k) + 0.5
+    codes, sf, xs = quantize_act(x, 1.0 / smooth, want_xs=True)
+    xs_ref = nvfp4.smooth_input(x, smooth)
+    assert torch.allclose(xs, xs_ref, rtol=0, atol=0, equal_nan=True), "xs differs"
+    ref_codes, ref_scales = nvfp4.quantize_nvfp4(xs_ref)
+    bad = (codes != ref_codes).nonzero()[:5].tolist()
+    assert not bad, f"codes differ at {{bad}}"
+    ref_sf = host.to_sf_atom_layout(ref_scales).view(torch.uint8)
+    assert sf.shape == ref_sf.shape, (sf.shape, ref_sf.shape)
+    bad = (sf != ref_sf).nonzero().flatten()[:5].tolist()
+    assert not bad, f"scale bytes differ at atom offsets {{bad}}"
+    print("OK")
+    """
+)
+
+
+@pytest.mark.parametrize("m,k,dtype", [(140, 160, "bfloat16"), (7, 96, "float16"), (130, 64, "float32")])
+def test_quantize_act_is_bit_exact_to_the_contract(m, k, dtype, tmp_path):
+    script = tmp_path / "check.py"
+    script.write_text(CHECK.format(seed=m, m=m, k=k, dtype=dtype))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, (r.stdout + r.stderr)[-3000:]
+
+
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+def test_quantize_act_compiles_with_ieee_division_only(arch, tmp_path):
+    # A fresh process without TRITON_INTERPRET (the CPU suite's conftest sets it): the real compiler.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import sys; from svdq_linear.backends.sm100.quantize import compile_for; "
+            f"open(sys.argv[1], 'w').write(compile_for({arch!r}).asm['ptx'])")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "q.ptx")], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ptx = (tmp_path / "q.ptx").read_text()
+    assert f".target {arch}" in ptx
+    divs = set(re.findall(r"\b(div\.[a-z]+\.f32|rcp\.[a-z.]+f32)", ptx))
+    assert divs == {"div.rn.f32"}, f"expected only IEEE div.rn.f32, got {divs}"
+    assert "st.global" in ptx and "ld.local" not in ptx and "st.local" not in ptx
+    assert "fma.rn.f32" not in ptx, "a multiply was contracted into an FMA: the contract rounds each one"
