@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One H200 call for the sm90 backend: GPU conformance + seam tests, the config sweep, the benchmark.
 # Through the device tool with carry [".devcarry/wheels"]:  bash benchmarks/h200_sm90.sh [--sweep]
-# STEPS (default "tests bench") picks what runs; each step has its own time limit.
+# STEPS (default "tests bench") picks what runs; each step has its own time limit. PYTEST_ARGS is split on
+# spaces: select tests by node id (file::test), not with a quoted -k expression.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # The CuTe DSL (61 MiB) and the wheels (quack, diffusers) do not fit one call: a call that carries
