@@ -152,12 +152,18 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], k // BLOCK_SIZE, BLOCK_SIZE)
 
 
+def _div(a: torch.Tensor, c: float) -> torch.Tensor:
+    """``a / c`` as one IEEE division per element on every device (PyTorch's CUDA kernels turn a division
+    by a scalar into a multiplication by its reciprocal, which rounds differently)."""
+    return a / torch.full_like(a, c)
+
+
 def block_scales(x: torch.Tensor) -> torch.Tensor:
     """E4M3 block scales ``[..., K/16]`` of float32 values ``[..., K]`` under the contract's rules."""
     blocks = _blocks(x.float())
     # amax with NaN propagation (torch's amax propagates NaN); Inf gives an Inf amax.
     amax = blocks.abs().amax(dim=-1)
-    return round_e4m3(amax / E2M1_MAX)
+    return round_e4m3(_div(amax, E2M1_MAX))
 
 
 def quantize_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,7 +324,7 @@ def fast_weight(qweight: torch.Tensor, wscales: torch.Tensor) -> tuple[torch.Ten
 def fast_act(xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The fast mode's activations: ``(a8 [M, K] float8_e4m3fn, sa [M] float32)`` of float32 ``xs``."""
     amax = xs.abs().amax(dim=-1)
-    sa = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    sa = torch.where(amax > 0, _div(amax, E4M3_MAX), torch.ones_like(amax))
     return round_e4m3(xs * (1.0 / sa)[..., None]), sa
 
 

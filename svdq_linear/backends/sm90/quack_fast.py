@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import cutlass
 import cutlass.cute as cute
@@ -35,7 +36,6 @@ from quack.blockscaled import nvfp4_utils as U
 from quack.epilogue.frontend import gemm_epilogue
 from quack.epilogue.ops import ColVecLoad, RowVecLoad, TileLoad
 from quack.gemm_runtime.identity import TORCH_OP_TRANSFORM_MODS
-from quack.gemm_runtime.identity import function_semantic_key as _semantic_key
 from quack.operand_transform.formats import DecodeFormat
 from quack.operand_transform.frontend import PackedFormatMod
 from quack.operand_transform.transform import AuxOperandA, TransformAW4
@@ -197,19 +197,23 @@ class _FastTransform(TransformAW4):
         return copy_block
 
 
-def _digest(*parts) -> str:
-    return hashlib.sha256(repr(parts).encode()).hexdigest()
+def _source_digest() -> str:
+    """Fail-closed identity of the decode for quack's caches: the source of this module and of the
+    layout it reads (quack's own keyer cannot walk the DSL's inline-asm helpers)."""
+    h = hashlib.sha256(b"svdq_w4a8")
+    for path in (Path(__file__), Path(fast_layout.__file__)):
+        h.update(path.read_bytes())
+    return h.hexdigest()
 
 
 class _FastMod(PackedFormatMod):
     """The ``transform_a=`` handle: quack's packed-format mod, building ``_FastTransform``."""
 
-    def __init__(self):
-        super().__init__(_Nvfp4E4m3())
+    def __init__(self):  # not PackedFormatMod.__init__: it fingerprints decode_k16 with quack's keyer
+        self.fmt = self.packed = _Nvfp4E4m3()
+        self._registry_name = None
         self.name = "svdq_w4a8"
-        self.semantic_digest = _digest(
-            "svdq_w4a8", self.semantic_digest, _semantic_key(_FastTransform.make_copy_block),
-            _semantic_key(_SplitStrip.make_tma), _semantic_key(_decode_word), _semantic_key(_scale_pair))
+        self.semantic_digest = _source_digest()
         TORCH_OP_TRANSFORM_MODS[self.semantic_digest] = self
 
     def __call__(self, gemm):
