@@ -276,7 +276,7 @@ def quantize_act(
     return xq, codes, None if scales is None else scales.view(torch.float8_e4m3fn)
 
 
-def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, block_m: int = 8, block_k: int = 512,
+def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, block_m: int = 8, block_k: int = 256,
                      num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """The fast mode's activations of ``x [M, K]`` (any strides): ``(a8 [M, K] float8_e4m3fn, sa [M]
     float32)``, bit-identical to ``nvfp4.fast_act(nvfp4.smooth_input(x, smooth))``."""

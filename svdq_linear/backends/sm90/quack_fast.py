@@ -262,8 +262,9 @@ def tiles(m: int) -> tuple[int, int]:
 
 
 def gemm(a8: torch.Tensor, sa: torch.Tensor, w: FastWeight, lowrank: torch.Tensor | None,
-         tile: tuple[int, int] | None = None) -> torch.Tensor:
-    """``out [M, N] bf16 = (a8 @ w8^T) * sa * cs + bias (+ lowrank)``; ``a8`` E4M3 contiguous."""
+         tile: tuple[int, int] | None = None, launch: bool = True) -> torch.Tensor:
+    """``out [M, N] bf16 = (a8 @ w8^T) * sa * cs + bias (+ lowrank)``; ``a8`` E4M3 contiguous.
+    ``launch=False`` compiles (into quack's caches) without launching."""
     m = a8.shape[0]
     n = w.cs.shape[1]
     out = torch.empty(m, n, device=a8.device, dtype=torch.bfloat16)
@@ -277,5 +278,5 @@ def gemm(a8: torch.Tensor, sa: torch.Tensor, w: FastWeight, lowrank: torch.Tenso
     if lowrank is not None:
         args["lr"], mod = lowrank, _epi_fast_lowrank
     mod.gemm(a8, w.blob, out, epi_args=args, transform_a=FAST_MOD, transform_sf=w.strip, tile_M=tm, tile_N=tn,
-             tile_K=TILE_K, cluster_M=1, cluster_N=1, max_swizzle_size=8, split_k=1)
+             tile_K=TILE_K, cluster_M=1, cluster_N=1, max_swizzle_size=8, split_k=1, _launch=launch)
     return out
