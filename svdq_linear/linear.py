@@ -17,7 +17,7 @@ from .svdquant import SVDQuantConfig, SVDQuantWeights, svdquant, weight_only
 
 
 ENV_MODE = "SVDQ_LINEAR_MODE"
-MODES = ("exact", "fast")
+MODES = ("exact", "fast", "auto")
 
 
 def set_mode(model: nn.Module, mode: str | None) -> int:
@@ -80,7 +80,7 @@ class _PackedNVFP4Linear(nn.Module):
 
     def _reset_dispatch(self) -> None:
         self._dispatch_cache: dict[tuple, tuple] = {}  # (backend, kind) -> (tensor key, prepared state)
-        self._declined: dict[tuple, str | None] = {}  # (backend name, device) -> reason or None
+        self._declined: dict[tuple, str | None] = {}  # (backend name, device, kind) -> reason or None
 
     def _after_load(self, incompatible_keys) -> None:
         self._reset_dispatch()
@@ -235,11 +235,14 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
 
     @property
     def mode(self) -> str:
-        """``"exact"`` (the W4A4 contract) or ``"fast"`` (``nvfp4.w4a8_fast_linear``: FP8 on Hopper).
+        """``"exact"`` (the W4A4 contract), ``"fast"`` (``nvfp4.w4a8_fast_linear``: FP8 tensor cores on
+        Hopper) or ``"auto"`` (the default: fast where a GPU kernel serves the fast mode, i.e. sm90 with
+        quack-kernels; exact elsewhere, Blackwell and the CPU included).
 
-        Set per module (``set_mode``), per model (``svdq_linear.set_mode``) or by ``$SVDQ_LINEAR_MODE``.
+        Set per module (``set_mode``), per model (``svdq_linear.set_mode``) or by ``$SVDQ_LINEAR_MODE``;
+        a module's own setting wins over the variable.
         """
-        mode = getattr(self, "_mode", None) or os.environ.get(ENV_MODE) or "exact"
+        mode = getattr(self, "_mode", None) or os.environ.get(ENV_MODE) or "auto"
         if mode not in MODES:
             raise ValueError(f"expected a mode in {MODES} (module or ${ENV_MODE}), got {mode!r}")
         return mode
@@ -252,7 +255,11 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
 
     @property
     def kind(self) -> str:
-        return "w4a4_fast" if self.mode == "fast" else "w4a4"
+        mode = self.mode
+        if mode == "auto":
+            device = self.qweight.device
+            mode = "fast" if backends.fast_mode_is_native(device, backends.preferred_name(self)) else "exact"
+        return "w4a4_fast" if mode == "fast" else "w4a4"
 
     def _expected_buffers(self):
         n, k, r = self.out_features, self.in_features, self.rank

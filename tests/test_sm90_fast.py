@@ -167,3 +167,25 @@ def test_gpu_fast_linear_matches_the_fast_formula(tokens, k, n, r):
     bound = _fast_bound(m, x, a8, sa) + 2.0**-8 * want.abs() + 1e-30
     err = (y - want).abs()
     assert (err <= bound).all(), f"max err/bound {(err / bound).max().item():.3g}"
+
+
+def test_auto_mode_is_exact_where_no_gpu_kernel_serves_the_fast_mode(monkeypatch):
+    monkeypatch.delenv("SVDQ_LINEAR_MODE", raising=False)
+    m = SVDQW4A4Linear(256, 128, rank=8)
+    assert m.mode == "auto" and m.kind == "w4a4"  # the CPU: the reference does not count as native
+    monkeypatch.setattr(backends, "fast_mode_is_native", lambda device, preferred=None: True)
+    assert m.kind == "w4a4_fast"
+    assert m.set_mode("exact").kind == "w4a4"  # the module's own setting wins
+    monkeypatch.setenv("SVDQ_LINEAR_MODE", "exact")
+    assert m.set_mode(None).kind == "w4a4"
+
+
+@pytest.mark.gpu
+def test_gpu_auto_mode_runs_the_fast_kernel_on_hopper(monkeypatch):
+    _quack_fast()
+    monkeypatch.delenv("SVDQ_LINEAR_MODE", raising=False)
+    m = SVDQW4A4Linear(512, 256, rank=16).to("cuda", torch.bfloat16)
+    assert m.kind == "w4a4_fast"
+    assert backends.choose(m, torch.empty(4, 512, device="cuda", dtype=torch.bfloat16)).name == "sm90"
+    monkeypatch.setenv("SVDQ_LINEAR_BACKEND", "reference")
+    assert SVDQW4A4Linear(512, 256, rank=16).to("cuda").kind == "w4a4"  # a pinned reference keeps the contract

@@ -107,8 +107,8 @@ class Sm90Backend(Backend):
         return cap is not None and cap[0] == 9
 
     def supports(self, device, kind):
-        if kind == "w4a4_fast" and self.interpret:
-            return False  # the FP8 GEMM is a CuTe DSL kernel: no CPU interpreter
+        if kind == "w4a4_fast" and (self.interpret or not self._device_ok(device) or _quack_fast_module() is None):
+            return False  # the FP8 GEMM is a CuTe DSL kernel on quack: no CPU interpreter, no quack
         return kind in self.kinds and self._device_ok(device)
 
     def declines(self, module, device):
@@ -120,8 +120,6 @@ class Sm90Backend(Backend):
                 return f"fast mode needs out_features % 64 == 0 and in_features % 128 == 0, got {n} x {k}"
             if weights_are_offloaded(module):
                 return "offloaded weights (the fast layout would be rebuilt for every call)"
-            if _quack_fast_module() is None:
-                return "quack-kernels is not installed"
         if module.kind in ("w4a4", "w4a4_fast"):
             if module.rank > MAX_RANK:
                 return f"rank {module.rank} > {MAX_RANK}"
