@@ -186,6 +186,8 @@ class Sm90Backend(Backend):
             pds, up = extra[0], extra[1]
             lowrank = (x.to(torch.bfloat16) @ pds) @ up.T  # [M, N] bf16, the epilogue's tile
         a8, sa = self.kernels.quantize_act_fp8(x, smooth)
+        if x.dtype == torch.float16:
+            return quack_fast.gemm(a8, sa, fw, lowrank.half() if r else None, out_dtype=torch.float16)
         out = quack_fast.gemm(a8, sa, fw, lowrank)
         return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
 

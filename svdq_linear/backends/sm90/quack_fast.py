@@ -262,12 +262,13 @@ def tiles(m: int) -> tuple[int, int]:
 
 
 def gemm(a8: torch.Tensor, sa: torch.Tensor, w: FastWeight, lowrank: torch.Tensor | None,
-         tile: tuple[int, int] | None = None, launch: bool = True) -> torch.Tensor:
-    """``out [M, N] bf16 = (a8 @ w8^T) * sa * cs + bias (+ lowrank)``; ``a8`` E4M3 contiguous.
-    ``launch=False`` compiles (into quack's caches) without launching."""
+         tile: tuple[int, int] | None = None, launch: bool = True,
+         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``out [M, N] = (a8 @ w8^T) * sa * cs + bias (+ lowrank)`` in ``out_dtype`` (bf16 or fp16, rounded
+    once); ``a8`` E4M3 contiguous. ``launch=False`` compiles (into quack's caches) without launching."""
     m = a8.shape[0]
     n = w.cs.shape[1]
-    out = torch.empty(m, n, device=a8.device, dtype=torch.bfloat16)
+    out = torch.empty(m, n, device=a8.device, dtype=out_dtype)
     if m == 0:
         return out
     tm, tn = tile or tiles(m)
