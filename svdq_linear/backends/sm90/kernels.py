@@ -281,6 +281,10 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, block_m: int = 8,
     """The fast mode's activations of ``x [M, K]`` (any strides): ``(a8 [M, K] float8_e4m3fn, sa [M]
     float32)``, bit-identical to ``nvfp4.fast_act(nvfp4.smooth_input(x, smooth))``."""
     m, k = x.shape
+    if x.stride(1) != 1 and not _INTERPRET:
+        # Triton 3.6 on sm_90 writes wrong bytes for an input strided along K (seen on the H200 for a
+        # column-major x, docs/perf.md): such inputs are rare in a transformer, so copy them.
+        x = x.contiguous()
     a8 = torch.empty(m, k, device=x.device, dtype=torch.uint8)
     sa = torch.empty(m, device=x.device, dtype=torch.float32)
     if m:
