@@ -5,6 +5,8 @@ All offline on CPU in float32: tiny Flux / SD3 / SD3.5 pipelines are built and s
 
 import json
 import os
+import runpy
+import shlex
 import shutil
 import subprocess
 import sys
@@ -493,3 +495,45 @@ def test_hub_ids_fetch_only_the_pipeline_components(monkeypatch, tmp_path, sourc
     assert sorted(calls["allow_patterns"]) == sorted(["model_index.json", "scheduler/*", "text_encoder/*",
         "text_encoder_2/*", "tokenizer/*", "tokenizer_2/*", "transformer/*", "vae/*"])
     assert "*.bin" in calls["ignore_patterns"]
+
+
+# ---- the README's main job and the converters/ scripts -----------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_readme_main_job_runs_again_over_its_earlier_output(converted, tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Set up and run"):readme.index("## Test")]
+    block = section[section.index("```bash") + len("```bash"):]
+    main_job = block[:block.index("```")].strip().splitlines()[1]
+    assert main_job.startswith("svdq-convert tiny:flux out/tiny-flux") and "examples/generate.py" in main_job
+    assert "the image is noise" in section
+    # A first run's output is there (the fixture's conversion of the same tiny Flux, other settings).
+    shutil.copytree(converted["flux"], tmp_path / "out" / "tiny-flux")
+    # The installed commands, spelled through this interpreter so the test runs from any environment.
+    command = main_job.replace("svdq-convert ", f"{shlex.quote(sys.executable)} -m svdq_linear.convert.cli ")
+    command = command.replace("python examples/", f"{shlex.quote(sys.executable)} {shlex.quote(str(ROOT))}/examples/")
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "wrote" in r.stdout and (tmp_path / "out" / "tiny-flux.png").is_file()
+    assert "image is noise" in r.stdout, "generate.py says where to look next"
+    qcfg = json.loads((tmp_path / "out" / "tiny-flux" / "transformer" / "config.json").read_text())
+    assert qcfg["quantization_config"]["calibration"]["num_prompts"] == 16, "the earlier output was replaced"
+    assert not (tmp_path / "out" / "tiny-flux.replaced").exists()
+
+
+def test_converter_scripts_run_svdq_convert(sources, tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "converters"))
+    out = tmp_path / "o"
+    monkeypatch.setattr(sys, "argv", ["sd3.py", str(out), "--model", str(sources["sd3"]), "--no-calib",
+                                      "--rank", "4", "--dtype", "float32", "--quiet"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(ROOT / "converters" / "sd3.py"), run_name="__main__")
+    assert exit_.value.code == 0, capsys.readouterr().err[-2000:]
+    qcfg = json.loads((out / "transformer" / "config.json").read_text())["quantization_config"]
+    assert qcfg["conversion"]["source"] == str(sources["sd3"]) and qcfg["rank"] == 4
+    for script, name, hub_id in (("flux", "dev", "black-forest-labs/FLUX.1-dev"),
+                                 ("sd3", "sd35-medium", "stabilityai/stable-diffusion-3.5-medium")):
+        assert runpy.run_path(str(ROOT / "converters" / f"{script}.py"))["MODELS"][name] == hub_id
