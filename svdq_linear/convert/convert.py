@@ -22,8 +22,8 @@ from tqdm.auto import tqdm
 
 from svdq_linear import diffusers_quantizer as dq
 from svdq_linear.files import checkpoint_files, pipeline_components, read_json, resolve_model_path, safetensors_keys
-from svdq_linear.pipeline import LayerStats, quantize_linears, quantize_state_dict
 from svdq_linear.linear import SVDQW4A4Linear
+from svdq_linear.pipeline import LayerStats, quantize_linears, quantize_state_dict
 from svdq_linear.svdquant import SVDQuantConfig
 
 from . import calibrate, recipes
