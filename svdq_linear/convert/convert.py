@@ -21,15 +21,9 @@ import torch
 from tqdm.auto import tqdm
 
 from svdq_linear import diffusers_quantizer as dq
-from svdq_linear.pipeline import (
-    LayerStats,
-    checkpoint_files,
-    pipeline_components,
-    quantize_linears,
-    quantize_state_dict,
-    read_json,
-    resolve_model_path,
-)
+from svdq_linear.files import checkpoint_files, pipeline_components, read_json, resolve_model_path, safetensors_keys
+from svdq_linear.linear import SVDQW4A4Linear
+from svdq_linear.pipeline import LayerStats, quantize_linears, quantize_state_dict
 from svdq_linear.svdquant import SVDQuantConfig
 
 from . import calibrate, recipes
@@ -53,6 +47,7 @@ class ConvertOptions:
     device: str | None = None  # calibration and SVD; default: the GPU when there is one
     dtype: str = "bfloat16"  # 16-bit branch, biases and kept tensors
     resume: bool = False
+    overwrite: bool = False  # replace an earlier svdq-convert output in out_dir once the new one is complete
     progress: bool = True
 
     def torch_dtype(self) -> torch.dtype:
@@ -141,16 +136,7 @@ def _source_folder(model_id: str, partial: Path) -> Path:
 
 
 def _source_keys(model_dir: Path) -> dict[str, Path]:
-    from safetensors import SafetensorError, safe_open
-
-    keys = {}
-    for f in checkpoint_files(model_dir):
-        try:
-            with safe_open(f, framework="pt") as fh:
-                keys.update({k: f for k in fh.keys()})
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"{f} is corrupted or truncated ({e})") from e
-    return keys
+    return {k: f for f in checkpoint_files(model_dir) for k in safetensors_keys(f)}
 
 
 def _calibration_kwargs(model_id: str, opts: ConvertOptions) -> dict:
@@ -187,6 +173,18 @@ def _calibrate(
     return act_max
 
 
+def _check_replaceable(out: Path) -> None:
+    """``--overwrite`` replaces only what svdq-convert wrote (not a home folder given by mistake)."""
+    config = out / "transformer" / "config.json"
+    try:
+        ours = out.is_dir() and dq.is_svdq_config(read_json(config, "").get("quantization_config") or {})
+    except (OSError, ValueError):
+        ours = False
+    if not ours:
+        raise FileExistsError(f"{out} exists and is not an svdq-convert output (no svdq quantization_config in "
+                              f"{config}); --overwrite replaces only those: remove it or pick another output folder")
+
+
 def convert(model_id: str, out_dir: str | os.PathLike, opts: ConvertOptions | None = None) -> Summary:
     """Convert ``model_id`` (a local diffusers folder, a hub id, or ``tiny:flux|sd3|sd35``) into ``out_dir``.
 
@@ -199,7 +197,9 @@ def convert(model_id: str, out_dir: str | os.PathLike, opts: ConvertOptions | No
     out = Path(out_dir).expanduser().resolve()
     partial = out.with_name(out.name + ".partial")
     if out.exists():
-        raise FileExistsError(f"{out} already exists; remove it or pick another output folder")
+        if not opts.overwrite:
+            raise FileExistsError(f"{out} already exists; pass --overwrite to replace it, or pick another output folder")
+        _check_replaceable(out)
     settings = opts.settings(model_id)
     progress_file = partial / "progress.json"
     if partial.exists():
@@ -313,7 +313,14 @@ def _convert(model_id: str, out: Path, partial: Path, state: dict, opts: Convert
         os.replace(partial / "calibration.safetensors", partial / "svdq_calibration.safetensors")
     layers = [layer for info in state["done"].values() for layer in info["layers"]]
     progress_file.unlink()
-    os.replace(partial, out)  # the only step that makes out_dir exist
+    if out.exists():  # --overwrite: the earlier output goes only now that the new one is complete
+        old = out.with_name(out.name + ".replaced")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+        os.replace(partial, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(partial, out)  # the only step that makes out_dir exist
 
     errors = sorted((layer["rel_error"], layer["name"]) for layer in layers if layer["kind"] == "w4a4")
     w4a16_errors = [layer["rel_error"] for layer in layers if layer["kind"] == "w4a16"]
@@ -373,8 +380,9 @@ def quantize_pipeline(
             smooth_groups=recipe.groups,
             config=config,
         )
+    branch = next(m for m in transformer.modules() if isinstance(m, SVDQW4A4Linear)).proj_down.dtype
     qcfg = dq.SVDQuantizationConfig(rank=rank, w4a4_modules=recipe.w4a4, w4a16_modules=recipe.w4a16,
-                                    smooth_groups=recipe.groups,
+                                    smooth_groups=recipe.groups, dtype=str(branch).removeprefix("torch."),
                                     calibration={"enabled": calib, "steps": calib_steps},
                                     conversion={"alpha": config.alpha, "svd": config.svd,
                                                 "refine_iters": config.refine_iters, "source": "quantize_pipeline"})
