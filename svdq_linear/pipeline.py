@@ -18,7 +18,7 @@ from torch import nn
 
 from . import diffusers_quantizer as dq
 from . import files, nvfp4
-from .linear import W4A4, W4A16
+from .linear import MODES, W4A4, W4A16, set_mode
 from .svdquant import SVDQuantConfig, group_smoothing_factor, svdquant, weight_only
 
 
@@ -135,15 +135,17 @@ def quantize_linears(
 
 
 def load_svdq_pipeline(
-    path_or_id: str | os.PathLike, device: str | torch.device | None = None, dtype: torch.dtype = torch.bfloat16, **kwargs
+    path_or_id: str | os.PathLike, device: str | torch.device | None = None, dtype: torch.dtype = torch.bfloat16,
+    mode: str | None = None, **kwargs
 ):
     """A ready diffusers pipeline from an ``svdq-convert`` folder (or hub id) in ``dtype`` on ``device``.
 
     The pipeline class comes from ``model_index.json``; diffusers' ``from_pretrained`` loads it, its
     transformer through the ``svdq_w4a4`` quantizer (``svdq_linear.diffusers_quantizer``: targets
     swapped before the weights load, every tensor checked, keys matched both ways), even where
-    registering it with diffusers failed at import. Only safetensors are read. ``kwargs`` go to the
-    pipeline's ``from_pretrained``.
+    registering it with diffusers failed at import. Only safetensors are read. ``mode``: ``"exact"``,
+    ``"fast"`` or ``"auto"`` for every ``SVDQW4A4Linear`` (None: each module's default, ``"auto"`` unless
+    ``$SVDQ_LINEAR_MODE`` says otherwise). ``kwargs`` go to the pipeline's ``from_pretrained``.
     """
     import diffusers
 
@@ -160,6 +162,10 @@ def load_svdq_pipeline(
         raise ValueError(f"{root}/transformer: quant_method is {qdict.get('quant_method')!r}, "
                          f"expected {dq.QUANT_METHOD!r}")
     kwargs.setdefault("use_safetensors", True)  # never unpickle a folder's other components
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"expected a mode in {MODES}, got {mode!r}")
     with dq.registered():
         pipe = cls.from_pretrained(root, dtype=dtype, **kwargs)
+    if mode is not None:
+        set_mode(pipe.transformer, mode)
     return pipe.to(device) if device is not None else pipe

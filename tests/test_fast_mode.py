@@ -80,3 +80,18 @@ def test_mode_selection_per_module_model_and_environment(monkeypatch):
     m.set_mode(None)
     with pytest.raises(ValueError, match="SVDQ_LINEAR_MODE"):
         m(x)
+
+
+def test_mode_is_chosen_per_pipeline_when_loading_and_quantizing(tmp_path):
+    from svdq_linear import load_svdq_pipeline, quantize_pipeline
+    from svdq_linear.convert.tiny import TINY_CALL_KWARGS, build_tiny_pipeline
+
+    pipe = build_tiny_pipeline("flux")
+    quantize_pipeline(pipe, rank=4, calib=False, progress=False, mode="fast")
+    layers = [m for m in pipe.transformer.modules() if isinstance(m, SVDQW4A4Linear)]
+    assert layers and all(m.mode == "fast" for m in layers)
+    pipe.save_pretrained(tmp_path)
+    loaded = load_svdq_pipeline(tmp_path, mode="exact")
+    assert all(m.mode == "exact" for m in loaded.transformer.modules() if isinstance(m, SVDQW4A4Linear))
+    with pytest.raises(ValueError, match="expected a mode"):
+        load_svdq_pipeline(tmp_path, mode="quick")

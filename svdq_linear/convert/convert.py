@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from svdq_linear import diffusers_quantizer as dq
 from svdq_linear.files import checkpoint_files, pipeline_components, read_json, resolve_model_path, safetensors_keys
-from svdq_linear.linear import SVDQW4A4Linear
+from svdq_linear.linear import MODES, SVDQW4A4Linear, set_mode
 from svdq_linear.pipeline import LayerStats, quantize_linears, quantize_state_dict
 from svdq_linear.svdquant import SVDQuantConfig
 
@@ -353,14 +353,18 @@ def quantize_pipeline(
     calib: bool = True,
     call_kwargs: dict | None = None,
     progress: bool = True,
+    mode: str | None = None,
     **config_kwargs,
 ) -> list[LayerStats]:
     """Quantize an already-loaded Flux / SD3 pipeline's transformer in place, with the recipes of
     ``svdq-convert``. ``calib_prompts``: a list, a file, or None for the shipped set; ``call_kwargs``
-    go to the calibration runs (height, width, ...). ``config_kwargs`` are ``SVDQuantConfig`` fields.
+    go to the calibration runs (height, width, ...). ``mode`` (``"exact"``, ``"fast"``, ``"auto"``)
+    is set on every quantized layer (None: the default). ``config_kwargs`` are ``SVDQuantConfig`` fields.
     Afterwards ``pipe.save_pretrained(folder)`` writes a folder that ``load_svdq_pipeline`` loads.
     """
     transformer = pipe.transformer
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"expected a mode in {MODES}, got {mode!r}")
     recipe = recipes.recipe_for(transformer)
     act_max = {}
     if calib:
@@ -390,4 +394,6 @@ def quantize_pipeline(
     transformer.hf_quantizer = dq.SVDQuantizer(qcfg)
     transformer.is_quantized = True
     dq.mark_quantized(transformer)
+    if mode is not None:
+        set_mode(transformer, mode)
     return stats
