@@ -47,6 +47,9 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     image.save(args.output)
     print(f"wrote {args.output}")
+    if tiny:
+        print("the tiny demo model has random weights, so its image is noise; for a real picture convert a real "
+              "model (README, 'Real models')")
 
 
 if __name__ == "__main__":

@@ -3,24 +3,38 @@
 ``import svdq_linear`` registers them in ``diffusers.quantizers.auto`` (diffusers has no public
 registry), so stock ``DiffusionPipeline.from_pretrained(folder)`` and
 ``FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer")`` build the quantized
-modules of a folder written by ``svdq-convert``. Without this, such a folder fails loudly
-("Unknown quantization type"), and a folder *without* ``quantization_config`` would load as plain
-``nn.Linear``s with random/meta weights: the converter always writes it, and loading here checks
-the checkpoint's keys against the config both ways and that nothing is left on ``meta``.
+modules of a folder written by ``svdq-convert``; ``load_svdq_pipeline`` goes through the same
+quantizer. Without the import, such a folder fails loudly: diffusers' error ("Unknown quantization
+type, got ...") shows the ``quant_method`` string, and the one written to ``config.json``
+(``QUANT_METHOD_ON_DISK``) says to ``import svdq_linear``. A folder *without*
+``quantization_config`` would load as plain ``nn.Linear``s with random/meta weights: the converter
+always writes it, and loading here checks the checkpoint's keys against the config both ways, every
+quantized tensor's shape, dtype and values (``SVDQW4A4Linear.checked_tensor``), the 16-bit tensors
+against the recorded ``dtype``, and that nothing is left on ``meta``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from typing import Any
 
 import torch
 from torch import nn
 
-from .linear import NVFP4W4A16Linear, SVDQW4A4Linear, _PackedNVFP4Linear
+from . import files
+from .linear import FIXED_DTYPES, W4A4, W4A16, NVFP4W4A16Linear, SVDQW4A4Linear, _PackedNVFP4Linear
 
 QUANT_METHOD = "svdq_w4a4"
+QUANT_METHOD_ON_DISK = "svdq_w4a4 (run `import svdq_linear` before from_pretrained; pip install svdq-linear)"
+"""What ``config.json`` records. diffusers looks the raw string up in its table and, when nothing
+registered it, raises ``Unknown quantization type, got <this string>``: the only text of the folder
+that its error shows. Both strings are registered; folders written before carry ``svdq_w4a4``."""
+QUANT_METHOD_KEYS = (QUANT_METHOD, QUANT_METHOD_ON_DISK)
 FORMAT_VERSION = 1
+DTYPES = ("bfloat16", "float16", "float32")
+
+MODULE_CLASSES = {W4A4: SVDQW4A4Linear, W4A16: NVFP4W4A16Linear}
 
 
 class SVDQQuantMethod(str, enum.Enum):
@@ -44,7 +58,9 @@ class SVDQuantizationConfig(_config_mixin()):
     rank: R of every W4A4 layer. w4a4_modules / w4a16_modules: the module names swapped for
     ``SVDQW4A4Linear`` / ``NVFP4W4A16Linear``. smooth_groups: W4A4 name -> the group whose smoothing
     factor it shares. calibration: how activation statistics were gathered. conversion: the
-    SVDQuant options used (alpha, svd, refine_iters, ...).
+    SVDQuant options used (alpha, svd, refine_iters, ...). dtype: the dtype of the quantized
+    modules' 16-bit tensors (``proj_down``, ``proj_up``, ``bias``) in the checkpoint (``"bfloat16"``,
+    ``"float16"``, ``"float32"``; default ``conversion["dtype"]``, None: not recorded, not checked).
     """
 
     def __init__(
@@ -56,10 +72,11 @@ class SVDQuantizationConfig(_config_mixin()):
         calibration: dict[str, Any] | None = None,
         conversion: dict[str, Any] | None = None,
         format_version: int = FORMAT_VERSION,
+        dtype: str | None = None,
         **kwargs,  # from_dict passes quant_method back in
     ):
         qm = kwargs.pop("quant_method", QUANT_METHOD)
-        if str(qm) != QUANT_METHOD:
+        if str(qm) not in QUANT_METHOD_KEYS:
             raise ValueError(f"expected quant_method {QUANT_METHOD!r}, got {qm!r}")
         if kwargs:
             raise ValueError(f"unknown {QUANT_METHOD} quantization_config keys: {sorted(kwargs)}")
@@ -76,10 +93,22 @@ class SVDQuantizationConfig(_config_mixin()):
         self.smooth_groups = dict(smooth_groups or {})
         self.calibration = dict(calibration or {})
         self.conversion = dict(conversion or {})
+        self.dtype = dtype if dtype is not None else self.conversion.get("dtype")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"{QUANT_METHOD} quantization_config dtype: expected one of {DTYPES}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """The recorded dtype of the 16-bit tensors, or None when the config does not record one."""
+        return None if self.dtype is None else getattr(torch, self.dtype)
+
+    def targets(self) -> dict[str, str]:
+        """Module name -> ``W4A4`` / ``W4A16``."""
+        return {**{n: W4A4 for n in self.w4a4_modules}, **{n: W4A16 for n in self.w4a16_modules}}
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
-        d["quant_method"] = self.quant_method.value
+        d["quant_method"] = QUANT_METHOD_ON_DISK
         return d
 
     def to_diff_dict(self) -> dict[str, Any]:  # the mixin's __repr__ needs it
@@ -100,23 +129,19 @@ def mark_quantized(model: nn.Module) -> None:
 
 def swap_in_quantized_modules(model: nn.Module, config: SVDQuantizationConfig, dtype: torch.dtype) -> None:
     """Replace the config's targets with empty (``meta``) quantized modules of the same shape."""
-    for names, build in (
-        (config.w4a4_modules, lambda lin: SVDQW4A4Linear(
-            lin.in_features, lin.out_features, rank=config.rank, bias=lin.bias is not None,
-            device="meta", dtype=dtype)),
-        (config.w4a16_modules, lambda lin: NVFP4W4A16Linear(
-            lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta", dtype=dtype)),
-    ):
-        for name in names:
-            try:
-                lin = model.get_submodule(name)
-            except AttributeError:
-                raise ValueError(
-                    f"quantization_config names module {name!r}, which {type(model).__name__} does not have"
-                ) from None
-            if not isinstance(lin, nn.Linear):
-                raise ValueError(f"quantization_config names {name!r}, a {type(lin).__name__}, not an nn.Linear")
-            _set_submodule(model, name, build(lin))
+    for name, kind in config.targets().items():
+        try:
+            lin = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(
+                f"quantization_config names module {name!r}, which {type(model).__name__} does not have"
+            ) from None
+        if not isinstance(lin, nn.Linear):
+            raise ValueError(f"quantization_config names {name!r}, a {type(lin).__name__}, not an nn.Linear")
+        extra = {"rank": config.rank} if kind == W4A4 else {}
+        module = MODULE_CLASSES[kind](lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta",
+                                      dtype=dtype, **extra)
+        _set_submodule(model, name, module)
     mark_quantized(model)
 
 
@@ -163,6 +188,8 @@ class SVDQuantizer(_quantizer_base()):
         return torch_dtype
 
     def maybe_update_loaded_keys(self, loaded_keys, checkpoint_files):
+        for f in checkpoint_files or ():
+            files.safetensors_keys(f)  # safetensors only, and whole: a clear error naming the file
         self.loaded_keys = set(loaded_keys)
         return loaded_keys
 
@@ -182,8 +209,13 @@ class SVDQuantizer(_quantizer_base()):
     def create_quantized_param(self, model, param_value, param_name, target_device, state_dict, *args, **kwargs):
         module_name, _, name = param_name.rpartition(".")
         module = model.get_submodule(module_name)
-        t = module.checked_tensor(name, state_dict[param_name], param_name)  # raw: param_value may be cast
-        if name not in module._fixed_dtypes:
+        raw = state_dict[param_name]  # param_value may already be cast to torch_dtype
+        recorded = self.quantization_config.torch_dtype
+        if name not in FIXED_DTYPES and recorded is not None and raw.dtype != recorded:
+            raise ValueError(f"{param_name}: expected {recorded}, the checkpoint's recorded dtype "
+                             f"(quantization_config.dtype), got {raw.dtype}")
+        t = module.checked_tensor(name, raw, param_name)
+        if name not in FIXED_DTYPES:
             t = t.to(module._parameters[name].dtype)  # the 16-bit branch follows torch_dtype
         module._set(name, t.to(target_device))
 
@@ -192,6 +224,8 @@ class SVDQuantizer(_quantizer_base()):
         for module in model.modules():
             if isinstance(module, _PackedNVFP4Linear):
                 module._reset_dispatch()
+        # The 16-bit tensors now hold the load's dtype: what save_pretrained will write.
+        self.quantization_config.dtype = str(self.compute_dtype).removeprefix("torch.")
         return model
 
     @property
@@ -207,15 +241,49 @@ class SVDQuantizer(_quantizer_base()):
         return True
 
 
-def register() -> None:
-    """Insert ``svdq_w4a4`` into diffusers' quantizer tables (refusing to replace someone else's)."""
+def _tables():
     from diffusers.quantizers import auto
 
-    for table, value in (
-        (auto.AUTO_QUANTIZER_MAPPING, SVDQuantizer),
-        (auto.AUTO_QUANTIZATION_CONFIG_MAPPING, SVDQuantizationConfig),
-    ):
-        present = table.get(QUANT_METHOD)
-        if present is not None and present.__module__ != value.__module__:
-            raise RuntimeError(f"diffusers already has a {QUANT_METHOD!r} quantizer ({present!r}); not replacing it")
-        table[QUANT_METHOD] = value
+    return ((auto.AUTO_QUANTIZER_MAPPING, SVDQuantizer), (auto.AUTO_QUANTIZATION_CONFIG_MAPPING, SVDQuantizationConfig))
+
+
+def register() -> None:
+    """Insert ``svdq_w4a4`` into diffusers' quantizer tables (refusing to replace someone else's)."""
+    tables = _tables()
+    for table, value in tables:
+        for key in QUANT_METHOD_KEYS:
+            present = table.get(key)
+            if present is not None and present.__module__ != value.__module__:
+                raise RuntimeError(f"diffusers already has a {key!r} quantizer ({present!r}); not replacing it")
+    for table, value in tables:
+        for key in QUANT_METHOD_KEYS:
+            table[key] = value
+
+
+@contextlib.contextmanager
+def registered():
+    """Our entries in diffusers' tables for the ``with`` block, whatever ``register`` managed at import.
+
+    ``load_svdq_pipeline`` loads through this, so it works where ``register`` failed (a foreign entry
+    under our name is put back afterwards).
+    """
+    saved = []
+    for table, value in _tables():
+        for key in QUANT_METHOD_KEYS:
+            saved.append((table, key, table.get(key)))
+            table[key] = value
+    try:
+        yield
+    finally:
+        for table, key, before in saved:
+            if before is None:
+                table.pop(key, None)
+            else:
+                table[key] = before
+
+
+def is_svdq_config(quantization_config) -> bool:
+    """Whether a ``config.json``'s ``quantization_config`` (dict or object) is ours."""
+    qm = quantization_config.get("quant_method") if isinstance(quantization_config, dict) else getattr(
+        quantization_config, "quant_method", None)
+    return str(qm) in QUANT_METHOD_KEYS

@@ -19,7 +19,20 @@ from .svdquant import SVDQuantConfig, SVDQuantWeights, svdquant, weight_only
 
 
 ENV_MODE = "SVDQ_LINEAR_MODE"
-MODES = ("exact", "fast")
+MODES = ("exact", "fast", "auto")
+
+W4A4, W4A16 = "w4a4", "w4a16"
+"""What a target linear becomes: ``SVDQW4A4Linear`` or ``NVFP4W4A16Linear`` (recipes, configs, stats)."""
+
+FIXED_DTYPES: dict[str, torch.dtype] = {
+    "qweight": torch.uint8,  # E2M1 codes, two per byte
+    "wscales": torch.float8_e4m3fn,  # block scales
+    "wcscale": torch.float32,  # ~1e-5 for typical weights: subnormal in fp16
+    "smooth": torch.float32,
+}
+"""Tensors kept in one dtype whatever ``.to(dtype)`` or a loader's ``dtype`` asks, and stored so in
+checkpoints; the others (``proj_down``, ``proj_up``, ``bias``) follow the module's float dtype."""
+
 ENV_CHECK_RANGE = "SVDQ_LINEAR_CHECK_RANGE"
 # Read once, at import: off, the check is a constant False that torch.compile folds away.
 _CHECK_RANGE = os.environ.get(ENV_CHECK_RANGE, "0") not in ("", "0")
@@ -47,21 +60,37 @@ def _is_16_or_32_bit_float(dtype: torch.dtype) -> bool:
     return dtype in nvfp4.SUPPORTED_ACT_DTYPES
 
 
+def _check_values(name: str, t: torch.Tensor, key: str) -> None:
+    """Values a loader must refuse: they would turn every output they touch into NaN or Inf."""
+    if name == "smooth":  # the input is divided by it
+        bad = ~(torch.isfinite(t) & (t > 0))
+        if bad.any():
+            counts = {"zero": int((t == 0).sum()), "negative": int((t < 0).sum()),
+                      "NaN": int(torch.isnan(t).sum()), "Inf": int(torch.isinf(t).sum())}
+            first = int(bad.nonzero()[0, 0])
+            got = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
+            raise ValueError(f"{key}: expected finite positive smoothing factors, got {got} "
+                             f"(first at index {first}: {t[first].item()})")
+    elif name == "wscales":  # E4M3 has one NaN, S.1111.111
+        nan = (t.view(torch.uint8) & 0x7F) == nvfp4.E4M3_NAN_BYTE
+        if nan.any():
+            first = nan.nonzero()[0].tolist()
+            raise ValueError(f"{key}: expected finite E4M3 block scales, got {int(nan.sum())} NaN scale bytes "
+                             f"(0x7F/0xFF; first at [row, block] = {first})")
+
+
 class _PackedNVFP4Linear(nn.Module):
     """Shared by the 4-bit modules: packed buffers, dtype rules, state_dict checks, backend choice.
 
-    Subclasses declare ``kind`` (the backend entry point) and extend ``_expected_buffers`` (name ->
-    (shape, exact dtype or None for a 16/32-bit float)) and ``_fixed_dtypes``.
+    Subclasses declare ``kind`` (the backend entry point) and extend ``_expected_shapes`` (tensor
+    name -> shape); the tensors named in ``FIXED_DTYPES`` keep that dtype, the others the module's.
     """
 
     kind: ClassVar[str]
-    # Buffers kept in a fixed dtype whatever ``.to(dtype)`` asks: packed codes, E4M3 block scales and
-    # the float32 per-channel factors (wcscale is ~1e-5 for typical weights: subnormal in fp16).
-    _fixed_dtypes: ClassVar[dict[str, torch.dtype]] = {
-        "qweight": torch.uint8,
-        "wscales": torch.float8_e4m3fn,
-        "wcscale": torch.float32,
-    }
+
+    @property
+    def _fixed_dtypes(self) -> dict[str, torch.dtype]:
+        return {name: FIXED_DTYPES[name] for name in self._expected_shapes() if name in FIXED_DTYPES}
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device, dtype):
         super().__init__()
@@ -76,9 +105,9 @@ class _PackedNVFP4Linear(nn.Module):
             raise TypeError(f"expected a float16/bfloat16/float32 module dtype, got {dtype}")
         self.in_features, self.out_features = in_features, out_features
         n, k = out_features, in_features
-        self._set("qweight", torch.zeros(n, k // 2, dtype=torch.uint8, device=device))
-        self._set("wscales", torch.zeros(n, k // nvfp4.BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=device))
-        self._set("wcscale", torch.ones(n, dtype=torch.float32, device=device))
+        self._set("qweight", torch.zeros(n, k // 2, dtype=FIXED_DTYPES["qweight"], device=device))
+        self._set("wscales", torch.zeros(n, k // nvfp4.BLOCK_SIZE, dtype=FIXED_DTYPES["wscales"], device=device))
+        self._set("wcscale", torch.ones(n, dtype=FIXED_DTYPES["wcscale"], device=device))
         self._set("bias", torch.zeros(n, dtype=dtype, device=device) if bias else None)
         self._backend_pref: str | None = None
         self._reset_dispatch()
@@ -95,7 +124,7 @@ class _PackedNVFP4Linear(nn.Module):
 
     def _reset_dispatch(self) -> None:
         self._dispatch_cache: dict[tuple, tuple] = {}  # (backend, kind) -> (tensor key, prepared state)
-        self._declined: dict[tuple, str | None] = {}  # (backend name, device) -> reason or None
+        self._declined: dict[tuple, str | None] = {}  # (backend name, device, kind) -> reason or None
 
     def _after_load(self, incompatible_keys) -> None:
         self._reset_dispatch()
@@ -106,14 +135,9 @@ class _PackedNVFP4Linear(nn.Module):
         state["_dispatch_cache"], state["_declined"] = {}, {}
         return state
 
-    def _expected_buffers(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
         n, k = self.out_features, self.in_features
-        return {
-            "qweight": ((n, k // 2), torch.uint8),
-            "wscales": ((n, k // nvfp4.BLOCK_SIZE), torch.float8_e4m3fn),
-            "wcscale": ((n,), None),
-            "bias": ((n,), None),
-        }
+        return {"qweight": (n, k // 2), "wscales": (n, k // nvfp4.BLOCK_SIZE), "wcscale": (n,), "bias": (n,)}
 
     def _describe(self) -> str:
         return f"{type(self).__name__}(in_features={self.in_features}, out_features={self.out_features})"
@@ -131,33 +155,35 @@ class _PackedNVFP4Linear(nn.Module):
         return self
 
     def checked_tensor(self, name: str, t: torch.Tensor, key: str | None = None) -> torch.Tensor:
-        """``t`` for buffer ``name`` after the shape/dtype check, converted to the dtype it is kept in.
+        """``t`` for tensor ``name`` after the shape, dtype and value checks, in the dtype it is kept in.
 
-        Raises ValueError naming ``key`` (default ``name``). Packed buffers must match exactly; fixed
-        float32 ones are converted; 16-bit branch tensors take the module's dtype, or keep their own
-        when the module is still on ``meta`` (``load_state_dict(assign=True)``).
+        Raises ValueError naming ``key`` (default ``name``) with what was expected and what came. The
+        tensors of ``FIXED_DTYPES`` must come in exactly that dtype; ``smooth`` must be finite and
+        positive and ``wscales`` must hold no NaN scale (bytes 0x7F/0xFF). The 16-bit branch tensors
+        take the module's dtype, or keep their own when the module is still on ``meta``
+        (``load_state_dict(assign=True)``).
         """
         key = key or name
-        expected = self._expected_buffers()
-        if name not in expected:
-            raise ValueError(f"{key}: {self._describe()} has no buffer {name!r}")
-        shape, dtype = expected[name]
+        shapes = self._expected_shapes()
+        if name not in shapes:
+            raise ValueError(f"{key}: {self._describe()} has no tensor {name!r}")
         if name == "bias" and self.bias is None:
             raise ValueError(f"{key}: {self._describe()} was built with bias=False, but the state_dict has a bias")
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{key}: expected shape {list(shape)} for {self._describe()}, got {list(t.shape)}")
-        if dtype is not None and t.dtype != dtype:
-            raise ValueError(f"{key}: expected dtype {dtype}, got {t.dtype}")
-        if dtype is None and not _is_16_or_32_bit_float(t.dtype):
+        if tuple(t.shape) != shapes[name]:
+            raise ValueError(f"{key}: expected shape {list(shapes[name])} for {self._describe()}, got {list(t.shape)}")
+        fixed = self._fixed_dtypes.get(name)
+        if fixed is not None and t.dtype != fixed:
+            raise ValueError(f"{key}: expected dtype {fixed}, got {t.dtype}")
+        if fixed is None and not _is_16_or_32_bit_float(t.dtype):
             raise ValueError(f"{key}: expected a float16/bfloat16/float32 tensor, got {t.dtype}")
-        if name in self._fixed_dtypes:
-            return t.to(self._fixed_dtypes[name])
-        if self._parameters[name].device.type != "meta":
-            return t.to(self._parameters[name].dtype)
-        return t
+        if not t.is_meta:
+            _check_values(name, t, key)
+        if fixed is not None or self._parameters[name].device.type == "meta":
+            return t
+        return t.to(self._parameters[name].dtype)
 
     def _check_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        for name in self._expected_buffers():
+        for name in self._expected_shapes():
             if prefix + name in state_dict:
                 state_dict[prefix + name] = self.checked_tensor(name, state_dict[prefix + name], prefix + name)
 
@@ -226,8 +252,6 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
     those of ``svdq_linear.nvfp4.w4a4_linear`` on every backend.
     """
 
-    _fixed_dtypes = {**_PackedNVFP4Linear._fixed_dtypes, "smooth": torch.float32}
-
     def __init__(
         self,
         in_features: int,
@@ -242,7 +266,7 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
         super().__init__(in_features, out_features, bias, device, dtype)
         self.rank = rank
         n, k, r, dtype = out_features, in_features, rank, dtype or torch.get_default_dtype()
-        self._set("smooth", torch.ones(k, dtype=torch.float32, device=device))
+        self._set("smooth", torch.ones(k, dtype=FIXED_DTYPES["smooth"], device=device))
         self._set("proj_down", torch.zeros(k, r, dtype=dtype, device=device))
         self._set("proj_up", torch.zeros(n, r, dtype=dtype, device=device))
 
@@ -250,11 +274,14 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
 
     @property
     def mode(self) -> str:
-        """``"exact"`` (the W4A4 contract) or ``"fast"`` (``nvfp4.w4a8_fast_linear``: FP8 on Hopper).
+        """``"exact"`` (the W4A4 contract), ``"fast"`` (``nvfp4.w4a8_fast_linear``: FP8 tensor cores on
+        Hopper) or ``"auto"`` (the default: fast where a GPU kernel serves the fast mode, i.e. sm90 with
+        quack-kernels; exact elsewhere, Blackwell and the CPU included).
 
-        Set per module (``set_mode``), per model (``svdq_linear.set_mode``) or by ``$SVDQ_LINEAR_MODE``.
+        Set per module (``set_mode``), per model (``svdq_linear.set_mode``) or by ``$SVDQ_LINEAR_MODE``;
+        a module's own setting wins over the variable.
         """
-        mode = getattr(self, "_mode", None) or os.environ.get(ENV_MODE) or "exact"
+        mode = getattr(self, "_mode", None) or os.environ.get(ENV_MODE) or "auto"
         if mode not in MODES:
             raise ValueError(f"expected a mode in {MODES} (module or ${ENV_MODE}), got {mode!r}")
         return mode
@@ -267,13 +294,17 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
 
     @property
     def kind(self) -> str:
-        return "w4a4_fast" if self.mode == "fast" else "w4a4"
+        mode = self.mode
+        if mode == "auto":
+            device = self.qweight.device
+            mode = "fast" if backends.fast_mode_is_native(device, backends.preferred_name(self)) else "exact"
+        return "w4a4_fast" if mode == "fast" else "w4a4"
 
     # ---- opt-in range check ($SVDQ_LINEAR_CHECK_RANGE=1) ----------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
-        if _CHECK_RANGE and not torch.compiler.is_compiling() and self.mode == "exact":
+        if _CHECK_RANGE and not torch.compiler.is_compiling() and self.kind == "w4a4":
             self._check_range(x)
         return y
 
@@ -305,14 +336,9 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
                 f"the E4M3 scale is subnormal or zero): convert with a smaller --act-headroom or calibrate on "
                 f"inputs like these", RuntimeWarning, stacklevel=2)
 
-    def _expected_buffers(self):
+    def _expected_shapes(self):
         n, k, r = self.out_features, self.in_features, self.rank
-        return {
-            **super()._expected_buffers(),
-            "smooth": ((k,), None),
-            "proj_down": ((k, r), None),
-            "proj_up": ((n, r), None),
-        }
+        return {**super()._expected_shapes(), "smooth": (k,), "proj_down": (k, r), "proj_up": (n, r)}
 
     def _describe(self) -> str:
         return f"SVDQW4A4Linear(in_features={self.in_features}, out_features={self.out_features}, rank={self.rank})"

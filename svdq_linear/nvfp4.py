@@ -59,15 +59,20 @@ What a tensor-core backend may do differently, and the tolerance that follows (`
     Activation codes and scales themselves are bit-exact when a backend writes them.
 
 The fast mode (``w4a8_fast_linear``; FP8 tensor cores on Hopper, same checkpoint)
-    Weights: the NVFP4 value ``w = e2m1 * s16`` divided by a per-output-channel normalizer
-    ``nw = max_k |w| / 448`` (1 for an all-zero row) and rounded once to E4M3 (nearest-even,
-    saturating): ``w8 = e4m3(w * (1 / nw))``. Activations: per token, ``sa = max_k |xs| / 448``
-    (1 for an all-zero row) and ``a8 = e4m3(xs * (1 / sa))``. Then, with FP32 accumulation,
-    ``y = (a8 @ w8^T) * sa * (nw * wcscale) + bias + (xs @ proj_down) @ proj_up^T``.
+    Weights: the NVFP4 value ``w = e2m1 * s16`` divided by a per-output-channel power of two
+    ``nw = 2**ceil(log2(max_k |w| / 448))`` (1 for an all-zero row) and rounded once to E4M3
+    (nearest-even): ``w8 = e4m3(w / nw)``. Dividing by a power of two is exact, so the E4M3 rounding
+    is the only one and a kernel that decodes ``e2m1 * (s16 / nw)`` in registers (the product is
+    exact in fp16) reproduces ``w8`` bit for bit. Activations: per token, ``sa = max_k |xs| / 448``
+    (1 for an all-zero row) and ``a8 = e4m3(xs * (1 / sa))``, bit-exact like the NVFP4 activation
+    codes. Then ``y = (a8 @ w8^T) * sa * (nw * wcscale) + bias + (xs @ proj_down) @ proj_up^T``.
     It differs from the exact W4A4 contract by design: E4M3 keeps 4 significant bits of a weight
     (NVFP4 x E4M3 needs up to 6), a relative 2**-4 at most, and an activation carries a per-token
     E4M3 value (4 significant bits, one scale per token) instead of an NVFP4 code (2 bits, one scale
     per 16). ``docs/perf.md`` compares the two modes' errors against the 16-bit layer.
+    A kernel may, besides points 1-3 above, accumulate ``a8 @ w8^T`` with Hopper's FP8 tensor-core
+    accumulator (fewer than 24 significant bits between its fp32 promotions): ``fast_tolerance``
+    states the bound that the conformance tests hold it to.
 """
 
 from __future__ import annotations
@@ -154,9 +159,15 @@ def block_amax(x: torch.Tensor) -> torch.Tensor:
     return _blocks(x.float()).abs().amax(dim=-1)
 
 
+def _div(a: torch.Tensor, c: float) -> torch.Tensor:
+    """``a / c`` as one IEEE division per element on every device (PyTorch's CUDA kernels turn a division
+    by a scalar into a multiplication by its reciprocal, which rounds differently)."""
+    return a / torch.full_like(a, c)
+
+
 def block_scales(x: torch.Tensor) -> torch.Tensor:
     """E4M3 block scales ``[..., K/16]`` of float32 values ``[..., K]`` under the contract's rules."""
-    return round_e4m3(block_amax(x) / E2M1_MAX)
+    return round_e4m3(_div(block_amax(x), E2M1_MAX))
 
 
 def range_violations(xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,18 +322,27 @@ def tolerance(
     return main + low_rank + eps * y.abs() + tiny
 
 
+def fast_weight_exponent(qweight: torch.Tensor, wscales: torch.Tensor) -> torch.Tensor:
+    """``e [N] int32`` with ``nw = 2**e`` the fast mode's per-row normalizer: the smallest power of two
+    with ``max_k |w| / nw <= 448`` (0 for an all-zero row)."""
+    row_max = dequantize_nvfp4(qweight, wscales, torch.float64).abs().amax(dim=1)
+    # row_max has at most 7 significant bits, so row_max / 448 is either a power of two (and exact in
+    # float64) or a relative 2**-8 away from one: log2 and ceil in float64 cannot land on the wrong side.
+    e = torch.ceil(torch.log2(row_max / E4M3_MAX))
+    return torch.where(row_max > 0, e, torch.zeros_like(e)).to(torch.int32)
+
+
 def fast_weight(qweight: torch.Tensor, wscales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The fast mode's weight: ``(w8 [N, K] float8_e4m3fn, nw [N] float32)`` (see the module docstring)."""
     w = dequantize_nvfp4(qweight, wscales)
-    row_max = w.abs().amax(dim=1)
-    nw = torch.where(row_max > 0, row_max / E4M3_MAX, torch.ones_like(row_max))
-    return round_e4m3(w * (1.0 / nw)[:, None]), nw
+    nw = torch.ldexp(torch.ones(w.shape[0], device=w.device), fast_weight_exponent(qweight, wscales).float())
+    return round_e4m3(w / nw[:, None]), nw
 
 
 def fast_act(xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The fast mode's activations: ``(a8 [M, K] float8_e4m3fn, sa [M] float32)`` of float32 ``xs``."""
     amax = xs.abs().amax(dim=-1)
-    sa = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    sa = torch.where(amax > 0, _div(amax, E4M3_MAX), torch.ones_like(amax))
     return round_e4m3(xs * (1.0 / sa)[..., None]), sa
 
 

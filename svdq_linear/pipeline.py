@@ -1,27 +1,25 @@
 """Quantizing modules in place and loading converted pipelines.
 
 - ``quantize_state_dict``: the tensor-level step shared by ``svdq-convert`` (one block at a time)
-  and in-place quantization: float linears in, the buffers of the 4-bit modules out.
+  and in-place quantization: float linears in, the tensors of the 4-bit modules out.
 - ``quantize_linears``: swap named ``nn.Linear``s of any module for quantized ones.
-- ``load_svdq_pipeline``: a ready diffusers pipeline from an ``svdq-convert`` folder or hub id.
+- ``load_svdq_pipeline``: a ready diffusers pipeline from an ``svdq-convert`` folder or hub id,
+  through the ``svdq_w4a4`` diffusers quantizer. File and hub I/O is in ``svdq_linear.files``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from . import diffusers_quantizer as dq
-from . import nvfp4
+from . import files, nvfp4
+from .linear import MODES, W4A4, W4A16, set_mode
 from .svdquant import SVDQuantConfig, group_smoothing_factor, svdquant, weight_only
-
-W4A4, W4A16 = "w4a4", "w4a16"
 
 
 @dataclass
@@ -113,7 +111,8 @@ def quantize_linears(
     fields. Returns per-layer stats.
     """
     config = config or SVDQuantConfig.from_kwargs(rank=rank, **config_kwargs)
-    kinds = {**{n: W4A4 for n in w4a4}, **{n: W4A16 for n in w4a16}}
+    qcfg = dq.SVDQuantizationConfig(rank=config.rank, w4a4_modules=list(w4a4), w4a16_modules=list(w4a16))
+    kinds = qcfg.targets()
     tensors = {}
     for name in kinds:
         lin = model.get_submodule(name)
@@ -124,7 +123,6 @@ def quantize_linears(
             tensors[f"{name}.bias"] = lin.bias.detach()
     with torch.no_grad():
         new, stats = quantize_state_dict(tensors, kinds, smooth_groups, act_max, config)
-    qcfg = dq.SVDQuantizationConfig(rank=config.rank, w4a4_modules=list(w4a4), w4a16_modules=list(w4a16))
     dq.swap_in_quantized_modules(model, qcfg, torch.get_default_dtype())
     for name in kinds:  # meta modules + assign: each takes the tensors' device and (the linear's) dtype
         prefix = f"{name}."
@@ -136,123 +134,38 @@ def quantize_linears(
 # ---- loading ----------------------------------------------------------------------------------------
 
 
-def pipeline_components(model_index: dict) -> list[str]:
-    """The component folders a ``model_index.json`` names (``"vae": ["diffusers", "AutoencoderKL"]``...)."""
-    return [k for k, v in model_index.items()
-            if not k.startswith("_") and isinstance(v, list) and len(v) == 2 and v[0] is not None]
-
-
-def resolve_model_path(path_or_id: str | os.PathLike) -> Path:
-    """A local folder as is; otherwise a hub id through ``huggingface_hub``.
-
-    From the hub, only ``model_index.json`` and the component folders it names are fetched, and no
-    pickled weights (a FLUX.1 repo also holds a 23 GB single-file checkpoint at its root).
-    """
-    path = Path(path_or_id).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise ValueError(f"{path} is a file; expected a diffusers pipeline folder")
-        return path
-    from huggingface_hub import hf_hub_download, snapshot_download
-
-    repo = str(path_or_id)
-    try:
-        index = json.loads(Path(hf_hub_download(repo, "model_index.json")).read_text())
-        allow = ["model_index.json"] + [f"{c}/*" for c in pipeline_components(index)]
-        return Path(snapshot_download(repo, allow_patterns=allow, ignore_patterns=["*.bin", "*.pt", "*.pth", "*.ckpt"]))
-    except Exception as e:  # offline, unknown repo, no access: say which and what to do
-        raise FileNotFoundError(
-            f"{repo!r} is not a local folder and could not be fetched from the Hugging Face Hub "
-            f"({type(e).__name__}: {e}); pass a local diffusers folder"
-        ) from e
-
-
-def read_json(path: Path, what: str) -> dict:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: {what}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from e
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a diffusers model folder (sharded through its index, or single)."""
-    index = model_dir / "diffusion_pytorch_model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json(index, "the shard index")["weight_map"]
-        files = sorted({model_dir / f for f in weight_map.values()})
-        for f in files:
-            if not f.is_file():
-                raise FileNotFoundError(f"shard {f} named by {index.name} is missing")
-        return files
-    single = model_dir / "diffusion_pytorch_model.safetensors"
-    if single.is_file():
-        return [single]
-    raise FileNotFoundError(f"no safetensors checkpoint in {model_dir} (pickled .bin files are not loaded)")
-
-
-def load_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(path, device=str(device))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"{path} is corrupted or truncated ({type(e).__name__}: {e})") from e
-
-
-def load_svdq_transformer(model_dir: Path, dtype: torch.dtype = torch.bfloat16, device=None) -> nn.Module:
-    """The quantized transformer of an ``svdq-convert`` folder's ``transformer/``, strictly loaded."""
-    import diffusers
-    from accelerate import init_empty_weights
-
-    config = read_json(model_dir / "config.json", "not a diffusers model folder")
-    if "quantization_config" not in config:
-        raise ValueError(f"{model_dir}/config.json has no quantization_config: not an svdq-convert output")
-    qdict = dict(config.pop("quantization_config"))
-    if qdict.get("quant_method") != dq.QUANT_METHOD:
-        raise ValueError(f"{model_dir}: quant_method is {qdict.get('quant_method')!r}, expected {dq.QUANT_METHOD!r}")
-    qcfg = dq.SVDQuantizationConfig(**qdict)
-    cls_name = config.get("_class_name")
-    cls = getattr(diffusers, cls_name or "", None)
-    if cls is None:
-        raise ValueError(f"{model_dir}/config.json: unknown model class {cls_name!r}")
-    with init_empty_weights():
-        model = cls.from_config(config)
-    dq.swap_in_quantized_modules(model, qcfg, dtype)
-    state = {}
-    for f in checkpoint_files(model_dir):
-        state.update(load_safetensors(f))
-    dq.check_keys(model, state, str(model_dir))
-    state = {k: v.to(dtype) if v.dtype in (torch.float16, torch.bfloat16, torch.float32)
-             and not k.endswith((".smooth", ".wcscale")) else v for k, v in state.items()}
-    model.load_state_dict(state, strict=True, assign=True)
-    dq.check_no_meta(model, str(model_dir))
-    model.register_to_config(quantization_config=qcfg)
-    model.hf_quantizer = dq.SVDQuantizer(qcfg)
-    model.is_quantized = True
-    model.eval()
-    return model.to(device) if device is not None else model
-
-
 def load_svdq_pipeline(
-    path_or_id: str | os.PathLike, device: str | torch.device | None = None, dtype: torch.dtype = torch.bfloat16, **kwargs
+    path_or_id: str | os.PathLike, device: str | torch.device | None = None, dtype: torch.dtype = torch.bfloat16,
+    mode: str | None = None, **kwargs
 ):
     """A ready diffusers pipeline from an ``svdq-convert`` folder (or hub id) in ``dtype`` on ``device``.
 
-    The pipeline class comes from ``model_index.json``; the transformer is built on ``meta``, its
-    targets swapped for the quantized modules and the checkpoint loaded strictly. ``kwargs`` go to
-    the pipeline's ``from_pretrained``.
+    The pipeline class comes from ``model_index.json``; diffusers' ``from_pretrained`` loads it, its
+    transformer through the ``svdq_w4a4`` quantizer (``svdq_linear.diffusers_quantizer``: targets
+    swapped before the weights load, every tensor checked, keys matched both ways), even where
+    registering it with diffusers failed at import. Only safetensors are read. ``mode``: ``"exact"``,
+    ``"fast"`` or ``"auto"`` for every ``SVDQW4A4Linear`` (None: each module's default, ``"auto"`` unless
+    ``$SVDQ_LINEAR_MODE`` says otherwise). ``kwargs`` go to the pipeline's ``from_pretrained``.
     """
     import diffusers
 
-    root = resolve_model_path(path_or_id)
-    index = read_json(root / "model_index.json", "not a diffusers pipeline folder")
+    root = files.resolve_model_path(path_or_id)
+    index = files.read_json(root / "model_index.json", "not a diffusers pipeline folder")
     cls = getattr(diffusers, index.get("_class_name", ""), None)
     if cls is None:
         raise ValueError(f"{root}/model_index.json: unknown pipeline class {index.get('_class_name')!r}")
-    transformer = load_svdq_transformer(root / "transformer", dtype)
+    config = files.read_json(root / "transformer" / "config.json", "the pipeline has no transformer/")
+    qdict = config.get("quantization_config")
+    if not isinstance(qdict, dict):
+        raise ValueError(f"{root}/transformer/config.json has no quantization_config: not an svdq-convert output")
+    if not dq.is_svdq_config(qdict):
+        raise ValueError(f"{root}/transformer: quant_method is {qdict.get('quant_method')!r}, "
+                         f"expected {dq.QUANT_METHOD!r}")
     kwargs.setdefault("use_safetensors", True)  # never unpickle a folder's other components
-    pipe = cls.from_pretrained(root, transformer=transformer, dtype=dtype, **kwargs)
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"expected a mode in {MODES}, got {mode!r}")
+    with dq.registered():
+        pipe = cls.from_pretrained(root, dtype=dtype, **kwargs)
+    if mode is not None:
+        set_mode(pipe.transformer, mode)
     return pipe.to(device) if device is not None else pipe

@@ -9,6 +9,10 @@ without bias / low-rank, bf16 and fp16) is compiled for compute capability 9.0 i
 same specialisations there instead of compiling; the cache is specific to the Triton version that
 wrote it). ``--keep-sass`` also writes each kernel's SASS; a JSON report lists registers, spills,
 shared memory and the SASS counts that matter (HGMMA, local-memory LDL/STL).
+With quack-kernels installed, the quack GEMMs (the exact mode's NVFP4 W4A16 decode for M >= 128, the
+fast mode's FP8 decode for every M) are compiled per Flux/SD3.5 shape into ``DIR/quack-cache`` (point
+``QUACK_CACHE_DIR`` there; quack's cache key includes the Python minor version and the cutlass and
+tvm-ffi versions, so compile with the GPU machine's interpreter and packages).
 ``sm_100a`` / ``sm_103a``: the Blackwell kernels (``svdq_linear.backends.sm100``), when present.
 """
 
@@ -48,6 +52,7 @@ def _sass_stats(cubin: bytes, work: Path, name: str, keep_sass: bool) -> dict:
         "registers": int(regs.group(1)) if regs else None,
         "stack_bytes": int(stack.group(1)) if stack else None,
         "hgmma": len(re.findall(r"\bHGMMA\.", sass)),
+        "qgmma": len(re.findall(r"\bQGMMA\.", sass)),
         "local_memory": len(re.findall(r"\b(?:LDL|STL)\b", sass)),
     }
     if keep_sass:
@@ -68,6 +73,10 @@ def _variants_sm90(quick: bool):
                    codes_ptr="*u8", scales_ptr="*u8", M="i32", K="i32", stride_xm="i32", stride_xk="i32")
         cx = dict(BLOCK_M=32, BLOCK_K=256, WRITE_XQ=True, WRITE_CODES=False)
         out.append((kernels._quantize_act_kernel, sig, cx, dict(num_warps=4), f"quantize_act_{xdt}"))
+        sig = dict(x_ptr=k_ptr[xdt], smooth_ptr="*fp32", a8_ptr="*u8", sa_ptr="*fp32", M="i32", K="i32",
+                   stride_xm="i32", stride_xk="i32")
+        out.append((kernels._quantize_act_fp8_kernel, sig, dict(BLOCK_M=8, BLOCK_K=256), dict(num_warps=4),
+                    f"quantize_act_fp8_{xdt}"))
     seen = set()
     for m, k, n in (SHAPES[:2] + SHAPES[-3:] if quick else SHAPES):
         cfg = tuning.pick(m, n, k)
@@ -115,6 +124,31 @@ def precompile_sm90(out_dir: Path, keep_sass: bool = False, quick: bool = False)
     return records
 
 
+def precompile_sm90_quack(out_dir: Path, keep_sass: bool = False, quick: bool = False) -> list[dict]:
+    """Compile the quack-kernels GEMMs (exact W4A16 decode, fast FP8 decode) into ``DIR/quack-cache``
+    (``QUACK_CACHE_DIR`` on the GPU machine), in a child process; [] where quack is not installed."""
+    try:
+        import quack  # noqa: F401
+    except ImportError:
+        return []
+    dump = out_dir / "quack-dump"
+    proc = subprocess.run(
+        [sys.executable, "-m", "svdq_linear.backends.sm90.quack_precompile", "--cache", str(out_dir / "quack-cache"),
+         "--dump", str(dump)] + (["--quick"] if quick else []),
+        capture_output=True, text=True, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    records = []
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            cubin = rec.pop("cubin", None)
+            if cubin:
+                rec.update(_sass_stats(Path(cubin).read_bytes(), out_dir / "sass-sm_90a", rec["kernel"], keep_sass))
+            records.append({"arch": "sm_90a", **rec})
+    if proc.returncode != 0:
+        records.append({"kernel": "quack", "arch": "sm_90a", "ok": False, "error": proc.stderr[-2000:]})
+    return records
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="svdq-precompile", description=__doc__.splitlines()[0])
     p.add_argument("--arch", required=True, choices=["sm_90a", "sm_100a", "sm_103a"])
@@ -126,6 +160,7 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.arch == "sm_90a":
         records = precompile_sm90(out_dir, args.keep_sass, args.quick)
+        records += precompile_sm90_quack(out_dir, args.keep_sass, args.quick)
     else:
         try:
             from .backends.sm100.precompile import precompile_sm100

@@ -157,6 +157,23 @@ def test_sequential_offload_keeps_no_prepared_state(counting):
     assert backends.weights_are_offloaded(m)
 
 
+def test_sequential_offload_moves_the_packed_tensors():
+    from accelerate import cpu_offload
+
+    model = torch.nn.Sequential(_module(), torch.nn.GELU(), NVFP4W4A16Linear.from_linear(torch.nn.Linear(48, 32)))
+    x = torch.randn(3, 64)
+    expected = model(x)
+    # What diffusers' enable_sequential_cpu_offload does to each component: buffers move only when the
+    # top-level module has parameters of its own, which a transformer has not.
+    cpu_offload(model, execution_device=torch.device("cpu"), offload_buffers=len(model._parameters) > 0)
+    layers = (model[0], model[2])
+    kept = [f"{i}.{n}" for i, m in zip((0, 2), layers) for n, t in [*m.named_parameters(), *m.named_buffers()]
+            if not t.is_meta]
+    assert not kept, f"offload left these tensors in place: {kept}"
+    assert torch.equal(model(x), expected), "the tensors are brought in for the call"
+    assert all(t.is_meta for m in layers for t in [*m.parameters(), *m.buffers()]), "and leave after it"
+
+
 def test_prepared_state_is_not_pickled_or_copied(counting, tmp_path):
     m = _module()
     x = torch.randn(2, 64)

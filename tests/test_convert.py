@@ -5,6 +5,8 @@ All offline on CPU in float32: tiny Flux / SD3 / SD3.5 pipelines are built and s
 
 import json
 import os
+import runpy
+import shlex
 import shutil
 import subprocess
 import sys
@@ -96,7 +98,8 @@ def svdq_linear_stock_load(path):
 def test_output_folder_layout_and_config(converted):
     out = converted["flux"]
     qcfg = json.loads((out / "transformer" / "config.json").read_text())["quantization_config"]
-    assert qcfg["quant_method"] == "svdq_w4a4" and qcfg["format_version"] == 1 and qcfg["rank"] == 8
+    assert qcfg["quant_method"].startswith("svdq_w4a4") and qcfg["format_version"] == 1 and qcfg["rank"] == 8
+    assert qcfg["dtype"] == "float32"  # what the 16-bit tensors are stored in (--dtype)
     assert "transformer_blocks.0.attn.to_q" in qcfg["w4a4_modules"]
     assert "single_transformer_blocks.0.proj_out" in qcfg["w4a4_modules"]
     assert "transformer_blocks.0.norm1_context.linear" in qcfg["w4a16_modules"]
@@ -128,11 +131,22 @@ def test_stock_model_from_pretrained_builds_quantized_modules(converted):
     assert torch.equal(layer.qweight, load_file(out / "transformer" / index["weight_map"][key])[key])
 
 
-def test_without_svdq_linear_the_folder_fails_loudly(converted):
+def test_without_svdq_linear_the_folder_fails_saying_to_import_it(converted):
     code = ("from diffusers import FluxTransformer2DModel as M\n"
             f"M.from_pretrained({str(converted['flux'])!r}, subfolder='transformer')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=300)
-    assert r.returncode != 0 and "Unknown quantization type, got svdq_w4a4" in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode != 0 and "Unknown quantization type, got svdq_w4a4" in last, r.stderr[-2000:]
+    assert "import svdq_linear" in last and "pip install svdq-linear" in last, last
+
+
+def test_folders_written_before_the_hint_still_load(converted, tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    out = _copy(converted, tmp_path)
+    _edit_json(out / "transformer" / "config.json", lambda c: c["quantization_config"].update(quant_method="svdq_w4a4"))
+    model = FluxTransformer2DModel.from_pretrained(out, subfolder="transformer")
+    assert isinstance(model.transformer_blocks[0].attn.to_q, SVDQW4A4Linear)
 
 
 @pytest.mark.parametrize("kind", ["flux", "sd3"])
@@ -224,7 +238,25 @@ def test_missing_path_is_a_clear_error(tmp_path):
 
 def test_existing_out_dir_is_refused(sources, converted):
     r = run_cli(sources["flux"], converted["flux"], *CONVERT_ARGS)
-    assert r.returncode == 2 and "already exists" in r.stderr
+    assert r.returncode == 2 and "already exists; pass --overwrite to replace it" in r.stderr
+
+
+def test_overwrite_replaces_only_an_svdq_convert_output(sources, tmp_path):
+    from svdq_linear.convert.convert import ConvertOptions, convert
+
+    opts = ConvertOptions(rank=4, calib=False, dtype="float32", progress=False, overwrite=True)
+    mine = tmp_path / "not-ours"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="is not an svdq-convert output"):
+        convert(str(sources["sd3"]), mine, opts)
+    assert (mine / "notes.txt").read_text() == "keep me"
+    out = tmp_path / "o"
+    convert(str(sources["sd3"]), out, opts)
+    (out / "stale").write_text("from the earlier run")
+    convert(str(sources["sd3"]), out, opts)
+    assert not (out / "stale").exists() and (out / "transformer" / "config.json").is_file()
+    assert not out.with_name("o.partial").exists() and not out.with_name("o.replaced").exists()
 
 
 def test_unsupported_pipeline_is_a_clear_error(sources, tmp_path):
@@ -287,6 +319,86 @@ def test_config_that_does_not_match_the_weights_is_a_clear_error(converted, tmp_
     _edit_json(cfg_path, lambda c: c["quantization_config"].update(rank=4))
     with pytest.raises(ValueError, match=r"proj_down: expected shape \[32, 4\]"):
         load_svdq_pipeline(out, dtype=torch.float32)
+
+
+def _damage(folder: Path, key: str, edit) -> None:
+    """Rewrite one tensor of a converted folder's transformer checkpoint."""
+    from safetensors.torch import save_file
+
+    index = json.loads((folder / "transformer" / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    shard = folder / "transformer" / index["weight_map"][key]
+    tensors = load_file(shard)
+    tensors[key] = edit(tensors[key])
+    save_file(tensors, shard)
+
+
+def _with(t, index, value):
+    t = t.clone()
+    t.view(-1)[index] = value
+    return t
+
+
+LAYER = "transformer_blocks.1.attn.to_k"
+
+
+@pytest.mark.parametrize("name, edit, match", [
+    ("proj_up", lambda t: t.to(torch.bfloat16),
+     r"proj_up: expected torch.float32, the checkpoint's recorded dtype \(quantization_config.dtype\), got torch.bfloat16"),
+    ("bias", lambda t: t.to(torch.float16), r"bias: expected torch.float32, the checkpoint's recorded dtype"),
+    ("wcscale", lambda t: t.to(torch.bfloat16), r"wcscale: expected dtype torch.float32, got torch.bfloat16"),
+    ("smooth", lambda t: t.double(), r"smooth: expected dtype torch.float32, got torch.float64"),
+    ("smooth", lambda t: _with(t, 3, 0.0), r"smooth: expected finite positive smoothing factors, got 1 zero "
+                                           r"\(first at index 3: 0.0\)"),
+    ("smooth", lambda t: _with(t, 5, -2.0), r"smooth: .* got 1 negative \(first at index 5: -2.0\)"),
+    ("smooth", lambda t: _with(t, 0, float("nan")), r"smooth: .* got 1 NaN \(first at index 0: nan\)"),
+    ("smooth", lambda t: _with(t, 7, float("inf")), r"smooth: .* got 1 Inf \(first at index 7: inf\)"),
+    ("wscales", lambda t: _with(t.view(torch.uint8), 5, 0x7F).view(torch.float8_e4m3fn),
+     r"wscales: expected finite E4M3 block scales, got 1 NaN scale bytes \(0x7F/0xFF; first at \[row, block\] = \[2, 1\]\)"),
+    ("wscales", lambda t: _with(t.view(torch.uint8), 0, 0xFF).view(torch.float8_e4m3fn),
+     r"wscales: .* got 1 NaN scale bytes \(0x7F/0xFF; first at \[row, block\] = \[0, 0\]\)"),
+])
+def test_damaged_tensor_is_refused_by_name(converted, tmp_path, name, edit, match):
+    from diffusers import FluxTransformer2DModel
+
+    out = _copy(converted, tmp_path)
+    _damage(out, f"{LAYER}.{name}", edit)
+    with pytest.raises(ValueError, match=rf"{LAYER}\.{match}"):
+        FluxTransformer2DModel.from_pretrained(out, subfolder="transformer", dtype=torch.bfloat16)
+
+
+def test_loading_in_another_dtype_records_it_for_the_next_save(converted, tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    model = FluxTransformer2DModel.from_pretrained(converted["flux"], subfolder="transformer", dtype=torch.bfloat16)
+    assert model.transformer_blocks[0].attn.to_q.proj_down.dtype == torch.bfloat16
+    model.save_pretrained(tmp_path / "bf16")
+    qcfg = json.loads((tmp_path / "bf16" / "config.json").read_text())["quantization_config"]
+    assert qcfg["dtype"] == "bfloat16" and qcfg["quant_method"].startswith("svdq_w4a4")
+    again = FluxTransformer2DModel.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    assert torch.equal(again.transformer_blocks[0].attn.to_q.proj_up, model.transformer_blocks[0].attn.to_q.proj_up)
+
+
+def test_load_svdq_pipeline_goes_through_the_diffusers_quantizer(converted, monkeypatch):
+    from diffusers.quantizers import auto
+
+    from svdq_linear.diffusers_quantizer import QUANT_METHOD_KEYS, SVDQuantizer
+
+    claimed = []
+    create = SVDQuantizer.create_quantized_param
+    monkeypatch.setattr(SVDQuantizer, "create_quantized_param",
+                        lambda self, model, value, name, *a, **k: claimed.append(name) or create(
+                            self, model, value, name, *a, **k))
+
+    class Foreign:  # another package under our name: register() failed at import
+        pass
+
+    for key in QUANT_METHOD_KEYS:
+        monkeypatch.setitem(auto.AUTO_QUANTIZER_MAPPING, key, Foreign)
+    pipe = load_svdq_pipeline(converted["sd3"], dtype=torch.float32)
+    assert isinstance(pipe.transformer.hf_quantizer, SVDQuantizer) and pipe.transformer.is_quantized
+    layers = {n for n, m in pipe.transformer.named_modules() if isinstance(m, (SVDQW4A4Linear, NVFP4W4A16Linear))}
+    assert {c.rpartition(".")[0] for c in claimed} == layers, "every quantized tensor loads through the quantizer"
+    assert all(auto.AUTO_QUANTIZER_MAPPING[k] is Foreign for k in QUANT_METHOD_KEYS), "the foreign entry is put back"
 
 
 def test_newer_format_version_is_refused(converted, tmp_path):
@@ -371,7 +483,7 @@ def test_quantized_transformer_compiles_fullgraph():
 def test_hub_ids_fetch_only_the_pipeline_components(monkeypatch, tmp_path, sources):
     import huggingface_hub
 
-    from svdq_linear.pipeline import resolve_model_path
+    from svdq_linear.files import resolve_model_path
 
     calls = {}
     monkeypatch.setattr(huggingface_hub, "hf_hub_download",
@@ -383,3 +495,45 @@ def test_hub_ids_fetch_only_the_pipeline_components(monkeypatch, tmp_path, sourc
     assert sorted(calls["allow_patterns"]) == sorted(["model_index.json", "scheduler/*", "text_encoder/*",
         "text_encoder_2/*", "tokenizer/*", "tokenizer_2/*", "transformer/*", "vae/*"])
     assert "*.bin" in calls["ignore_patterns"]
+
+
+# ---- the README's main job and the converters/ scripts -----------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_readme_main_job_runs_again_over_its_earlier_output(converted, tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Set up and run"):readme.index("## Test")]
+    block = section[section.index("```bash") + len("```bash"):]
+    main_job = block[:block.index("```")].strip().splitlines()[1]
+    assert main_job.startswith("svdq-convert tiny:flux out/tiny-flux") and "examples/generate.py" in main_job
+    assert "the image is noise" in section
+    # A first run's output is there (the fixture's conversion of the same tiny Flux, other settings).
+    shutil.copytree(converted["flux"], tmp_path / "out" / "tiny-flux")
+    # The installed commands, spelled through this interpreter so the test runs from any environment.
+    command = main_job.replace("svdq-convert ", f"{shlex.quote(sys.executable)} -m svdq_linear.convert.cli ")
+    command = command.replace("python examples/", f"{shlex.quote(sys.executable)} {shlex.quote(str(ROOT))}/examples/")
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "wrote" in r.stdout and (tmp_path / "out" / "tiny-flux.png").is_file()
+    assert "image is noise" in r.stdout, "generate.py says where to look next"
+    qcfg = json.loads((tmp_path / "out" / "tiny-flux" / "transformer" / "config.json").read_text())
+    assert qcfg["quantization_config"]["calibration"]["num_prompts"] == 16, "the earlier output was replaced"
+    assert not (tmp_path / "out" / "tiny-flux.replaced").exists()
+
+
+def test_converter_scripts_run_svdq_convert(sources, tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "converters"))
+    out = tmp_path / "o"
+    monkeypatch.setattr(sys, "argv", ["sd3.py", str(out), "--model", str(sources["sd3"]), "--no-calib",
+                                      "--rank", "4", "--dtype", "float32", "--quiet"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(ROOT / "converters" / "sd3.py"), run_name="__main__")
+    assert exit_.value.code == 0, capsys.readouterr().err[-2000:]
+    qcfg = json.loads((out / "transformer" / "config.json").read_text())["quantization_config"]
+    assert qcfg["conversion"]["source"] == str(sources["sd3"]) and qcfg["rank"] == 4
+    for script, name, hub_id in (("flux", "dev", "black-forest-labs/FLUX.1-dev"),
+                                 ("sd3", "sd35-medium", "stabilityai/stable-diffusion-3.5-medium")):
+        assert runpy.run_path(str(ROOT / "converters" / f"{script}.py"))["MODELS"][name] == hub_id

@@ -36,8 +36,9 @@ def test_fast_formula_matches_an_independent_derivation():
     codes = nvfp4.unpack_e2m1(m.qweight).long()
     vals = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)[codes]
     w = (vals.reshape(96, -1, 16) * m.wscales.double().unsqueeze(-1)).reshape(96, 256)
-    nw = w.abs().amax(1) / 448
-    w8 = _e4m3((w / nw[:, None]).float().double())
+    nw = 2.0 ** torch.ceil(torch.log2(w.abs().amax(1) / 448))  # the smallest power of two that fits 448
+    assert ((w.abs().amax(1) / nw) <= 448).all() and ((w.abs().amax(1) / nw) > 224).all()
+    w8 = _e4m3(w / nw[:, None])
     sa = xs32.abs().amax(1) / 448
     a8 = _e4m3((xs32 / sa[:, None]).float().double())
     want = (a8 @ w8.T) * sa[:, None] * (nw * m.wcscale.double())[None, :] + m.bias.double()
@@ -79,3 +80,18 @@ def test_mode_selection_per_module_model_and_environment(monkeypatch):
     m.set_mode(None)
     with pytest.raises(ValueError, match="SVDQ_LINEAR_MODE"):
         m(x)
+
+
+def test_mode_is_chosen_per_pipeline_when_loading_and_quantizing(tmp_path):
+    from svdq_linear import load_svdq_pipeline, quantize_pipeline
+    from svdq_linear.convert.tiny import TINY_CALL_KWARGS, build_tiny_pipeline
+
+    pipe = build_tiny_pipeline("flux")
+    quantize_pipeline(pipe, rank=4, calib=False, progress=False, mode="fast")
+    layers = [m for m in pipe.transformer.modules() if isinstance(m, SVDQW4A4Linear)]
+    assert layers and all(m.mode == "fast" for m in layers)
+    pipe.save_pretrained(tmp_path)
+    loaded = load_svdq_pipeline(tmp_path, mode="exact")
+    assert all(m.mode == "exact" for m in loaded.transformer.modules() if isinstance(m, SVDQW4A4Linear))
+    with pytest.raises(ValueError, match="expected a mode"):
+        load_svdq_pipeline(tmp_path, mode="quick")

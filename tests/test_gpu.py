@@ -9,7 +9,8 @@ import torch
 
 import svdq_linear
 from svdq_linear.convert.tiny import TINY_CALL_KWARGS, build_tiny_pipeline
-from svdq_linear import NVFP4W4A16Linear, SVDQuantConfig, SVDQW4A4Linear, load_svdq_pipeline, nvfp4, svdquant
+from svdq_linear import (NVFP4W4A16Linear, SVDQuantConfig, SVDQW4A4Linear, backends, load_svdq_pipeline, nvfp4,
+                         svdquant)
 
 pytestmark = pytest.mark.gpu
 
@@ -124,16 +125,42 @@ def test_cuda_graph_capture_and_replay(tokens):
     assert torch.equal(out, m(x))
 
 
-@pytest.mark.parametrize("offload", ["model", "sequential"])
-def test_cpu_offload_hooks_run_the_quantized_pipeline(offload):
+@pytest.mark.parametrize("offload", ["model", "sequential", "group"])
+def test_offload_moves_the_4bit_tensors_on_and_off_the_gpu(offload, monkeypatch):
+    from svdq_linear.linear import _PackedNVFP4Linear
+
     pipe = build_tiny_pipeline("flux")
     svdq_linear.quantize_pipeline(pipe, rank=8, calib=False, progress=False)
     expected = _image(pipe)
+    layers = [m for m in pipe.transformer.modules() if isinstance(m, _PackedNVFP4Linear)]
+    packed = sum(t.numel() * t.element_size() for m in layers for t in m.packed_tensors())
+    during = []
+    forward = _PackedNVFP4Linear.forward
+
+    def spy(self, x):  # runs inside the offload hooks, which capture module.forward when installed
+        during.append(self.qweight.device.type)
+        return forward(self, x)
+
+    monkeypatch.setattr(_PackedNVFP4Linear, "forward", spy)
+    torch.cuda.empty_cache()
     if offload == "model":
         pipe.enable_model_cpu_offload(device="cuda")
-    else:
+    elif offload == "sequential":
         pipe.enable_sequential_cpu_offload(device="cuda")
-    assert _psnr(_image(pipe), expected) > 60.0
+    else:
+        pipe.enable_group_offload(onload_device=torch.device("cuda"), offload_device=torch.device("cpu"),
+                                  offload_type="leaf_level")
+    image = _image(pipe)
+    torch.cuda.synchronize()
+    assert len(during) >= len(layers) and set(during) == {"cuda"}, "the 4-bit tensors were not on the GPU for a step"
+    on_gpu = 0  # bytes the quantized layers hold on the GPU after the step: their tensors and prepared states
+    for m in layers:
+        on_gpu += sum(t.numel() * t.element_size() for t in m.packed_tensors() if t.device.type == "cuda")
+        for (name, _), (_, prepared) in m._dispatch_cache.items():
+            extra = backends.get_backend(name).extra_tensors(prepared)
+            on_gpu += sum(t.numel() * t.element_size() for t in extra if t.device.type == "cuda")
+    assert on_gpu == 0, f"{on_gpu} bytes of the quantized layers stay on the GPU after the step (4-bit tensors: {packed})"
+    assert _psnr(image, expected) > 60.0
 
 
 def test_cli_calibrates_and_decomposes_on_cuda(tmp_path):

@@ -1,11 +1,15 @@
 """SVDQW4A4Linear: the contract from its own buffers, dtypes, state_dict, bad input, compile, backends."""
 
+import copy
+
+import oracle
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 import svdq_linear
-from svdq_linear import NVFP4W4A16Linear, SVDQW4A4Linear, backends, nvfp4
+from svdq_linear import NVFP4W4A16Linear, SVDQW4A4Linear, backends
+from svdq_linear.linear import FIXED_DTYPES
 
 
 def _module(k=128, n=96, rank=16, bias=True, dtype=torch.float32, calibrate=True):
@@ -15,17 +19,8 @@ def _module(k=128, n=96, rank=16, bias=True, dtype=torch.float32, calibrate=True
 
 
 def _contract_float64(m: SVDQW4A4Linear, x: torch.Tensor) -> torch.Tensor:
-    """The formula evaluated in float64 from the module's buffers (activation codes from the contract)."""
-    x2 = x.reshape(-1, m.in_features)
-    xs = x2.double() * (1.0 / m.smooth.float()).double()
-    a_packed, a_scales = nvfp4.quantize_nvfp4(nvfp4.smooth_input(x2, m.smooth))
-    a = nvfp4.dequantize_nvfp4(a_packed, a_scales, torch.float64)
-    w = nvfp4.dequantize_nvfp4(m.qweight, m.wscales, torch.float64)
-    y = (a @ w.T) * m.wcscale.double()
-    if m.bias is not None:
-        y = y + m.bias.double()
-    y = y + (xs @ m.proj_down.double()) @ m.proj_up.double().T
-    return y.reshape(*x.shape[:-1], m.out_features)
+    """The formula in float64 from the module's tensors, decoded and encoded by the tests' own oracle."""
+    return oracle.w4a4_linear(m, x)
 
 
 def _rel(a, b):
@@ -94,10 +89,17 @@ def test_extra_repr_names_shape_rank_and_backend():
     assert "in_features=64, out_features=32, rank=8, bias=True, backend=reference" in repr(m)
 
 
-def test_weight_memory_is_about_3_5x_smaller_than_bf16():
-    m, _ = _module(k=1024, n=1024, rank=32, calibrate=False)
-    packed = m.qweight.numel() + m.wscales.numel()
-    assert 1024 * 1024 * 2 / packed == pytest.approx(3.56, abs=0.01)
+def test_flux_size_layer_takes_what_its_tensors_say():
+    # A 3072 x 3072 layer at rank 32 in bf16, the low-rank branch and per-channel factors included.
+    n = k = 3072
+    r = 32
+    m = SVDQW4A4Linear(k, n, rank=r, device="meta", dtype=torch.bfloat16)
+    held = sum(t.numel() * t.element_size() for t in m.state_dict().values())
+    codes, scales, smooth, wcscale = n * k // 2, n * k // 16, 4 * k, 4 * n
+    branch, bias = 2 * (k + n) * r, 2 * n
+    assert held == codes + scales + smooth + wcscale + branch + bias
+    ratio = (2 * n * k + 2 * n) / held  # against the bf16 nn.Linear it replaces
+    assert ratio == pytest.approx(3.29, abs=0.01), ratio
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -106,8 +108,7 @@ def test_weight_only_matches_float64_contract(dtype):
     m = NVFP4W4A16Linear.from_linear(lin)
     assert m.qweight.dtype == torch.uint8 and m.wcscale.dtype == torch.float32 and m.bias.dtype == dtype
     x = torch.randn(2, 3, 96, dtype=dtype)
-    w = nvfp4.dequantize_nvfp4(m.qweight, m.wscales, torch.float64) * m.wcscale.double()[:, None]
-    expected = x.double() @ w.T + m.bias.double()
+    expected = oracle.w4a16_linear(m, x)
     y = m(x)
     assert y.dtype == dtype and y.shape == (2, 3, 160)
     assert _rel(y, expected) < (1e-6 if dtype == torch.float32 else 1e-2)
@@ -175,6 +176,45 @@ def test_bad_state_dict_names_the_tensor(key, value, match):
     sd[f"layer.{key}"] = value
     with pytest.raises(ValueError, match=match):
         parent.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("key, edit, match", [
+    ("wcscale", lambda t: t.to(torch.bfloat16), "layer.wcscale: expected dtype torch.float32, got torch.bfloat16"),
+    ("smooth", lambda t: t.half(), "layer.smooth: expected dtype torch.float32, got torch.float16"),
+    ("smooth", lambda t: t.index_fill(0, torch.tensor([2, 9]), 0.0),
+     r"layer.smooth: expected finite positive smoothing factors, got 2 zero \(first at index 2: 0.0\)"),
+    ("smooth", lambda t: -t, r"layer.smooth: .* got 64 negative \(first at index 0: -"),
+    ("smooth", lambda t: t.index_fill(0, torch.tensor([4]), float("nan")).index_fill(0, torch.tensor([6]), float("inf")),
+     r"layer.smooth: .* got 1 NaN, 1 Inf \(first at index 4: nan\)"),
+    ("wscales", lambda t: t.view(torch.uint8).index_fill(1, torch.tensor([3]), 0x7F).view(torch.float8_e4m3fn),
+     r"layer.wscales: expected finite E4M3 block scales, got 32 NaN scale bytes \(0x7F/0xFF; "
+     r"first at \[row, block\] = \[0, 3\]\)"),
+    ("wscales", lambda t: t.view(torch.uint8).index_fill(0, torch.tensor([5]), 0xFF).view(torch.float8_e4m3fn),
+     r"layer.wscales: .* got 4 NaN scale bytes \(0x7F/0xFF; first at \[row, block\] = \[5, 0\]\)"),
+])
+def test_values_that_would_poison_the_output_are_refused(key, edit, match):
+    m, _ = _module(k=64, n=32, rank=8)
+    parent = torch.nn.Module()
+    parent.layer = m
+    sd = parent.state_dict()
+    sd[f"layer.{key}"] = edit(sd[f"layer.{key}"])
+    fresh = copy.deepcopy(parent)
+    with pytest.raises(ValueError, match=match):
+        fresh.load_state_dict(sd)
+    with pytest.raises(ValueError, match=match):  # the meta + assign path loaders take
+        meta = torch.nn.Module()
+        meta.layer = SVDQW4A4Linear(64, 32, rank=8, device="meta")
+        meta.load_state_dict(sd, assign=True)
+
+
+@pytest.mark.parametrize("build", [lambda: _module()[0], lambda: NVFP4W4A16Linear.from_linear(torch.nn.Linear(64, 32))])
+def test_fixed_dtype_tensors_keep_their_dtype_through_casts(build):
+    m = build()
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        held = {n: t.dtype for n, t in m.to(dtype).state_dict().items()}
+        assert {n: d for n, d in held.items() if n in FIXED_DTYPES} == {n: FIXED_DTYPES[n] for n in held
+                                                                       if n in FIXED_DTYPES}
+        assert all(d == dtype for n, d in held.items() if n not in FIXED_DTYPES), held
 
 
 def test_missing_key_is_reported():

@@ -223,3 +223,25 @@ def test_quantize_weight_rejects_nonfinite():
     w[1, 3] = math.inf
     with pytest.raises(ValueError, match="NaN or Inf"):
         nvfp4.quantize_weight(w)
+
+
+def test_contract_quantizer_and_formula_match_the_independent_oracle():
+    import oracle
+
+    from svdq_linear import SVDQW4A4Linear
+
+    x = _log_uniform_blocks(24, 128)
+    x[3, 20] = float("nan")  # a NaN block
+    x[7, 100] = float("inf")  # an Inf block
+    x[9, :16] = 2.0**-140  # a block whose scale rounds to 0
+    x[11, 32:48] *= 1e6  # saturating scales
+    packed, scales = nvfp4.quantize_nvfp4(x)
+    codes, scale_bytes = oracle.quantize_act(x)
+    assert torch.equal(scales.view(torch.uint8), scale_bytes), "E4M3 block scales differ from the oracle"
+    assert torch.equal(packed, codes[:, 0::2] | (codes[:, 1::2] << 4)), "packed E2M1 codes differ from the oracle"
+    m = SVDQW4A4Linear.from_linear(torch.nn.Linear(128, 48), rank=8, act_max=torch.rand(128) * 10 + 0.1)
+    xin = torch.randn(6, 128) * 3
+    y = nvfp4.w4a4_linear(xin, m.qweight, m.wscales, m.smooth, m.proj_down, m.proj_up, m.wcscale, m.bias,
+                          accum_dtype=torch.float64)
+    want = oracle.w4a4_linear(m, xin)
+    assert torch.allclose(y, want, rtol=1e-12, atol=1e-12), f"max |diff| {(y - want).abs().max().item():.3e}"

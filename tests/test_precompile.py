@@ -1,5 +1,6 @@
-"""``svdq-precompile --arch sm_90a`` compiles the sm90 Triton kernels with no GPU; their SASS holds
-Hopper's wgmma (HGMMA) and no local memory (spills)."""
+"""``svdq-precompile --arch sm_90a`` compiles the sm90 kernels with no GPU (Triton's and, with
+quack-kernels, the quack GEMMs of both modes); their SASS holds Hopper's wgmma (HGMMA, QGMMA for FP8)
+and no local memory (spills)."""
 
 import json
 import subprocess
@@ -24,3 +25,12 @@ def test_sm90_kernels_compile_to_hgmma_without_spills(tmp_path):
     for k in report:
         assert k["local_memory"] == 0 and k["stack_bytes"] == 0, f"{k['kernel']} spills: {k}"
     assert any((tmp_path / "triton-cache").rglob("*.cubin")), "nothing was written to the Triton cache"
+    assert any(k["kernel"].startswith("quantize_act_fp8") for k in report)
+    quack = [k for k in report if k["kernel"].startswith("quack")]
+    if quack:  # quack-kernels installed (the kernels extra): its GEMMs go into its disk cache
+        for k in quack:
+            assert k["ok"], k
+            wgmma = "hgmma" if k["kernel"].startswith("quack_w4a16") else "qgmma"
+            assert k[wgmma] > 0, f"{k['kernel']}: no {wgmma.upper()} in its SASS"
+        assert any(k["kernel"].startswith("quack_w4a8") for k in quack)
+        assert any((tmp_path / "quack-cache").rglob("*.o")), "nothing was written to quack's cache"

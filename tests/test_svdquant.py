@@ -1,5 +1,6 @@
 """The SVDQuant decomposition: smoothing, the low-rank branch, the NVFP4 residual, calibration folds."""
 
+import oracle
 import pytest
 import torch
 
@@ -37,12 +38,23 @@ def test_low_rank_branch_and_smoothing_each_help():
     assert smoothed < plain and full < smoothed, (plain, smoothed, full)
 
 
-def test_refinement_keeps_the_best_iterate():
+def _weighted_error(res, w, act_max) -> float:
+    """||(W - W_hat) * act_max|| / ||W * act_max||, W_hat decoded from the returned tensors by the oracle."""
+    w_hat = (oracle.dequantize(res.qweight, res.wscales) * res.wcscale.double()[:, None]
+             + res.proj_up.double() @ res.proj_down.double().T) / res.smooth.double()
+    a = act_max.double()
+    return float(((w.double() - w_hat) * a).norm() / (w.double() * a).norm())
+
+
+def test_refinement_lowers_the_error_and_reports_that_of_the_tensors_it_returns():
     lin, x = _outlier_layer()
     act_max = x.abs().amax(dim=0)
     base = svdquant(lin.weight, lin.bias, act_max, SVDQuantConfig(rank=16))
     refined = svdquant(lin.weight, lin.bias, act_max, SVDQuantConfig(rank=16, refine_iters=3))
-    assert refined.rel_error <= base.rel_error
+    for res in (base, refined):
+        assert _weighted_error(res, lin.weight.detach(), act_max) == pytest.approx(res.rel_error, rel=1e-3)
+    # Each iteration refits the branch to what the 4-bit residual misses: ~25% lower after 3 here.
+    assert refined.rel_error < 0.9 * base.rel_error, (refined.rel_error, base.rel_error)
 
 
 def test_exactly_low_rank_weight_is_absorbed_by_the_branch():
@@ -141,12 +153,8 @@ def test_svdquant_rejects_bad_inputs():
 
 
 def _effective_weight(m: SVDQW4A4Linear) -> torch.Tensor:
-    """W the module applies, decoded here from its buffers: (Qres * wcscale + up @ down^T) / smooth."""
-    codes = torch.stack([m.qweight & 0xF, m.qweight >> 4], dim=-1).flatten(-2).long()
-    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
-    vals = mags[codes & 7] * torch.where(codes >= 8, -1.0, 1.0).double()
-    scales = m.wscales.to(torch.float64).repeat_interleave(16, dim=1)
-    res = vals * scales * m.wcscale.double()[:, None]
+    """W the module applies, decoded by the oracle from its tensors: (Qres * wcscale + up @ down^T) / smooth."""
+    res = oracle.dequantize(m.qweight, m.wscales) * m.wcscale.double()[:, None]
     return (res + m.proj_up.double() @ m.proj_down.double().T) / m.smooth.double()[None, :]
 
 

@@ -205,6 +205,21 @@ def weights_are_offloaded(module) -> bool:
     return any(getattr(h, "offload", False) for h in hooks)
 
 
+_NATIVE_FAST: dict[tuple, bool] = {}
+
+
+def fast_mode_is_native(device: torch.device, preferred: str | None = None) -> bool:
+    """Whether a GPU kernel (not the reference) would serve fast-mode layers on ``device``: what the
+    ``"auto"`` mode resolves to fast on. With a preferred backend, only that backend counts."""
+    if device.type == "meta":
+        return False
+    key = (device.type, device.index, preferred)
+    if key not in _NATIVE_FAST:
+        native = [b.name for b in candidates(device, "w4a4_fast") if b.name != "reference"]
+        _NATIVE_FAST[key] = bool(native) and (preferred is None or preferred in native)
+    return _NATIVE_FAST[key]
+
+
 def choose(module, x: torch.Tensor) -> Backend:
     """The backend that serves this call of ``module`` on ``x [M, K]`` (no preparation)."""
     device = x.device
@@ -220,10 +235,11 @@ def choose(module, x: torch.Tensor) -> Backend:
                        f"falling back to the next backend")
         cands = first + [b for b in cands if b.name != pref]
     for backend in cands:
-        declined = module._declined.get((backend.name, device), False)
+        slot = (backend.name, device, module.kind)  # a mode switch changes what a backend checks
+        declined = module._declined.get(slot, False)
         if declined is False:
             declined = backend.declines(module, device)
-            module._declined[(backend.name, device)] = declined
+            module._declined[slot] = declined
         if declined is None:
             declined = backend.declines_call(module, x)
         if declined is None:

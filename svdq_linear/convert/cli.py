@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("model_id", help=f"local diffusers folder, Hugging Face hub id, or a built-in demo "
                    f"({TINY_PREFIX}flux, {TINY_PREFIX}sd3, {TINY_PREFIX}sd35)")
-    p.add_argument("out_dir", help="output folder (must not exist; written as <out_dir>.partial, then renamed)")
+    p.add_argument("out_dir", help="output folder (must not exist unless --overwrite; written as "
+                   "<out_dir>.partial, then renamed)")
     p.add_argument("--rank", type=int, default=32, help="rank of the low-rank branch (default 32)")
     p.add_argument("--alpha", type=float, default=0.5, help="smoothing migration strength (default 0.5)")
     p.add_argument("--svd", choices=("auto", "full", "lowrank"), default="auto",
@@ -50,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="dtype of the 16-bit tensors (default bfloat16)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted conversion block by block")
-    p.add_argument("--overwrite", action="store_true", help="discard an unfinished <out_dir>.partial and start over")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over: discard an unfinished <out_dir>.partial, and replace out_dir if it holds an "
+                   "earlier svdq-convert output (kept until the new one is complete)")
     p.add_argument("--push-to-hub", metavar="REPO", help="upload the finished folder to this hub repository "
                    "(created private)")
     p.add_argument("--public", action="store_true", help="with --push-to-hub: create the repository public")

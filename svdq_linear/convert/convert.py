@@ -29,16 +29,9 @@ import torch
 from tqdm.auto import tqdm
 
 from svdq_linear import diffusers_quantizer as dq
-from svdq_linear.linear import name_layers
-from svdq_linear.pipeline import (
-    LayerStats,
-    checkpoint_files,
-    pipeline_components,
-    quantize_linears,
-    quantize_state_dict,
-    read_json,
-    resolve_model_path,
-)
+from svdq_linear.files import checkpoint_files, pipeline_components, read_json, resolve_model_path, safetensors_keys
+from svdq_linear.linear import MODES, SVDQW4A4Linear, name_layers, set_mode
+from svdq_linear.pipeline import LayerStats, quantize_linears, quantize_state_dict
 from svdq_linear.svdquant import (
     DEFAULT_ACT_HEADROOM,
     MAX_ACT_HEADROOM,
@@ -116,7 +109,7 @@ class ConvertOptions:
     device: str | None = None  # calibration and SVD; default: the GPU when there is one
     dtype: str = "bfloat16"  # 16-bit branch, biases and kept tensors
     resume: bool = False
-    overwrite: bool = False  # discard an existing <out_dir>.partial
+    overwrite: bool = False  # start over: discard <out_dir>.partial; replace an earlier output once the new one is complete
     progress: bool = True
 
     def validate(self) -> list[str]:
@@ -293,16 +286,7 @@ def _source_folder(model_id: str, partial: Path) -> Path:
 
 
 def _source_keys(model_dir: Path) -> dict[str, Path]:
-    from safetensors import SafetensorError, safe_open
-
-    keys = {}
-    for f in checkpoint_files(model_dir):
-        try:
-            with safe_open(f, framework="pt") as fh:
-                keys.update({k: f for k in fh.keys()})
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"{f} is corrupted or truncated ({e})") from e
-    return keys
+    return {k: f for f in checkpoint_files(model_dir) for k in safetensors_keys(f)}
 
 
 def _read_block(files: list[Path], keys: list[str], key_files: dict[str, Path]) -> dict[str, torch.Tensor]:
@@ -507,6 +491,18 @@ def resume_hint(error: BaseException) -> Path | None:
 # ---- the conversion ------------------------------------------------------------------------------
 
 
+def _check_replaceable(out: Path) -> None:
+    """``--overwrite`` replaces only what svdq-convert wrote (not a home folder given by mistake)."""
+    config = out / "transformer" / "config.json"
+    try:
+        ours = out.is_dir() and dq.is_svdq_config(read_json(config, "").get("quantization_config") or {})
+    except (OSError, ValueError):
+        ours = False
+    if not ours:
+        raise FileExistsError(f"{out} exists and is not an svdq-convert output (no svdq quantization_config in "
+                              f"{config}); --overwrite replaces only those: remove it or pick another output folder")
+
+
 def convert(model_id: str, out_dir: str | os.PathLike, opts: ConvertOptions | None = None) -> Summary:
     """Convert ``model_id`` (a local diffusers folder, a hub id, or ``tiny:flux|sd3|sd35``) into ``out_dir``.
 
@@ -520,7 +516,9 @@ def convert(model_id: str, out_dir: str | os.PathLike, opts: ConvertOptions | No
     out = Path(out_dir).expanduser().resolve()
     partial = out.with_name(out.name + ".partial")
     if out.exists():
-        raise FileExistsError(f"{out} already exists; remove it or pick another output folder")
+        if not opts.overwrite:
+            raise FileExistsError(f"{out} already exists; pass --overwrite to replace it, or pick another output folder")
+        _check_replaceable(out)
     state = _open_partial(partial, opts.settings(model_id), opts)
     try:
         return _convert(str(model_id), out, partial, state, opts, prompts, t0)
@@ -640,7 +638,14 @@ def _convert(model_id: str, out: Path, partial: Path, state: dict, opts: Convert
     if calib_file.exists():
         os.replace(calib_file, partial / "svdq_calibration.safetensors")
     progress_file.unlink()
-    os.replace(partial, out)  # the only step that makes out_dir exist
+    if out.exists():  # --overwrite: the earlier output goes only now that the new one is complete
+        old = out.with_name(out.name + ".replaced")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+        os.replace(partial, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(partial, out)  # the only step that makes out_dir exist
 
     errors = sorted((layer["rel_error"], layer["name"]) for layer in layers if layer["kind"] == "w4a4")
     w4a16_errors = [layer["rel_error"] for layer in layers if layer["kind"] == "w4a16"]
@@ -673,15 +678,20 @@ def quantize_pipeline(
     calib: bool = True,
     call_kwargs: dict | None = None,
     progress: bool = True,
+    mode: str | None = None,
     **config_kwargs,
 ) -> list[LayerStats]:
     """Quantize an already-loaded Flux / SD3 pipeline's transformer in place, with the recipes of
     ``svdq-convert``. ``calib_prompts``: a list, a file, or None for the shipped set; ``call_kwargs``
     go to the calibration runs (height, width, ...; the size defaults to the pipeline's own, at most
-    512, as in ``svdq-convert``). ``config_kwargs`` are ``SVDQuantConfig`` fields (``act_headroom``...).
+    512, as in ``svdq-convert``). ``mode`` (``"exact"``, ``"fast"``, ``"auto"``) is set on every
+    quantized layer (None: the default). ``config_kwargs`` are ``SVDQuantConfig`` fields
+    (``act_headroom``...).
     Afterwards ``pipe.save_pretrained(folder)`` writes a folder that ``load_svdq_pipeline`` loads.
     """
     transformer = pipe.transformer
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"expected a mode in {MODES}, got {mode!r}")
     recipe = recipes.recipe_for(transformer)
     act_max = {}
     if calib:
@@ -707,8 +717,9 @@ def quantize_pipeline(
             smooth_groups=recipe.groups,
             config=config,
         )
+    branch = next(m for m in transformer.modules() if isinstance(m, SVDQW4A4Linear)).proj_down.dtype
     qcfg = dq.SVDQuantizationConfig(rank=rank, w4a4_modules=recipe.w4a4, w4a16_modules=recipe.w4a16,
-                                    smooth_groups=recipe.groups,
+                                    smooth_groups=recipe.groups, dtype=str(branch).removeprefix("torch."),
                                     calibration={"enabled": calib, "steps": calib_steps},
                                     conversion={"alpha": config.alpha, "svd": config.svd,
                                                 "refine_iters": config.refine_iters,
@@ -718,4 +729,6 @@ def quantize_pipeline(
     transformer.is_quantized = True
     dq.mark_quantized(transformer)
     name_layers(transformer)
+    if mode is not None:
+        set_mode(transformer, mode)
     return stats

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-W4A4 = "w4a4"
-W4A16 = "w4a16"
+from svdq_linear.linear import W4A4, W4A16
 
 SUPPORTED_TRANSFORMERS = ("FluxTransformer2DModel", "SD3Transformer2DModel")
 

@@ -295,7 +295,3 @@ def run_model(
         if got != want:
             raise ModelError(f"tile {tile}: low-rank atoms issued {got}, expected each of {want} once")
     return ModelResult(steps, lowrank, epi_done)
-
-
-def main_atoms_per_tile(k_tile_cnt: int) -> int:
-    return k_tile_cnt * ATOMS_PER_K_TILE

@@ -10,6 +10,11 @@ By tokens M (bf16):
 - M >= 128, bf16: quack-kernels' NVFP4 W4 GEMM (``quack_gemm``) with ``* wcscale + bias + C`` fused,
   C the low-rank tile. It reads a repacked copy of the weight (``SVDQ_SM90_QUACK=0`` leaves it out).
 
+The fast mode (``nvfp4.w4a8_fast_linear``): ``kernels.quantize_act_fp8`` writes the per-token E4M3
+activations, and ``quack_fast`` runs FP8 wgmma on the 4-bit weight decoded to E4M3 in registers (our
+decode format on quack's operand-transform mainloop), ``* sa * 2**e * wcscale + bias + C`` fused. It
+needs quack-kernels and a GPU; elsewhere the reference serves the fast mode.
+
 Deviations from the reference stay inside the contract's tensor-core tolerance
 (``svdq_linear.nvfp4``): FP32 summation order and bf16 operands of the low-rank products.
 
@@ -43,7 +48,8 @@ class Sm90Prepared:
     def tensors(self) -> list[torch.Tensor]:
         out = [t for t in (self.proj_down_smoothed, self.proj_up_bf16) if t is not None]
         if self.quack is not None:
-            out += [self.quack.blob, self.quack.sf, self.quack.wc, self.quack.bias]
+            q = self.quack
+            out += [q.blob, q.strip, q.cs, q.bias] if hasattr(q, "strip") else [q.blob, q.sf, q.wc, q.bias]
         return out
 
 
@@ -65,8 +71,28 @@ def _quack_module():
 _QUACK = None
 
 
+def _quack_fast_module():
+    """quack_fast, or None where quack-kernels / cutlass are missing (warned once, by _quack_module)."""
+    global _QUACK_FAST
+    if _QUACK_FAST is None:
+        _QUACK_FAST = False
+        if _quack_module() is not None:
+            try:
+                from . import quack_fast
+
+                _QUACK_FAST = quack_fast
+            except Exception as e:
+                warnings.warn(f"svdq-linear sm90: the fast-mode kernel is unavailable ({type(e).__name__}: {e})",
+                              stacklevel=3)
+    return _QUACK_FAST or None
+
+
+_QUACK_FAST = None
+
+
 class Sm90Backend(Backend):
     name = "sm90"
+    kinds = frozenset({"w4a4", "w4a4_fast", "w4a16"})
 
     def __init__(self):
         from . import kernels, tuning  # imports Triton
@@ -81,12 +107,20 @@ class Sm90Backend(Backend):
         return cap is not None and cap[0] == 9
 
     def supports(self, device, kind):
+        if kind == "w4a4_fast" and (self.interpret or not self._device_ok(device) or _quack_fast_module() is None):
+            return False  # the FP8 GEMM is a CuTe DSL kernel on quack: no CPU interpreter, no quack
         return kind in self.kinds and self._device_ok(device)
 
     def declines(self, module, device):
         if not (module.qweight.is_contiguous() and module.wscales.is_contiguous()):
             return "the packed weight is not contiguous"
-        if module.kind == "w4a4":
+        if module.kind == "w4a4_fast":
+            n, k = module.out_features, module.in_features
+            if n % 64 or k % 128:
+                return f"fast mode needs out_features % 64 == 0 and in_features % 128 == 0, got {n} x {k}"
+            if weights_are_offloaded(module):
+                return "offloaded weights (the fast layout would be rebuilt for every call)"
+        if module.kind in ("w4a4", "w4a4_fast"):
             if module.rank > MAX_RANK:
                 return f"rank {module.rank} > {MAX_RANK}"
             if not module.proj_up.is_contiguous():
@@ -107,9 +141,14 @@ class Sm90Backend(Backend):
                 and _quack_module() is not None)
 
     def prepare(self, module, device):
-        if module.kind != "w4a4":
+        if module.kind == "w4a16":
             return None
         r = module.rank
+        if module.kind == "w4a4_fast":
+            pds = (module.proj_down.float() / module.smooth[:, None]).to(torch.bfloat16) if r else None
+            up = module.proj_up.to(torch.bfloat16).contiguous() if r else None
+            fw = _quack_fast_module().prepare(module.qweight, module.wscales, module.wcscale, module.bias)
+            return Sm90Prepared(pds, up, fw)
         pds = (module.proj_down.float() / module.smooth[:, None]).to(torch.bfloat16) if r else None
         quack = _quack_module() if self._use_quack(module) else None
         qw = quack.prepare(module.qweight, module.wscales, module.wcscale, module.bias) if quack else None
@@ -137,6 +176,20 @@ class Sm90Backend(Backend):
             return quack_gemm.gemm(xq, qw, lowrank)
         cfg = self.tuning.pick(m, n, k)
         return self.kernels.w4_gemm(xq, qweight, wscales, wcscale, bias, proj_up if r else None, lora, x.dtype, cfg)
+
+    def run_w4a4_fast(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
+        quack_fast = _quack_fast_module()
+        r = proj_down.shape[1]
+        fw = quack_fast.FastWeight(*extra[-4:])
+        lowrank = None
+        if r:
+            pds, up = extra[0], extra[1]
+            lowrank = (x.to(torch.bfloat16) @ pds) @ up.T  # [M, N] bf16, the epilogue's tile
+        a8, sa = self.kernels.quantize_act_fp8(x, smooth)
+        if x.dtype == torch.float16:
+            return quack_fast.gemm(a8, sa, fw, lowrank.half() if r else None, out_dtype=torch.float16)
+        out = quack_fast.gemm(a8, sa, fw, lowrank)
+        return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
 
     def run_w4a16(self, x, qweight, wscales, wcscale, bias, extra):
         if x.stride(1) != 1:

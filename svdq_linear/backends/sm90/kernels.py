@@ -100,6 +100,47 @@ def _quantize_act_kernel(
 
 
 @triton.jit
+def _quantize_act_fp8_kernel(
+    x_ptr, smooth_ptr, a8_ptr, sa_ptr, M, K, stride_xm, stride_xk,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # The fast mode's per-token E4M3 activations: the row max first, then one more pass that
+    # quantizes (the second read of a row block comes from L2).
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    amax = tl.zeros([BLOCK_M], tl.float32)
+    nan = tl.zeros([BLOCK_M], tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        sm = tl.load(smooth_ptr + rk, mask=k_ok, other=1.0)
+        xs = tl.abs(x * tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)[None, :])
+        amax = tl.maximum(amax, tl.max(tl.where(xs == xs, xs, 0.0), axis=1))
+        nan = tl.maximum(nan, tl.max((xs != xs).to(tl.int32), axis=1))
+    # as nvfp4.fast_act: 1 for an all-zero row and where the max is NaN
+    ok = (amax > 0) & (nan == 0)
+    sa = tl.where(ok, tl.math.div_rn(amax, tl.full([BLOCK_M], 448.0, tl.float32)), 1.0)
+    r = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sa)
+    tl.store(sa_ptr + rm, sa, mask=m_ok)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        mask = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        sm = tl.load(smooth_ptr + rk, mask=k_ok, other=1.0)
+        q = (x * tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)[None, :]) * r[:, None]
+        a = tl.abs(q)
+        # the magnitude is an exact E4M3 value, so the cast does not round; the sign bit (of -0.0 too)
+        # and NaN (0x7F) are set on the byte
+        v = _round_e4m3(tl.where(a == a, a, 0.0)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        v = v | (((q.to(tl.int32, bitcast=True) >> 31) & 1) << 7).to(tl.uint8)
+        v = tl.where(a == a, v, 0x7F)
+        tl.store(a8_ptr + rm[:, None] * K + rk[None, :], v, mask=mask)
+
+
+@triton.jit
 def _epilogue(acc, rn, rm, N, M, R, wc_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_om,
               BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, DOT_F32: tl.constexpr):
     """``acc [BLOCK_N, BLOCK_M]`` -> ``out[rm, rn] = acc * wcscale + lora @ proj_up^T + bias``."""
@@ -233,6 +274,24 @@ def quantize_act(
             BLOCK_M=block_m, BLOCK_K=block_k, WRITE_XQ=not packed, WRITE_CODES=packed, num_warps=num_warps,
         )
     return xq, codes, None if scales is None else scales.view(torch.float8_e4m3fn)
+
+
+def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, block_m: int = 8, block_k: int = 256,
+                     num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fast mode's activations of ``x [M, K]`` (any strides): ``(a8 [M, K] float8_e4m3fn, sa [M]
+    float32)``, bit-identical to ``nvfp4.fast_act(nvfp4.smooth_input(x, smooth))``."""
+    m, k = x.shape
+    if x.stride(1) != 1 and not _INTERPRET:
+        # Triton 3.6 on sm_90 writes wrong bytes for an input strided along K (seen on the H200 for a
+        # column-major x, docs/perf.md): such inputs are rare in a transformer, so copy them.
+        x = x.contiguous()
+    a8 = torch.empty(m, k, device=x.device, dtype=torch.uint8)
+    sa = torch.empty(m, device=x.device, dtype=torch.float32)
+    if m:
+        _quantize_act_fp8_kernel[(triton.cdiv(m, block_m),)](
+            x, smooth, a8, sa, m, k, x.stride(0), x.stride(1),
+            BLOCK_M=block_m, BLOCK_K=min(block_k, triton.next_power_of_2(k)), num_warps=num_warps)
+    return a8.view(torch.float8_e4m3fn), sa
 
 
 def w4_gemm(

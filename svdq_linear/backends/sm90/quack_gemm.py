@@ -94,14 +94,15 @@ def tiles(m: int, n: int) -> tuple[int, int]:
     return (128, 256) if m > 1024 else (64, 256) if m > 256 else (64, 128)
 
 
-def gemm(xq: torch.Tensor, w: QuackWeight, lowrank: torch.Tensor | None) -> torch.Tensor:
-    """``out [M, N] bf16 = (xq @ Wq^T) * wcscale + bias (+ lowrank)``; ``xq`` bf16 contiguous."""
+def gemm(xq: torch.Tensor, w: QuackWeight, lowrank: torch.Tensor | None, launch: bool = True) -> torch.Tensor:
+    """``out [M, N] bf16 = (xq @ Wq^T) * wcscale + bias (+ lowrank)``; ``xq`` bf16 contiguous.
+    ``launch=False`` compiles (into quack's caches) without launching."""
     m, k = xq.shape
     n = w.wc.shape[1]
     out = torch.empty(m, n, device=xq.device, dtype=torch.bfloat16)
     tm, tn = tiles(m, n)
     common = dict(transform_a="nvfp4", transform_sf=w.sf, tile_M=tm, tile_N=tn, tile_K=TILE_K, cluster_M=1,
-                  cluster_N=1, max_swizzle_size=8, split_k=1)
+                  cluster_N=1, max_swizzle_size=8, split_k=1, _launch=launch)
     if lowrank is None:
         _epi_bias.gemm(xq, w.blob, out, epi_args={"wc": w.wc, "bias": w.bias}, **common)
     else:

@@ -1,0 +1,166 @@
+"""A FLUX.1-dev-size transformer forward at 1024² (4096 image + 512 text tokens, batch 1) on the GPU:
+bf16, dynamic FP8 (per-token activations, per-channel weights, ``torch._scaled_mm``), and svdq-linear
+in the exact and fast modes, eager and ``torch.compile``d, with the weight bytes of each.
+
+    python benchmarks/flux_forward.py [--layers 19 --single-layers 38] [--out DIR] [--no-compile]
+
+Random weights (no model hub): the bf16 model is built on the GPU with diffusers' FLUX.1-dev config;
+the svdq model swaps the quantized targets for modules holding random valid NVFP4 codes, scales and a
+rank-32 branch (the kernels' speed does not depend on the values). Times: CUDA-event medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+
+class DynamicFP8Linear(nn.Module):
+    """What an H200 user picks today: E4M3 weights per output channel, E4M3 activations per token."""
+
+    def __init__(self, lin: nn.Linear):
+        super().__init__()
+        w = lin.weight.detach().float()
+        sw = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / 448
+        self.register_buffer("w8", (w / sw).to(torch.float8_e4m3fn))
+        self.register_buffer("sw", sw.T.contiguous())
+        self.bias = lin.bias
+
+    def forward(self, x):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        sa = x2.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / 448
+        a8 = (x2.float() / sa).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(a8, self.w8.T, scale_a=sa, scale_b=self.sw, bias=self.bias, out_dtype=x.dtype)
+        return y.reshape(*shape[:-1], -1)
+
+
+def swap(model, names, build):
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, build(getattr(owner, child)))
+
+
+def random_quantized(lin: nn.Linear, kind: str, rank: int = 32):
+    from svdq_linear import NVFP4W4A16Linear, SVDQW4A4Linear
+
+    n, k = lin.out_features, lin.in_features
+    dev = lin.weight.device
+    if kind == "w4a4":
+        m = SVDQW4A4Linear(k, n, rank=rank, bias=lin.bias is not None, dtype=torch.bfloat16, device="meta")
+    else:
+        m = NVFP4W4A16Linear(k, n, bias=lin.bias is not None, dtype=torch.bfloat16, device="meta")
+    sd = {"qweight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev),
+          "wscales": (torch.rand(n, k // 16, device=dev) * 0.02 + 0.01).to(torch.float8_e4m3fn),
+          "wcscale": torch.ones(n, device=dev)}
+    if kind == "w4a4":
+        sd.update(smooth=torch.ones(k, device=dev), proj_down=torch.randn(k, rank, device=dev).bfloat16() / k**0.5,
+                  proj_up=torch.randn(n, rank, device=dev).bfloat16() * 0.01)
+    if lin.bias is not None:
+        sd["bias"] = lin.bias.detach()
+    m.load_state_dict(sd, assign=True)
+    return m
+
+
+def inputs(dev):
+    g = torch.Generator(device=dev).manual_seed(0)
+    return dict(
+        hidden_states=torch.randn(1, 4096, 64, device=dev, dtype=torch.bfloat16, generator=g),
+        encoder_hidden_states=torch.randn(1, 512, 4096, device=dev, dtype=torch.bfloat16, generator=g),
+        pooled_projections=torch.randn(1, 768, device=dev, dtype=torch.bfloat16, generator=g),
+        timestep=torch.tensor([0.5], device=dev, dtype=torch.bfloat16),
+        img_ids=torch.zeros(4096, 3, device=dev, dtype=torch.bfloat16),
+        txt_ids=torch.zeros(512, 3, device=dev, dtype=torch.bfloat16),
+        guidance=torch.tensor([3.5], device=dev, dtype=torch.bfloat16),
+        return_dict=False,
+    )
+
+
+def timed(fn, iters=10):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def weight_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=19)
+    p.add_argument("--single-layers", type=int, default=38)
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--compile-mode", default="max-autotune-no-cudagraphs",
+                   help="torch.compile mode (reduce-overhead adds CUDA graphs)")
+    p.add_argument("--variants", default="bf16,fp8,exact,fast")
+    args = p.parse_args()
+    from diffusers import FluxTransformer2DModel
+
+    import svdq_linear
+    from svdq_linear.convert.recipes import recipe_for
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    with torch.device(dev):
+        base = FluxTransformer2DModel(num_layers=args.layers, num_single_layers=args.single_layers,
+                                      guidance_embeds=True).to(torch.bfloat16).eval()
+    recipe = recipe_for(base)
+    kw = inputs(dev)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [f"# Flux-size forward — {torch.cuda.get_device_name()} — {time.strftime('%Y-%m-%d %H:%M')}",
+             f"\n{args.layers} double + {args.single_layers} single blocks, 4096 + 512 tokens, batch 1, bf16 "
+             f"activations; ms (median of 10); ratio = bf16 time / variant time (same mode: eager or compiled); "
+             f"compiled: torch.compile(mode={args.compile_mode!r}).\n",
+             "| variant | weight GB | eager ms | eager ratio | compiled ms | compiled ratio |", "|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    ref = {}
+    for variant in args.variants.split(","):
+        model = base
+        if variant == "fp8":
+            import copy
+            model = copy.deepcopy(base)
+            swap(model, recipe.w4a4 + recipe.w4a16, DynamicFP8Linear)
+        elif variant in ("exact", "fast"):
+            import copy
+            model = copy.deepcopy(base)
+            swap(model, recipe.w4a4, lambda lin: random_quantized(lin, "w4a4"))
+            swap(model, recipe.w4a16, lambda lin: random_quantized(lin, "w4a16"))
+            svdq_linear.set_mode(model, variant)
+        gb = weight_bytes(model) / 1e9
+        with torch.inference_mode():
+            t_eager = timed(lambda: model(**kw))
+            t_comp = float("nan")
+            if not args.no_compile:
+                cm = torch.compile(model, mode=args.compile_mode)
+                t_comp = timed(lambda: cm(**kw), iters=10)
+        ref.setdefault("eager", t_eager)
+        ref.setdefault("comp", t_comp)
+        row = (f"| {variant} | {gb:.2f} | {t_eager:.1f} | {ref['eager'] / t_eager:.2f}x | {t_comp:.1f} | "
+               f"{ref['comp'] / t_comp:.2f}x |")
+        lines.append(row)
+        print(row, flush=True)
+        (out_dir / "flux_forward.md").write_text("\n".join(lines) + "\n")
+        if model is not base:
+            del model
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

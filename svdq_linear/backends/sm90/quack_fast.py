@@ -1,0 +1,283 @@
+"""The fast mode's GEMM on quack-kernels' SM90 operand-transform mainloop: 4-bit weights decoded to
+E4M3 in registers, E4M3 activations, FP8 wgmma.
+
+quack runs layout-owning A transforms (its W4A16 / W4A8 formats) as the register-sourced A operand of
+wgmma inside an interleaved mainloop (the decode of k-block b + 1 overlaps the wgmma of block b). This
+module adds a decode of its own on that interface: ``_Nvfp4E4m3`` turns our NVFP4 codes and the
+UE5M3 block factors of ``fast_layout`` into ``e4m3(code * g)`` (bit for bit ``nvfp4.fast_weight``),
+per eight codes: two masks, four ``prmt`` lookups of the fp16 magnitude, four ``HMUL2`` by the
+block factor, four ``cvt.rn.satfinite.e4m3x2.f16x2``, two packs and two sign merges.
+
+quack's W4 transform holds at most 8 scale bytes per thread and k-tile, and its scale strip is one
+TMA box of ``128 * sf_words`` bytes (a box may not exceed 256 along a mode). A k-tile of 128 (four
+k32 blocks, the least the interleaved mainloop accepts for 8-bit MMAs) needs 16 scale bytes per
+thread: ``_FastTransform`` loads them as one 16-byte vector and ``_SplitStrip`` moves the 512-byte
+strip as a (256, 2) box.
+
+The epilogue (quack's ``@gemm_epilogue``) applies ``acc * sa[token] * (2**e * wcscale)[n] + bias +
+lowrank``, ``lowrank = lora_act @ proj_up^T`` the [M, N] tile of one cuBLAS GEMM (as in the exact
+mode's quack path). Imported only on a GPU with quack-kernels installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Int32, const_expr
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+from quack.blockscaled import nvfp4_utils as U
+from quack.epilogue.frontend import gemm_epilogue
+from quack.epilogue.ops import ColVecLoad, RowVecLoad, TileLoad
+from quack.gemm_runtime.identity import TORCH_OP_TRANSFORM_MODS
+from quack.operand_transform.formats import DecodeFormat
+from quack.operand_transform.frontend import PackedFormatMod
+from quack.operand_transform.transform import AuxOperandA, TransformAW4
+
+from . import fast_layout
+from .fast_layout import STRIP_BYTES, TILE_K
+
+# fp16 high bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 (low bytes are zero)
+_LUT_A = 0x3E3C3800
+_LUT_B = 0x46444240
+
+
+@dsl_user_op
+def _scale_pair(word: Int32, second: cutlass.Constexpr[bool], *, loc=None, ip=None) -> Int32:
+    """Two UE5M3 bytes of a strip word (bytes 0, 1 or 2, 3) -> an fp16 pair (row r, row r + 8)."""
+    sel = 0x3424 if second else 0x1404  # bytes [zero, s_a, zero, s_b]; >> 1 lands them at fp16 bits 14..7
+    res = llvm.inline_asm(
+        T.i32(), [Int32(word).ir_value(loc=loc, ip=ip)],
+        f"{{.reg .b32 t; prmt.b32 t, $1, 0, {sel:#x}; shr.b32 $0, t, 1;}}",
+        "=r,r", has_side_effects=False, loc=loc, ip=ip)
+    return Int32(res)
+
+
+@dsl_user_op
+def _decode_word(x: Int32, pair: Int32, lut_a: Int32, lut_b: Int32, *, loc=None, ip=None):
+    """One code word (4 bytes: row r codes in the high nibbles, row r + 8 in the low ones) and the
+    rows' fp16 factors -> two registers of four E4M3 bytes each, k in byte order."""
+    asm = (
+        "{.reg .b32 se, m1, m2, t, f0, f1, f2, f3, gl, gh; .reg .b16 pl, ph, e0, e1, e2, e3;\n\t"
+        "shl.b32 se, $2, 4;\n\t"
+        "and.b32 m1, $2, 0x70707070;\n\t"
+        "and.b32 m2, se, 0x70707070;\n\t"
+        "prmt.b32 f0, $4, $5, m1;\n\t"
+        "shr.u32 t, m1, 16;\n\t"
+        "prmt.b32 f1, $4, $5, t;\n\t"
+        "prmt.b32 f2, $4, $5, m2;\n\t"
+        "shr.u32 t, m2, 16;\n\t"
+        "prmt.b32 f3, $4, $5, t;\n\t"
+        "mov.b32 {pl, ph}, $3;\n\t"
+        "mov.b32 gl, {pl, pl};\n\t"
+        "mov.b32 gh, {ph, ph};\n\t"
+        "mul.rn.f16x2 f0, f0, gl;\n\t"
+        "mul.rn.f16x2 f1, f1, gl;\n\t"
+        "mul.rn.f16x2 f2, f2, gh;\n\t"
+        "mul.rn.f16x2 f3, f3, gh;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f16x2 e0, f0;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f16x2 e1, f1;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f16x2 e2, f2;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f16x2 e3, f3;\n\t"
+        "mov.b32 f0, {e0, e1};\n\t"
+        "mov.b32 f2, {e2, e3};\n\t"
+        # a | (b & c): the sign bits sit at bit 7 of each byte of x (row r) and of x << 4 (row r + 8)
+        "lop3.b32 $0, f0, $2, 0x80808080, 0xF8;\n\t"
+        "lop3.b32 $1, f2, se, 0x80808080, 0xF8;}"
+    )
+    struct_ty = ir.Type.parse("!llvm.struct<(i32, i32)>")
+    res = llvm.inline_asm(
+        struct_ty,
+        [Int32(v).ir_value(loc=loc, ip=ip) for v in (x, pair, lut_a, lut_b)],
+        asm, "=r,=r,r,r,r,r", has_side_effects=False, loc=loc, ip=ip)
+    return (Int32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)),
+            Int32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip)))
+
+
+class _Nvfp4E4m3(DecodeFormat):
+    """Our NVFP4 codes x UE5M3 block factors -> E4M3 fragments (``fast_layout``'s layout).
+
+    ``b`` indexes k32 blocks (0..3); ``sfw`` is the thread's four strip words of the k-tile."""
+
+    name = "svdq_nvfp4_e4m3"
+    tile_k = TILE_K
+    sf_words = STRIP_BYTES // 128
+    mma_dtype = cutlass.Float8E4M3FN
+    roundtrip = False  # the per-row 2**e lives in the epilogue
+
+    def make_consts(self):
+        return U.pin_b32_vreg(_LUT_A), U.mov_b32_vreg(_LUT_B)
+
+    @cute.jit
+    def decode_k16(self, xw, sfw, b, consts):
+        lut_a, lut_b = consts
+        r0, r1 = _decode_word(xw[2 * b], _scale_pair(sfw[b], False), lut_a, lut_b)
+        r2, r3 = _decode_word(xw[2 * b + 1], _scale_pair(sfw[b], True), lut_a, lut_b)
+        return r0, r1, r2, r3
+
+    def prepare(self, q, sf):
+        return fast_layout.repack_fast_weight(q), fast_layout.fast_scales(q, sf)[0]
+
+
+class _SplitStrip(AuxOperandA):
+    """The 512-byte scale strip of an m64 block and k-tile, moved as a (256, 2) TMA box."""
+
+    dtype = cutlass.Uint8
+    multicast = False
+
+    def __init__(self, gemm):
+        self.gemm = gemm
+
+    def _tm64(self):
+        return self.gemm.cta_tile_shape_mnk[0] // 64
+
+    def bytes_per_stage(self):
+        return STRIP_BYTES * self._tm64()
+
+    def make_smem_layout_staged(self, ab_stage):
+        return cute.make_ordered_layout((256, 2, self._tm64(), ab_stage), order=(0, 1, 2, 3))
+
+    def make_tma(self, mAux):
+        # quack's view is (512, tm64, Gt, Kt, L) bytes; split the contiguous 512 into (256, 2)
+        split = cute.make_tensor(
+            mAux.iterator,
+            cute.make_layout((256, 2, *mAux.shape[1:]), stride=(1, 256, *mAux.layout.stride[1:])))
+        box = (256, 2, self._tm64())
+        return self.gemm._make_tma_atoms_and_tensors(
+            split, cute.make_ordered_layout(box, order=(0, 1, 2)), box, self.gemm.cluster_shape_mnk[1])
+
+    def gmem_slice(self, mAux, tile_coord_mnkl, batch_idx):
+        return mAux[None, None, None, tile_coord_mnkl[0], None, batch_idx]
+
+
+class _FastTransform(TransformAW4):
+    """quack's W4 transform with four strip words per thread (one 16-byte shared-memory load)."""
+
+    def __init__(self, gemm, fmt):
+        super().__init__(gemm, fmt)
+        self.aux = _SplitStrip(gemm)
+
+    @cute.jit
+    def make_copy_block(self, tiled_mma, sA, tCrA, tidx, warp_group_idx, sAux=None, mAux=None):
+        gemm = self.gemm
+        tm64 = gemm.cta_tile_shape_mnk[0] // 64
+        nw = self._nw
+        sf_words = self.fmt.sf_words
+        codes = cute.make_tensor(
+            cute.recast_ptr(sA.iterator, dtype=Int32),
+            cute.make_ordered_layout((nw, 128, tm64, gemm.ab_stage), order=(0, 1, 2, 3)))
+        strip = cute.make_tensor(
+            cute.recast_ptr(sAux.iterator, dtype=Int32),
+            cute.make_ordered_layout((sf_words, 32, tm64, gemm.ab_stage), order=(0, 1, 2, 3)))
+        t128 = tidx % 128
+        slot = (t128 // 32) * 8 + (t128 % 32) // 4  # the (row r, row r + 8) pair of this thread
+        consts = self.fmt.make_consts()
+        frag_i32 = cute.recast_tensor(tCrA, Int32)
+        mma_m = const_expr(cute.size(tCrA.shape[1]))
+        atom_m = gemm.atom_layout_mnk[0]
+        xw = cute.make_rmem_tensor((nw, mma_m), Int32)
+        sfw = cute.make_rmem_tensor((sf_words, mma_m), Int32)
+
+        def copy_block(stage_idx, b, k_tile=None):
+            if const_expr(b == 0):
+                # the tile's words stay in registers for its four blocks; the next tile's block-0 load
+                # comes after this tile's last decode
+                for m in cutlass.range_constexpr(mma_m):
+                    m64 = m * atom_m + warp_group_idx
+                    cute.autovec_copy(codes[None, t128, m64, stage_idx], xw[None, m])
+                    cute.autovec_copy(strip[None, slot, m64, stage_idx], sfw[None, m])
+            self._decode_block(xw, sfw, frag_i32, b, mma_m, consts)
+
+        return copy_block
+
+
+def _source_digest() -> str:
+    """Fail-closed identity of the decode for quack's caches: the source of this module and of the
+    layout it reads (quack's own keyer cannot walk the DSL's inline-asm helpers)."""
+    h = hashlib.sha256(b"svdq_w4a8")
+    for path in (Path(__file__), Path(fast_layout.__file__)):
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+class _FastMod(PackedFormatMod):
+    """The ``transform_a=`` handle: quack's packed-format mod, building ``_FastTransform``."""
+
+    def __init__(self):  # not PackedFormatMod.__init__: it fingerprints decode_k16 with quack's keyer
+        self.fmt = self.packed = _Nvfp4E4m3()
+        self._registry_name = None
+        self.name = "svdq_w4a8"
+        self.semantic_digest = _source_digest()
+        TORCH_OP_TRANSFORM_MODS[self.semantic_digest] = self
+
+    def __call__(self, gemm):
+        return _FastTransform(gemm, self.fmt)
+
+
+FAST_MOD = _FastMod()
+
+
+@gemm_epilogue(ops={"sa": ColVecLoad("sa"), "cs": RowVecLoad("cs"), "bias": RowVecLoad("bias"),
+                    "lr": TileLoad("lr")})
+def _epi_fast_lowrank(acc, lr, sa, cs, bias):
+    return {"D": acc * sa * cs + bias + lr}
+
+
+@gemm_epilogue(ops={"sa": ColVecLoad("sa"), "cs": RowVecLoad("cs"), "bias": RowVecLoad("bias")})
+def _epi_fast(acc, sa, cs, bias):
+    return {"D": acc * sa * cs + bias}
+
+
+@dataclass
+class FastWeight:
+    """The weight as the fast kernel reads it, prepared once per device."""
+
+    blob: torch.Tensor  # [N/64, K/128, 128, 32] uint8
+    strip: torch.Tensor  # [N/64, K/128, 512] uint8
+    cs: torch.Tensor  # [1, N] fp32: 2**e * wcscale
+    bias: torch.Tensor  # [1, N] fp32 (zeros without a bias)
+
+
+def prepare(qweight, wscales, wcscale, bias) -> FastWeight:
+    blob = fast_layout.repack_fast_weight(qweight)
+    strip, nw = fast_layout.fast_scales(qweight, wscales)
+    n = qweight.shape[0]
+    b = torch.zeros(n, device=qweight.device) if bias is None else bias.float()
+    return FastWeight(blob, strip, (nw * wcscale.float()).reshape(1, n).contiguous(), b.reshape(1, n).contiguous())
+
+
+def tiles(m: int) -> tuple[int, int]:
+    """(tile over weight rows, tile over tokens)."""
+    if m > 1024:
+        return 128, 256
+    if m > 128:
+        return 64, 256 if m > 256 else 128
+    return 64, max(16, 1 << (max(m, 1) - 1).bit_length())
+
+
+def gemm(a8: torch.Tensor, sa: torch.Tensor, w: FastWeight, lowrank: torch.Tensor | None,
+         tile: tuple[int, int] | None = None, launch: bool = True,
+         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``out [M, N] = (a8 @ w8^T) * sa * cs + bias (+ lowrank)`` in ``out_dtype`` (bf16 or fp16, rounded
+    once); ``a8`` E4M3 contiguous. ``launch=False`` compiles (into quack's caches) without launching."""
+    m = a8.shape[0]
+    n = w.cs.shape[1]
+    out = torch.empty(m, n, device=a8.device, dtype=out_dtype)
+    if m == 0:
+        return out
+    tm, tn = tile or tiles(m)
+    if n % tm:
+        tm = 64  # n % 64 == 0 always (fast_layout.check_shape)
+    args = {"sa": sa.reshape(1, m), "cs": w.cs, "bias": w.bias}
+    mod = _epi_fast
+    if lowrank is not None:
+        args["lr"], mod = lowrank, _epi_fast_lowrank
+    mod.gemm(a8, w.blob, out, epi_args=args, transform_a=FAST_MOD, transform_sf=w.strip, tile_M=tm, tile_N=tn,
+             tile_K=TILE_K, cluster_M=1, cluster_N=1, max_swizzle_size=8, split_k=1, _launch=launch)
+    return out

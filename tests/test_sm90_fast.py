@@ -1,0 +1,194 @@
+"""The sm90 fast mode: the FP8 decode layout, the per-token E4M3 activations, and (GPU) the FP8 GEMM.
+
+CPU: the layout is checked against the wgmma register fragment written out independently here, the
+kernel's decode arithmetic (``fast_layout.emulate_decode``) against ``nvfp4.fast_weight`` bit for bit,
+and ``quantize_act_fp8`` (under Triton's interpreter) against ``nvfp4.fast_act`` bit for bit.
+GPU (H100/H200 with quack-kernels): the same on the device, the decoded weights read back through the
+GEMM itself, and the whole fast linear against the fast formula in float64.
+"""
+
+import pytest
+import torch
+
+from svdq_linear import SVDQW4A4Linear, backends, nvfp4
+from svdq_linear.backends.sm90 import fast_layout
+
+E4M3_GRID = torch.tensor(sorted({float(v) for v in torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+                                 if v == v and v >= 0}), dtype=torch.float64)
+
+
+def _weight(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-4, 3, n).unsqueeze(1)
+    w[1] = 0  # an all-zero row
+    w[2, :32] = 0  # all-zero blocks in a row with a large maximum
+    w[3, 16:32] = 1e-7  # a block whose scale underflows
+    return nvfp4.quantize_nvfp4(w)
+
+
+def test_codes_sit_where_the_fp8_wgmma_fragment_reads_them():
+    q, _ = _weight(128, 256)
+    codes = nvfp4.unpack_e2m1(q)
+    blob = fast_layout.repack_fast_weight(q)
+    assert blob.shape == (2, 2, 128, 32)
+    for g, kt, t in [(0, 0, 0), (1, 1, 127), (0, 1, 37), (1, 0, 66)]:
+        warp, lane = divmod(t, 32)
+        for reg in range(16):  # four registers per k32 block, four blocks per k-tile
+            b, p = divmod(reg, 4)
+            row = 64 * g + 16 * warp + lane // 4 + 8 * (p % 2)
+            k0 = 128 * kt + 32 * b + 4 * (lane % 4) + 16 * (p // 2)
+            word = 2 * b + p // 2
+            for j in range(4):
+                byte = int(blob[g, kt, t, 4 * word + j])
+                nibble = byte >> 4 if p % 2 == 0 else byte & 0xF
+                assert nibble == int(codes[row, k0 + j]), (g, kt, t, reg, j)
+    assert torch.equal(fast_layout.unpack_fast_weight(blob), q)
+
+
+def test_strip_holds_each_block_factor_once():
+    q, s = _weight(192, 384)
+    strip, nw = fast_layout.fast_scales(q, s)
+    g = fast_layout.strip_factors(strip).double()
+    w = nvfp4.dequantize_nvfp4(q, s, torch.float64)
+    nonzero = (nvfp4.unpack_e2m1(q) & 7).reshape(192, -1, 16).amax(2) > 0
+    want = torch.where(nonzero, s.double() / nw.double()[:, None], 0.0)
+    assert torch.equal(g, want)
+    row_max = w.abs().amax(1)
+    live = row_max > 0
+    assert ((row_max / nw)[live] <= 448).all() and ((row_max / nw)[live] > 224).all()
+    assert nw[1] == 1  # the all-zero row
+
+
+def test_emulated_decode_is_the_fast_weight_bit_for_bit():
+    q, s = _weight(192, 512, seed=1)
+    strip, _ = fast_layout.fast_scales(q, s)
+    got = fast_layout.emulate_decode(fast_layout.repack_fast_weight(q), strip)
+    w8, nw = nvfp4.fast_weight(q, s)
+    assert torch.equal(got.view(torch.uint8), w8.view(torch.uint8))
+    # and the fast weight is one nearest-even E4M3 rounding of w / nw, checked by search
+    w = nvfp4.dequantize_nvfp4(q, s, torch.float64) / nw.double()[:, None]
+    a = w.abs().flatten()
+    d = (E4M3_GRID[None, :] - a[:, None]).abs()
+    nearest = E4M3_GRID[d.argmin(1)]
+    assert ((w8.double().abs().flatten() - a).abs() <= (nearest - a).abs()).all()
+
+
+def test_layout_refuses_shapes_it_cannot_tile():
+    q, _ = _weight(128, 256)
+    with pytest.raises(ValueError, match="in_features % 128"):
+        fast_layout.repack_fast_weight(q[:, :32])
+    with pytest.raises(ValueError, match="out_features % 64"):
+        fast_layout.repack_fast_weight(q[:96])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_act_fp8_is_bit_exact(dtype):
+    from svdq_linear.backends.sm90 import kernels
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(11, 1000, generator=g) * torch.logspace(-5, 4, 11).unsqueeze(1)).to(dtype)
+    x[3] = 0
+    x[5, 7] = float("nan")
+    x[6, 9] = float("inf")
+    x[7, 100] = -float("inf")
+    smooth = torch.rand(1000, generator=g) + 0.25
+    x, smooth = x.to(dev), smooth.to(dev)
+    for xin in (x, x.T.contiguous().T):  # row-major and column-major
+        a8, sa = kernels.quantize_act_fp8(xin, smooth)
+        ra8, rsa = nvfp4.fast_act(nvfp4.smooth_input(xin, smooth))
+        assert torch.equal(sa.cpu(), rsa.cpu())
+        diff = (a8.view(torch.uint8) != ra8.view(torch.uint8)).nonzero()
+        assert diff.numel() == 0, f"{len(diff)} bytes differ, first at {diff[:3].tolist()}"
+
+
+def test_sm90_leaves_the_fast_mode_to_the_reference_on_the_cpu():
+    m = SVDQW4A4Linear(256, 128, rank=8)
+    m.set_mode("fast")
+    assert backends.choose(m, torch.empty(2, 256)).name == "reference"
+
+
+# ---- GPU ------------------------------------------------------------------------------------------
+
+def _quack_fast():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm90 GPU")
+    return pytest.importorskip("svdq_linear.backends.sm90.quack_fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(128, 256), (192, 384), (3072, 3072)])
+def test_gpu_fast_gemm_reads_back_the_fast_weight_exactly(n, k):
+    qf = _quack_fast()
+    q, s = _weight(n, k, seed=3)
+    w8, nw = nvfp4.fast_weight(q, s)
+    fw = qf.prepare(q.cuda(), s.cuda(), torch.ones(n, device="cuda"), None)
+    # token i is 448 at k = i: each output is one weight times nw, no accumulation to round
+    m = min(k, 512)
+    a8 = torch.zeros(m, k, dtype=torch.float32)
+    a8[torch.arange(m), torch.arange(m)] = 448.0
+    a8 = a8.to(torch.float8_e4m3fn).cuda()
+    sa = torch.full((m,), 1.0 / 448, device="cuda")
+    y = qf.gemm(a8, sa, fw, None).float().cpu()
+    want = (w8.float()[:, :m] * nw[:, None]).T
+    bf16 = want.bfloat16().float()
+    bad = (y != bf16) & ~(torch.isnan(y) & torch.isnan(bf16))
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} outputs differ, first {bad.nonzero()[:4].tolist()}"
+
+
+def _fast_bound(m, x, a8, sa):
+    """|y - y_fast| bound: the exact mode's low-rank and output allowances plus FP8 accumulation with
+    a 2**-13 relative error per k32 step of the running sum (Hopper's FP8 accumulator)."""
+    w8, nw = nvfp4.fast_weight(m.qweight.cpu(), m.wscales.cpu())
+    main = (a8.double().abs() @ w8.double().abs().T) * sa.double()[:, None] * (nw.double() * m.wcscale.double().cpu())
+    steps = x.shape[1] // 32
+    xs = nvfp4.smooth_input(x.cpu(), m.smooth.cpu()).double()
+    low = (xs.abs() @ m.proj_down.double().cpu().abs()) @ m.proj_up.double().cpu().abs().T * (4 * 2.0**-8)
+    return main * steps * 2.0**-13 + low
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 7, 64, 200, 1000, 4096])
+@pytest.mark.parametrize("k,n,r,dtype", [(3072, 3072, 32, torch.bfloat16), (512, 384, 0, torch.bfloat16),
+                                         (1024, 256, 128, torch.float16)])
+def test_gpu_fast_linear_matches_the_fast_formula(tokens, k, n, r, dtype):
+    _quack_fast()
+    from test_conformance import random_w4a4
+
+    torch.manual_seed(tokens + k + r)
+    m = random_w4a4(k, n, r, dtype, "cuda")
+    m.set_mode("fast")
+    x = torch.randn(tokens, k, device="cuda", dtype=dtype)
+    backend = backends.choose(m, x)
+    assert backend.name == "sm90"
+    y = backend.linear(m, x, backend.prepare(m, x.device)).double().cpu()
+    args = (m.qweight, m.wscales, m.smooth, m.proj_down, m.proj_up, m.wcscale, m.bias)
+    want = nvfp4.w4a8_fast_linear(x.cpu(), *[t.cpu() if t is not None else None for t in args], torch.float64)
+    a8, sa = nvfp4.fast_act(nvfp4.smooth_input(x.cpu(), m.smooth.cpu()))
+    eps = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    bound = _fast_bound(m, x, a8, sa) + eps * want.abs() + 1e-30
+    assert y.isfinite().all()
+    err = (y - want).abs()
+    assert (err <= bound).all(), f"max err/bound {(err / bound).max().item():.3g}"
+
+
+def test_auto_mode_is_exact_where_no_gpu_kernel_serves_the_fast_mode(monkeypatch):
+    monkeypatch.delenv("SVDQ_LINEAR_MODE", raising=False)
+    m = SVDQW4A4Linear(256, 128, rank=8)
+    assert m.mode == "auto" and m.kind == "w4a4"  # the CPU: the reference does not count as native
+    monkeypatch.setattr(backends, "fast_mode_is_native", lambda device, preferred=None: True)
+    assert m.kind == "w4a4_fast"
+    assert m.set_mode("exact").kind == "w4a4"  # the module's own setting wins
+    monkeypatch.setenv("SVDQ_LINEAR_MODE", "exact")
+    assert m.set_mode(None).kind == "w4a4"
+
+
+@pytest.mark.gpu
+def test_gpu_auto_mode_runs_the_fast_kernel_on_hopper(monkeypatch):
+    _quack_fast()
+    monkeypatch.delenv("SVDQ_LINEAR_MODE", raising=False)
+    m = SVDQW4A4Linear(512, 256, rank=16).to("cuda", torch.bfloat16)
+    assert m.kind == "w4a4_fast"
+    assert backends.choose(m, torch.empty(4, 512, device="cuda", dtype=torch.bfloat16)).name == "sm90"
+    monkeypatch.setenv("SVDQ_LINEAR_BACKEND", "reference")
+    assert SVDQW4A4Linear(512, 256, rank=16).to("cuda").kind == "w4a4"  # a pinned reference keeps the contract
