@@ -17,7 +17,8 @@ set; it moves every block ``H`` powers of two nearer the subnormal E4M3 scales (
 2. the tiny offline Flux / SD3 / SD3.5 pipelines, calibrated (2 prompts x 2 steps) and quantized at
    each headroom, run on a prompt outside the calibration set (as at inference): the transformer's
    output against the fp32 transformer's on the same inputs, the share of activation blocks that
-   saturate / underflow, and the image's PSNR against the fp32 pipeline's.
+   saturate / underflow, and the image's PSNR against the fp32 pipeline's;
+3. for reference, a module made without ``act_max`` (activation factor 1) over input scales.
 """
 
 import argparse
@@ -99,6 +100,29 @@ def synthetic(rows: list[str], quick: bool) -> None:
                         + " | ".join(f"{s:.1%} / {u:.1%}" for s, u in stats) + " |")
 
 
+@torch.no_grad()
+def uncalibrated(rows: list[str], quick: bool) -> None:
+    """A module made without ``act_max`` (factor 1): where unit-scale inputs sit, and what the range
+    check ($SVDQ_LINEAR_CHECK_RANGE) would report."""
+    k = n = 1024 if quick else 3072
+    gains = (1e-3, 1e-2, 1e-1, 1.0, 1e1, 1e2, 1e3, 1e4)
+    gen = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(k, n, bias=False)
+    torch.nn.init.normal_(lin.weight, std=k**-0.5, generator=gen)
+    x = torch.randn(256, k, generator=gen) * torch.exp(0.75 * torch.randn(256, 1, generator=gen))
+    m = SVDQW4A4Linear.from_linear(lin, rank=32, svd="lowrank")
+    ref = x.double() @ lin.weight.double().T
+    errs, stats = [], []
+    for g in gains:
+        y = m(x * g).double()
+        errs.append(((y - ref * g).norm(dim=1) / (ref * g).norm(dim=1)).mean().item())
+        stats.append(block_stats(nvfp4.smooth_input(x * g, m.smooth)))
+    rows += ["", f"| module without act_max ({k} -> {n}, rank 32, unit-scale Gaussian inputs x gain) | "
+             + " | ".join(f"x{g:g}" for g in gains) + " |", "|---|" + "---|" * len(gains),
+             "| mean per-token rel. error | " + " | ".join(f"{e:.4f}" for e in errs) + " |",
+             "| blocks saturated / subnormal-or-zero | " + " | ".join(f"{a:.1%} / {b:.1%}" for a, b in stats) + " |"]
+
+
 def _image(pipe, kind):
     pipe.set_progress_bar_config(disable=True)
     return pipe("a photo of a cat wearing a hat", generator=torch.Generator().manual_seed(0), output_type="np",
@@ -173,6 +197,7 @@ def main() -> None:
     rows = [f"CPU, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; mean per-token relative output error "
             f"of the W4A4 layer against fp32 for test inputs x gain (calibrated at gain 1); H = act_headroom", ""]
     synthetic(rows, args.quick)
+    uncalibrated(rows, args.quick)
     pipelines(rows, args.quick)
     rows += ["", f"({time.perf_counter() - t0:.0f} s)"]
     emit(rows, args.out)

@@ -337,7 +337,11 @@ def _read_config_file(path: Path) -> dict | None:
 def _calibration_kwargs(model_id: str, src: Path, config: dict, opts: ConvertOptions) -> dict:
     """The calibration call's size (and, for the demos, their fast settings), checked against the
     pipeline before anything runs."""
-    limits = calibrate.resolution_limits(config["_class_name"], config, _read_config_file(src / "vae" / "config.json"))
+    try:
+        limits = calibrate.resolution_limits(config["_class_name"], config, _read_config_file(src / "vae" / "config.json"))
+    except (TypeError, ValueError) as e:  # a size in a config that is not a number
+        raise ConvertError(f"{src}: cannot derive the calibration size from transformer/config.json and "
+                           f"vae/config.json ({type(e).__name__}: {e})") from e
     if model_id.startswith(TINY_PREFIX):  # the demo's own fast settings (64x64, short prompts)
         from .tiny import TINY_CALL_KWARGS
 
@@ -597,8 +601,9 @@ def _convert(model_id: str, out: Path, partial: Path, state: dict, opts: Convert
         layers = [asdict(s) for s in stats]
         for layer in layers:
             name = layer["name"]
-            layer["act_headroom"] = (activation_headroom(act_max[name], new[f"{name}.smooth"])
-                                     if layer["kind"] == recipes.W4A4 and name in act_max else None)
+            head = (activation_headroom(act_max[name], new[f"{name}.smooth"])
+                    if layer["kind"] == recipes.W4A4 and name in act_max else None)
+            layer["act_headroom"] = head if head is None or math.isfinite(head) else None  # all-zero inputs
         state["done"][unit] = {
             "keys": sorted(new),
             "bytes_before": before,
