@@ -78,6 +78,7 @@ def no_calibration(monkeypatch):
     (["--calib-resolution", "512"], "expected --calib-resolution <= 128 for this pipeline"),
     (["--calib-resolution", "102"], "expected --calib-resolution to be a multiple of 4"),
     (["--device", "gpu7"], "expected --device cpu, cuda or cuda:N, got 'gpu7'"),
+    (["--device", "meta"], "expected --device cpu, cuda or cuda:N, got 'meta'"),
     (["--calib-prompts", "/nonexistent/prompts.txt"], "calibration prompt file /nonexistent/prompts.txt not found"),
 ])
 def test_bad_options_are_refused_before_calibration(sources, tmp_path, capfd, no_calibration, args, needle):

@@ -85,6 +85,8 @@ def check_device(device: str | None) -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ConvertError(f"--device {device}: expected a CUDA index below {torch.cuda.device_count()}, "
                                f"got {dev.index}")
+    elif dev.type == "meta":
+        raise ConvertError("expected --device cpu, cuda or cuda:N, got 'meta' (a device that holds no data)")
     elif dev.type != "cpu":
         try:
             torch.empty(0, device=dev)
