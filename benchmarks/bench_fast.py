@@ -86,6 +86,7 @@ def main() -> None:
     p.add_argument("--shapes", choices=["flux", "quick"], default="flux")
     p.add_argument("--tiles", action="store_true")
     p.add_argument("--graphs", action="store_true", help="time every path as a CUDA graph replay (GPU time)")
+    p.add_argument("--profile", action="store_true", help="cProfile the module's eager forward (host cost)")
     args = p.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -98,6 +99,28 @@ def main() -> None:
         lines.append(s)
 
     dev = torch.device("cuda")
+    if args.profile:
+        import cProfile
+        import io
+        import pstats
+
+        for mode in ("exact", "fast"):
+            mod = random_w4a4(3072, 3072, 32, torch.bfloat16, dev).set_mode(mode)
+            x = torch.randn(64, 3072, device=dev, dtype=torch.bfloat16)
+            for _ in range(3):
+                mod(x)
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            t0 = time.perf_counter()
+            prof.enable()
+            for _ in range(50):
+                mod(x)
+            prof.disable()
+            torch.cuda.synchronize()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
+            print(f"## {mode}: {(time.perf_counter() - t0) / 50 * 1e6:.0f} us a call\n{out.getvalue()}")
+        return
     log(f"# fast mode — {torch.cuda.get_device_name()} — {time.strftime('%Y-%m-%d %H:%M')}"
         f"{' — CUDA graph replays (GPU time)' if args.graphs else ' — eager launches'}")
     log("\nms (ratio = cuBLAS bf16 / path); fast GEMM: E4M3 activations and the low-rank tile ready; "
