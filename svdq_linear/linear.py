@@ -6,7 +6,9 @@ Both hold the weight as packed NVFP4 (``qweight``/``wscales``) with a float32 pe
 
 from __future__ import annotations
 
+import math
 import os
+import warnings
 from typing import ClassVar
 
 import torch
@@ -31,6 +33,10 @@ FIXED_DTYPES: dict[str, torch.dtype] = {
 """Tensors kept in one dtype whatever ``.to(dtype)`` or a loader's ``dtype`` asks, and stored so in
 checkpoints; the others (``proj_down``, ``proj_up``, ``bias``) follow the module's float dtype."""
 
+ENV_CHECK_RANGE = "SVDQ_LINEAR_CHECK_RANGE"
+# Read once, at import: off, the check is a constant False that torch.compile folds away.
+_CHECK_RANGE = os.environ.get(ENV_CHECK_RANGE, "0") not in ("", "0")
+
 
 def set_mode(model: nn.Module, mode: str | None) -> int:
     """Set the numerics mode of every ``SVDQW4A4Linear`` in ``model``; returns how many there are."""
@@ -38,6 +44,16 @@ def set_mode(model: nn.Module, mode: str | None) -> int:
     for m in layers:
         m.set_mode(mode)
     return len(layers)
+
+
+def name_layers(model: nn.Module) -> int:
+    """Record each 4-bit layer's qualified name in ``layer_name`` (warnings name it); returns the count."""
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, _PackedNVFP4Linear):
+            module.layer_name = name
+            count += 1
+    return count
 
 
 def _is_16_or_32_bit_float(dtype: torch.dtype) -> bool:
@@ -283,6 +299,42 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
             device = self.qweight.device
             mode = "fast" if backends.fast_mode_is_native(device, backends.preferred_name(self)) else "exact"
         return "w4a4_fast" if mode == "fast" else "w4a4"
+
+    # ---- opt-in range check ($SVDQ_LINEAR_CHECK_RANGE=1) ----------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if _CHECK_RANGE and not torch.compiler.is_compiling() and self.kind == "w4a4":
+            self._check_range(x)
+        return y
+
+    @torch.no_grad()
+    def _check_range(self, x: torch.Tensor) -> None:
+        """Warn once per layer and problem when activation blocks saturate or underflow (eager only)."""
+        warned = self.__dict__.setdefault("_range_warned", set())
+        if len(warned) == 2:
+            return
+        xs = nvfp4.smooth_input(x.reshape(-1, self.in_features), self.smooth)
+        amax = nvfp4.block_amax(xs)
+        saturated, underflow = nvfp4.range_violations(xs)
+        name = getattr(self, "layer_name", None) or self._describe()
+        total = amax.numel()
+        if "saturate" not in warned and bool(saturated.any()):
+            warned.add("saturate")
+            top = float(amax[saturated].max())
+            warnings.warn(
+                f"svdq-linear: {name}: {int(saturated.sum())} of {total} activation blocks saturate "
+                f"(block max {top:.4g} after smoothing, 2^{math.log2(top / nvfp4.NVFP4_MAX):.1f} above the "
+                f"largest NVFP4 value {nvfp4.NVFP4_MAX:g}): convert with a larger --act-headroom or calibrate on "
+                f"inputs like these", RuntimeWarning, stacklevel=2)
+        if "underflow" not in warned and bool(underflow.any()):
+            warned.add("underflow")
+            low = float(amax[underflow].min())
+            warnings.warn(
+                f"svdq-linear: {name}: {int(underflow.sum())} of {total} nonzero activation blocks underflow "
+                f"(block max down to {low:.3g} after smoothing; below {nvfp4.E2M1_MAX * nvfp4.E4M3_MIN_NORMAL:g} "
+                f"the E4M3 scale is subnormal or zero): convert with a smaller --act-headroom or calibrate on "
+                f"inputs like these", RuntimeWarning, stacklevel=2)
 
     def _expected_shapes(self):
         n, k, r = self.out_features, self.in_features, self.rank

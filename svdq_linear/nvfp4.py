@@ -86,6 +86,8 @@ E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 NVFP4_MAX = E2M1_MAX * E4M3_MAX
 """Largest magnitude a single-level NVFP4 block can represent (2688)."""
+E4M3_MIN_NORMAL = 2.0**-6
+"""Smallest normal E4M3 value: a block scale below it is subnormal (fewer significant bits) or zero."""
 
 E4M3_NAN_BYTE = 0x7F
 
@@ -152,6 +154,11 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], k // BLOCK_SIZE, BLOCK_SIZE)
 
 
+def block_amax(x: torch.Tensor) -> torch.Tensor:
+    """Max |x| of each block of 16, ``[..., K/16]`` float32 (NaN propagates; Inf gives Inf)."""
+    return _blocks(x.float()).abs().amax(dim=-1)
+
+
 def _div(a: torch.Tensor, c: float) -> torch.Tensor:
     """``a / c`` as one IEEE division per element on every device (PyTorch's CUDA kernels turn a division
     by a scalar into a multiplication by its reciprocal, which rounds differently)."""
@@ -160,10 +167,21 @@ def _div(a: torch.Tensor, c: float) -> torch.Tensor:
 
 def block_scales(x: torch.Tensor) -> torch.Tensor:
     """E4M3 block scales ``[..., K/16]`` of float32 values ``[..., K]`` under the contract's rules."""
-    blocks = _blocks(x.float())
-    # amax with NaN propagation (torch's amax propagates NaN); Inf gives an Inf amax.
-    amax = blocks.abs().amax(dim=-1)
-    return round_e4m3(_div(amax, E2M1_MAX))
+    return round_e4m3(_div(block_amax(x), E2M1_MAX))
+
+
+def range_violations(xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of float32 ``xs [..., K]`` that single-level NVFP4 cannot represent well: two masks
+    ``[..., K/16]``.
+
+    ``saturated``: the block max exceeds ``NVFP4_MAX`` (its scale saturates at 448, so elements above
+    6 * 448 clip to +-6 codes). ``underflow``: a nonzero block whose E4M3 scale (the contract's
+    ``block_scales`` rule) is subnormal or zero (below ``E4M3_MIN_NORMAL``): fewer significant bits
+    in the scale, or every code zero. NaN/Inf blocks are in neither.
+    """
+    amax = block_amax(xs)
+    scales = block_scales(xs).float()
+    return amax > NVFP4_MAX, (amax > 0) & (scales < E4M3_MIN_NORMAL)
 
 
 def quantize_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

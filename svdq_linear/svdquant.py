@@ -9,9 +9,12 @@ For ``W [N, K]`` (and optional per-input-channel activation maxima ``act_max [K]
 
 Optional refinement repeats ``L <- SVD_R(Ws - Q(Ws - L))`` and keeps the iterate with the smallest
 output error. With statistics, a power-of-two factor ``c`` is folded into ``smooth`` (and back into
-``wcscale`` and ``proj_down``) so that the largest activation block scale lands at or just under
-E4M3's 448: no saturation and as little underflow to subnormal scales as one factor allows. A
-power of two keeps every fold exact.
+``wcscale`` and ``proj_down``) so that the calibrated activation maximum sits ``act_headroom`` powers
+of two below NVFP4's saturation point ``6 * 448`` (within one more power of two): single-level NVFP4
+represents block maxima from about ``6 * 2**-9`` (subnormal scales) to ``6 * 448``, a span of
+``2**17.8``, and the headroom trades precision of small blocks (nearer the subnormal scales) for
+inputs hotter than the calibration set (which would saturate). A power of two keeps every fold exact.
+``docs/perf.md`` ("activation headroom") has the measurement behind ``DEFAULT_ACT_HEADROOM``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ import torch
 from . import nvfp4
 
 SMOOTH_RULES = ("auto", "none", "weight", "activation")
+DEFAULT_ACT_HEADROOM = 2
+"""Powers of two between the calibrated activation maximum and saturation (see docs/perf.md)."""
+MAX_ACT_HEADROOM = 12  # 2688 / 2**12 = 0.66: a calibrated maximum there is barely above the subnormal scales
 SVD_METHODS = ("auto", "full", "lowrank")
 
 
@@ -40,6 +46,8 @@ class SVDQuantConfig:
         ``"auto"`` (low-rank once ``min(N, K) >= lowrank_threshold``).
     svd_dtype: float32 or float64.
     refine_iters: extra ``L <- SVD_R(Ws - Q(Ws - L))`` iterations; the best iterate is kept.
+    act_headroom: with ``act_max``, the calibrated maximum of ``x / smooth`` sits ``act_headroom`` to
+        ``act_headroom + 1`` powers of two below ``6 * 448`` (an integer in 0..12).
     device: where the SVD runs; default the GPU when there is one, else the weight's device.
     """
 
@@ -49,12 +57,19 @@ class SVDQuantConfig:
     svd: str = "auto"
     svd_dtype: torch.dtype = torch.float32
     refine_iters: int = 0
+    act_headroom: int = DEFAULT_ACT_HEADROOM
     lowrank_threshold: int = 1024
     lowrank_oversample: int = 8
     lowrank_niter: int = 2
     device: str | None = None
 
     def __post_init__(self):
+        for name in ("rank", "refine_iters", "act_headroom"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"expected an integer {name}, got {value!r} ({type(value).__name__})")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)):
+            raise TypeError(f"expected a float alpha, got {self.alpha!r} ({type(self.alpha).__name__})")
         if self.rank < 0:
             raise ValueError(f"expected rank >= 0, got {self.rank}")
         if not 0.0 <= self.alpha <= 1.0:
@@ -67,6 +82,8 @@ class SVDQuantConfig:
             raise ValueError(f"expected svd_dtype float32 or float64, got {self.svd_dtype}")
         if self.refine_iters < 0:
             raise ValueError(f"expected refine_iters >= 0, got {self.refine_iters}")
+        if not 0 <= self.act_headroom <= MAX_ACT_HEADROOM:
+            raise ValueError(f"expected 0 <= act_headroom <= {MAX_ACT_HEADROOM}, got {self.act_headroom}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "SVDQuantConfig":
@@ -189,14 +206,25 @@ def _quantize_residual(ws: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
     return qweight, wscales, row_scale, deq
 
 
-def activation_factor(xs_max: torch.Tensor | None) -> float:
-    """Power of two ``c`` so that ``max(xs_max) / c`` is at most, and within 2x of, 6 * 448."""
+def activation_factor(xs_max: torch.Tensor | None, headroom: int = 0) -> float:
+    """Power of two ``c`` so that ``max(xs_max) / c`` lies in ``(6*448 / 2**(headroom+1), 6*448 / 2**headroom]``."""
     if xs_max is None:
         return 1.0
     top = float(xs_max.max())
     if not math.isfinite(top) or top <= 0:
         return 1.0
-    return 2.0 ** math.ceil(math.log2(top / nvfp4.NVFP4_MAX))
+    return 2.0 ** math.ceil(math.log2(top / nvfp4.NVFP4_MAX) + headroom)
+
+
+def activation_headroom(act_max: torch.Tensor, smooth: torch.Tensor) -> float:
+    """How many powers of two the calibrated block maximum of ``x / smooth`` sits below saturation.
+
+    ``log2(6*448 / max(act_max / smooth))`` for a layer's calibration maxima ``act_max [K]`` and its
+    ``smooth [K]`` (which holds the activation factor): negative when calibrated inputs saturate,
+    ``inf`` for an all-zero ``act_max``.
+    """
+    top = float((act_max.float().abs() / smooth.float().to(act_max.device)).max())
+    return math.log2(nvfp4.NVFP4_MAX / top) if top > 0 else math.inf
 
 
 def svdquant(
@@ -257,7 +285,7 @@ def svdquant(
         target = ws - deq
 
     err, up, down, qweight, wscales, row_scale = best
-    c = activation_factor(xs_max)
+    c = activation_factor(xs_max, config.act_headroom)
     return SVDQuantWeights(
         qweight=qweight.to(out_device),
         wscales=wscales.to(out_device),

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from svdq_linear import SVDQuantConfig, SVDQW4A4Linear, nvfp4, svdquant
-from svdq_linear.svdquant import activation_factor, smoothing_factor
+from svdq_linear.svdquant import DEFAULT_ACT_HEADROOM, activation_factor, activation_headroom, smoothing_factor
 
 
 def _outlier_layer(n=128, k=256, m=512, outliers=8, gain=40.0):
@@ -73,15 +73,24 @@ def test_lowrank_svd_is_close_to_full_svd():
     assert fast.rel_error < 1.15 * full.rel_error, (fast.rel_error, full.rel_error)
 
 
-def test_calibration_factor_keeps_activation_scales_in_e4m3_range():
+@pytest.mark.parametrize("headroom", [0, 2, 5])
+def test_calibration_factor_places_the_calibrated_max_headroom_below_saturation(headroom):
     lin, x = _outlier_layer()
     for gain in (1e-3, 1.0, 1e4):  # tiny activations would go subnormal, huge ones would saturate
         xg = x * gain
-        res = svdquant(lin.weight, lin.bias, xg.abs().amax(dim=0), SVDQuantConfig(rank=16))
-        scales = nvfp4.block_scales(nvfp4.smooth_input(xg, res.smooth)).float()
-        top = scales.max().item()
-        assert 224.0 <= top <= 448.0, f"gain {gain}: largest block scale {top}"
-        assert (nvfp4.smooth_input(xg, res.smooth).abs().amax() / 6).item() <= 448.0
+        act_max = xg.abs().amax(dim=0)
+        res = svdquant(lin.weight, lin.bias, act_max, SVDQuantConfig(rank=16, act_headroom=headroom))
+        top = nvfp4.smooth_input(xg, res.smooth).abs().amax().item()  # the calibrated block max after the factor
+        hi = nvfp4.NVFP4_MAX * 2.0**-headroom
+        assert hi / 2 < top <= hi, f"gain {gain}, headroom {headroom}: calibrated max {top}, expected in ({hi / 2}, {hi}]"
+        assert headroom <= activation_headroom(act_max, res.smooth) < headroom + 1
+
+
+def test_default_headroom_leaves_room_for_inputs_4x_hotter_than_calibration():
+    lin, x = _outlier_layer()
+    res = svdquant(lin.weight, lin.bias, x.abs().amax(dim=0), SVDQuantConfig(rank=16))
+    saturated, _ = nvfp4.range_violations(nvfp4.smooth_input(4 * x, res.smooth))
+    assert DEFAULT_ACT_HEADROOM == 2 and not saturated.any()
 
 
 def test_folds_preserve_the_layer():
@@ -113,10 +122,20 @@ def test_weight_rule_flattens_columns():
         ({"smooth": "magic"}, "smooth"),
         ({"svd": "qr"}, "svd"),
         ({"svd_dtype": torch.float16}, "svd_dtype"),
+        ({"act_headroom": 13}, "act_headroom"),
+        ({"act_headroom": -1}, "act_headroom"),
     ],
 )
 def test_config_rejects_bad_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
+        SVDQuantConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"rank": "8"}, {"rank": 8.0}, {"rank": True}, {"alpha": "0.5"},
+                                    {"act_headroom": 2.5}, {"refine_iters": None}])
+def test_config_rejects_values_of_the_wrong_type(kwargs):
+    (name, value), = kwargs.items()
+    with pytest.raises(TypeError, match=f"expected an? (integer|float) {name}, got {value!r}"):
         SVDQuantConfig(**kwargs)
 
 

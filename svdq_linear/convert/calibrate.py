@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import sys
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -25,6 +29,80 @@ def read_prompts(path: str | Path | None = None, limit: int | None = None) -> li
     return prompts[:limit] if limit else prompts
 
 
+DEFAULT_MAX_RESOLUTION = 512
+"""Calibration image size cap: activation ranges settle at this size and larger costs time."""
+FLUX_DEFAULT_SAMPLE_SIZE = 128  # FluxPipeline.default_sample_size (latent pixels; a constant of the pipeline)
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Image sizes a pipeline can calibrate at: ``default`` (what calibration uses unless told),
+    ``maximum`` (None: no limit from the positional embedding) and ``multiple`` (sizes must divide by it)."""
+
+    default: int
+    maximum: int | None
+    multiple: int
+
+
+def resolution_limits(transformer_class: str, transformer_config: dict, vae_config: dict | None,
+                      cap: int = DEFAULT_MAX_RESOLUTION) -> Resolution:
+    """The calibration image sizes of a Flux / SD3 pipeline, from its transformer's and VAE's configs.
+
+    The default is the pipeline's own default size (the transformer's ``sample_size`` latents, or
+    Flux's 128, times the VAE's scale factor) capped at ``cap`` and at what SD3's positional
+    embedding covers (``pos_embed_max_size`` patches), rounded down to a multiple of the latent patch.
+    """
+    blocks = (vae_config or {}).get("block_out_channels")
+    vae_scale = 2 ** (len(blocks) - 1) if isinstance(blocks, (list, tuple)) and blocks else 8
+    patch = transformer_config.get("patch_size") or 1
+    if transformer_class == "FluxTransformer2DModel":
+        multiple = vae_scale * 2  # Flux packs 2x2 latent patches into one token
+        native, maximum = FLUX_DEFAULT_SAMPLE_SIZE * vae_scale, None
+    else:
+        multiple = vae_scale * patch
+        native = (transformer_config.get("sample_size") or 128) * vae_scale
+        pos = transformer_config.get("pos_embed_max_size")
+        maximum = pos * patch * vae_scale if pos else None
+    default = min(cap, native, maximum or cap)
+    return Resolution(max(multiple, default - default % multiple), maximum, multiple)
+
+
+# Messages the pipelines and tokenizers log once per prompt that is longer than a text encoder reads;
+# the pipeline truncates such prompts, as it does at inference. Counted and reported once.
+_TRUNCATION_MESSAGES = (
+    "The following part of your input was truncated",
+    "Token indices sequence length is longer than the specified maximum",
+)
+
+
+class _TruncationFilter(logging.Filter):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith(_TRUNCATION_MESSAGES):
+            self.count += 1
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def _truncation_counted(pipe):
+    """Drop the per-prompt truncation warnings of ``pipe`` and its tokenizers; yields the counter."""
+    names = {cls.__module__ for cls in type(pipe).__mro__ if cls.__module__.startswith("diffusers.")}
+    names.add("transformers.tokenization_utils_base")
+    loggers = [logging.getLogger(n) for n in sorted(names)]
+    counter = _TruncationFilter()
+    for lg in loggers:
+        lg.addFilter(counter)
+    try:
+        yield counter
+    finally:
+        for lg in loggers:
+            lg.removeFilter(counter)
+
+
 @torch.no_grad()
 def collect_act_max(
     pipe,
@@ -38,6 +116,8 @@ def collect_act_max(
     """Run ``pipe`` once per prompt for ``steps`` steps; return name -> max |x| ``[K]`` (float32, CPU).
 
     Hooks sit on the inputs of ``pipe.transformer``'s modules ``names``; the latents are not decoded.
+    Prompts longer than a text encoder reads are truncated by the pipeline, as at inference; that is
+    reported once (with ``progress``) instead of once per prompt.
     """
     transformer = pipe.transformer
     maxima: dict[str, torch.Tensor] = {}
@@ -54,12 +134,16 @@ def collect_act_max(
     handles = [transformer.get_submodule(n).register_forward_pre_hook(hook_for(n)) for n in names]
     try:
         kwargs = {"num_inference_steps": steps, "output_type": "latent", **(call_kwargs or {})}
-        for i, prompt in enumerate(tqdm(prompts, desc="calibrating", disable=not progress)):
-            generator = torch.Generator("cpu").manual_seed(seed + i)
-            pipe(prompt=prompt, generator=generator, **kwargs)
+        with _truncation_counted(pipe) as truncated:
+            for i, prompt in enumerate(tqdm(prompts, desc="calibrating", disable=not progress)):
+                generator = torch.Generator("cpu").manual_seed(seed + i)
+                pipe(prompt=prompt, generator=generator, **kwargs)
     finally:
         for h in handles:
             h.remove()
+    if truncated.count and progress:
+        print(f"calibration: prompts longer than a text encoder reads were truncated ({truncated.count} "
+              f"truncation warnings silenced), as the pipeline does at inference", file=sys.stderr)
     missing = [n for n in names if n not in maxima]
     if missing:
         raise RuntimeError(f"calibration never reached {len(missing)} target layers (e.g. {missing[:3]})")

@@ -4,6 +4,13 @@
 block's tensors from the source safetensors, quantizes them, writes them as one shard and frees them.
 Everything is written into ``<out_dir>.partial`` and renamed to ``out_dir`` only when complete;
 ``resume=True`` continues an interrupted run from its last finished block.
+
+Every option is checked before the first expensive step (types, ranges, the device, the rank
+against every target layer, the calibration size against the pipeline, calibration on a CPU only for
+small models). Every file is written to ``<name>.tmp`` and renamed, so a full or read-only disk leaves
+the last complete file (and ``progress.json`` says which blocks are done). ``progress.json`` also
+records a run's failure; a ``.partial`` that holds no finished block, or whose run failed on its
+settings, is restarted with other settings without asking.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import math
 import os
 import shutil
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,14 +30,69 @@ from tqdm.auto import tqdm
 
 from svdq_linear import diffusers_quantizer as dq
 from svdq_linear.files import checkpoint_files, pipeline_components, read_json, resolve_model_path, safetensors_keys
-from svdq_linear.linear import MODES, SVDQW4A4Linear, set_mode
+from svdq_linear.linear import MODES, SVDQW4A4Linear, name_layers, set_mode
 from svdq_linear.pipeline import LayerStats, quantize_linears, quantize_state_dict
-from svdq_linear.svdquant import SVDQuantConfig
+from svdq_linear.svdquant import (
+    DEFAULT_ACT_HEADROOM,
+    MAX_ACT_HEADROOM,
+    SVD_METHODS,
+    SVDQuantConfig,
+    activation_headroom,
+)
 
 from . import calibrate, recipes
 
 TINY_PREFIX = "tiny:"
 FAIL_AFTER_ENV = "SVDQ_CONVERT_FAIL_AFTER_UNITS"  # fault injection for the resume tests
+CPU_CALIB_MAX_PARAMS = 2_000_000_000
+"""Calibrating a larger transformer on a CPU takes hours: refused, with advice."""
+CALIB_FILE = "calibration.safetensors"  # in the .partial; renamed svdq_calibration.safetensors when done
+LAYER_REPORT = "svdq_layers.json"  # per-layer error and activation headroom, in the finished folder
+
+
+class ConvertError(ValueError):
+    """A failure that the same command would hit again (an option that cannot work for this model or
+    machine, a damaged ``.partial``): no ``--resume`` advice follows it."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _expect_int(name: str, value, lo: int, hi: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConvertError(f"expected {_flag(name)} to be an integer, got {value!r} ({type(value).__name__})")
+    if value < lo or (hi is not None and value > hi):
+        want = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise ConvertError(f"expected {_flag(name)} {want}, got {value}")
+
+
+def check_device(device: str | None) -> torch.device:
+    """The device calibration and SVD run on: ``device``, or the GPU when there is one, else the CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConvertError(f"expected --device cpu, cuda or cuda:N, got {device!r} ({e})") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch build has no CUDA" if torch.version.cuda is None
+                   else "no CUDA device is visible")
+            raise ConvertError(f"--device {device}: expected an available CUDA device, but {why} "
+                               f"(torch {torch.__version__}); use --device cpu (with --no-calib for large "
+                               f"models), or install a CUDA build of torch")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConvertError(f"--device {device}: expected a CUDA index below {torch.cuda.device_count()}, "
+                               f"got {dev.index}")
+    elif dev.type == "meta":
+        raise ConvertError("expected --device cpu, cuda or cuda:N, got 'meta' (a device that holds no data)")
+    elif dev.type != "cpu":
+        try:
+            torch.empty(0, device=dev)
+        except Exception as e:
+            raise ConvertError(f"--device {device} is not available here ({type(e).__name__}: {e})") from e
+    return dev
 
 
 @dataclass
@@ -38,32 +101,57 @@ class ConvertOptions:
     alpha: float = 0.5
     svd: str = "auto"
     refine_iters: int = 0
+    act_headroom: int = DEFAULT_ACT_HEADROOM  # powers of two between the calibrated max and saturation
     calib: bool = True
     calib_prompts: str | None = None  # file; None: the shipped prompt set
     calib_num: int | None = None  # use the first N prompts
     calib_steps: int = 4
-    calib_resolution: int = 512
+    calib_resolution: int | None = None  # None: the pipeline's own size, at most 512 (calibrate.resolution_limits)
     calib_offload: bool = False  # enable_model_cpu_offload during calibration (GPUs smaller than the model)
     device: str | None = None  # calibration and SVD; default: the GPU when there is one
     dtype: str = "bfloat16"  # 16-bit branch, biases and kept tensors
     resume: bool = False
-    overwrite: bool = False  # replace an earlier svdq-convert output in out_dir once the new one is complete
+    overwrite: bool = False  # start over: discard <out_dir>.partial; replace an earlier output once the new one is complete
     progress: bool = True
 
+    def validate(self) -> list[str]:
+        """Check every option that needs no model (types, ranges, device, prompts); returns the prompts
+        calibration will use (empty without calibration). Raises ConvertError."""
+        _expect_int("rank", self.rank, 0)
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0.0 <= self.alpha <= 1.0:
+            raise ConvertError(f"expected --alpha to be a number in [0, 1], got {self.alpha!r}")
+        if self.svd not in SVD_METHODS:
+            raise ConvertError(f"expected --svd in {SVD_METHODS}, got {self.svd!r}")
+        _expect_int("refine_iters", self.refine_iters, 0)
+        _expect_int("act_headroom", self.act_headroom, 0, MAX_ACT_HEADROOM)
+        if self.calib_num is not None:
+            _expect_int("calib_num", self.calib_num, 1)
+        _expect_int("calib_steps", self.calib_steps, 1)
+        if self.calib_resolution is not None:
+            _expect_int("calib_resolution", self.calib_resolution, 16)
+        self.torch_dtype()
+        check_device(self.device)
+        if not self.calib:
+            return []
+        try:
+            return calibrate.read_prompts(self.calib_prompts, self.calib_num)
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ConvertError(f"--calib-prompts: {e}") from e
+
     def torch_dtype(self) -> torch.dtype:
-        dt = getattr(torch, self.dtype, None)
+        dt = getattr(torch, self.dtype, None) if isinstance(self.dtype, str) else None
         if dt not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"expected --dtype bfloat16, float16 or float32, got {self.dtype!r}")
+            raise ConvertError(f"expected --dtype bfloat16, float16 or float32, got {self.dtype!r}")
         return dt
 
     def svdquant_config(self) -> SVDQuantConfig:
         return SVDQuantConfig(rank=self.rank, alpha=self.alpha, svd=self.svd, refine_iters=self.refine_iters,
-                              device=self.device)
+                              act_headroom=self.act_headroom, device=self.device)
 
     def settings(self, model_id: str) -> dict:
         """What must match for ``--resume`` to continue a partial run."""
-        keep = ("rank", "alpha", "svd", "refine_iters", "calib", "calib_prompts", "calib_num", "calib_steps",
-                "calib_resolution", "dtype")
+        keep = ("rank", "alpha", "svd", "refine_iters", "act_headroom", "calib", "calib_prompts", "calib_num",
+                "calib_steps", "calib_resolution", "dtype")
         return {"model_id": str(model_id), **{k: getattr(self, k) for k in keep}}
 
 
@@ -81,19 +169,30 @@ class Summary:
     w4a16_error_median: float
     resumed_units: int = 0
     converted_units: int = 0
-    layers: list[dict] = field(default_factory=list)
+    layers: list[dict] = field(default_factory=list)  # LayerStats fields + act_headroom (None without calibration)
 
     def text(self) -> str:
-        return (
-            f"svdq-convert: wrote {self.out_dir}\n"
-            f"  layers: {self.layers_w4a4} W4A4 (SVDQW4A4Linear), {self.layers_w4a16} W4A16 (NVFP4W4A16Linear)\n"
+        lines = [
+            f"svdq-convert: wrote {self.out_dir}",
+            f"  layers: {self.layers_w4a4} W4A4 (SVDQW4A4Linear), {self.layers_w4a16} W4A16 (NVFP4W4A16Linear)",
             f"  transformer: {_fmt_bytes(self.bytes_before)} -> {_fmt_bytes(self.bytes_after)} "
-            f"({self.bytes_before / max(self.bytes_after, 1):.2f}x smaller)\n"
-            f"  time: {self.seconds:.1f} s ({self.converted_units} blocks converted, {self.resumed_units} resumed)\n"
+            f"({self.bytes_before / max(self.bytes_after, 1):.2f}x smaller)",
+            f"  time: {self.seconds:.1f} s ({self.converted_units} blocks converted, {self.resumed_units} resumed)",
             f"  W4A4 relative weight error: median {self.rel_error_median:.4f}, "
-            f"worst {self.rel_error_worst:.4f} ({self.worst_layer})\n"
-            f"  W4A16 relative weight error: median {self.w4a16_error_median:.4f}"
-        )
+            f"worst {self.rel_error_worst:.4f} ({self.worst_layer})",
+            f"  W4A16 relative weight error: median {self.w4a16_error_median:.4f}",
+        ]
+        heads = sorted((layer["act_headroom"], layer["name"]) for layer in self.layers
+                       if layer.get("act_headroom") is not None)
+        if heads:
+            tight = ", ".join(f"{name} {h:.2f}" for h, name in heads[:3])
+            lines.append(
+                f"  W4A4 activation headroom (powers of two between the calibrated block max and saturation): "
+                f"median {statistics.median(h for h, _ in heads):.2f}, lowest {tight} (every layer: {LAYER_REPORT})")
+        elif self.layers_w4a4:
+            lines.append("  W4A4 activation headroom: not calibrated (activation factor 1; "
+                         "SVDQ_LINEAR_CHECK_RANGE=1 warns at run time when blocks saturate or underflow)")
+        return "\n".join(lines)
 
 
 def _fmt_bytes(n: int) -> str:
@@ -103,22 +202,64 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _atomic_write_json(path: Path, data) -> None:
+def _note(msg: str) -> None:
+    print(f"svdq-convert: {msg}", file=sys.stderr)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through ``path.tmp`` + rename: a failed write (full or read-only disk)
+    leaves the previous file or none, never a truncated one, and no ``.tmp`` behind."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)  # a model folder is meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
-def _link_or_copy_tree(src: Path, dst: Path) -> None:
-    """Copy a folder, hard-linking files where the filesystem allows (weights can be gigabytes)."""
+def _atomic_write_json(path: Path, data) -> None:
+    _write_atomic(path, json.dumps(data, indent=2, sort_keys=True).encode())
 
-    def link_or_copy(s, d):
-        try:
-            os.link(s, d)
-        except OSError:
-            shutil.copy2(s, d)
 
-    shutil.copytree(src, dst, copy_function=link_or_copy, dirs_exist_ok=True)
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save
+
+    _write_atomic(path, save({k: v.contiguous() for k, v in tensors.items()}))
+
+
+def _copy_tree(src: Path, dst: Path) -> None:
+    """Copy a component folder. Files are copied, never hard-linked: a hub snapshot's files are links
+    into the shared cache, and a later in-place write to the output must not reach the source."""
+    shutil.copytree(src, dst, dirs_exist_ok=True)  # copy2 follows the snapshot's symlinks
+
+
+# ---- the source ----------------------------------------------------------------------------------
+
+
+def looks_local(model_id: str) -> bool:
+    """True when ``model_id`` can only be a path: not a valid hub id (``./x``, ``/x``, ``~/x``, ``a/b/c``,
+    a trailing separator), or ``dir/name`` whose ``dir`` is a local folder."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if model_id.startswith((".", "~", "/")) or os.path.isabs(model_id) or model_id.endswith(("/", os.sep)):
+        return True
+    if os.sep != "/" and os.sep in model_id:
+        return True
+    try:
+        validate_repo_id(model_id)
+    except HFValidationError:
+        return True
+    return "/" in model_id and Path(model_id.split("/")[0]).is_dir()
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    check = getattr(constants, "is_offline_mode", None)
+    return bool(check() if callable(check) else constants.HF_HUB_OFFLINE)
 
 
 def _source_folder(model_id: str, partial: Path) -> Path:
@@ -127,50 +268,233 @@ def _source_folder(model_id: str, partial: Path) -> Path:
 
         kind = model_id[len(TINY_PREFIX):]
         if kind not in KINDS:
-            raise ValueError(f"unknown built-in demo {model_id!r}; expected one of {[TINY_PREFIX + k for k in KINDS]}")
+            raise ConvertError(f"unknown built-in demo {model_id!r}; expected one of {[TINY_PREFIX + k for k in KINDS]}")
         src = partial / "_tiny_source"
         if not (src / "model_index.json").is_file():
             save_tiny_pipeline(kind, src)
         return src
-    return resolve_model_path(model_id)
+    path = Path(model_id).expanduser()
+    if not path.exists() and looks_local(model_id):
+        raise FileNotFoundError(f"{model_id} is not a local folder: {path.resolve()} does not exist (a path, so "
+                                f"the Hugging Face Hub is not asked)")
+    try:
+        return resolve_model_path(model_id)
+    except FileNotFoundError as e:
+        if not path.exists() and _hub_offline():
+            raise FileNotFoundError(
+                f"{model_id!r} is not a local folder, and HF_HUB_OFFLINE is set while the Hugging Face Hub cache "
+                f"has no copy of it: unset HF_HUB_OFFLINE to download it, or pass a local diffusers folder") from e
+        raise
 
 
 def _source_keys(model_dir: Path) -> dict[str, Path]:
     return {k: f for f in checkpoint_files(model_dir) for k in safetensors_keys(f)}
 
 
-def _calibration_kwargs(model_id: str, opts: ConvertOptions) -> dict:
+def _read_block(files: list[Path], keys: list[str], key_files: dict[str, Path]) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    tensors = {}
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as fh:
+                tensors.update({k: fh.get_tensor(k) for k in keys if key_files[k] == f})
+        except SafetensorError as e:
+            raise ValueError(f"{f} is corrupted or truncated ({e})") from e
+    return tensors
+
+
+def _meta_model(cls_name: str, config: dict, where: Path):
+    """The transformer on ``meta`` from its config (no weights): a config value of the wrong type or
+    range is a one-line error naming the file."""
+    import diffusers
+    from accelerate import init_empty_weights
+
+    try:
+        with init_empty_weights():
+            return getattr(diffusers, cls_name).from_config(config)
+    except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError, RuntimeError) as e:
+        raise ConvertError(f"{where}: cannot build {cls_name} from this config "
+                           f"({type(e).__name__}: {' '.join(str(e).split())})") from e
+
+
+def _check_rank(model, recipe: recipes.Recipe, rank: int) -> None:
+    """Rank against every W4A4 target: ``rank <= min(in_features, out_features)``."""
+    smallest = min(recipe.w4a4, key=lambda n: min(model.get_submodule(n).weight.shape))
+    n, k = model.get_submodule(smallest).weight.shape
+    if rank > min(n, k):
+        raise ConvertError(f"expected --rank <= min(in_features, out_features) of every W4A4 layer, got {rank} "
+                           f"> {min(n, k)} for {smallest} ({k} -> {n})")
+
+
+def _read_config_file(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    data = read_json(path, "")
+    if not isinstance(data, dict):
+        raise ConvertError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _calibration_kwargs(model_id: str, src: Path, config: dict, opts: ConvertOptions) -> dict:
+    """The calibration call's size (and, for the demos, their fast settings), checked against the
+    pipeline before anything runs."""
+    try:
+        limits = calibrate.resolution_limits(config["_class_name"], config, _read_config_file(src / "vae" / "config.json"))
+    except (TypeError, ValueError) as e:  # a size in a config that is not a number
+        raise ConvertError(f"{src}: cannot derive the calibration size from transformer/config.json and "
+                           f"vae/config.json ({type(e).__name__}: {e})") from e
     if model_id.startswith(TINY_PREFIX):  # the demo's own fast settings (64x64, short prompts)
         from .tiny import TINY_CALL_KWARGS
 
         kwargs = dict(TINY_CALL_KWARGS[model_id[len(TINY_PREFIX):]])
         kwargs.pop("num_inference_steps")
-        return kwargs
-    return {"height": opts.calib_resolution, "width": opts.calib_resolution}
+    else:
+        kwargs = {"height": limits.default, "width": limits.default}
+    size = opts.calib_resolution
+    if size is not None:
+        if limits.maximum is not None and size > limits.maximum:
+            raise ConvertError(f"expected --calib-resolution <= {limits.maximum} for this pipeline (its positional "
+                               f"embedding covers {limits.maximum} pixels), got {size}")
+        if size % limits.multiple:
+            raise ConvertError(f"expected --calib-resolution to be a multiple of {limits.multiple} for this "
+                               f"pipeline (VAE scale x patch), got {size}")
+        kwargs.update(height=size, width=size)
+    return kwargs
 
 
-def _calibrate(
-    model_id: str, src: Path, recipe: recipes.Recipe, opts: ConvertOptions, out_file: Path
-) -> dict[str, torch.Tensor]:
+def _load_calibration(path: Path, recipe: recipes.Recipe, in_features: dict[str, int]) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    fix = f"delete it to calibrate again (then --resume), or pass --overwrite to start over"
+    try:
+        act_max = load_file(path)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ConvertError(f"{path} is corrupted or truncated ({' '.join(str(e).split())}): {fix}") from e
+    for name in recipe.w4a4:
+        t = act_max.get(name)
+        if t is None or tuple(t.shape) != (in_features[name],) or t.dtype != torch.float32:
+            got = "nothing" if t is None else f"{t.dtype} {list(t.shape)}"
+            raise ConvertError(f"{path}: expected {name} as float32 [{in_features[name]}], got {got}: {fix}")
+    return act_max
+
+
+def _calibrate(src: Path, recipe: recipes.Recipe, opts: ConvertOptions, prompts: list[str], call_kwargs: dict,
+               out_file: Path) -> dict[str, torch.Tensor]:
     from diffusers import DiffusionPipeline
-    from safetensors.torch import load_file, save_file
 
-    if out_file.is_file():
-        return load_file(out_file)
-    device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = check_device(opts.device)
     pipe = DiffusionPipeline.from_pretrained(src, dtype=opts.torch_dtype(), use_safetensors=True)
-    if opts.calib_offload and device != "cpu":
+    if opts.calib_offload and device.type != "cpu":
         pipe.enable_model_cpu_offload(device=device)
     else:
         pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
-    prompts = calibrate.read_prompts(opts.calib_prompts, opts.calib_num)
-    act_max = calibrate.collect_act_max(pipe, recipe.w4a4, prompts, opts.calib_steps,
-                                        _calibration_kwargs(model_id, opts), progress=opts.progress)
+    act_max = calibrate.collect_act_max(pipe, recipe.w4a4, prompts, opts.calib_steps, call_kwargs,
+                                        progress=opts.progress)
     del pipe
-    save_file({k: v.contiguous() for k, v in act_max.items()}, out_file)
-    os.chmod(out_file, 0o644)
+    _save_tensors(out_file, act_max)
     return act_max
+
+
+# ---- the partial folder --------------------------------------------------------------------------
+
+
+def _read_progress(partial: Path) -> dict:
+    path = partial / "progress.json"
+    fix = "pass --overwrite to start over"
+    if not path.is_file():
+        raise ConvertError(f"{partial} exists but has no progress.json (not an unfinished svdq-convert run): "
+                           f"{fix}, or remove it")
+    try:
+        state = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConvertError(f"{path} is malformed ({e}): {fix}") from e
+    entry_ok = lambda v: (isinstance(v, dict) and isinstance(v.get("keys"), list) and isinstance(v.get("layers"), list)
+                          and isinstance(v.get("bytes_before"), int) and isinstance(v.get("bytes_after"), int))
+    if not (isinstance(state, dict) and isinstance(state.get("settings"), dict) and isinstance(state.get("done"), dict)
+            and all(entry_ok(v) for v in state["done"].values())
+            and isinstance(state.get("failed") or {}, dict)):
+        raise ConvertError(f"{path} is malformed (expected {{\"settings\": {{...}}, \"done\": {{block: {{\"keys\", "
+                           f"\"layers\", \"bytes_before\", \"bytes_after\"}}}}}}): {fix}")
+    return state
+
+
+def _describe_diff(old: dict, new: dict) -> str:
+    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    return ", ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in keys)
+
+
+def _open_partial(partial: Path, settings: dict, opts: ConvertOptions) -> dict:
+    """The progress state to continue from: a resumable ``partial``, or a fresh one.
+
+    A ``partial`` with no finished block, or whose run failed on its settings, gives way to other
+    settings; one with finished blocks needs ``--resume`` (same settings) or ``--overwrite``.
+    """
+    if partial.exists() and opts.overwrite:
+        _note(f"--overwrite: removing {partial}")
+        shutil.rmtree(partial)
+    if partial.exists():
+        state = _read_progress(partial)
+        done, failed = len(state["done"]), state.get("failed") or {}
+        calibrated = (partial / CALIB_FILE).is_file()
+        diff = _describe_diff(state["settings"], settings)
+        last = f"; its last run failed: {failed['error']}" if failed.get("error") else ""
+        if diff and (done == 0 or failed.get("resumable") is False):
+            _note(f"starting {partial} over: it holds {done} finished blocks, made with other settings ({diff}){last}")
+            shutil.rmtree(partial)
+        elif diff:
+            raise ConvertError(f"{partial} holds {done} finished blocks of a conversion with other settings ({diff}): "
+                               f"rerun with those settings and --resume to continue it, or pass --overwrite to start over")
+        elif done == 0 and not calibrated:
+            shutil.rmtree(partial)  # nothing worth keeping
+        elif not opts.resume:
+            have = f"{done} finished blocks" + (" and its calibration" if calibrated else "")
+            raise FileExistsError(f"{partial} holds an unfinished conversion with these settings ({have}{last}): "
+                                  f"pass --resume to continue it, or --overwrite to start over")
+        else:
+            state.pop("failed", None)
+            _atomic_write_json(partial / "progress.json", state)
+            return state
+    (partial / "transformer").mkdir(parents=True)
+    state = {"settings": settings, "done": {}}
+    _atomic_write_json(partial / "progress.json", state)
+    return state
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.errno is not None and e.strerror:
+        import errno as errno_names
+
+        where = f"{e.filename}: " if e.filename else ""
+        return f"{where}{e.strerror} ({errno_names.errorcode.get(e.errno, e.errno)})"
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _after_failure(partial: Path, state: dict, error: BaseException) -> Path | None:
+    """Keep ``partial`` when it holds finished work (recording the failure) and return it when a
+    ``--resume`` with the same settings can continue; remove it otherwise."""
+    if not partial.exists():
+        return None
+    if not state["done"] and not (partial / CALIB_FILE).is_file():
+        shutil.rmtree(partial, ignore_errors=True)  # nothing worth resuming: leave no trace
+        return None
+    resumable = not isinstance(error, ConvertError)
+    state["failed"] = {"error": _one_line(error), "resumable": resumable}
+    try:
+        _atomic_write_json(partial / "progress.json", state)
+    except OSError:
+        pass  # a full disk: the previous progress.json still says what is done
+    return partial if resumable else None
+
+
+def resume_hint(error: BaseException) -> Path | None:
+    """The ``.partial`` folder that ``--resume`` can continue after ``error`` escaped ``convert`` (or None)."""
+    return getattr(error, "svdq_resumable_partial", None)
+
+
+# ---- the conversion ------------------------------------------------------------------------------
 
 
 def _check_replaceable(out: Path) -> None:
@@ -188,11 +512,12 @@ def _check_replaceable(out: Path) -> None:
 def convert(model_id: str, out_dir: str | os.PathLike, opts: ConvertOptions | None = None) -> Summary:
     """Convert ``model_id`` (a local diffusers folder, a hub id, or ``tiny:flux|sd3|sd35``) into ``out_dir``.
 
-    A run that fails before its first block is written removes ``<out_dir>.partial``; a later failure
-    keeps it for ``resume=True``.
+    Options are checked first (``ConvertError``). A run that fails before finishing any work removes
+    ``<out_dir>.partial``; a later failure keeps it, records the failure in its ``progress.json``, and
+    ``resume_hint(error)`` names it when ``resume=True`` with the same options can continue.
     """
     opts = opts or ConvertOptions()
-    opts.torch_dtype()  # validate before touching the disk
+    prompts = opts.validate()  # before touching the disk
     t0 = time.perf_counter()
     out = Path(out_dir).expanduser().resolve()
     partial = out.with_name(out.name + ".partial")
@@ -200,46 +525,44 @@ def convert(model_id: str, out_dir: str | os.PathLike, opts: ConvertOptions | No
         if not opts.overwrite:
             raise FileExistsError(f"{out} already exists; pass --overwrite to replace it, or pick another output folder")
         _check_replaceable(out)
-    settings = opts.settings(model_id)
-    progress_file = partial / "progress.json"
-    if partial.exists():
-        if not opts.resume:
-            raise FileExistsError(f"{partial} holds an unfinished conversion: pass --resume to continue it, or delete it")
-        state = read_json(progress_file, "the partial conversion's progress file")
-        diff = sorted(k for k in settings.keys() | state["settings"].keys()
-                      if settings.get(k) != state["settings"].get(k))
-        if diff:
-            raise ValueError(f"--resume: {partial} was started with other settings ({', '.join(diff)})")
-    else:
-        (partial / "transformer").mkdir(parents=True)
-        state = {"settings": settings, "done": {}}
-        _atomic_write_json(progress_file, state)
+    state = _open_partial(partial, opts.settings(model_id), opts)
     try:
-        return _convert(str(model_id), out, partial, state, opts, t0)
-    except BaseException:
-        if not state["done"]:  # nothing worth resuming: leave no trace
-            shutil.rmtree(partial, ignore_errors=True)
+        return _convert(str(model_id), out, partial, state, opts, prompts, t0)
+    except BaseException as e:
+        keep = _after_failure(partial, state, e)
+        try:
+            e.svdq_resumable_partial = keep
+        except AttributeError:
+            pass
         raise
 
 
-def _convert(model_id: str, out: Path, partial: Path, state: dict, opts: ConvertOptions, t0: float) -> Summary:
-    import diffusers
-    from accelerate import init_empty_weights
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
+def _convert(model_id: str, out: Path, partial: Path, state: dict, opts: ConvertOptions, prompts: list[str],
+             t0: float) -> Summary:
     dtype = opts.torch_dtype()
     progress_file = partial / "progress.json"
     src = _source_folder(model_id, partial)
     model_index = read_json(src / "model_index.json", "not a diffusers pipeline folder")
     config = read_json(src / "transformer" / "config.json", "the pipeline has no transformer/ (Flux or SD3 expected)")
+    if not isinstance(config, dict) or not isinstance(model_index, dict):
+        raise ConvertError(f"{src}: expected JSON objects in model_index.json and transformer/config.json")
     cls_name = config.get("_class_name")
     recipes.check_supported(cls_name)
     if "quantization_config" in config:
-        raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
-    with init_empty_weights():
-        meta_model = getattr(diffusers, cls_name).from_config(config)
+        qc = config["quantization_config"]
+        raise ValueError(f"{src} is already quantized ({qc.get('quant_method') if isinstance(qc, dict) else qc})")
+
+    # Everything that can be known from the configs is checked before any weight is read.
+    meta_model = _meta_model(cls_name, config, src / "transformer" / "config.json")
     recipe = recipes.recipe_for(meta_model)
+    _check_rank(meta_model, recipe, opts.rank)
+    params = sum(p.numel() for p in meta_model.parameters())
+    if opts.calib and check_device(opts.device).type == "cpu" and params > CPU_CALIB_MAX_PARAMS:
+        raise ConvertError(f"calibrating a {params / 1e9:.1f} B-parameter transformer on the CPU would take hours "
+                           f"(the limit is {CPU_CALIB_MAX_PARAMS / 1e9:g} B): pass --no-calib (weight-only smoothing; "
+                           f"the conversion itself runs on a CPU), or calibrate on a GPU (--device cuda)")
+    call_kwargs = _calibration_kwargs(model_id, src, config, opts) if opts.calib else {}
+    in_features = {n: meta_model.get_submodule(n).weight.shape[1] for n in recipe.w4a4}
     model_keys = set(meta_model.state_dict())
     del meta_model
 
@@ -249,37 +572,45 @@ def _convert(model_id: str, out: Path, partial: Path, state: dict, opts: Convert
         raise ValueError(f"{src}/transformer: the checkpoint does not match {cls_name}: "
                          f"{len(foreign)} unknown tensors (e.g. {foreign[:3]}), {len(absent)} missing (e.g. {absent[:3]})")
 
-    act_max = _calibrate(model_id, src, recipe, opts, partial / "calibration.safetensors") if opts.calib else {}
-
     units: dict[str, list[str]] = {}
     for key in sorted(key_files, key=_natural):
         units.setdefault(recipes.unit_of(key), []).append(key)
     shard_names = {u: f"diffusion_pytorch_model-{i + 1:05d}-of-{len(units):05d}.safetensors"
                    for i, u in enumerate(units)}
+    is_done = lambda u: u in state["done"] and (partial / "transformer" / shard_names[u]).is_file()
+
+    act_max: dict[str, torch.Tensor] = {}
+    calib_file = partial / CALIB_FILE
+    if opts.calib and not all(is_done(u) for u in units):  # calibrate only when a block still needs it
+        if calib_file.is_file():
+            act_max = _load_calibration(calib_file, recipe, in_features)
+        else:
+            act_max = _calibrate(src, recipe, opts, prompts, call_kwargs, calib_file)
+
     svdq_config = opts.svdquant_config()
     fail_after = int(os.environ.get(FAIL_AFTER_ENV, "0") or 0)
     converted = resumed = 0
     for unit, keys in tqdm(units.items(), desc="converting", unit="block", disable=not opts.progress):
         shard = partial / "transformer" / shard_names[unit]
-        if unit in state["done"] and shard.is_file():
+        if is_done(unit):
             resumed += 1
             continue
-        tensors = {}
-        for f in sorted({key_files[k] for k in keys}):
-            with safe_open(f, framework="pt") as fh:
-                tensors.update({k: fh.get_tensor(k) for k in keys if key_files[k] == f})
+        tensors = _read_block(sorted({key_files[k] for k in keys}), keys, key_files)
         with torch.no_grad():
             new, stats = quantize_state_dict(tensors, recipe.kinds, recipe.groups, act_max, svdq_config, dtype)
         before = sum(t.numel() * t.element_size() for t in tensors.values())
-        tmp = shard.with_name(shard.name + ".tmp")
-        save_file({k: v.contiguous() for k, v in new.items()}, tmp)
-        os.chmod(tmp, 0o644)  # safetensors writes 0600; a model folder is meant to be shared
-        os.replace(tmp, shard)
+        _save_tensors(shard, new)
+        layers = [asdict(s) for s in stats]
+        for layer in layers:
+            name = layer["name"]
+            head = (activation_headroom(act_max[name], new[f"{name}.smooth"])
+                    if layer["kind"] == recipes.W4A4 and name in act_max else None)
+            layer["act_headroom"] = head if head is None or math.isfinite(head) else None  # all-zero inputs
         state["done"][unit] = {
             "keys": sorted(new),
             "bytes_before": before,
             "bytes_after": sum(t.numel() * t.element_size() for t in new.values()),
-            "layers": [asdict(s) for s in stats],
+            "layers": layers,
         }
         _atomic_write_json(progress_file, state)
         del tensors, new
@@ -297,21 +628,22 @@ def _convert(model_id: str, out: Path, partial: Path, state: dict, opts: Convert
         w4a16_modules=recipe.w4a16,
         smooth_groups=recipe.groups,
         calibration={"enabled": opts.calib, "prompts": opts.calib_prompts or "default",
-                     "num_prompts": len(calibrate.read_prompts(opts.calib_prompts, opts.calib_num)) if opts.calib else 0,
-                     "steps": opts.calib_steps, "resolution": opts.calib_resolution},
+                     "num_prompts": len(prompts), "steps": opts.calib_steps,
+                     "resolution": call_kwargs.get("height") if opts.calib else None},
         conversion={"alpha": opts.alpha, "svd": opts.svd, "refine_iters": opts.refine_iters, "dtype": opts.dtype,
-                    "source": model_id},
+                    "act_headroom": opts.act_headroom, "source": model_id},
     )
     _atomic_write_json(partial / "transformer" / "config.json", {**config, "quantization_config": qcfg.to_dict()})
     shutil.copy2(src / "model_index.json", partial / "model_index.json")
     for component in pipeline_components(model_index):  # not stray root files (single-file checkpoints)
         if component != "transformer" and (src / component).is_dir():
-            _link_or_copy_tree(src / component, partial / component)
+            _copy_tree(src / component, partial / component)
+    layers = [layer for info in state["done"].values() for layer in info["layers"]]
+    _atomic_write_json(partial / LAYER_REPORT, layers)
     if (partial / "_tiny_source").exists():
         shutil.rmtree(partial / "_tiny_source")
-    if (partial / "calibration.safetensors").exists():
-        os.replace(partial / "calibration.safetensors", partial / "svdq_calibration.safetensors")
-    layers = [layer for info in state["done"].values() for layer in info["layers"]]
+    if calib_file.exists():
+        os.replace(calib_file, partial / "svdq_calibration.safetensors")
     progress_file.unlink()
     if out.exists():  # --overwrite: the earlier output goes only now that the new one is complete
         old = out.with_name(out.name + ".replaced")
@@ -358,8 +690,10 @@ def quantize_pipeline(
 ) -> list[LayerStats]:
     """Quantize an already-loaded Flux / SD3 pipeline's transformer in place, with the recipes of
     ``svdq-convert``. ``calib_prompts``: a list, a file, or None for the shipped set; ``call_kwargs``
-    go to the calibration runs (height, width, ...). ``mode`` (``"exact"``, ``"fast"``, ``"auto"``)
-    is set on every quantized layer (None: the default). ``config_kwargs`` are ``SVDQuantConfig`` fields.
+    go to the calibration runs (height, width, ...; the size defaults to the pipeline's own, at most
+    512, as in ``svdq-convert``). ``mode`` (``"exact"``, ``"fast"``, ``"auto"``) is set on every
+    quantized layer (None: the default). ``config_kwargs`` are ``SVDQuantConfig`` fields
+    (``act_headroom``...).
     Afterwards ``pipe.save_pretrained(folder)`` writes a folder that ``load_svdq_pipeline`` loads.
     """
     transformer = pipe.transformer
@@ -369,6 +703,12 @@ def quantize_pipeline(
     act_max = {}
     if calib:
         prompts = calib_prompts if isinstance(calib_prompts, list) else calibrate.read_prompts(calib_prompts)
+        call_kwargs = dict(call_kwargs or {})
+        if "height" not in call_kwargs and "width" not in call_kwargs:
+            vae = getattr(pipe, "vae", None)
+            size = calibrate.resolution_limits(type(transformer).__name__, dict(transformer.config),
+                                               dict(vae.config) if vae is not None else None)
+            call_kwargs.update(height=size.default, width=size.default)
         act_max = calibrate.collect_act_max(pipe, recipe.w4a4, prompts, calib_steps, call_kwargs, progress=progress)
     config = SVDQuantConfig.from_kwargs(rank=rank, **config_kwargs)
     by_unit: dict[str, list[str]] = {}
@@ -389,11 +729,13 @@ def quantize_pipeline(
                                     smooth_groups=recipe.groups, dtype=str(branch).removeprefix("torch."),
                                     calibration={"enabled": calib, "steps": calib_steps},
                                     conversion={"alpha": config.alpha, "svd": config.svd,
-                                                "refine_iters": config.refine_iters, "source": "quantize_pipeline"})
+                                                "refine_iters": config.refine_iters,
+                                                "act_headroom": config.act_headroom, "source": "quantize_pipeline"})
     transformer.register_to_config(quantization_config=qcfg)
     transformer.hf_quantizer = dq.SVDQuantizer(qcfg)
     transformer.is_quantized = True
     dq.mark_quantized(transformer)
+    name_layers(transformer)
     if mode is not None:
         set_mode(transformer, mode)
     return stats

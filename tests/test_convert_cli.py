@@ -1,0 +1,383 @@
+"""svdq-convert's promises to its user: options checked before any work, failures in one line, a
+``.partial`` that can always be continued or restarted without deleting it by hand, quiet runs,
+private pushes, outputs that share no file with their source, and a reported activation headroom.
+
+In-process (``cli.main``) on tiny offline pipelines, CPU, float32; ``capfd`` reads what a user sees.
+"""
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import svdq_linear.convert.convert as convert_mod
+from svdq_linear.convert import calibrate, cli
+from svdq_linear.convert.convert import FAIL_AFTER_ENV, ConvertError, ConvertOptions, convert
+from svdq_linear.convert.tiny import save_tiny_pipeline
+
+FAST = ["--rank", "8", "--dtype", "float32", "--calib-num", "2", "--calib-steps", "1", "--calib-resolution", "64",
+        "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("src")
+    return {kind: save_tiny_pipeline(kind, root / kind) for kind in ("flux", "sd3")}
+
+
+def run(capfd, *args) -> tuple[int, str, str]:
+    capfd.readouterr()
+    rc = cli.main([str(a) for a in args])
+    out, err = capfd.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(rc, err, *needles):
+    lines = err.strip().splitlines()
+    assert rc == 2, f"exit status {rc}, stderr:\n{err}"
+    assert "Traceback" not in err and lines and lines[0].startswith("svdq-convert: error: "), err
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
+
+
+def tensors_of(folder: Path) -> dict:
+    out = {}
+    for f in sorted((folder / "transformer").glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.fixture
+def no_calibration(monkeypatch):
+    """Fail the test if calibration starts: options must be refused before it."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("calibration ran before the options were checked")
+
+    monkeypatch.setattr(calibrate, "collect_act_max", refuse)
+
+
+# ---- item 6: every option is checked before calibration -------------------------------------------
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--rank", "33"], "expected --rank <= min(in_features, out_features) of every W4A4 layer, got 33 > 32"),
+    (["--rank", "-1"], "expected --rank >= 0, got -1"),
+    (["--alpha", "1.5"], "expected --alpha to be a number in [0, 1], got 1.5"),
+    (["--calib-num", "0"], "expected --calib-num >= 1, got 0"),
+    (["--calib-steps", "0"], "expected --calib-steps >= 1, got 0"),
+    (["--act-headroom", "13"], "expected --act-headroom in 0..12, got 13"),
+    (["--calib-resolution", "512"], "expected --calib-resolution <= 128 for this pipeline"),
+    (["--calib-resolution", "102"], "expected --calib-resolution to be a multiple of 4"),
+    (["--device", "gpu7"], "expected --device cpu, cuda or cuda:N, got 'gpu7'"),
+    (["--device", "meta"], "expected --device cpu, cuda or cuda:N, got 'meta'"),
+    (["--calib-prompts", "/nonexistent/prompts.txt"], "calibration prompt file /nonexistent/prompts.txt not found"),
+])
+def test_bad_options_are_refused_before_calibration(sources, tmp_path, capfd, no_calibration, args, needle):
+    rc, _, err = run(capfd, sources["sd3"], tmp_path / "o", "--quiet", *args)
+    assert_one_line_error(rc, err, needle)
+    assert "--resume" not in err, "resuming with the same options cannot succeed"
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
+def test_cuda_device_on_a_cpu_only_torch_is_refused(sources, tmp_path, capfd, no_calibration):
+    rc, _, err = run(capfd, sources["sd3"], tmp_path / "o", "--device", "cuda", "--quiet")
+    assert_one_line_error(rc, err, "--device cuda: expected an available CUDA device")
+
+
+def _partial_with(out: Path, settings: dict, done: dict | None = None, failed: dict | None = None) -> Path:
+    """A ``.partial`` as a run killed at that point leaves it (SIGKILL: no chance to clean up)."""
+    partial = out.with_name(out.name + ".partial")
+    (partial / "transformer").mkdir(parents=True)
+    state = {"settings": settings, "done": done or {}}
+    if failed:
+        state["failed"] = failed
+    (partial / "progress.json").write_text(json.dumps(state))
+    return partial
+
+
+def test_partial_without_a_finished_block_gives_way_to_other_settings(sources, tmp_path, capfd):
+    out = tmp_path / "o"
+    # killed during calibration at a size that did not fit in memory
+    _partial_with(out, ConvertOptions(rank=8, dtype="float32", calib_resolution=128).settings(str(sources["sd3"])))
+    rc, stdout, err = run(capfd, sources["sd3"], out, *FAST)
+    assert rc == 0, err
+    assert "starting" in err and "over" in err and "calib_resolution: 128 there, 64 now" in err
+    assert (out / "transformer" / "config.json").is_file() and not out.with_name("o.partial").exists()
+
+
+def test_partial_with_progress_needs_resume_or_overwrite(sources, tmp_path, capfd, monkeypatch):
+    out = tmp_path / "o"
+    monkeypatch.setenv(FAIL_AFTER_ENV, "1")
+    rc, _, err = run(capfd, sources["flux"], out, *FAST)
+    assert rc == 2 and "rerun with --resume to continue" in err
+    monkeypatch.delenv(FAIL_AFTER_ENV)
+    rc, _, err = run(capfd, sources["flux"], out, *FAST)  # same settings, no --resume
+    assert_one_line_error(rc, err, "holds an unfinished conversion with these settings (1 finished blocks",
+                          "pass --resume to continue it, or --overwrite to start over")
+    rc, _, err = run(capfd, sources["flux"], out, *FAST, "--rank", "4")  # other settings
+    assert_one_line_error(rc, err, "other settings (rank: 8 there, 4 now)", "--overwrite")
+    rc, _, err = run(capfd, sources["flux"], out, *FAST, "--rank", "4", "--overwrite")
+    assert rc == 0, err
+    qcfg = json.loads((out / "transformer" / "config.json").read_text())["quantization_config"]
+    assert qcfg["rank"] == 4
+
+
+def test_damaged_calibration_on_resume_is_one_line_and_other_settings_restart(sources, tmp_path, capfd, monkeypatch):
+    out = tmp_path / "o"
+    monkeypatch.setenv(FAIL_AFTER_ENV, "2")
+    assert run(capfd, sources["flux"], out, *FAST)[0] == 2
+    monkeypatch.delenv(FAIL_AFTER_ENV)
+    partial = tmp_path / "o.partial"
+    calib = partial / "calibration.safetensors"
+    calib.write_bytes(calib.read_bytes()[:-40])  # truncated (by a disk fault: the converter writes atomically)
+    rc, _, err = run(capfd, sources["flux"], out, *FAST, "--resume")
+    assert_one_line_error(rc, err, "calibration.safetensors is corrupted or truncated", "delete it")
+    assert "rerun with --resume" not in err, "the same --resume would fail again"
+    state = json.loads((partial / "progress.json").read_text())
+    assert state["failed"]["resumable"] is False and len(state["done"]) == 2
+    # The failed run's blocks cannot serve other settings: a run with them starts over on its own.
+    rc, _, err = run(capfd, sources["flux"], out, *FAST, "--rank", "4")
+    assert rc == 0, err
+    assert "starting" in err and "its last run failed" in err
+
+
+# ---- item 7: the default calibration size suits the pipeline ---------------------------------------
+
+
+def test_default_calibration_size_fits_the_positional_embedding(sources, tmp_path, capfd):
+    # the tiny SD3 transformer's positional embedding covers 32 patches: 128 pixels, less than 512
+    rc, _, err = run(capfd, sources["sd3"], tmp_path / "o", "--rank", "8", "--calib-num", "1", "--calib-steps", "1",
+                     "--quiet")
+    assert rc == 0, err
+    qcfg = json.loads((tmp_path / "o" / "transformer" / "config.json").read_text())["quantization_config"]
+    assert qcfg["calibration"]["resolution"] == 64  # its own sample_size (32 latents) x the VAE's factor 2
+
+
+@pytest.mark.parametrize("cls, transformer, vae, expected", [
+    # FLUX.1-dev: 128 latents x 8 = 1024, capped at 512; RoPE has no maximum; 2x2 packed latents
+    ("FluxTransformer2DModel", {"patch_size": 1}, {"block_out_channels": [128, 256, 512, 512]},
+     calibrate.Resolution(512, None, 16)),
+    # SD3-medium: sample_size 128, pos_embed_max_size 192 patches of 2
+    ("SD3Transformer2DModel", {"sample_size": 128, "patch_size": 2, "pos_embed_max_size": 192},
+     {"block_out_channels": [128, 256, 512, 512]}, calibrate.Resolution(512, 3072, 16)),
+    # a pipeline whose positional embedding covers less than 512
+    ("SD3Transformer2DModel", {"sample_size": 64, "patch_size": 2, "pos_embed_max_size": 24},
+     {"block_out_channels": [128, 256, 512, 512]}, calibrate.Resolution(384, 384, 16)),
+])
+def test_resolution_limits(cls, transformer, vae, expected):
+    assert calibrate.resolution_limits(cls, transformer, vae) == expected
+
+
+# ---- item 8: one-line errors -----------------------------------------------------------------------
+
+
+class _FullDisk:
+    """``open`` for convert.py whose writes fail with ENOSPC once ``after`` shards were written."""
+
+    def __init__(self, after: int):
+        self.shards_left = after
+
+    def __call__(self, path, mode="r", *args, **kwargs):
+        f = open(path, mode, *args, **kwargs)
+        if "w" in mode and ".safetensors.tmp" in str(path) and "diffusion_pytorch_model-" in str(path):
+            if self.shards_left == 0:
+                def full(data):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+                f.write = full
+            self.shards_left -= 1
+        return f
+
+
+def test_full_disk_is_one_line_and_keeps_the_partial_for_resume(sources, tmp_path, capfd, monkeypatch):
+    out = tmp_path / "o"
+    monkeypatch.setattr(convert_mod, "open", _FullDisk(after=2), raising=False)
+    rc, _, err = run(capfd, sources["flux"], out, *FAST)
+    assert_one_line_error(rc, err, "diffusion_pytorch_model-00003-of-00005.safetensors.tmp: No space left on device "
+                          "(ENOSPC)")
+    assert "rerun with --resume to continue" in err
+    partial = tmp_path / "o.partial"
+    assert not out.exists() and not list(partial.rglob("*.tmp")), "a failed write leaves no half-written file"
+    assert len(json.loads((partial / "progress.json").read_text())["done"]) == 2
+    monkeypatch.undo()  # space freed
+    rc, stdout, err = run(capfd, sources["flux"], out, *FAST, "--resume")
+    assert rc == 0 and "3 blocks converted, 2 resumed" in stdout, err
+    reference = tmp_path / "ref"
+    assert run(capfd, sources["flux"], reference, *FAST)[0] == 0
+    a, b = tensors_of(out), tensors_of(reference)
+    assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+
+
+def test_read_only_output_folder_is_one_line(sources, tmp_path, capfd, monkeypatch):
+    real_mkdir = Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if str(self).startswith(str(tmp_path / "ro")):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    rc, _, err = run(capfd, sources["sd3"], tmp_path / "ro" / "o", *FAST)
+    assert_one_line_error(rc, err, "Read-only file system (EROFS)")
+    assert "--resume" not in err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through chmod 555")
+def test_unwritable_output_folder_is_one_line(sources, tmp_path, capfd):
+    parent = tmp_path / "locked"
+    parent.mkdir()
+    parent.chmod(0o555)
+    try:
+        rc, _, err = run(capfd, sources["sd3"], parent / "o", *FAST)
+    finally:
+        parent.chmod(0o755)
+    assert_one_line_error(rc, err, "Permission denied (EACCES)")
+
+
+@pytest.mark.parametrize("content", ['{"settings": {"rank": 8}, "do', '{"settings": {}, "done": []}', "[]"])
+def test_malformed_progress_file_is_one_line(sources, tmp_path, capfd, monkeypatch, content):
+    out = tmp_path / "o"
+    monkeypatch.setenv(FAIL_AFTER_ENV, "1")
+    assert run(capfd, sources["sd3"], out, *FAST)[0] == 2
+    monkeypatch.delenv(FAIL_AFTER_ENV)
+    (tmp_path / "o.partial" / "progress.json").write_text(content)
+    rc, _, err = run(capfd, sources["sd3"], out, *FAST, "--resume")
+    assert_one_line_error(rc, err, "progress.json is malformed", "--overwrite")
+    assert "rerun with --resume" not in err
+    assert run(capfd, sources["sd3"], out, *FAST, "--overwrite")[0] == 0
+
+
+def test_config_values_of_the_wrong_type_are_one_line(sources, tmp_path, capfd, no_calibration):
+    src = tmp_path / "bad"
+    shutil.copytree(sources["sd3"], src)
+    cfg = src / "transformer" / "config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "num_layers": "two"}))
+    rc, _, err = run(capfd, src, tmp_path / "o", *FAST)
+    assert_one_line_error(rc, err, "transformer/config.json: cannot build SD3Transformer2DModel from this config")
+    for bad in ({"rank": "8"}, {"rank": 8.0}, {"calib_steps": "4"}, {"alpha": "0.5"}, {"act_headroom": 1.5}):
+        with pytest.raises(ConvertError, match="expected --"):
+            convert(sources["sd3"], tmp_path / "o2", ConvertOptions(progress=False, **bad))
+    assert not (tmp_path / "o2.partial").exists()
+
+
+@pytest.mark.parametrize("model_id", ["./no-such-model", "{tmp}/no-such-model", "~/no-such-svdq-model",
+                                      "models/flux/no-such", "existing-dir/no-such-model"])
+def test_local_looking_path_is_not_looked_up_on_the_hub(tmp_path, capfd, monkeypatch, model_id):
+    import huggingface_hub
+
+    def hub(*args, **kwargs):
+        raise AssertionError("the Hugging Face Hub was asked")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hub)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "existing-dir").mkdir()
+    rc, _, err = run(capfd, model_id.format(tmp=tmp_path), tmp_path / "o")
+    assert_one_line_error(rc, err, "is not a local folder", "does not exist", "Hub is not asked")
+
+
+def test_hub_lookup_honours_hf_hub_offline(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "svdq_linear.convert.cli", "some-org/not-cached", str(tmp_path / "o")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "HF_HUB_OFFLINE is set" in r.stderr and "no copy of it" in r.stderr, r.stderr
+    assert time.perf_counter() - t0 < 120, "no network retries in offline mode"
+
+
+# ---- item 9: quiet runs, CPU calibration of large models, private pushes, no links -----------------
+
+
+def test_quiet_silences_the_libraries_and_truncation_is_reported_once(tmp_path, capfd):
+    rc, stdout, err = run(capfd, "tiny:sd3", tmp_path / "quiet", "--rank", "8", "--calib-num", "4", "--calib-steps",
+                          "1", "--quiet")
+    assert rc == 0 and "svdq-convert: wrote" in stdout
+    for noise in ("[transformers]", "Loading", "it/s", "%|", "truncated", "Warning"):
+        assert noise not in err, f"--quiet printed {noise!r}:\n{err}"
+    rc, stdout, err = run(capfd, "tiny:sd3", tmp_path / "loud", "--rank", "8", "--calib-num", "4", "--calib-steps", "1")
+    assert rc == 0
+    # the tiny T5 reads 32 tokens: every prompt is cut, and the pipeline would say so once per prompt
+    assert err.count("The following part of your input was truncated") == 0, err
+    assert err.count("truncation warnings silenced") == 1, err
+
+
+def test_cpu_calibration_of_a_large_model_is_refused_with_advice(sources, tmp_path, capfd, no_calibration):
+    src = tmp_path / "flux-dev-sized"
+    shutil.copytree(sources["flux"], src)
+    cfg = src / "transformer" / "config.json"
+    dev = dict(num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
+               joint_attention_dim=4096, pooled_projection_dim=768, in_channels=64, axes_dims_rope=[16, 56, 56])
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), **dev}))
+    rc, _, err = run(capfd, src, tmp_path / "o", "--device", "cpu", "--quiet")
+    assert_one_line_error(rc, err, "calibrating a 11.9 B-parameter transformer on the CPU", "--no-calib")
+    assert not (tmp_path / "o.partial").exists()
+    # without calibration the size is no obstacle: this run gets as far as the (tiny) weights
+    rc, _, err = run(capfd, src, tmp_path / "o", "--device", "cpu", "--no-calib", "--quiet")
+    assert_one_line_error(rc, err, "the checkpoint does not match FluxTransformer2DModel")
+
+
+@pytest.mark.parametrize("public", [False, True])
+def test_push_to_hub_creates_a_private_repository_unless_public(sources, tmp_path, capfd, monkeypatch, public):
+    from huggingface_hub import HfApi
+
+    calls = {}
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.update(create=(repo_id, kw)))
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: calls.update(upload=kw))
+    rc, stdout, err = run(capfd, sources["sd3"], tmp_path / "o", "--no-calib", "--rank", "4", "--quiet",
+                          "--push-to-hub", "me/x", *(["--public"] if public else []))
+    assert rc == 0, err
+    repo_id, kw = calls["create"]
+    assert repo_id == "me/x" and kw["private"] is (not public)
+    assert calls["upload"]["folder_path"] == str(tmp_path / "o") and calls["upload"]["repo_id"] == "me/x"
+
+
+def test_outputs_share_no_file_with_the_source(sources, tmp_path, capfd):
+    # a Hub snapshot: component files are symlinks into a shared blob store
+    src, blobs = tmp_path / "snapshot", tmp_path / "blobs"
+    shutil.copytree(sources["sd3"], src)
+    blobs.mkdir()
+    for f in sorted((src / "vae").iterdir()):
+        blob = blobs / f.name
+        shutil.move(f, blob)
+        f.symlink_to(blob)
+    rc, _, err = run(capfd, src, tmp_path / "o", "--no-calib", "--rank", "4", "--quiet")
+    assert rc == 0, err
+    checked = 0
+    for f in (tmp_path / "o").rglob("*"):
+        source = src / f.relative_to(tmp_path / "o")
+        if f.is_file() and "transformer" not in f.parts and source.exists():
+            st = os.lstat(f)
+            assert not f.is_symlink() and st.st_nlink == 1, f"{f} links to another file"
+            assert st.st_ino != os.stat(source).st_ino, f"{f} shares its inode with {source}"
+            checked += 1
+    assert checked >= 8
+
+
+# ---- item 3: the headroom is an option and the summary reports it ----------------------------------
+
+
+def test_act_headroom_option_and_per_layer_report(sources, tmp_path, capfd):
+    rc, stdout, err = run(capfd, sources["flux"], tmp_path / "o", *FAST, "--act-headroom", "5")
+    assert rc == 0, err
+    assert "W4A4 activation headroom (powers of two between the calibrated block max and saturation)" in stdout
+    layers = json.loads((tmp_path / "o" / "svdq_layers.json").read_text())
+    w4a4 = [layer for layer in layers if layer["kind"] == "w4a4"]
+    assert len(w4a4) == 34 and all(5 <= layer["act_headroom"] < 6 for layer in w4a4), w4a4
+    qcfg = json.loads((tmp_path / "o" / "transformer" / "config.json").read_text())["quantization_config"]
+    assert qcfg["conversion"]["act_headroom"] == 5
+    # the reported headroom is where the calibrated maxima sit in the written tensors
+    act_max = load_file(tmp_path / "o" / "svdq_calibration.safetensors")
+    smooth = tensors_of(tmp_path / "o")["transformer_blocks.0.attn.to_q.smooth"]
+    top = (act_max["transformer_blocks.0.attn.to_q"] / smooth).max().item()
+    expected = next(x["act_headroom"] for x in w4a4 if x["name"] == "transformer_blocks.0.attn.to_q")
+    assert abs(2688.0 / top - 2.0**expected) < 1e-3 * 2.0**expected
