@@ -20,17 +20,45 @@ def pipeline_components(model_index: dict) -> list[str]:
             if not k.startswith("_") and isinstance(v, list) and len(v) == 2 and v[0] is not None]
 
 
+def looks_local(model_id: str) -> bool:
+    """True when ``model_id`` can only be a path: not a valid hub id (``./x``, ``/x``, ``~/x``, ``a/b/c``,
+    a trailing separator), or ``dir/name`` whose ``dir`` is a local folder."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if model_id.startswith((".", "~", "/")) or os.path.isabs(model_id) or model_id.endswith(("/", os.sep)):
+        return True
+    if os.sep != "/" and os.sep in model_id:
+        return True
+    try:
+        validate_repo_id(model_id)
+    except HFValidationError:
+        return True
+    return "/" in model_id and Path(model_id.split("/")[0]).is_dir()
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    check = getattr(constants, "is_offline_mode", None)
+    return bool(check() if callable(check) else constants.HF_HUB_OFFLINE)
+
+
 def resolve_model_path(path_or_id: str | os.PathLike) -> Path:
     """A local folder as is; otherwise a hub id through ``huggingface_hub``.
 
-    From the hub, only ``model_index.json`` and the component folders it names are fetched, and no
-    pickled weights (a FLUX.1 repo also holds a 23 GB single-file checkpoint at its root).
+    A path that does not exist (``looks_local``) is not looked up on the hub; with ``HF_HUB_OFFLINE``
+    only the hub cache is asked. From the hub, only ``model_index.json`` and the component folders it
+    names are fetched, and no pickled weights (a FLUX.1 repo also holds a 23 GB single-file checkpoint
+    at its root).
     """
     path = Path(path_or_id).expanduser()
     if path.exists():
         if not path.is_dir():
             raise ValueError(f"{path} is a file; expected a diffusers pipeline folder")
         return path
+    if looks_local(str(path_or_id)):
+        raise FileNotFoundError(f"{path_or_id} is not a local folder: {path.resolve()} does not exist (a path, "
+                                f"so the Hugging Face Hub is not asked)")
     from huggingface_hub import hf_hub_download, snapshot_download
 
     repo = str(path_or_id)
@@ -39,6 +67,10 @@ def resolve_model_path(path_or_id: str | os.PathLike) -> Path:
         allow = ["model_index.json"] + [f"{c}/*" for c in pipeline_components(index)]
         return Path(snapshot_download(repo, allow_patterns=allow, ignore_patterns=PICKLE_PATTERNS))
     except Exception as e:  # offline, unknown repo, no access: say which and what to do
+        if _hub_offline():
+            raise FileNotFoundError(
+                f"{repo!r} is not a local folder, and HF_HUB_OFFLINE is set while the Hugging Face Hub cache "
+                f"has no copy of it: unset HF_HUB_OFFLINE to download it, or pass a local diffusers folder") from e
         raise FileNotFoundError(
             f"{repo!r} is not a local folder and could not be fetched from the Hugging Face Hub "
             f"({type(e).__name__}: {e}); pass a local diffusers folder"

@@ -18,7 +18,7 @@ from torch import nn
 
 from . import diffusers_quantizer as dq
 from . import files, nvfp4
-from .linear import MODES, W4A4, W4A16, set_mode
+from .linear import MODES, W4A4, W4A16, name_layers, set_mode
 from .svdquant import SVDQuantConfig, group_smoothing_factor, svdquant, weight_only
 
 
@@ -166,6 +166,7 @@ def load_svdq_pipeline(
         raise ValueError(f"expected a mode in {MODES}, got {mode!r}")
     with dq.registered():
         pipe = cls.from_pretrained(root, dtype=dtype, **kwargs)
+    name_layers(pipe.transformer)  # range-check warnings name the layer
     if mode is not None:
         set_mode(pipe.transformer, mode)
     return pipe.to(device) if device is not None else pipe

@@ -95,3 +95,23 @@ def test_mode_is_chosen_per_pipeline_when_loading_and_quantizing(tmp_path):
     assert all(m.mode == "exact" for m in loaded.transformer.modules() if isinstance(m, SVDQW4A4Linear))
     with pytest.raises(ValueError, match="expected a mode"):
         load_svdq_pipeline(tmp_path, mode="quick")
+
+
+def test_loader_names_layers_and_does_not_ask_the_hub_for_a_missing_path(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from svdq_linear import load_svdq_pipeline, quantize_pipeline
+    from svdq_linear.convert.tiny import build_tiny_pipeline
+
+    def no_hub(*a, **k):
+        raise AssertionError("the hub was asked")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_hub)
+    with pytest.raises(FileNotFoundError, match="not asked"):
+        load_svdq_pipeline(tmp_path / "missing")
+    pipe = build_tiny_pipeline("flux")
+    quantize_pipeline(pipe, rank=4, calib=False, progress=False)
+    pipe.save_pretrained(tmp_path / "q")
+    loaded = load_svdq_pipeline(tmp_path / "q")
+    names = [m.layer_name for n, m in loaded.transformer.named_modules() if isinstance(m, SVDQW4A4Linear)]
+    assert names and all(names)

@@ -239,29 +239,6 @@ def _copy_tree(src: Path, dst: Path) -> None:
 # ---- the source ----------------------------------------------------------------------------------
 
 
-def looks_local(model_id: str) -> bool:
-    """True when ``model_id`` can only be a path: not a valid hub id (``./x``, ``/x``, ``~/x``, ``a/b/c``,
-    a trailing separator), or ``dir/name`` whose ``dir`` is a local folder."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    if model_id.startswith((".", "~", "/")) or os.path.isabs(model_id) or model_id.endswith(("/", os.sep)):
-        return True
-    if os.sep != "/" and os.sep in model_id:
-        return True
-    try:
-        validate_repo_id(model_id)
-    except HFValidationError:
-        return True
-    return "/" in model_id and Path(model_id.split("/")[0]).is_dir()
-
-
-def _hub_offline() -> bool:
-    from huggingface_hub import constants
-
-    check = getattr(constants, "is_offline_mode", None)
-    return bool(check() if callable(check) else constants.HF_HUB_OFFLINE)
-
-
 def _source_folder(model_id: str, partial: Path) -> Path:
     if model_id.startswith(TINY_PREFIX):
         from .tiny import KINDS, save_tiny_pipeline
@@ -273,18 +250,7 @@ def _source_folder(model_id: str, partial: Path) -> Path:
         if not (src / "model_index.json").is_file():
             save_tiny_pipeline(kind, src)
         return src
-    path = Path(model_id).expanduser()
-    if not path.exists() and looks_local(model_id):
-        raise FileNotFoundError(f"{model_id} is not a local folder: {path.resolve()} does not exist (a path, so "
-                                f"the Hugging Face Hub is not asked)")
-    try:
-        return resolve_model_path(model_id)
-    except FileNotFoundError as e:
-        if not path.exists() and _hub_offline():
-            raise FileNotFoundError(
-                f"{model_id!r} is not a local folder, and HF_HUB_OFFLINE is set while the Hugging Face Hub cache "
-                f"has no copy of it: unset HF_HUB_OFFLINE to download it, or pass a local diffusers folder") from e
-        raise
+    return resolve_model_path(model_id)
 
 
 def _source_keys(model_dir: Path) -> dict[str, Path]:
