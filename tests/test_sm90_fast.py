@@ -192,3 +192,19 @@ def test_gpu_auto_mode_runs_the_fast_kernel_on_hopper(monkeypatch):
     assert backends.choose(m, torch.empty(4, 512, device="cuda", dtype=torch.bfloat16)).name == "sm90"
     monkeypatch.setenv("SVDQ_LINEAR_BACKEND", "reference")
     assert SVDQW4A4Linear(512, 256, rank=16).to("cuda").kind == "w4a4"  # a pinned reference keeps the contract
+
+
+def test_prepared_state_hands_the_kernels_back_what_they_were_given():
+    """``run_w4a4_fast`` rebuilds the kernel's weight from the op's trailing tensors."""
+    qf = pytest.importorskip("svdq_linear.backends.sm90.quack_fast")
+    from svdq_linear.backends.sm90 import Sm90Prepared
+
+    q, s = _weight(128, 256)
+    fw = qf.prepare(q, s, torch.rand(128) + 0.5, torch.randn(128))
+    pds, up = torch.randn(256, 8).bfloat16(), torch.randn(128, 8).bfloat16()
+    extra = Sm90Prepared(pds, up, fw).tensors()
+    back = qf.FastWeight(*extra[-4:])
+    assert extra[0] is pds and extra[1] is up
+    assert all(a is b for a, b in zip(back.tensors(), fw.tensors()))
+    w8, nw = nvfp4.fast_weight(q, s)
+    assert torch.equal(fast_layout.emulate_decode(back.blob, back.strip).view(torch.uint8), w8.view(torch.uint8))

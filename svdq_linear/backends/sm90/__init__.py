@@ -43,13 +43,12 @@ class Sm90Prepared:
 
     proj_down_smoothed: torch.Tensor | None  # [K, R] bf16: proj_down / smooth[:, None], for lora_act = x @ it
     proj_up_bf16: torch.Tensor | None  # [N, R] bf16 (the cuBLAS low-rank tile of the quack path)
-    quack: object | None  # quack_gemm.QuackWeight: the weight repacked for quack's decode
+    quack: object | None  # quack_gemm.QuackWeight or quack_fast.FastWeight: the weight repacked for quack
 
     def tensors(self) -> list[torch.Tensor]:
         out = [t for t in (self.proj_down_smoothed, self.proj_up_bf16) if t is not None]
         if self.quack is not None:
-            q = self.quack
-            out += [q.blob, q.strip, q.cs, q.bias] if hasattr(q, "strip") else [q.blob, q.sf, q.wc, q.bias]
+            out += self.quack.tensors()
         return out
 
 

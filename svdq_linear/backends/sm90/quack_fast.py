@@ -243,6 +243,9 @@ class FastWeight:
     cs: torch.Tensor  # [1, N] fp32: 2**e * wcscale
     bias: torch.Tensor  # [1, N] fp32 (zeros without a bias)
 
+    def tensors(self) -> list[torch.Tensor]:  # the order FastWeight(*tensors) takes back
+        return [self.blob, self.strip, self.cs, self.bias]
+
 
 def prepare(qweight, wscales, wcscale, bias) -> FastWeight:
     blob = fast_layout.repack_fast_weight(qweight)

@@ -40,6 +40,9 @@ class QuackWeight:
     wc: torch.Tensor  # [1, N] fp32
     bias: torch.Tensor  # [1, N] fp32 (zeros without a bias)
 
+    def tensors(self) -> list[torch.Tensor]:  # the order QuackWeight(*tensors) takes back
+        return [self.blob, self.sf, self.wc, self.bias]
+
 
 # quack's nvfp4 repack is a pure byte permutation. For the weight, canonical row r = 64 g + 16 t2 + 8 p0
 # + t1 and byte column c = 32 kt + 8 b + 4 p1 + t0 land at blob[g, kt, 32 t2 + 4 t1 + t0, 4 b + 2 p1 + p0];
