@@ -143,12 +143,11 @@ class Sm90Backend(Backend):
         if module.kind == "w4a16":
             return None
         r = module.rank
+        pds = (module.proj_down.float() / module.smooth[:, None]).to(torch.bfloat16) if r else None
         if module.kind == "w4a4_fast":
-            pds = (module.proj_down.float() / module.smooth[:, None]).to(torch.bfloat16) if r else None
             up = module.proj_up.to(torch.bfloat16).contiguous() if r else None
             fw = _quack_fast_module().prepare(module.qweight, module.wscales, module.wcscale, module.bias)
             return Sm90Prepared(pds, up, fw)
-        pds = (module.proj_down.float() / module.smooth[:, None]).to(torch.bfloat16) if r else None
         quack = _quack_module() if self._use_quack(module) else None
         qw = quack.prepare(module.qweight, module.wscales, module.wcscale, module.bias) if quack else None
         up = module.proj_up.to(torch.bfloat16).contiguous() if r and qw is not None else None
