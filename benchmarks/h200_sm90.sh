@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call for the sm90 backend: GPU conformance + seam tests, the config sweep, the benchmark.
 # Through the device tool with carry [".devcarry/wheels"]:  bash benchmarks/h200_sm90.sh [--sweep]
-# STEPS (default "tests bench"; also fast, small, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
+# STEPS (default "tests bench"; also lowrank, fast, flux, small, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
 # spaces: select tests by node id (file::test), not with a quoted -k expression.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -23,6 +23,7 @@ for step in ${STEPS:-tests bench}; do
     tests) timeout "${TEST_LIMIT:-240}" python3 -m pytest -q -x -p no:cacheprovider -W ignore ${PYTEST_ARGS:-tests/test_conformance.py tests/test_backends.py} \
              > "$OUT/tests.log" 2>&1; rc=$?; tail -15 "$OUT/tests.log" ;;
     bench) timeout "${BENCH_LIMIT:-420}" python3 benchmarks/bench_sm90.py --out "$OUT" "$@" > "$OUT/bench.log" 2>&1; tail -70 "$OUT/bench.log" ;;
+    lowrank) timeout "${LOWRANK_LIMIT:-300}" python3 benchmarks/bench_lowrank.py --out "$OUT" ${LOWRANK_ARGS:-} > "$OUT/lowrank.log" 2>&1; tail -40 "$OUT/lowrank.log" ;;
     fast) timeout "${FAST_LIMIT:-400}" python3 benchmarks/bench_fast.py --out "$OUT" ${FAST_ARGS:-} > "$OUT/fast.log" 2>&1; tail -45 "$OUT/fast.log" ;;
     flux) timeout "${FLUX_LIMIT:-500}" python3 benchmarks/flux_forward.py --out "$OUT" ${FLUX_ARGS:-} > "$OUT/flux.log" 2>&1; tail -12 "$OUT/flux.log" ;;
     small) timeout "${SMALL_LIMIT:-120}" python3 benchmarks/bench_small_m.py --out "$OUT/bench_small_m.md" > "$OUT/small.log" 2>&1; tail -12 "$OUT/small.log" ;;

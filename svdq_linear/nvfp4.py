@@ -52,7 +52,9 @@ What a tensor-core backend may do differently, and the tolerance that follows (`
     2. Round the low-rank operands: ``xs`` and ``proj_down`` to bf16 or tf32, ``lora_act = xs @
        proj_down`` to bf16 or tf32, ``proj_up`` (or ``proj_up / wcscale`` where a kernel adds the
        low-rank product before its ``* wcscale`` epilogue) to bf16: each rounding is a relative 2**-8
-       at most, bounded together by ``4 * 2**-8 * (|xs| @ |proj_down|) @ |proj_up|^T``.
+       at most, bounded together by ``4 * 2**-8 * (|xs| @ |proj_down|) @ |proj_up|^T``. (The fast mode
+       below, adding it before ``* sa * (nw * wcscale)``, rounds ``lora_act / sa`` and ``proj_up /
+       (nw * wcscale)`` instead: the same count of roundings.)
     3. Round the output once to its dtype: ``eps(dtype) * |y|``.
     4. Codes that do not change values: the sign of a zero code (0x0 or 0x8) and the codes inside a
        NaN/Inf block (any code: the block's scale is NaN, so every output that reads it is NaN).

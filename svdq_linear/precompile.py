@@ -73,9 +73,11 @@ def _variants_sm90(quick: bool):
                    codes_ptr="*u8", scales_ptr="*u8", M="i32", K="i32", stride_xm="i32", stride_xk="i32")
         cx = dict(BLOCK_M=32, BLOCK_K=256, WRITE_XQ=True, WRITE_CODES=False)
         out.append((kernels._quantize_act_kernel, sig, cx, dict(num_warps=4), f"quantize_act_{xdt}"))
-        sig = dict(x_ptr=k_ptr[xdt], smooth_ptr="*fp32", a8_ptr="*u8", sa_ptr="*fp32", M="i32", K="i32",
-                   stride_xm="i32", stride_xk="i32")
-        out.append((kernels._quantize_act_fp8_kernel, sig, dict(BLOCK_M=8, BLOCK_K=256), dict(num_warps=4),
+        # with lora_act / sa for the low-rank MMA in the accumulator, at the converter's default rank 32
+        sig = dict(x_ptr=k_ptr[xdt], smooth_ptr="*fp32", a8_ptr="*u8", sa_ptr="*fp32", lora_ptr="*fp32",
+                   la_ptr="*bf16", M="i32", K="i32", R="i32", stride_xm="i32", stride_xk="i32")
+        out.append((kernels._quantize_act_fp8_kernel, sig,
+                    dict(BLOCK_M=8, BLOCK_K=256, BLOCK_R=32, HAS_LORA=True), dict(num_warps=4),
                     f"quantize_act_fp8_{xdt}"))
     seen = set()
     for m, k, n in (SHAPES[:2] + SHAPES[-3:] if quick else SHAPES):

@@ -1,6 +1,6 @@
 """``svdq-precompile --arch sm_90a`` compiles the sm90 kernels with no GPU (Triton's and, with
 quack-kernels, the quack GEMMs of both modes); their SASS holds Hopper's wgmma (HGMMA, QGMMA for FP8)
-and no local memory (spills)."""
+and no local memory (spills); the FP8 GEMM's low-rank branch is bf16 wgmma into the same kernel."""
 
 import json
 import subprocess
@@ -33,4 +33,7 @@ def test_sm90_kernels_compile_to_hgmma_without_spills(tmp_path):
             wgmma = "hgmma" if k["kernel"].startswith("quack_w4a16") else "qgmma"
             assert k[wgmma] > 0, f"{k['kernel']}: no {wgmma.upper()} in its SASS"
         assert any(k["kernel"].startswith("quack_w4a8") for k in quack)
+        # the low-rank MMA joins the FP8 accumulator as bf16 wgmmas (R / 16 = 2 of them at rank 32)
+        fast_lr = [k for k in quack if k["kernel"].startswith("quack_w4a8") and k["kernel"].endswith("_r32")]
+        assert fast_lr and all(k["hgmma"] >= 2 and k["qgmma"] > 0 for k in fast_lr), fast_lr
         assert any((tmp_path / "quack-cache").rglob("*.o")), "nothing was written to quack's cache"

@@ -4,7 +4,8 @@ CPU: the layout is checked against the wgmma register fragment written out indep
 kernel's decode arithmetic (``fast_layout.emulate_decode``) against ``nvfp4.fast_weight`` bit for bit,
 and ``quantize_act_fp8`` (under Triton's interpreter) against ``nvfp4.fast_act`` bit for bit.
 GPU (H100/H200 with quack-kernels): the same on the device, the decoded weights read back through the
-GEMM itself, and the whole fast linear against the fast formula in float64.
+GEMM itself, and the whole fast linear against the fast formula in float64 (ranks that put the low-rank
+MMA into the accumulator, one padded to 16, and one above ``LOWRANK_ACC_MAX_RANK`` that adds a tile).
 """
 
 import pytest
@@ -102,6 +103,31 @@ def test_quantize_act_fp8_is_bit_exact(dtype):
         assert diff.numel() == 0, f"{len(diff)} bytes differ, first at {diff[:3].tolist()}"
 
 
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_quantize_act_fp8_divides_lora_act_by_the_token_scale(one_pass):
+    """``la = lora_act / sa`` rounded once to bf16: the operand that adds the low-rank product to the
+    accumulator before the epilogue multiplies it by ``sa``."""
+    from svdq_linear.backends.sm90 import kernels
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(13, 256, generator=g) * torch.logspace(-6, 5, 13).unsqueeze(1)).bfloat16()
+    x[4] = 0  # sa = 1
+    smooth = torch.rand(256, generator=g) + 0.5
+    lora = torch.randn(13, 24, generator=g) * 1e3
+    a8, sa, la = kernels.quantize_act_fp8(x.to(dev), smooth.to(dev), lora=lora.to(dev), one_pass=one_pass)
+    ra8, rsa = nvfp4.fast_act(nvfp4.smooth_input(x, smooth))
+    assert torch.equal(sa.cpu(), rsa) and torch.equal(a8.view(torch.uint8).cpu(), ra8.view(torch.uint8))
+    want = (lora.double() / rsa.double()[:, None])
+    assert la.dtype == torch.bfloat16 and la.shape == (13, 24)
+    if dev == "cuda":  # one round-to-nearest of the exact fp32 quotient
+        assert torch.equal(la.cpu(), (lora / rsa[:, None]).bfloat16())
+    else:  # Triton's interpreter converts to bf16 without rounding to nearest: one ulp
+        assert ((la.double() - want).abs() <= want.abs() * 2.0**-7).all()
+    with pytest.raises(ValueError, match="lora"):
+        kernels.quantize_act_fp8(x.to(dev), smooth.to(dev), lora=lora[:5].to(dev))
+
+
 def test_sm90_leaves_the_fast_mode_to_the_reference_on_the_cpu():
     m = SVDQW4A4Linear(256, 128, rank=8)
     m.set_mode("fast")
@@ -150,7 +176,8 @@ def _fast_bound(m, x, a8, sa):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 7, 64, 200, 1000, 4096])
 @pytest.mark.parametrize("k,n,r,dtype", [(3072, 3072, 32, torch.bfloat16), (512, 384, 0, torch.bfloat16),
-                                         (1024, 256, 128, torch.float16)])
+                                         (1024, 256, 128, torch.float16), (768, 320, 20, torch.bfloat16),
+                                         (512, 256, 192, torch.bfloat16)])
 def test_gpu_fast_linear_matches_the_fast_formula(tokens, k, n, r, dtype):
     _quack_fast()
     from test_conformance import random_w4a4

@@ -7,16 +7,20 @@ By tokens M (bf16):
 
 - M < 128, fp16/fp32 inputs, or no quack: ``kernels.w4_gemm`` (Triton: the weight decoded in
   registers as wgmma's A operand, ``* wcscale`` then the low-rank MMA into the same accumulator);
-- M >= 128, bf16: quack-kernels' NVFP4 W4 GEMM (``quack_gemm``) with ``* wcscale + bias + C`` fused,
-  C the low-rank tile. It reads a repacked copy of the weight (``SVDQ_SM90_QUACK=0`` leaves it out).
+- M >= 128, bf16: quack-kernels' NVFP4 W4 GEMM (``quack_gemm``) with ``* wcscale + bias`` fused and
+  the low-rank MMA issued into its accumulator after the K-loop (``quack_lowrank``; ranks above
+  ``LOWRANK_ACC_MAX_RANK`` add a cuBLAS-made [M, N] tile in the epilogue instead). It reads a repacked
+  copy of the weight (``SVDQ_SM90_QUACK=0`` leaves it out).
 
 The fast mode (``nvfp4.w4a8_fast_linear``): ``kernels.quantize_act_fp8`` writes the per-token E4M3
-activations, and ``quack_fast`` runs FP8 wgmma on the 4-bit weight decoded to E4M3 in registers (our
-decode format on quack's operand-transform mainloop), ``* sa * 2**e * wcscale + bias + C`` fused. It
-needs quack-kernels and a GPU; elsewhere the reference serves the fast mode.
+activations (and ``lora_act / sa``), and ``quack_fast`` runs FP8 wgmma on the 4-bit weight decoded to
+E4M3 in registers (our decode format on quack's operand-transform mainloop), the low-rank MMA into the
+same accumulator, then ``* sa * 2**e * wcscale + bias``. It needs quack-kernels and a GPU; elsewhere
+the reference serves the fast mode.
 
 Deviations from the reference stay inside the contract's tensor-core tolerance
-(``svdq_linear.nvfp4``): FP32 summation order and bf16 operands of the low-rank products.
+(``svdq_linear.nvfp4``): FP32 summation order, bf16 operands of the low-rank products and, in the
+quack paths, ``proj_up`` divided by the epilogue's column factor before its bf16 rounding.
 
 Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (slowly): the CPU test suite checks
 them that way.
@@ -37,12 +41,30 @@ QUACK_MIN_M = 128  # tokens from which quack's W4 GEMM serves bf16 calls (docs/p
 ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (no repacked weight copy on the GPU)
 
 
+LOWRANK_ACC_MAX_RANK = 128  # above this the in-accumulator operands outgrow the shared memory (docs/perf.md)
+
+
+def lowrank_in_acc(rank: int) -> bool:
+    """Whether the quack paths issue the low-rank MMA into the main accumulator (``quack_lowrank``) for
+    this rank, rather than adding a cuBLAS-made [M, N] tile in the epilogue."""
+    return 0 < rank <= LOWRANK_ACC_MAX_RANK
+
+
+def _pad16(t: torch.Tensor) -> torch.Tensor:
+    """[rows, R] -> [rows, ceil16(R)] with zero columns: wgmma consumes K in steps of 16."""
+    r = t.shape[1]
+    return t if r % 16 == 0 else torch.nn.functional.pad(t, (0, 16 - r % 16))
+
+
 @dataclass
 class Sm90Prepared:
     """What the sm90 kernels read besides the canonical tensors (built once per device)."""
 
-    proj_down_smoothed: torch.Tensor | None  # [K, R] bf16: proj_down / smooth[:, None], for lora_act = x @ it
-    proj_up_bf16: torch.Tensor | None  # [N, R] bf16 (the cuBLAS low-rank tile of the quack path)
+    proj_down_smoothed: torch.Tensor | None  # [K, R'] bf16: proj_down / smooth[:, None], for lora_act = x @ it
+    # [N, R'] bf16, the quack paths' proj_up: divided by the epilogue's per-column factor (wcscale, or
+    # 2**e * wcscale in the fast mode) when the low-rank MMA joins the accumulator (R' = R rounded up to
+    # 16 then), else proj_up itself for the cuBLAS-made [M, N] tile
+    proj_up_bf16: torch.Tensor | None
     quack: object | None  # quack_gemm.QuackWeight or quack_fast.FastWeight: the weight repacked for quack
 
     def tensors(self) -> list[torch.Tensor]:
@@ -145,13 +167,22 @@ class Sm90Backend(Backend):
         r = module.rank
         pds = (module.proj_down.float() / module.smooth[:, None]).to(torch.bfloat16) if r else None
         if module.kind == "w4a4_fast":
-            up = module.proj_up.to(torch.bfloat16).contiguous() if r else None
             fw = _quack_fast_module().prepare(module.qweight, module.wscales, module.wcscale, module.bias)
-            return Sm90Prepared(pds, up, fw)
-        quack = _quack_module() if self._use_quack(module) else None
-        qw = quack.prepare(module.qweight, module.wscales, module.wcscale, module.bias) if quack else None
-        up = module.proj_up.to(torch.bfloat16).contiguous() if r and qw is not None else None
-        return Sm90Prepared(pds, up, qw)
+            colscale = fw.cs.reshape(-1, 1)
+            quack_up = True
+        else:
+            quack = _quack_module() if self._use_quack(module) else None
+            fw = quack.prepare(module.qweight, module.wscales, module.wcscale, module.bias) if quack else None
+            colscale = module.wcscale.float().reshape(-1, 1)
+            quack_up = fw is not None
+        up = None
+        if r and quack_up:
+            if lowrank_in_acc(r):
+                pds = _pad16(pds).contiguous()
+                up = _pad16(module.proj_up.float() / colscale).to(torch.bfloat16).contiguous()
+            else:
+                up = module.proj_up.to(torch.bfloat16).contiguous()
+        return Sm90Prepared(pds, up, fw)
 
     def extra_tensors(self, prepared):
         return [] if prepared is None else prepared.tensors()
@@ -170,8 +201,11 @@ class Sm90Backend(Backend):
             from .quack_gemm import QuackWeight
 
             qw = QuackWeight(*extra[-4:])
-            lowrank = lora @ extra[1].T if r else None
-            return quack_gemm.gemm(xq, qw, lowrank)
+            if lowrank_in_acc(r):
+                return quack_gemm.gemm(xq, qw, lr_acc=(extra[1], lora))
+            return quack_gemm.gemm(xq, qw, lora @ extra[1].T if r else None)
+        if r and lora.shape[1] != r:  # padded to 16 for the quack path
+            lora = lora[:, :r].contiguous()
         cfg = self.tuning.pick(m, n, k)
         return self.kernels.w4_gemm(xq, qweight, wscales, wcscale, bias, proj_up if r else None, lora, x.dtype, cfg)
 
@@ -179,21 +213,33 @@ class Sm90Backend(Backend):
         quack_fast = _quack_fast_module()
         r = proj_down.shape[1]
         fw = quack_fast.FastWeight(*extra[-4:])
-        lowrank = None
-        if r:
+        out_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
+        if lowrank_in_acc(r):
             pds, up = extra[0], extra[1]
-            lowrank = (x.to(torch.bfloat16) @ pds) @ up.T  # [M, N] bf16, the epilogue's tile
-        a8, sa = self.kernels.quantize_act_fp8(x, smooth)
-        if x.dtype == torch.float16:
-            return quack_fast.gemm(a8, sa, fw, lowrank.half() if r else None, out_dtype=torch.float16)
-        out = quack_fast.gemm(a8, sa, fw, lowrank)
-        return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+            a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=_mm_f32(x.to(torch.bfloat16), pds))
+            out = quack_fast.gemm(a8, sa, fw, out_dtype=out_dtype, lr_acc=(up, la))
+        else:
+            lowrank = None
+            if r:
+                pds, up = extra[0], extra[1]
+                lowrank = ((x.to(torch.bfloat16) @ pds) @ up.T).to(out_dtype)  # [M, N], the epilogue's tile
+            a8, sa = self.kernels.quantize_act_fp8(x, smooth)
+            out = quack_fast.gemm(a8, sa, fw, lowrank, out_dtype=out_dtype)
+        return out if x.dtype == out_dtype else out.to(x.dtype)
 
     def run_w4a16(self, x, qweight, wscales, wcscale, bias, extra):
         if x.stride(1) != 1:
             x = x.contiguous()
         cfg = self.tuning.pick(x.shape[0], qweight.shape[0], x.shape[1])
         return self.kernels.w4_gemm(x, qweight, wscales, wcscale, bias, None, None, x.dtype, cfg)
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of bf16 operands with an fp32 result (one rounding less than a bf16 result)."""
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):  # a build without the mixed-dtype mm
+        return (a @ b).float()
 
 
 def make_backend() -> Sm90Backend:

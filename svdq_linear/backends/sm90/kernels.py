@@ -100,9 +100,20 @@ def _quantize_act_kernel(
 
 
 @triton.jit
+def _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, R, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    # la = lora_act / sa, rounded once to bf16: the fast mode's operand of the low-rank MMA that joins
+    # the accumulator before the epilogue multiplies it by sa (quack_lowrank)
+    rr = tl.arange(0, BLOCK_R)
+    mask = m_ok[:, None] & (rr < R)[None, :]
+    lo = tl.load(lora_ptr + rm[:, None] * R + rr[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = tl.math.div_rn(lo, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_R)))
+    tl.store(la_ptr + rm[:, None] * R + rr[None, :], q.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
 def _quantize_act_fp8_kernel(
-    x_ptr, smooth_ptr, a8_ptr, sa_ptr, M, K, stride_xm, stride_xk,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, smooth_ptr, a8_ptr, sa_ptr, lora_ptr, la_ptr, M, K, R, stride_xm, stride_xk,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
 ):
     # The fast mode's per-token E4M3 activations: the row max first, then one more pass that
     # quantizes (the second read of a row block comes from L2).
@@ -124,6 +135,8 @@ def _quantize_act_fp8_kernel(
     sa = tl.where(ok, tl.math.div_rn(amax, tl.full([BLOCK_M], 448.0, tl.float32)), 1.0)
     r = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sa)
     tl.store(sa_ptr + rm, sa, mask=m_ok)
+    if HAS_LORA:
+        _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, R, BLOCK_M, BLOCK_R)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
@@ -142,7 +155,8 @@ def _quantize_act_fp8_kernel(
 
 @triton.jit
 def _quantize_act_fp8_row_kernel(
-    x_ptr, smooth_ptr, a8_ptr, sa_ptr, M, K, stride_xm, stride_xk, BLOCK_K: tl.constexpr,
+    x_ptr, smooth_ptr, a8_ptr, sa_ptr, lora_ptr, la_ptr, M, K, R, stride_xm, stride_xk, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
 ):
     # One row a program, held in registers: x is read once (the two-pass kernel above re-reads it).
     row = tl.program_id(0)
@@ -157,6 +171,9 @@ def _quantize_act_fp8_row_kernel(
     ok = (amax > 0) & (nan == 0)
     sa = tl.where(ok, tl.math.div_rn(amax, 448.0), 1.0)
     tl.store(sa_ptr + row, sa)
+    if HAS_LORA:
+        rows = row + tl.arange(0, 1)
+        _scale_lora(lora_ptr, la_ptr, rows, rows < M, tl.full([1], 0.0, tl.float32) + sa, R, 1, BLOCK_R)
     q = xs * tl.math.div_rn(1.0, sa)
     a = tl.abs(q)
     v = _round_e4m3(tl.where(a == a, a, 0.0)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
@@ -304,13 +321,14 @@ def quantize_act(
 ROW_KERNEL_MAX_K = 16384  # a row up to this many elements is held in registers (one read of x)
 
 
-def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, block_m: int = 8, block_k: int = 256,
-                     num_warps: int = 4, one_pass: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tensor | None = None, block_m: int = 8,
+                     block_k: int = 256, num_warps: int = 4, one_pass: bool = False):
     """The fast mode's activations of ``x [M, K]`` (any strides): ``(a8 [M, K] float8_e4m3fn, sa [M]
-    float32)``, bit-identical to ``nvfp4.fast_act(nvfp4.smooth_input(x, smooth))``. The two-pass
-    kernel (measured on the H200) is the default; ``one_pass=True`` holds each row (up to
-    ``ROW_KERNEL_MAX_K``) in registers and reads x once (checked on the CPU, not yet timed on a GPU:
-    ``benchmarks/bench_quant_fp8.py``)."""
+    float32)``, bit-identical to ``nvfp4.fast_act(nvfp4.smooth_input(x, smooth))``. With ``lora [M, R]``
+    (contiguous, any float dtype: ``lora_act``) also ``la [M, R] bf16 = lora / sa`` rounded once, as the
+    third result. The two-pass kernel (measured on the H200) is the default; ``one_pass=True`` holds
+    each row (up to ``ROW_KERNEL_MAX_K``) in registers and reads x once
+    (``benchmarks/bench_quant_fp8.py``)."""
     m, k = x.shape
     if x.stride(1) != 1 and not _INTERPRET:
         # Triton 3.6 on sm_90 writes wrong bytes for an input strided along K (seen on the H200 for a
@@ -320,15 +338,26 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, block_m: int = 8,
     sa = torch.empty(m, device=x.device, dtype=torch.float32)
     if one_pass and k > ROW_KERNEL_MAX_K:
         raise ValueError(f"the one-pass kernel holds at most {ROW_KERNEL_MAX_K} elements a row, got K={k}")
+    r, la = 0, None
+    if lora is not None:
+        if lora.dim() != 2 or lora.shape[0] != m or not lora.is_contiguous():
+            raise ValueError(f"lora must be a contiguous [{m}, R] tensor, got {tuple(lora.shape)}")
+        r = lora.shape[1]
+        la = torch.empty(m, r, device=x.device, dtype=torch.bfloat16)
+    lora_args = (lora, la) if r else (sa, sa)
     if m and one_pass:
         bk = triton.next_power_of_2(k)
-        _quantize_act_fp8_row_kernel[(m,)](x, smooth, a8, sa, m, k, x.stride(0), x.stride(1), BLOCK_K=bk,
+        _quantize_act_fp8_row_kernel[(m,)](x, smooth, a8, sa, *lora_args, m, k, r, x.stride(0), x.stride(1),
+                                           BLOCK_K=bk, BLOCK_R=_block_r(r), HAS_LORA=bool(r),
                                            num_warps=max(4, min(16, bk // 1024)))
     elif m:
         _quantize_act_fp8_kernel[(triton.cdiv(m, block_m),)](
-            x, smooth, a8, sa, m, k, x.stride(0), x.stride(1),
-            BLOCK_M=block_m, BLOCK_K=min(block_k, triton.next_power_of_2(k)), num_warps=num_warps)
-    return a8.view(torch.float8_e4m3fn), sa
+            x, smooth, a8, sa, *lora_args, m, k, r, x.stride(0), x.stride(1),
+            BLOCK_M=block_m, BLOCK_K=min(block_k, triton.next_power_of_2(k)), BLOCK_R=_block_r(r),
+            HAS_LORA=bool(r), num_warps=num_warps)
+    if lora is None:
+        return a8.view(torch.float8_e4m3fn), sa
+    return a8.view(torch.float8_e4m3fn), sa, la
 
 
 def w4_gemm(

@@ -14,9 +14,11 @@ k32 blocks, the least the interleaved mainloop accepts for 8-bit MMAs) needs 16 
 thread: ``_FastTransform`` loads them as one 16-byte vector and ``_SplitStrip`` moves the 512-byte
 strip as a (256, 2) box.
 
-The epilogue (quack's ``@gemm_epilogue``) applies ``acc * sa[token] * (2**e * wcscale)[n] + bias +
-lowrank``, ``lowrank = lora_act @ proj_up^T`` the [M, N] tile of one cuBLAS GEMM (as in the exact
-mode's quack path). Imported only on a GPU with quack-kernels installed.
+The epilogue (quack's ``@gemm_epilogue``) applies ``acc * sa[token] * (2**e * wcscale)[n] + bias``.
+The low-rank term joins the accumulator before it (``quack_lowrank``): ``R / 16`` bf16 wgmmas of
+``lora_act / sa`` and ``proj_up / (2**e * wcscale)``. The earlier form, ``+ lowrank`` with the [M, N]
+tile of one cuBLAS GEMM, stays for ranks whose operands do not fit the shared memory
+(``quack_lowrank.fits``). Imported only on a GPU with quack-kernels installed.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from quack.operand_transform.formats import DecodeFormat
 from quack.operand_transform.frontend import PackedFormatMod
 from quack.operand_transform.transform import AuxOperandA, TransformAW4
 
-from . import fast_layout
+from . import fast_layout, quack_lowrank
 from .fast_layout import STRIP_BYTES, TILE_K
 
 # fp16 high bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 (low bytes are zero)
@@ -156,7 +158,7 @@ class _SplitStrip(AuxOperandA):
         return mAux[None, None, None, tile_coord_mnkl[0], None, batch_idx]
 
 
-class _FastTransform(TransformAW4):
+class _FastTransform(quack_lowrank.LowRankTransformHook, TransformAW4):
     """quack's W4 transform with four strip words per thread (one 16-byte shared-memory load)."""
 
     def __init__(self, gemm, fmt):
@@ -201,7 +203,7 @@ def _source_digest() -> str:
     """Fail-closed identity of the decode for quack's caches: the source of this module and of the
     layout it reads (quack's own keyer cannot walk the DSL's inline-asm helpers)."""
     h = hashlib.sha256(b"svdq_w4a8")
-    for path in (Path(__file__), Path(fast_layout.__file__)):
+    for path in (Path(__file__), Path(fast_layout.__file__), Path(quack_lowrank.__file__)):
         h.update(path.read_bytes())
     return h.hexdigest()
 
@@ -229,7 +231,7 @@ def _epi_fast_lowrank(acc, lr, sa, cs, bias):
     return {"D": acc * sa * cs + bias + lr}
 
 
-@gemm_epilogue(ops={"sa": ColVecLoad("sa"), "cs": RowVecLoad("cs"), "bias": RowVecLoad("bias")})
+@quack_lowrank.lowrank_epilogue(ops={"sa": ColVecLoad("sa"), "cs": RowVecLoad("cs"), "bias": RowVecLoad("bias")})
 def _epi_fast(acc, sa, cs, bias):
     return {"D": acc * sa * cs + bias}
 
@@ -264,11 +266,14 @@ def tiles(m: int) -> tuple[int, int]:
     return 64, max(16, 1 << (max(m, 1) - 1).bit_length())
 
 
-def gemm(a8: torch.Tensor, sa: torch.Tensor, w: FastWeight, lowrank: torch.Tensor | None,
+def gemm(a8: torch.Tensor, sa: torch.Tensor, w: FastWeight, lowrank: torch.Tensor | None = None,
          tile: tuple[int, int] | None = None, launch: bool = True,
-         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+         out_dtype: torch.dtype = torch.bfloat16, lr_acc: tuple[torch.Tensor, torch.Tensor] | None = None
+         ) -> torch.Tensor:
     """``out [M, N] = (a8 @ w8^T) * sa * cs + bias (+ lowrank)`` in ``out_dtype`` (bf16 or fp16, rounded
-    once); ``a8`` E4M3 contiguous. ``launch=False`` compiles (into quack's caches) without launching."""
+    once); ``a8`` E4M3 contiguous. The low-rank term comes either as the [M, N] tile ``lowrank`` or,
+    into the accumulator, as ``lr_acc = (proj_up / cs [N, R], lora_act / sa [M, R])`` (bf16,
+    ``quack_lowrank``). ``launch=False`` compiles (into quack's caches) without launching."""
     m = a8.shape[0]
     n = w.cs.shape[1]
     out = torch.empty(m, n, device=a8.device, dtype=out_dtype)
@@ -281,6 +286,8 @@ def gemm(a8: torch.Tensor, sa: torch.Tensor, w: FastWeight, lowrank: torch.Tenso
     mod = _epi_fast
     if lowrank is not None:
         args["lr"], mod = lowrank, _epi_fast_lowrank
+    elif lr_acc is not None:
+        args["lu"], args["la"] = lr_acc
     mod.gemm(a8, w.blob, out, epi_args=args, transform_a=FAST_MOD, transform_sf=w.strip, tile_M=tm, tile_N=tn,
              tile_K=TILE_K, cluster_M=1, cluster_N=1, max_swizzle_size=8, split_k=1, _launch=launch)
     return out

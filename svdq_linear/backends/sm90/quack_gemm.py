@@ -3,20 +3,27 @@
 quack's SM90 W4 GEMM (CuTe DSL) decodes the repacked NVFP4 weight in registers as the wgmma A
 operand (``prepare_w4_weight(q, sf, "nvfp4")`` from exactly our canonical layout), reads the exact
 bf16 activations as B and computes ``D^T``. Its epilogue frontend fuses, per element,
-``acc * wcscale + bias + C`` where ``C [M, N]`` is the low-rank tile ``lora_act @ proj_up^T``
-(bf16, one cuBLAS GEMM of inner dimension R). The low-rank product is not yet in the main
-accumulator (see docs/perf.md for what that costs and what bounds it).
+``acc * wcscale + bias``. The low-rank product joins the main accumulator before that
+(``quack_lowrank``: ``R / 16`` bf16 wgmmas of ``lora_act`` and ``proj_up / wcscale`` after the
+K-loop); the earlier form, ``+ C`` with ``C [M, N] = lora_act @ proj_up^T`` from one cuBLAS GEMM,
+stays for ranks whose operands do not fit the shared memory (``quack_lowrank.fits``).
 
 Imported only when the sm90 backend first serves a large-M call on a GPU (quack needs cutlass).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
 from quack.epilogue.frontend import gemm_epilogue
 from quack.epilogue.ops import RowVecLoad, TileLoad
+from quack.gemm_runtime.identity import TORCH_OP_TRANSFORM_MODS
+from quack.operand_transform.frontend import PackedFormatMod
+from quack.operand_transform.transform import TransformAW4
+
+from . import quack_lowrank
 
 TILE_K = 64  # the k-tile quack requires for nvfp4
 
@@ -26,9 +33,32 @@ def _epi_bias_lowrank(acc, lr, wc, bias):
     return {"D": acc * wc + bias + lr}
 
 
-@gemm_epilogue(ops={"wc": RowVecLoad("wc"), "bias": RowVecLoad("bias")})
+@quack_lowrank.lowrank_epilogue(ops={"wc": RowVecLoad("wc"), "bias": RowVecLoad("bias")})
 def _epi_bias(acc, wc, bias):
     return {"D": acc * wc + bias}
+
+
+class _ExactTransform(quack_lowrank.LowRankTransformHook, TransformAW4):
+    """quack's nvfp4 W4 decode, with the per-work-tile seam that starts the low-rank prefetch."""
+
+
+class _ExactMod(PackedFormatMod):
+    """The ``transform_a=`` handle: quack's ``nvfp4`` format run by ``_ExactTransform``."""
+
+    def __init__(self):
+        super().__init__("nvfp4")
+        TORCH_OP_TRANSFORM_MODS.pop(self.semantic_digest, None)
+        self._registry_name = None  # not quack's by-name ref: that would rebuild the plain transform
+        self.name = "svdq_w4a16"
+        self.semantic_digest = hashlib.sha256(
+            (self.semantic_digest + quack_lowrank.source_digest()).encode()).hexdigest()
+        TORCH_OP_TRANSFORM_MODS[self.semantic_digest] = self
+
+    def __call__(self, gemm):
+        return _ExactTransform(gemm, self.fmt)
+
+
+EXACT_MOD = _ExactMod()
 
 
 @dataclass
@@ -97,18 +127,23 @@ def tiles(m: int, n: int) -> tuple[int, int]:
     return (128, 256) if m > 1024 else (64, 256) if m > 256 else (64, 128)
 
 
-def gemm(xq: torch.Tensor, w: QuackWeight, lowrank: torch.Tensor | None, launch: bool = True) -> torch.Tensor:
-    """``out [M, N] bf16 = (xq @ Wq^T) * wcscale + bias (+ lowrank)``; ``xq`` bf16 contiguous.
+def gemm(xq: torch.Tensor, w: QuackWeight, lowrank: torch.Tensor | None = None, launch: bool = True,
+         lr_acc: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """``out [M, N] bf16 = (xq @ Wq^T) * wcscale + bias (+ low-rank)``; ``xq`` bf16 contiguous. The
+    low-rank term comes either as the [M, N] tile ``lowrank`` or, into the accumulator, as
+    ``lr_acc = (proj_up / wcscale [N, R], lora_act [M, R])`` (bf16, ``quack_lowrank``).
     ``launch=False`` compiles (into quack's caches) without launching."""
     m, k = xq.shape
     n = w.wc.shape[1]
     out = torch.empty(m, n, device=xq.device, dtype=torch.bfloat16)
     tm, tn = tiles(m, n)
-    common = dict(transform_a="nvfp4", transform_sf=w.sf, tile_M=tm, tile_N=tn, tile_K=TILE_K, cluster_M=1,
+    common = dict(transform_a=EXACT_MOD, transform_sf=w.sf, tile_M=tm, tile_N=tn, tile_K=TILE_K, cluster_M=1,
                   cluster_N=1, max_swizzle_size=8, split_k=1, _launch=launch)
-    if lowrank is None:
-        _epi_bias.gemm(xq, w.blob, out, epi_args={"wc": w.wc, "bias": w.bias}, **common)
-    else:
-        _epi_bias_lowrank.gemm(xq, w.blob, out, epi_args={"wc": w.wc, "bias": w.bias, "lr": lowrank},
-                               **common)
+    args = {"wc": w.wc, "bias": w.bias}
+    if lowrank is not None:
+        _epi_bias_lowrank.gemm(xq, w.blob, out, epi_args={**args, "lr": lowrank}, **common)
+        return out
+    if lr_acc is not None:
+        args["lu"], args["la"] = lr_acc
+    _epi_bias.gemm(xq, w.blob, out, epi_args=args, **common)
     return out

@@ -33,31 +33,34 @@ def _setup(cache: Path, dump: Path, sms: int) -> None:
     host.get_max_active_clusters = dsl_utils.get_max_active_clusters = lambda *a, **k: sms
 
 
-def variants(shapes, quick: bool):
-    """(label, compile thunk) per GEMM specialisation the backend launches for ``shapes``."""
+def variants(shapes, quick: bool, rank: int = 32):
+    """(label, compile thunk) per GEMM specialisation the backend launches for ``shapes`` (the low-rank
+    MMA in the accumulator at ``rank``, the converter's default; without a low-rank branch unless
+    ``quick``)."""
     import torch
 
-    from . import QUACK_MIN_M, fast_layout, quack_fast, quack_gemm
+    from . import QUACK_MIN_M, fast_layout, lowrank_in_acc, quack_fast, quack_gemm
 
+    assert lowrank_in_acc(rank) and rank % 16 == 0
     out = []
     for m, k, n in shapes:
         qweight = torch.zeros(n, k // 2, dtype=torch.uint8)
         wscales = torch.ones(n, k // 16).to(torch.float8_e4m3fn)
         ones = torch.ones(n)
-        lowrank = torch.zeros(m, n, dtype=torch.bfloat16)
+        lr = (torch.zeros(n, rank, dtype=torch.bfloat16), torch.zeros(m, rank, dtype=torch.bfloat16))
         for with_lowrank in ((True,) if quick else (True, False)):
-            lr = lowrank if with_lowrank else None
-            tag = f"{m}x{k}x{n}{'_lowrank' if with_lowrank else ''}"
+            lr_acc = lr if with_lowrank else None
+            tag = f"{m}x{k}x{n}{f'_r{rank}' if with_lowrank else ''}"
             if m >= QUACK_MIN_M:
-                def exact(lr=lr, m=m, k=k, n=n):
+                def exact(lr_acc=lr_acc, m=m, k=k, n=n):
                     w = quack_gemm.prepare(qweight, wscales, ones, None)
-                    quack_gemm.gemm(torch.zeros(m, k, dtype=torch.bfloat16), w, lr, launch=False)
+                    quack_gemm.gemm(torch.zeros(m, k, dtype=torch.bfloat16), w, launch=False, lr_acc=lr_acc)
                 out.append((f"quack_w4a16_{tag}", exact))
             if n % 64 == 0 and k % fast_layout.TILE_K == 0:
-                def fast(lr=lr, m=m, k=k, n=n):
+                def fast(lr_acc=lr_acc, m=m, k=k, n=n):
                     w = quack_fast.prepare(qweight, wscales, ones, None)
                     a8 = torch.zeros(m, k).to(torch.float8_e4m3fn)
-                    quack_fast.gemm(a8, torch.ones(m), w, lr, launch=False)
+                    quack_fast.gemm(a8, torch.ones(m), w, launch=False, lr_acc=lr_acc)
                 out.append((f"quack_w4a8_{tag}", fast))
     return out
 

@@ -1,0 +1,145 @@
+"""Build, check and time the low-rank branch of the quack GEMMs (both modes) in one run (H100/H200).
+
+    python benchmarks/bench_lowrank.py [--out DIR] [--shapes flux|quick]
+
+Per shape (M, K, N) and mode (exact: bf16 wgmma on the decoded NVFP4 weight; fast: FP8 wgmma), the
+GEMM with its fused epilogue, activations ready, as CUDA-graph replays (GPU time):
+- R = 0: the bare GEMM (``* scale + bias``);
+- "tile": the low-rank term as an [M, N] bf16 tile read by the epilogue, plus the cuBLAS GEMM
+  ``lora_act @ proj_up^T`` that writes it (timed with it: that is what the linear pays);
+- "acc": the low-rank MMA in the main accumulator (``quack_lowrank``), R / 16 bf16 wgmmas after the
+  K-loop on operands prefetched during it.
+Overheads are against R = 0 of the same mode in the same run. Each "acc" output is checked against
+the "tile" output first (same math, different rounding of the low-rank operands: a bound of 2**-6
+of ``|lora_act| @ |proj_up|^T`` plus the bf16 output roundings). Then the whole linears (the
+module's forward, quantization included) against ``F.linear`` bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_conformance import random_w4a4  # noqa: E402
+
+from svdq_linear.backends.sm90 import kernels, quack_fast, quack_gemm  # noqa: E402
+
+FLUX = [  # (label, M, K, N)
+    ("fused qkv", 4096, 3072, 9216), ("attn out", 4096, 3072, 3072), ("ff up", 4096, 3072, 12288),
+    ("ff down", 4096, 12288, 3072), ("single fused in", 4608, 3072, 21504), ("single out", 4608, 15360, 3072),
+    ("ref 4352x3840x3072", 4352, 3840, 3072), ("attn txt", 512, 3072, 3072), ("M=200", 200, 3072, 3072),
+]
+QUICK = [FLUX[0], FLUX[1], FLUX[3], FLUX[7]]
+
+
+def graphed(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def timer(fn) -> float:
+    return do_bench(graphed(fn), warmup=10, rep=100, return_mode="median")
+
+
+def close(acc, tile, lowrank_abs, what):
+    """``acc`` and ``tile`` differ by the low-rank operands' roundings (``lowrank_abs = |lora| @ |up|^T``)
+    and two output roundings."""
+    err = (acc.double() - tile.double()).abs()
+    bound = lowrank_abs.double() * 2.0**-6 + (acc.double().abs() + tile.double().abs()) * 2.0**-8 + 1e-6
+    if not bool((err <= bound).all()):
+        raise AssertionError(f"{what}: acc and tile outputs differ by {(err / bound).max().item():.3g}x the bound")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--shapes", choices=["flux", "quick"], default="flux")
+    args = p.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines: list[str] = []
+
+    def log(s=""):
+        print(s, flush=True)
+        lines.append(s)
+
+    dev = torch.device("cuda")
+    log(f"# low-rank branch in the accumulator — {torch.cuda.get_device_name()} — {time.strftime('%Y-%m-%d %H:%M')}")
+    log("\nms, CUDA-graph replays; (+x%) = over the same mode's R = 0 GEMM; tile = epilogue tile + its cuBLAS GEMM\n")
+    log("| mode | shape | M | K | N | R=0 | R=32 tile | R=32 acc | R=128 tile | R=128 acc |")
+    log("|---|---|---|---|---|---|---|---|---|---|")
+    shapes = QUICK if args.shapes == "quick" else FLUX
+    for label, m_tok, k, n in shapes:
+        torch.manual_seed(0)
+        x = torch.randn(m_tok, k, device=dev, dtype=torch.bfloat16)
+        base = random_w4a4(k, n, 0, torch.bfloat16, dev)
+        for mode in ("exact", "fast"):
+            if mode == "exact":
+                w = quack_gemm.prepare(base.qweight, base.wscales, base.wcscale, base.bias)
+                xq, _, _ = kernels.quantize_act(x, base.smooth, out_dtype=torch.bfloat16)
+                col = w.wc.reshape(-1, 1)
+
+                def run(lowrank=None, lr_acc=None):
+                    return quack_gemm.gemm(xq, w, lowrank, lr_acc=lr_acc)
+            else:
+                w = quack_fast.prepare(base.qweight, base.wscales, base.wcscale, base.bias)
+                a8, sa = kernels.quantize_act_fp8(x, base.smooth)
+                col = w.cs.reshape(-1, 1)
+
+                def run(lowrank=None, lr_acc=None):
+                    return quack_fast.gemm(a8, sa, w, lowrank, lr_acc=lr_acc)
+            t0 = timer(run)
+            cells = []
+            for r in (32, 128):
+                lora = torch.randn(m_tok, r, device=dev, dtype=torch.bfloat16)
+                up = torch.randn(n, r, device=dev, dtype=torch.bfloat16) * 1e-2
+                la = lora if mode == "exact" else (lora.float() / sa[:, None]).bfloat16()
+                lu = (up.float() / col).bfloat16()
+                y_tile = run(lowrank=lora @ up.T)
+                y_acc = run(lr_acc=(lu, la))
+                close(y_acc, y_tile, lora.float().abs() @ up.float().abs().T, f"{mode} {label} R={r}")
+                t_tile = timer(lambda: run(lowrank=lora @ up.T))
+                t_acc = timer(lambda: run(lr_acc=(lu, la)))
+                cells += [f"{t_tile:.4f} (+{t_tile / t0 - 1:.1%})", f"{t_acc:.4f} (+{t_acc / t0 - 1:.1%})"]
+            log(f"| {mode} | {label} | {m_tok} | {k} | {n} | {t0:.4f} | " + " | ".join(cells) + " |")
+            del w
+        torch.cuda.empty_cache()
+
+    log("\n## whole linear (module forward, R = 32), CUDA-graph replays, ms (ratio = cuBLAS bf16 / path)\n")
+    log("| shape | M | K | N | cuBLAS bf16 | exact | fast |")
+    log("|---|---|---|---|---|---|---|")
+    for label, m_tok, k, n in shapes:
+        torch.manual_seed(0)
+        mod = random_w4a4(k, n, 32, torch.bfloat16, dev)
+        x = torch.randn(m_tok, k, device=dev, dtype=torch.bfloat16)
+        w16 = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
+        t_ref = timer(lambda: F.linear(x, w16, mod.bias))
+        cells = []
+        for mode in ("exact", "fast"):
+            mod.set_mode(mode)
+            mod(x)
+            t = timer(lambda: mod(x))
+            cells.append(f"{t:.4f} ({t_ref / t:.2f}x)")
+        log(f"| {label} | {m_tok} | {k} | {n} | {t_ref:.4f} | " + " | ".join(cells) + " |")
+        del mod
+        torch.cuda.empty_cache()
+    (out_dir / "bench_lowrank.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""The low-rank MMA in the main accumulator of quack's SM90 W4 GEMMs (both modes).
+
+The contract's low-rank term ``lora_act @ proj_up^T`` is folded into the accumulator before the
+epilogue scales it: with the epilogue ``out = acc * s[m] * c[n] + bias``, adding
+``(lora_act[m] / s[m]) . (proj_up[n] / c[n])`` to ``acc`` gives the contract's sum, so after quack's
+K-loop each math warpgroup issues ``R / 16`` more bf16 wgmmas (shared-memory operands, fp32 into the
+same registers) and the output is written once. No [M, N] low-rank tile, no second GEMM.
+
+Operands (kernel coordinates: the kernel computes ``D^T``, its M is the weight's rows, its N the
+tokens): ``lu [N_w, R]`` = ``proj_up / c`` (prepared once per device), ``la [M_tok, R]`` =
+``lora_act / s`` (per call). Both are bf16, K-major (``R`` contiguous), ``R % 16 == 0``.
+
+Overlap: the math warps issue ``cp.async`` copies of the tile's ``lu`` and ``la`` rows into two
+swizzled shared-memory buffers at the start of each work tile (quack's ``on_work_tile`` seam of the
+operand transform, which runs before the K-loop), so the loads fly under the main loop; after it,
+``epi_visit_acc`` waits for them, joins the math threads on the epilogue barrier and issues the
+wgmmas. The buffers are unstaged epilogue shared memory (``(tile_M + tile_N) * R * 2`` bytes); quack
+counts them before it picks the number of K-stages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as hopper
+import torch
+from cutlass import BFloat16, Float32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.utils import LayoutEnum
+from quack import copy_utils
+from quack import sm90_utils as quack_sm90_utils
+from quack.compile_utils import make_fake_tensor
+from quack.cute_dsl_utils import torch2cute_dtype_map
+from quack.epilogue.frontend import EpiMod
+from quack.epilogue.ops import EpiOp, EpiSmemBytes
+from quack.gemm_runtime.identity import TORCH_OP_EPI_MODS
+
+_SMEM_ALIGN = 1024  # a 128-byte swizzle atom repeats every 1024 bytes
+
+
+def source_digest() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def _smem_layout(rows: int, r: int):
+    """[rows, r] bf16 K-major, the wgmma swizzle for a K extent of ``r``."""
+    atom = warpgroup.make_smem_layout_atom(hopper.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, BFloat16, r), BFloat16)
+    return cute.tile_to_shape(atom, (rows, r), order=(0, 1))
+
+
+class LowRankOperand(EpiOp):
+    """One operand of the low-rank MMA, ``[rows, R]`` bf16: ``dim`` 0 = kernel M (``lu``), 1 = kernel N
+    (``la``). The tile's rows sit whole in shared memory; the fn frontend never sees it."""
+
+    fn_port = None
+
+    def __init__(self, name: str, dim: int):
+        super().__init__(name)
+        self.dim = dim
+
+    def config_key(self):
+        return (self.dim,)
+
+    def host_arg_key(self, value):
+        if value is None:
+            return None
+        return (torch2cute_dtype_map[value.dtype], int(value.shape[1]))
+
+    def host_validate(self, value, **_):
+        if value.dtype != torch.bfloat16 or value.dim() != 2 or value.stride(1) != 1 or value.shape[1] % 16:
+            raise ValueError(f"low-rank operand {self.name!r}: needs a [rows, R] bf16 tensor, R contiguous and a "
+                             f"multiple of 16; got {tuple(value.shape)} {value.dtype} strides {value.stride()}")
+        if value.stride(0) % 8 or value.data_ptr() % 16:
+            raise ValueError(f"low-rank operand {self.name!r}: rows must be 16-byte aligned")
+
+    def host_fake_arg(self, key, fctx):
+        dtype, r = key
+        rows = fctx.m if self.dim == 0 else fctx.n
+        return make_fake_tensor(dtype, (rows, r), divisibility=8, leading_dim=1)
+
+    def param_fields(self):
+        return [(self.name, object, None)]
+
+    def to_params(self, gemm, args):
+        t = getattr(args, self.name)  # host_validate: 16-byte rows and base
+        stride = tuple(s if cute.is_static(s) else cute.assume(s, divby=8) for s in t.stride)
+        ptr = cute.make_ptr(t.element_type, t.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
+        return {self.name: cute.make_tensor(ptr, cute.make_layout(t.shape, stride=stride))}
+
+    def smem_bytes(self, arg_tensor, cta_tile_shape_mnk, epi_tile, warp_shape_mnk=None):
+        rows = cta_tile_shape_mnk[self.dim]
+        return EpiSmemBytes(unstaged=rows * cute.size(arg_tensor, mode=[1]) * 2 + _SMEM_ALIGN)
+
+    def _layout(self, gemm, params):
+        return _smem_layout(gemm.cta_tile_shape_mnk[self.dim], cute.size(getattr(params, self.name), mode=[1]))
+
+    def smem_struct_field(self, gemm, params):
+        size = cute.cosize(self._layout(gemm, params))
+        return (f"s_{self.name}", cute.struct.Align[cute.struct.MemRange[BFloat16, size], _SMEM_ALIGN])
+
+    def get_smem_tensor(self, gemm, params, storage_epi):
+        layout = self._layout(gemm, params)
+        return getattr(storage_epi, f"s_{self.name}").get_tensor(layout.outer, swizzle=layout.inner)
+
+
+class LowRankAccMixin:
+    """Joins a minted quack GEMM class: the ``lu``/``la`` prefetch per work tile and the low-rank wgmmas
+    into the accumulator after the K-loop."""
+
+    _lr = None
+
+    def epi_get_smem_tensors(self, params, storage):
+        tensors = super().epi_get_smem_tensors(params, storage)
+        # trace time: the kernel's prologue runs this for every warp, so the values dominate the
+        # work-tile loop where lowrank_prefetch and epi_visit_acc read them
+        self._lr = (params, tensors) if tensors.get("lu") is not None and tensors.get("la") is not None else None
+        return tensors
+
+    def _lr_tiled_mma(self):
+        """bf16 SS wgmma with the main MMA's warpgroup layout and N permutation: the same accumulator."""
+        atom = self.atom_layout_mnk
+        tiled = hopper.make_trivial_tiled_mma(
+            BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32, atom,
+            tiler_mn=(64, self.cta_tile_shape_mnk[1] // atom[1]))
+        if const_expr(atom[1] > 1):
+            perm_n = cute.make_ordered_layout((8, self.cta_tile_shape_mnk[1] // atom[1] // 8, atom[1]), order=(0, 2, 1))
+            tiled = cute.make_tiled_mma(cute.make_mma_atom(tiled.op), atom, permutation_mnk=(None, perm_n, None))
+        return tiled
+
+    @cute.jit
+    def lowrank_prefetch(self, tile_coord_mnkl):
+        """Math warps, at a work tile's start: cp.async the tile's ``lu`` and ``la`` rows (rows past the
+        tensor are left as they are: they only feed outputs that are never stored)."""
+        if const_expr(self._lr is not None):
+            params, tensors = self._lr
+            tidx, _, _ = cute.arch.thread_idx()
+            nthreads = self.mma_warp_groups * self.num_threads_per_warp_group
+            for name, dim in (("lu", 0), ("la", 1)):
+                mX = getattr(params, name)
+                sX = tensors[name]
+                rows = self.cta_tile_shape_mnk[dim]
+                r = cute.size(mX, mode=[1])
+                vec = 8  # 16-byte cp.async
+                per_row = r // vec
+                nthr = min(nthreads, rows * per_row)  # a 16-token tile needs fewer threads than there are
+                thr_copy = copy_utils.tiled_copy_2d(BFloat16, per_row, nthr, vec, is_async=True).get_slice(tidx % nthr)
+                gX = cute.local_tile(mX, (rows, r), (tile_coord_mnkl[dim], 0))
+                cX = cute.local_tile(cute.make_identity_tensor(mX.shape), (rows, r), (tile_coord_mnkl[dim], 0))
+                tXgX = thr_copy.partition_S(gX)
+                tXsX = thr_copy.partition_D(sX)
+                tXcX = thr_copy.partition_S(cX)
+                limit = cute.size(mX, mode=[0])
+                if tidx < nthr:
+                    for i in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+                        if tXcX[0, i, 0][0] < limit:
+                            cute.copy(thr_copy, tXgX[None, i, None], tXsX[None, i, None])
+            cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def epi_visit_acc(self, params, acc, tiled_mma, tile_coord_mnkl, tidx):
+        if const_expr(self._lr is not None):
+            _, tensors = self._lr
+            cute.arch.cp_async_wait_group(0)
+            # the cp.async writes are generic-proxy stores; wgmma reads through the async proxy
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.epilogue_barrier.arrive_and_wait()
+            lr_mma = self._lr_tiled_mma()
+            warp_group_idx = cute.arch.make_warp_uniform(tidx // self.num_threads_per_warp_group)
+            thr = lr_mma.get_slice(warp_group_idx * self.num_threads_per_warp_group)
+            tCrA = thr.make_fragment_A(thr.partition_A(tensors["lu"]))
+            tCrB = thr.make_fragment_B(thr.partition_B(tensors["la"]))
+            quack_sm90_utils.gemm(lr_mma, acc, tCrA, tCrB, zero_init=False, wg_wait=0)
+
+
+class LowRankTransformHook:
+    """Mixed into an operand transform: the mainloop's per-work-tile seam starts the low-rank prefetch."""
+
+    uses_work_tile = True
+
+    def on_work_tile(self, tile_coord_mnkl):
+        hook = getattr(self.gemm, "lowrank_prefetch", None)
+        if hook is not None:
+            hook(tile_coord_mnkl)
+
+
+class LowRankEpiMod(EpiMod):
+    """quack's fn-frontend epilogue mod whose minted GEMM classes carry ``LowRankAccMixin`` (active when
+    the call passes ``lu`` and ``la``)."""
+
+    def __init__(self, fn, **kwargs):
+        extra = tuple(kwargs.pop("extra_ops", ())) + (LowRankOperand("lu", 0), LowRankOperand("la", 1))
+        super().__init__(fn, extra_ops=extra, **kwargs)
+        TORCH_OP_EPI_MODS.pop(self.semantic_digest, None)
+        # the mixin's code is part of what the compiled kernels mean
+        self.semantic_digest = hashlib.sha256((self.semantic_digest + source_digest()).encode()).hexdigest()
+        self._ident = f"{fn.__name__}_{self.semantic_digest[:16]}"
+        TORCH_OP_EPI_MODS[self.semantic_digest] = self
+        self._lr_minted = {}
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_lr_minted"] = {}
+        return state
+
+    def _mint(self, *key):
+        cls = self._lr_minted.get(key)
+        if cls is None:
+            base = super()._mint(*key)
+            name = base.__name__ + "_lracc"
+            cls = type(name, (LowRankAccMixin, base),
+                       {"EpilogueParams": base.EpilogueParams, "__module__": __name__, "__qualname__": name})
+            self._lr_minted[key] = cls
+        return cls
+
+
+def lowrank_epilogue(**kwargs):
+    """``quack.epilogue.frontend.gemm_epilogue`` with the low-rank MMA in the accumulator."""
+
+    def wrap(fn):
+        return LowRankEpiMod(fn, **kwargs)
+
+    return wrap
