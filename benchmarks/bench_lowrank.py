@@ -37,6 +37,7 @@ FLUX = [  # (label, M, K, N)
     ("ref 4352x3840x3072", 4352, 3840, 3072), ("attn txt", 512, 3072, 3072), ("M=200", 200, 3072, 3072),
 ]
 QUICK = [FLUX[0], FLUX[1], FLUX[3], FLUX[7]]
+RANKS = (32, 64, 128)
 
 
 def graphed(fn):
@@ -81,8 +82,8 @@ def main() -> None:
     dev = torch.device("cuda")
     log(f"# low-rank branch in the accumulator — {torch.cuda.get_device_name()} — {time.strftime('%Y-%m-%d %H:%M')}")
     log("\nms, CUDA-graph replays; (+x%) = over the same mode's R = 0 GEMM; tile = epilogue tile + its cuBLAS GEMM\n")
-    log("| mode | shape | M | K | N | R=0 | R=32 tile | R=32 acc | R=128 tile | R=128 acc |")
-    log("|---|---|---|---|---|---|---|---|---|---|")
+    log("| mode | shape | M | K | N | R=0 | " + " | ".join(f"R={r} tile | R={r} acc" for r in RANKS) + " |")
+    log("|---|---|---|---|---|---|" + "---|---|" * len(RANKS))
     shapes = QUICK if args.shapes == "quick" else FLUX
     for label, m_tok, k, n in shapes:
         torch.manual_seed(0)
@@ -105,7 +106,7 @@ def main() -> None:
                     return quack_fast.gemm(a8, sa, w, lowrank, lr_acc=lr_acc)
             t0 = timer(run)
             cells = []
-            for r in (32, 128):
+            for r in RANKS:
                 lora = torch.randn(m_tok, r, device=dev, dtype=torch.bfloat16)
                 up = torch.randn(n, r, device=dev, dtype=torch.bfloat16) * 1e-2
                 la = lora if mode == "exact" else (lora.float() / sa[:, None]).bfloat16()
@@ -121,20 +122,42 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     log("\n## whole linear (module forward, R = 32), CUDA-graph replays, ms (ratio = cuBLAS bf16 / path)\n")
-    log("| shape | M | K | N | cuBLAS bf16 | exact | fast |")
-    log("|---|---|---|---|---|---|---|")
+    log("Parts, each alone: quant = the activation pass (fast: with lora_act / sa), lora = x @ (proj_down / "
+        "smooth), GEMM = the quack GEMM with the low-rank MMA in its accumulator.\n")
+    log("| shape | M | K | N | cuBLAS bf16 | exact | exact: quant, lora, GEMM | fast | fast: quant, lora, GEMM |")
+    log("|---|---|---|---|---|---|---|---|---|")
+    from svdq_linear.backends.sm90 import _mm_f32
+
     for label, m_tok, k, n in shapes:
         torch.manual_seed(0)
         mod = random_w4a4(k, n, 32, torch.bfloat16, dev)
         x = torch.randn(m_tok, k, device=dev, dtype=torch.bfloat16)
         w16 = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
         t_ref = timer(lambda: F.linear(x, w16, mod.bias))
+        pds = (mod.proj_down.float() / mod.smooth[:, None]).bfloat16()
         cells = []
         for mode in ("exact", "fast"):
             mod.set_mode(mode)
             mod(x)
             t = timer(lambda: mod(x))
-            cells.append(f"{t:.4f} ({t_ref / t:.2f}x)")
+            if mode == "exact":
+                w = quack_gemm.prepare(mod.qweight, mod.wscales, mod.wcscale, mod.bias)
+                lu = (mod.proj_up.float() / w.wc.reshape(-1, 1)).bfloat16()
+                lora = x @ pds
+                xq, _, _ = kernels.quantize_act(x, mod.smooth, out_dtype=torch.bfloat16)
+                t_q = timer(lambda: kernels.quantize_act(x, mod.smooth, out_dtype=torch.bfloat16))
+                t_l = timer(lambda: x @ pds)
+                t_g = timer(lambda: quack_gemm.gemm(xq, w, lr_acc=(lu, lora)))
+            else:
+                w = quack_fast.prepare(mod.qweight, mod.wscales, mod.wcscale, mod.bias)
+                lu = (mod.proj_up.float() / w.cs.reshape(-1, 1)).bfloat16()
+                lora = _mm_f32(x, pds)
+                a8, sa, la = kernels.quantize_act_fp8(x, mod.smooth, lora=lora)
+                t_q = timer(lambda: kernels.quantize_act_fp8(x, mod.smooth, lora=lora))
+                t_l = timer(lambda: _mm_f32(x, pds))
+                t_g = timer(lambda: quack_fast.gemm(a8, sa, w, lr_acc=(lu, la)))
+            cells += [f"{t:.4f} ({t_ref / t:.2f}x)", f"{t_q:.4f}, {t_l:.4f}, {t_g:.4f}"]
+            del w
         log(f"| {label} | {m_tok} | {k} | {n} | {t_ref:.4f} | " + " | ".join(cells) + " |")
         del mod
         torch.cuda.empty_cache()

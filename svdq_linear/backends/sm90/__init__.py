@@ -41,7 +41,7 @@ QUACK_MIN_M = 128  # tokens from which quack's W4 GEMM serves bf16 calls (docs/p
 ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (no repacked weight copy on the GPU)
 
 
-LOWRANK_ACC_MAX_RANK = 128  # above this the in-accumulator operands outgrow the shared memory (docs/perf.md)
+LOWRANK_ACC_MAX_RANK = 64  # above this the in-accumulator operands cost the main loop stages (docs/perf.md)
 
 
 def lowrank_in_acc(rank: int) -> bool:

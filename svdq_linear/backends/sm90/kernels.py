@@ -154,35 +154,6 @@ def _quantize_act_fp8_kernel(
 
 
 @triton.jit
-def _quantize_act_fp8_row_kernel(
-    x_ptr, smooth_ptr, a8_ptr, sa_ptr, lora_ptr, la_ptr, M, K, R, stride_xm, stride_xk, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
-):
-    # One row a program, held in registers: x is read once (the two-pass kernel above re-reads it).
-    row = tl.program_id(0)
-    rk = tl.arange(0, BLOCK_K)
-    k_ok = rk < K
-    x = tl.load(x_ptr + row * stride_xm + rk * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-    sm = tl.load(smooth_ptr + rk, mask=k_ok, other=1.0)
-    xs = x * tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)
-    a = tl.abs(xs)
-    amax = tl.max(tl.where(a == a, a, 0.0), axis=0)
-    nan = tl.max((a != a).to(tl.int32), axis=0)
-    ok = (amax > 0) & (nan == 0)
-    sa = tl.where(ok, tl.math.div_rn(amax, 448.0), 1.0)
-    tl.store(sa_ptr + row, sa)
-    if HAS_LORA:
-        rows = row + tl.arange(0, 1)
-        _scale_lora(lora_ptr, la_ptr, rows, rows < M, tl.full([1], 0.0, tl.float32) + sa, R, 1, BLOCK_R)
-    q = xs * tl.math.div_rn(1.0, sa)
-    a = tl.abs(q)
-    v = _round_e4m3(tl.where(a == a, a, 0.0)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    v = v | (((q.to(tl.int32, bitcast=True) >> 31) & 1) << 7).to(tl.uint8)
-    v = tl.where(a == a, v, 0x7F)
-    tl.store(a8_ptr + row * K + rk, v, mask=k_ok)
-
-
-@triton.jit
 def _epilogue(acc, rn, rm, N, M, R, wc_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_om,
               BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, DOT_F32: tl.constexpr):
     """``acc [BLOCK_N, BLOCK_M]`` -> ``out[rm, rn] = acc * wcscale + lora @ proj_up^T + bias``."""
@@ -318,17 +289,15 @@ def quantize_act(
     return xq, codes, None if scales is None else scales.view(torch.float8_e4m3fn)
 
 
-ROW_KERNEL_MAX_K = 16384  # a row up to this many elements is held in registers (one read of x)
 
 
 def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tensor | None = None, block_m: int = 8,
-                     block_k: int = 256, num_warps: int = 4, one_pass: bool = False):
+                     block_k: int = 256, num_warps: int = 4):
     """The fast mode's activations of ``x [M, K]`` (any strides): ``(a8 [M, K] float8_e4m3fn, sa [M]
     float32)``, bit-identical to ``nvfp4.fast_act(nvfp4.smooth_input(x, smooth))``. With ``lora [M, R]``
     (contiguous, any float dtype: ``lora_act``) also ``la [M, R] bf16 = lora / sa`` rounded once, as the
-    third result. The two-pass kernel (measured on the H200) is the default; ``one_pass=True`` holds
-    each row (up to ``ROW_KERNEL_MAX_K``) in registers and reads x once
-    (``benchmarks/bench_quant_fp8.py``)."""
+    third result. Two passes over each row block: its max, then the codes (the second read comes from
+    L2). A one-pass variant holding a row in registers wrote wrong bytes on the H200 (docs/perf.md)."""
     m, k = x.shape
     if x.stride(1) != 1 and not _INTERPRET:
         # Triton 3.6 on sm_90 writes wrong bytes for an input strided along K (seen on the H200 for a
@@ -336,8 +305,6 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
         x = x.contiguous()
     a8 = torch.empty(m, k, device=x.device, dtype=torch.uint8)
     sa = torch.empty(m, device=x.device, dtype=torch.float32)
-    if one_pass and k > ROW_KERNEL_MAX_K:
-        raise ValueError(f"the one-pass kernel holds at most {ROW_KERNEL_MAX_K} elements a row, got K={k}")
     r, la = 0, None
     if lora is not None:
         if lora.dim() != 2 or lora.shape[0] != m or not lora.is_contiguous():
@@ -345,12 +312,7 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
         r = lora.shape[1]
         la = torch.empty(m, r, device=x.device, dtype=torch.bfloat16)
     lora_args = (lora, la) if r else (sa, sa)
-    if m and one_pass:
-        bk = triton.next_power_of_2(k)
-        _quantize_act_fp8_row_kernel[(m,)](x, smooth, a8, sa, *lora_args, m, k, r, x.stride(0), x.stride(1),
-                                           BLOCK_K=bk, BLOCK_R=_block_r(r), HAS_LORA=bool(r),
-                                           num_warps=max(4, min(16, bk // 1024)))
-    elif m:
+    if m:
         _quantize_act_fp8_kernel[(triton.cdiv(m, block_m),)](
             x, smooth, a8, sa, *lora_args, m, k, r, x.stride(0), x.stride(1),
             BLOCK_M=block_m, BLOCK_K=min(block_k, triton.next_power_of_2(k)), BLOCK_R=_block_r(r),
