@@ -83,7 +83,8 @@ def test_layout_refuses_shapes_it_cannot_tile():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_quantize_act_fp8_is_bit_exact(dtype):
+@pytest.mark.parametrize("block", [(8, 256, 4), (1, 1024, 8), (2, 512, 4)])
+def test_quantize_act_fp8_is_bit_exact(dtype, block):
     from svdq_linear.backends.sm90 import kernels
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -96,7 +97,7 @@ def test_quantize_act_fp8_is_bit_exact(dtype):
     smooth = torch.rand(1000, generator=g) + 0.25
     x, smooth = x.to(dev), smooth.to(dev)
     for xin in [x, x.T.contiguous().T]:  # both majors
-        a8, sa = kernels.quantize_act_fp8(xin, smooth)
+        a8, sa = kernels.quantize_act_fp8(xin, smooth, block_m=block[0], block_k=block[1], num_warps=block[2])
         ra8, rsa = nvfp4.fast_act(nvfp4.smooth_input(xin, smooth))
         assert torch.equal(sa.cpu(), rsa.cpu())
         diff = (a8.view(torch.uint8) != ra8.view(torch.uint8)).nonzero()
