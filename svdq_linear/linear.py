@@ -125,6 +125,7 @@ class _PackedNVFP4Linear(nn.Module):
     def _reset_dispatch(self) -> None:
         self._dispatch_cache: dict[tuple, tuple] = {}  # (backend, kind) -> (tensor key, prepared state)
         self._declined: dict[tuple, str | None] = {}  # (backend name, device, kind) -> reason or None
+        self._svdq_moved_each_call = False  # set by backends.resolve when an unknown offloader moves the weights
 
     def _after_load(self, incompatible_keys) -> None:
         self._reset_dispatch()

@@ -157,6 +157,41 @@ def test_sequential_offload_keeps_no_prepared_state(counting):
     assert backends.weights_are_offloaded(m)
 
 
+def test_group_offload_keeps_no_prepared_state(counting):
+    from diffusers.hooks import apply_group_offloading
+
+    model = torch.nn.Sequential(_module(), torch.nn.GELU())
+    m = model[0]
+    x = torch.randn(2, 64)
+    y = model(x)
+    assert m._dispatch_cache and not backends.weights_are_offloaded(m)
+    apply_group_offloading(model, onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
+                           offload_type="leaf_level")
+    assert backends.weights_are_offloaded(m), "diffusers' leaf-level hook sits on the module itself"
+    assert torch.equal(model(x), y) and torch.equal(model(x), y)
+    assert not m._dispatch_cache, "nothing may stay cached beside weights that leave after the call"
+
+
+def test_weights_replaced_before_every_call_are_treated_as_offloaded(counting):
+    """A mover whose hook sits elsewhere (diffusers' block-level groups) is seen by its effect: every
+    tensor back at a new address between two calls on the same device."""
+    m = _module()
+    x = torch.randn(2, 64)
+    y = m(x)
+    m(x)
+    assert counting.prepares == 1 and not backends.weights_are_offloaded(m)
+    for _ in range(3):
+        for p in m.packed_tensors():
+            p.data = p.data.clone()
+        assert torch.equal(m(x), y)
+    assert backends.weights_are_offloaded(m) and not m._dispatch_cache
+    assert counting.prepares == 4, "rebuilt for each call once the weights are seen to move"
+    m.to(torch.float32)  # a deliberate .to() starts over: cached again
+    m(x)
+    m(x)
+    assert not backends.weights_are_offloaded(m) and m._dispatch_cache
+
+
 def test_sequential_offload_moves_the_packed_tensors():
     from accelerate import cpu_offload
 

@@ -193,16 +193,34 @@ def _state_key(module, device: torch.device) -> tuple:
     return (device,) + tuple((t.data_ptr(), t._version, t.dtype) for t in module.packed_tensors())
 
 
-def weights_are_offloaded(module) -> bool:
-    """True when an offload hook moves this module's tensors in for each call and out after it.
+_GROUP_OFFLOAD_HOOKS = ("group_offloading", "lazy_prefetch_group_offloading")  # diffusers' hook names
 
-    accelerate's sequential CPU offload puts an ``AlignDevicesHook(offload=True)`` on the module. A
-    prepared state cached on the GPU would then stay there after the weights leave, so it is rebuilt
-    per call instead and backends keep it small (no repacked weight copies).
+
+def weights_are_offloaded(module) -> bool:
+    """True when something moves this module's tensors in for each call and out after it.
+
+    A prepared state cached on the GPU would then stay there after the weights leave, so it is rebuilt
+    per call instead and backends keep it small (no repacked weight copies). Seen three ways:
+    accelerate's sequential CPU offload puts an ``AlignDevicesHook(offload=True)`` on the module;
+    diffusers' leaf-level group offloading registers its hook on the module; and any other mover
+    (diffusers' block-level groups, whose hook sits on an ancestor) shows as tensors that came back at
+    new addresses on the same device between two calls (``resolve`` marks the module then).
     """
+    if getattr(module, "_svdq_moved_each_call", False):
+        return True
     hook = getattr(module, "_hf_hook", None)
     hooks = getattr(hook, "hooks", None) or ([hook] if hook is not None else [])
-    return any(getattr(h, "offload", False) for h in hooks)
+    if any(getattr(h, "offload", False) for h in hooks):
+        return True
+    registry = getattr(module, "_diffusers_hook", None)
+    get_hook = getattr(registry, "get_hook", None)
+    return get_hook is not None and any(get_hook(name) is not None for name in _GROUP_OFFLOAD_HOOKS)
+
+
+def _moved_since(old_key: tuple, new_key: tuple) -> bool:
+    """Same device, but every tensor at a new address: replaced from outside between two calls."""
+    return (old_key[0] == new_key[0] and len(old_key) == len(new_key)
+            and all(a[0] != b[0] for a, b in zip(old_key[1:], new_key[1:])))
 
 
 _NATIVE_FAST: dict[tuple, bool] = {}
@@ -264,6 +282,10 @@ def resolve(module, x: torch.Tensor) -> tuple[Backend, object]:
         cache.clear()
         return backend, backend.prepare(module, device)
     key = _state_key(module, device)
+    if entry is not None and entry[0] != key and _moved_since(entry[0], key):
+        module._svdq_moved_each_call = True  # an offloader we do not know moves the weights per call
+        cache.clear()
+        return backend, backend.prepare(module, device)
     if entry is None or entry[0] != key:
         entry = (key, backend.prepare(module, device))
         cache[slot] = entry
