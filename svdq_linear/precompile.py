@@ -77,7 +77,7 @@ def _variants_sm90(quick: bool):
         sig = dict(x_ptr=k_ptr[xdt], smooth_ptr="*fp32", a8_ptr="*u8", sa_ptr="*fp32", lora_ptr="*fp32",
                    la_ptr="*bf16", M="i32", K="i32", R="i32", stride_xm="i32", stride_xk="i32")
         out.append((kernels._quantize_act_fp8_kernel, sig,
-                    dict(BLOCK_M=8, BLOCK_K=256, BLOCK_R=32, HAS_LORA=True), dict(num_warps=4),
+                    dict(BLOCK_M=4, BLOCK_K=512, BLOCK_R=32, HAS_LORA=True), dict(num_warps=4),
                     f"quantize_act_fp8_{xdt}"))
     seen = set()
     for m, k, n in (SHAPES[:2] + SHAPES[-3:] if quick else SHAPES):

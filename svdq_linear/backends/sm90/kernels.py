@@ -291,13 +291,14 @@ def quantize_act(
 
 
 
-def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tensor | None = None, block_m: int = 8,
-                     block_k: int = 256, num_warps: int = 4):
+def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tensor | None = None, block_m: int = 4,
+                     block_k: int = 512, num_warps: int = 4):
     """The fast mode's activations of ``x [M, K]`` (any strides): ``(a8 [M, K] float8_e4m3fn, sa [M]
     float32)``, bit-identical to ``nvfp4.fast_act(nvfp4.smooth_input(x, smooth))``. With ``lora [M, R]``
     (contiguous, any float dtype: ``lora_act``) also ``la [M, R] bf16 = lora / sa`` rounded once, as the
     third result. Two passes over each row block: its max, then the codes (the second read comes from
-    L2). A one-pass variant holding a row in registers wrote wrong bytes on the H200 (docs/perf.md)."""
+    L2). The default block (4 rows x 512) measured fastest of six on the H200 (docs/perf.md). A one-pass
+    variant holding a row in registers wrote wrong bytes there."""
     m, k = x.shape
     if x.stride(1) != 1 and not _INTERPRET:
         # Triton 3.6 on sm_90 writes wrong bytes for an input strided along K (seen on the H200 for a

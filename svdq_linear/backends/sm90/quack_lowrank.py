@@ -51,6 +51,21 @@ def _smem_layout(rows: int, r: int):
     return cute.tile_to_shape(atom, (rows, r), order=(0, 1))
 
 
+_VEC = 8  # bf16 elements a cp.async moves (16 bytes)
+
+
+def copy_split(rows: int, r: int, nthreads: int) -> tuple[int, int]:
+    """How ``nthreads`` math threads cp.async a ``[rows, r]`` bf16 tile: (threads a row, rows a pass).
+
+    A row takes ``r / 8`` threads; the rows a pass are a power of two (tiles are) and at most the tile's
+    rows, so the passes cover the tile exactly. R = 48 (three fused rank-16 branches) gives 6 threads a
+    row and 32 rows a pass: 192 of 256 threads copy, the rest wait at the barrier."""
+    if r % 16 or rows & (rows - 1) or not 0 < r // _VEC <= nthreads:
+        raise ValueError(f"cannot split a [{rows}, {r}] tile over {nthreads} threads")
+    per_row = r // _VEC
+    return per_row, min(rows, 1 << ((nthreads // per_row).bit_length() - 1))
+
+
 class LowRankOperand(EpiOp):
     """One operand of the low-rank MMA, ``[rows, R]`` bf16: ``dim`` 0 = kernel M (``lu``), 1 = kernel N
     (``la``). The tile's rows sit whole in shared memory; the fn frontend never sees it."""
@@ -143,10 +158,9 @@ class LowRankAccMixin:
                 sX = tensors[name]
                 rows = self.cta_tile_shape_mnk[dim]
                 r = cute.size(mX, mode=[1])
-                vec = 8  # 16-byte cp.async
-                per_row = r // vec
-                nthr = min(nthreads, rows * per_row)  # a 16-token tile needs fewer threads than there are
-                thr_copy = copy_utils.tiled_copy_2d(BFloat16, per_row, nthr, vec, is_async=True).get_slice(tidx % nthr)
+                per_row, rows_per_pass = copy_split(rows, r, nthreads)
+                nthr = rows_per_pass * per_row
+                thr_copy = copy_utils.tiled_copy_2d(BFloat16, per_row, nthr, _VEC, is_async=True).get_slice(tidx % nthr)
                 gX = cute.local_tile(mX, (rows, r), (tile_coord_mnkl[dim], 0))
                 cX = cute.local_tile(cute.make_identity_tensor(mX.shape), (rows, r), (tile_coord_mnkl[dim], 0))
                 tXgX = thr_copy.partition_S(gX)
