@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 from torch import nn
@@ -122,7 +122,41 @@ class _PackedNVFP4Linear(nn.Module):
         """The module's tensors in a fixed order (the dispatch cache keys on them)."""
         return [t for t in self._parameters.values() if t is not None]
 
+    # ---- stand-ins: canonical tensors that a cached prepared state holds in its own layout ---------
+
+    def _stand_in(self, rebuild: dict[str, Callable[[], torch.Tensor]]) -> None:
+        """Free the canonical tensors that the prepared state just cached also holds in its kernel's
+        layout, so the weight is not on the device twice. ``rebuild[name]()`` gives a tensor back bit for
+        bit; ``_restore`` runs it before anything reads the tensor or the state goes (an attribute read,
+        ``state_dict``, ``.to()``, a load, a copy or pickle, another backend or mode)."""
+        for name, fn in rebuild.items():
+            p = self._parameters[name]
+            self._stood_in[name] = (p, fn)
+            p.data = p.data.new_empty((0,) * p.dim())
+
+    def _restore(self) -> None:
+        stood, self._stood_in = self.__dict__.get("_stood_in") or {}, {}
+        for name, (p, fn) in stood.items():
+            if self._parameters.get(name) is p and p.numel() == 0:  # not replaced by the user meanwhile
+                p.data = fn()
+
+    def __getattr__(self, name: str):
+        stood = self.__dict__.get("_stood_in")
+        if stood and name in stood:
+            self._restore()
+        return super().__getattr__(name)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, (p, fn) in (self.__dict__.get("_stood_in") or {}).items():
+            if self._parameters.get(name) is p:
+                destination[prefix + name] = fn()  # the canonical layout, without keeping it on the device
+
+    def _device(self) -> torch.device:
+        return self._parameters["wcscale"].device
+
     def _reset_dispatch(self) -> None:
+        self._restore()
         self._dispatch_cache: dict[tuple, tuple] = {}  # (backend, kind) -> (tensor key, prepared state)
         self._declined: dict[tuple, str | None] = {}  # (backend name, device, kind) -> reason or None
         self._svdq_moved_each_call = False  # set by backends.resolve when an unknown offloader moves the weights
@@ -132,6 +166,7 @@ class _PackedNVFP4Linear(nn.Module):
 
     def __getstate__(self):
         # Prepared states are derived data: deepcopy and pickle rebuild them on the next call.
+        self._restore()
         state = self.__dict__.copy()
         state["_dispatch_cache"], state["_declined"] = {}, {}
         return state
@@ -146,6 +181,7 @@ class _PackedNVFP4Linear(nn.Module):
     # ---- dtype/device handling ------------------------------------------------------------------
 
     def _apply(self, fn, recurse=True):
+        self._restore()  # the canonical tensors move, not the stand-ins
         before = {name: self._parameters[name].data for name in self._fixed_dtypes}
         super()._apply(fn, recurse)
         device = self.qweight.device
@@ -184,6 +220,7 @@ class _PackedNVFP4Linear(nn.Module):
         return t.to(self._parameters[name].dtype)
 
     def _check_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        self._restore()  # the load copies into the canonical tensors
         for name in self._expected_shapes():
             if prefix + name in state_dict:
                 state_dict[prefix + name] = self.checked_tensor(name, state_dict[prefix + name], prefix + name)
@@ -208,7 +245,7 @@ class _PackedNVFP4Linear(nn.Module):
     @property
     def backend(self) -> str:
         """The backend a call with this layer's dtype on its own device would use."""
-        dev = self.qweight.device
+        dev = self._device()
         dtype = self.bias.dtype if self.bias is not None else torch.bfloat16
         if dev.type == "meta":
             return backends.select_backend(dev, backends.preferred_name(self), self.kind).name
@@ -220,8 +257,8 @@ class _PackedNVFP4Linear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}")
         nvfp4.check_act_dtype(x)
-        if x.device != self.qweight.device:
-            raise RuntimeError(f"input is on {x.device} but the {type(self).__name__} is on {self.qweight.device}")
+        if x.device != self._device():
+            raise RuntimeError(f"input is on {x.device} but the {type(self).__name__} is on {self._device()}")
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
         backend, prepared = backends.resolve(self, x2d)
@@ -297,7 +334,7 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
     def kind(self) -> str:
         mode = self.mode
         if mode == "auto":
-            device = self.qweight.device
+            device = self._device()
             mode = "fast" if backends.fast_mode_is_native(device, backends.preferred_name(self)) else "exact"
         return "w4a4_fast" if mode == "fast" else "w4a4"
 

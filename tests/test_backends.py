@@ -192,6 +192,73 @@ def test_weights_replaced_before_every_call_are_treated_as_offloaded(counting):
     assert not backends.weights_are_offloaded(m) and m._dispatch_cache
 
 
+class _StandingBackend(_CountingBackend):
+    """Keeps the codes in its own layout (rows reversed) and reads only that: the module frees its
+    canonical ``qweight`` while the state is cached."""
+
+    name = "standing"
+
+    def prepare(self, module, device):
+        self.prepares += 1
+        return _Prepared(module.qweight.flip(0).contiguous())
+
+    def replaced(self, prepared):
+        return {"qweight": lambda: prepared.qweight_t.flip(0).contiguous()}
+
+    def run_w4a4(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
+        self.calls += 1
+        assert qweight.numel() == 0, "the op got the canonical tensor though the state stands in for it"
+        q = extra[0].flip(0)
+        return nvfp4.w4a4_linear(x, q, wscales, smooth, proj_down, proj_up, wcscale, bias).to(x.dtype)
+
+
+@pytest.fixture
+def standing():
+    backend = _StandingBackend()
+    backends.register_backend(backend, priority=100)
+    yield backend
+    backends._ENTRIES.pop(backend.name)
+
+
+def test_prepared_state_stands_in_for_the_canonical_weight(standing, tmp_path):
+    m = _module()
+    q = m.qweight.clone()
+    x = torch.randn(3, 64)
+    y = m(x)
+    assert m._parameters["qweight"].numel() == 0, "the canonical codes stay beside their repacked copy"
+    assert torch.equal(m(x), y) and standing.prepares == 1
+    sd = m.state_dict()  # the canonical layout, without bringing it back to stay
+    assert torch.equal(sd["qweight"], q) and m._parameters["qweight"].numel() == 0
+    c = copy.deepcopy(m)
+    assert torch.equal(c._parameters["qweight"], q) and torch.equal(c(x), y)
+    assert torch.equal(m.qweight, q), "reading the attribute rebuilds the tensor bit for bit"
+    assert m._parameters["qweight"].numel() > 0
+    assert torch.equal(m(x), y) and standing.prepares == 3  # the copy prepared once, m once more
+    m.load_state_dict(sd)  # a load while the state stands in copies into the canonical tensor
+    assert torch.equal(m(x), y) and standing.prepares == 4
+    m.to(torch.float32)  # .to() carries the canonical tensors
+    assert torch.equal(m._parameters["qweight"], q)
+    assert torch.equal(m(x), y)
+    m.set_backend("reference")  # another backend reads the canonical tensors: they come back
+    assert torch.equal(m(x), y) and torch.equal(m._parameters["qweight"], q)
+    from safetensors.torch import load_file, save_file
+
+    m.set_backend(None)
+    m(x)
+    assert m._parameters["qweight"].numel() == 0
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, tmp_path / "m.safetensors")
+    assert torch.equal(load_file(tmp_path / "m.safetensors")["qweight"], q)
+
+
+def test_stood_in_state_compiles_fullgraph(standing):
+    m = _module()
+    x = torch.randn(3, 64)
+    y = m(x)  # eager first: prepares and stands in
+    compiled = torch.compile(torch.nn.Sequential(m, torch.nn.GELU()), fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), torch.nn.functional.gelu(y))
+    assert m._parameters["qweight"].numel() == 0 and standing.prepares == 1
+
+
 def test_sequential_offload_moves_the_packed_tensors():
     from accelerate import cpu_offload
 

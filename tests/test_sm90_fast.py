@@ -135,6 +135,21 @@ def test_sm90_leaves_the_fast_mode_to_the_reference_on_the_cpu():
     assert backends.choose(m, torch.empty(2, 256)).name == "reference"
 
 
+def test_fast_state_stands_in_for_the_canonical_codes():
+    """The fast kernel's blob is a permutation of the canonical codes: while it is cached the module
+    frees ``qweight`` and rebuilds it from the blob bit for bit; the exact mode keeps its tensors."""
+    qf = pytest.importorskip("svdq_linear.backends.sm90.quack_fast")
+    qg = pytest.importorskip("svdq_linear.backends.sm90.quack_gemm")
+    from svdq_linear.backends.sm90 import Sm90Backend, Sm90Prepared
+
+    q, s = _weight(128, 256, seed=7)
+    backend = Sm90Backend()
+    rebuild = backend.replaced(Sm90Prepared(None, None, qf.prepare(q, s, torch.rand(128) + 0.5, None)))
+    assert set(rebuild) == {"qweight"} and torch.equal(rebuild["qweight"](), q)
+    assert backend.replaced(Sm90Prepared(None, None, qg.prepare(q, s, torch.ones(128), None))) == {}
+    assert backend.replaced(None) == {}
+
+
 # ---- GPU ------------------------------------------------------------------------------------------
 
 def _quack_fast():
@@ -198,6 +213,23 @@ def test_gpu_fast_linear_matches_the_fast_formula(tokens, k, n, r, dtype):
     assert y.isfinite().all()
     err = (y - want).abs()
     assert (err <= bound).all(), f"max err/bound {(err / bound).max().item():.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_fast_mode_keeps_one_copy_of_the_codes():
+    _quack_fast()
+    from test_conformance import random_w4a4
+
+    m = random_w4a4(3072, 3072, 32, torch.bfloat16, "cuda").set_mode("fast")
+    q = m.qweight.clone()
+    x = torch.randn(64, 3072, device="cuda", dtype=torch.bfloat16)
+    y = m(x)
+    assert m._parameters["qweight"].numel() == 0, "the canonical codes stay beside the kernel's blob"
+    assert torch.equal(m(x), y)
+    assert torch.equal(m.state_dict()["qweight"], q) and m._parameters["qweight"].numel() == 0
+    m.set_mode("exact")
+    m(x)  # the exact kernels read the canonical codes: back, bit for bit
+    assert torch.equal(m._parameters["qweight"], q)
 
 
 def test_auto_mode_is_exact_where_no_gpu_kernel_serves_the_fast_mode(monkeypatch):

@@ -60,6 +60,12 @@ class Backend:
         """Prepared tensors handed to the custom op (so compile and offload see them as inputs)."""
         return []
 
+    def replaced(self, prepared) -> dict[str, Callable[[], torch.Tensor]]:
+        """Canonical tensors that ``prepared`` holds in its own layout and that this backend's ops do not
+        read, each with a function that rebuilds it bit for bit: the module frees them while the state
+        is cached (``_PackedNVFP4Linear._stand_in``), so the weight is not on the device twice."""
+        return {}
+
     def run_w4a4(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra) -> torch.Tensor:
         raise NotImplementedError(f"backend {self.name!r} has no W4A4 kernel")
 
@@ -72,11 +78,12 @@ class Backend:
     def linear(self, module, x: torch.Tensor, prepared) -> torch.Tensor:
         """``y [M, N]`` for ``x [M, K]`` through the shared custom op."""
         extra = self.extra_tensors(prepared)
+        t = module._parameters  # not the attributes: reading a stood-in tensor would rebuild it
         if module.kind == "w4a16":
-            return w4a16_linear(x, module.qweight, module.wscales, module.wcscale, module.bias, extra, self.name)
+            return w4a16_linear(x, t["qweight"], t["wscales"], t["wcscale"], t["bias"], extra, self.name)
         op = w4a4_fast_linear if module.kind == "w4a4_fast" else w4a4_linear
-        return op(x, module.qweight, module.wscales, module.smooth, module.proj_down, module.proj_up,
-                           module.wcscale, module.bias, extra, self.name)
+        return op(x, t["qweight"], t["wscales"], t["smooth"], t["proj_down"], t["proj_up"], t["wcscale"], t["bias"],
+                  extra, self.name)
 
 
 # ---- the registry --------------------------------------------------------------------------------
@@ -219,8 +226,8 @@ def weights_are_offloaded(module) -> bool:
 
 def _moved_since(old_key: tuple, new_key: tuple) -> bool:
     """Same device, but every tensor at a new address: replaced from outside between two calls."""
-    return (old_key[0] == new_key[0] and len(old_key) == len(new_key)
-            and all(a[0] != b[0] for a, b in zip(old_key[1:], new_key[1:])))
+    pairs = [(a[0], b[0]) for a, b in zip(old_key[1:], new_key[1:]) if a[0] and b[0]]  # stand-ins are empty
+    return old_key[0] == new_key[0] and len(old_key) == len(new_key) and bool(pairs) and all(a != b for a, b in pairs)
 
 
 _NATIVE_FAST: dict[tuple, bool] = {}
@@ -279,15 +286,23 @@ def resolve(module, x: torch.Tensor) -> tuple[Backend, object]:
     if torch.compiler.is_compiling() and entry is not None:
         return backend, entry[1]  # prepared before tracing; the guard below runs in eager mode
     if weights_are_offloaded(module):
+        module._restore()
         cache.clear()
         return backend, backend.prepare(module, device)
     key = _state_key(module, device)
     if entry is not None and entry[0] != key and _moved_since(entry[0], key):
         module._svdq_moved_each_call = True  # an offloader we do not know moves the weights per call
+        module._restore()
         cache.clear()
         return backend, backend.prepare(module, device)
     if entry is None or entry[0] != key:
-        entry = (key, backend.prepare(module, device))
+        module._restore()  # prepare reads the canonical tensors; the old state's stand-ins come back first
+        cache.clear()  # one prepared state a module: another backend's or mode's would hold a second copy
+        prepared = backend.prepare(module, device)
+        rebuild = backend.replaced(prepared)
+        if rebuild:
+            module._stand_in(rebuild)
+        entry = (_state_key(module, device), prepared)
         cache[slot] = entry
     return backend, entry[1]
 
@@ -314,7 +329,7 @@ def w4a4_linear(
 
 @w4a4_linear.register_fake
 def _(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra, backend):
-    return x.new_empty(x.shape[0], qweight.shape[0])
+    return x.new_empty(x.shape[0], wcscale.shape[0])  # qweight may be a stood-in (empty)
 
 
 @torch.library.custom_op("svdq_linear::w4a4_fast_linear", mutates_args=())
@@ -337,7 +352,7 @@ def w4a4_fast_linear(
 
 @w4a4_fast_linear.register_fake
 def _(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra, backend):
-    return x.new_empty(x.shape[0], qweight.shape[0])
+    return x.new_empty(x.shape[0], wcscale.shape[0])  # qweight may be a stood-in (empty)
 
 
 @torch.library.custom_op("svdq_linear::w4a16_linear", mutates_args=())
@@ -356,7 +371,7 @@ def w4a16_linear(
 
 @w4a16_linear.register_fake
 def _(x, qweight, wscales, wcscale, bias, extra, backend):
-    return x.new_empty(x.shape[0], qweight.shape[0])
+    return x.new_empty(x.shape[0], wcscale.shape[0])
 
 
 def _is_cuda_major(major: int) -> Callable[[torch.device], bool]:

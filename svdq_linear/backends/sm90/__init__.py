@@ -15,8 +15,10 @@ By tokens M (bf16):
 The fast mode (``nvfp4.w4a8_fast_linear``): ``kernels.quantize_act_fp8`` writes the per-token E4M3
 activations (and ``lora_act / sa``), and ``quack_fast`` runs FP8 wgmma on the 4-bit weight decoded to
 E4M3 in registers (our decode format on quack's operand-transform mainloop), the low-rank MMA into the
-same accumulator, then ``* sa * 2**e * wcscale + bias``. It needs quack-kernels and a GPU; elsewhere
-the reference serves the fast mode.
+same accumulator, then ``* sa * 2**e * wcscale + bias``. Its repacked codes are a permutation of the
+canonical ``qweight``, which the module frees while they are cached (``Backend.replaced``: the weight
+is not on the GPU twice). It needs quack-kernels and a GPU; elsewhere the reference serves the fast
+mode.
 
 Deviations from the reference stay inside the contract's tensor-core tolerance
 (``svdq_linear.nvfp4``): FP32 summation order, bf16 operands of the low-rank products and, in the
@@ -133,7 +135,8 @@ class Sm90Backend(Backend):
         return kind in self.kinds and self._device_ok(device)
 
     def declines(self, module, device):
-        if not (module.qweight.is_contiguous() and module.wscales.is_contiguous()):
+        t = module._parameters  # not the attributes: a stood-in tensor would be rebuilt
+        if not (t["qweight"].is_contiguous() and t["wscales"].is_contiguous()):
             return "the packed weight is not contiguous"
         if module.kind == "w4a4_fast":
             n, k = module.out_features, module.in_features
@@ -186,6 +189,17 @@ class Sm90Backend(Backend):
 
     def extra_tensors(self, prepared):
         return [] if prepared is None else prepared.tensors()
+
+    def replaced(self, prepared):
+        # The fast kernel reads only its own layout, and its blob is a permutation of the canonical codes:
+        # the canonical qweight leaves the device while the state is cached. (The exact mode keeps its
+        # canonical tensors: the Triton GEMM reads them for fewer than QUACK_MIN_M tokens.)
+        if prepared is None or type(prepared.quack).__name__ != "FastWeight":
+            return {}
+        from .fast_layout import unpack_fast_weight
+
+        blob = prepared.quack.blob
+        return {"qweight": lambda: unpack_fast_weight(blob)}
 
     def run_w4a4(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
         m, k = x.shape
