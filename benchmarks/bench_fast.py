@@ -29,6 +29,8 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_conformance import random_w4a4  # noqa: E402
 
+from _cuda import graphed  # noqa: E402
+
 from svdq_linear import nvfp4  # noqa: E402
 from svdq_linear.backends.sm90 import kernels, quack_fast  # noqa: E402
 
@@ -44,20 +46,6 @@ QUICK = [FLUX[0], FLUX[4], FLUX[6], FLUX[10], FLUX[12]]
 
 def bench(fn, rep=100) -> float:
     return do_bench(fn, warmup=10, rep=rep, return_mode="median")
-
-
-def graphed(fn):
-    """``fn`` captured in a CUDA graph: replaying it times the GPU work without Python's launch cost."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def rel(a, b) -> float:

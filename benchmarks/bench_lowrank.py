@@ -29,6 +29,8 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_conformance import random_w4a4  # noqa: E402
 
+from _cuda import graphed  # noqa: E402
+
 from svdq_linear.backends.sm90 import kernels, quack_fast, quack_gemm  # noqa: E402
 
 FLUX = [  # (label, M, K, N)
@@ -38,19 +40,6 @@ FLUX = [  # (label, M, K, N)
 ]
 QUICK = [FLUX[0], FLUX[1], FLUX[3], FLUX[7]]
 RANKS = (32, 64, 128)
-
-
-def graphed(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def timer(fn) -> float:
