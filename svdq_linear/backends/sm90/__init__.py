@@ -248,12 +248,18 @@ class Sm90Backend(Backend):
         return self.kernels.w4_gemm(x, qweight, wscales, wcscale, bias, None, None, x.dtype, cfg)
 
 
+_MM_OUT_DTYPE = True  # torch.mm(..., out_dtype=) serves this build (cleared on the first refusal)
+
+
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of bf16 operands with an fp32 result (one rounding less than a bf16 result)."""
-    try:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    except (RuntimeError, TypeError, NotImplementedError):  # a build without the mixed-dtype mm
-        return (a @ b).float()
+    global _MM_OUT_DTYPE
+    if _MM_OUT_DTYPE:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):  # a build without the mixed-dtype mm
+            _MM_OUT_DTYPE = False
+    return (a @ b).float()
 
 
 def make_backend() -> Sm90Backend:
