@@ -8,7 +8,8 @@ GEMM with its fused epilogue, activations ready, as CUDA-graph replays (GPU time
 - "tile": the low-rank term as an [M, N] bf16 tile read by the epilogue, plus the cuBLAS GEMM
   ``lora_act @ proj_up^T`` that writes it (timed with it: that is what the linear pays);
 - "acc": the low-rank MMA in the main accumulator (``quack_lowrank``), R / 16 bf16 wgmmas after the
-  K-loop on operands prefetched during it.
+  K-loop on operands prefetched during it; "3x32" is a fused q/k/v's block-diagonal branch (R = 96),
+  each weight tile reading its own 32-wide window.
 Overheads are against R = 0 of the same mode in the same run. Each "acc" output is checked against
 the "tile" output first (same math, different rounding of the low-rank operands: a bound of 2**-6
 of ``|lora_act| @ |proj_up|^T`` plus the bf16 output roundings). Then the whole linears (the
@@ -39,7 +40,8 @@ FLUX = [  # (label, M, K, N)
     ("ref 4352x3840x3072", 4352, 3840, 3072), ("attn txt", 512, 3072, 3072), ("M=200", 200, 3072, 3072),
 ]
 QUICK = [FLUX[0], FLUX[1], FLUX[3], FLUX[7]]
-RANKS = (32, 64, 128)
+FUSED = {"fused qkv": (3072, 3072, 3072), "single fused in": (3072, 3072, 3072, 12288)}  # part widths
+RANKS = (32, 64, "3x32")  # "3x32": three 32-wide windows (a fused q/k/v), R = 96 in the tile form
 
 
 def timer(fn) -> float:
@@ -96,55 +98,69 @@ def main() -> None:
             t0 = timer(run)
             cells = []
             for r in RANKS:
-                lora = torch.randn(m_tok, r, device=dev, dtype=torch.bfloat16)
-                up = torch.randn(n, r, device=dev, dtype=torch.bfloat16) * 1e-2
+                segments = 3 if r == "3x32" else 1  # a fused q/k/v: block-diagonal proj_up, R = 96
+                width = 32 if segments == 3 else r
+                lora = torch.randn(m_tok, segments * width, device=dev, dtype=torch.bfloat16)
+                seg = (torch.arange(n // 64, device=dev) * segments // (n // 64)).to(torch.int32)
+                up_w = torch.randn(n, width, device=dev, dtype=torch.bfloat16) * 1e-2  # each row's own window
+                up = torch.zeros(n, segments * width, device=dev, dtype=torch.bfloat16)  # the dense form, for the tile
+                up.scatter_(1, (seg.repeat_interleave(64).long() * width)[:, None] + torch.arange(width, device=dev), up_w)
                 la = lora if mode == "exact" else (lora.float() / sa[:, None]).bfloat16()
-                lu = (up.float() / col).bfloat16()
+                lu = (up_w.float() / col).bfloat16()
+                lr_acc = (lu, la, seg)
                 y_tile = run(lowrank=lora @ up.T)
-                y_acc = run(lr_acc=(lu, la))
+                y_acc = run(lr_acc=lr_acc)
                 close(y_acc, y_tile, lora.float().abs() @ up.float().abs().T, f"{mode} {label} R={r}")
                 t_tile = timer(lambda: run(lowrank=lora @ up.T))
-                t_acc = timer(lambda: run(lr_acc=(lu, la)))
+                t_acc = timer(lambda: run(lr_acc=lr_acc))
                 cells += [f"{t_tile:.4f} (+{t_tile / t0 - 1:.1%})", f"{t_acc:.4f} (+{t_acc / t0 - 1:.1%})"]
             log(f"| {mode} | {label} | {m_tok} | {k} | {n} | {t0:.4f} | " + " | ".join(cells) + " |")
-            del w
         torch.cuda.empty_cache()
 
-    log("\n## whole linear (module forward, R = 32), CUDA-graph replays, ms (ratio = cuBLAS bf16 / path)\n")
+    log("\n## whole linear (module forward, R = 32 a part: fused q/k/v and the single blocks' fused input are "
+        "concat_w4a4 of their parts), CUDA-graph replays, ms (ratio = cuBLAS bf16 / path)\n")
     log("Parts, each alone: quant = the activation pass (fast: with lora_act / sa), lora = x @ (proj_down / "
         "smooth), GEMM = the quack GEMM with the low-rank MMA in its accumulator.\n")
     log("| shape | M | K | N | cuBLAS bf16 | exact | exact: quant, lora, GEMM | fast | fast: quant, lora, GEMM |")
     log("|---|---|---|---|---|---|---|---|---|")
-    from svdq_linear.backends.sm90 import _mm_f32
+    from svdq_linear.backends.sm90 import Sm90Backend, _mm_f32
+    from svdq_linear.fuse import concat_w4a4
 
     for label, m_tok, k, n in shapes:
         torch.manual_seed(0)
-        mod = random_w4a4(k, n, 32, torch.bfloat16, dev)
+        if label in FUSED:  # what fuse_qkv_projections builds: the parts' branches side by side (R = 32 each)
+            parts = [random_w4a4(k, n_i, 32, torch.bfloat16, dev) for n_i in FUSED[label]]
+            for p_ in parts[1:]:
+                p_.smooth.copy_(parts[0].smooth)
+            mod = concat_w4a4(parts)
+            label = f"{label} (fused, R = {mod.rank})"
+        else:
+            mod = random_w4a4(k, n, 32, torch.bfloat16, dev)
         x = torch.randn(m_tok, k, device=dev, dtype=torch.bfloat16)
         w16 = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
         t_ref = timer(lambda: F.linear(x, w16, mod.bias))
-        pds = (mod.proj_down.float() / mod.smooth[:, None]).bfloat16()
         cells = []
         for mode in ("exact", "fast"):
             mod.set_mode(mode)
             mod(x)
             t = timer(lambda: mod(x))
+            # the parts as the backend runs them, from its own prepared state
+            prep = Sm90Backend().prepare(mod, dev)
+            pds_p, lu, seg = prep.proj_down_smoothed, prep.proj_up_bf16, prep.lowrank_segments
+            assert seg is not None, "the accumulator path"
+            w = prep.quack
             if mode == "exact":
-                w = quack_gemm.prepare(mod.qweight, mod.wscales, mod.wcscale, mod.bias)
-                lu = (mod.proj_up.float() / w.wc.reshape(-1, 1)).bfloat16()
-                lora = x @ pds
+                lora = x @ pds_p
                 xq, _, _ = kernels.quantize_act(x, mod.smooth, out_dtype=torch.bfloat16)
                 t_q = timer(lambda: kernels.quantize_act(x, mod.smooth, out_dtype=torch.bfloat16))
-                t_l = timer(lambda: x @ pds)
-                t_g = timer(lambda: quack_gemm.gemm(xq, w, lr_acc=(lu, lora)))
+                t_l = timer(lambda: x @ pds_p)
+                t_g = timer(lambda: quack_gemm.gemm(xq, w, lr_acc=(lu, lora, seg)))
             else:
-                w = quack_fast.prepare(mod.qweight, mod.wscales, mod.wcscale, mod.bias)
-                lu = (mod.proj_up.float() / w.cs.reshape(-1, 1)).bfloat16()
-                lora = _mm_f32(x, pds)
+                lora = _mm_f32(x, pds_p)
                 a8, sa, la = kernels.quantize_act_fp8(x, mod.smooth, lora=lora)
                 t_q = timer(lambda: kernels.quantize_act_fp8(x, mod.smooth, lora=lora))
-                t_l = timer(lambda: _mm_f32(x, pds))
-                t_g = timer(lambda: quack_fast.gemm(a8, sa, w, lr_acc=(lu, la)))
+                t_l = timer(lambda: _mm_f32(x, pds_p))
+                t_g = timer(lambda: quack_fast.gemm(a8, sa, w, lr_acc=(lu, la, seg)))
             cells += [f"{t:.4f} ({t_ref / t:.2f}x)", f"{t_q:.4f}, {t_l:.4f}, {t_g:.4f}"]
             del w
         log(f"| {label} | {m_tok} | {k} | {n} | {t_ref:.4f} | " + " | ".join(cells) + " |")

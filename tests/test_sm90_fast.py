@@ -5,7 +5,8 @@ kernel's decode arithmetic (``fast_layout.emulate_decode``) against ``nvfp4.fast
 and ``quantize_act_fp8`` (under Triton's interpreter) against ``nvfp4.fast_act`` bit for bit.
 GPU (H100/H200 with quack-kernels): the same on the device, the decoded weights read back through the
 GEMM itself, and the whole fast linear against the fast formula in float64 (ranks that put the low-rank
-MMA into the accumulator, one padded to 16, and one above ``LOWRANK_ACC_MAX_RANK`` that adds a tile).
+MMA into the accumulator, one padded to 16, a fused q/k/v whose tiles each read their own window, and
+one above ``LOWRANK_ACC_MAX_RANK`` that adds a tile).
 """
 
 import pytest
@@ -193,6 +194,7 @@ def _fast_bound(m, x, a8, sa):
 @pytest.mark.parametrize("tokens", [1, 7, 64, 200, 1000, 4096])
 @pytest.mark.parametrize("k,n,r,dtype", [(3072, 3072, 32, torch.bfloat16), (512, 384, 0, torch.bfloat16),
                                          (1024, 256, 128, torch.float16), (768, 320, 20, torch.bfloat16), (512, 256, 48, torch.bfloat16),
+                                         (1024, 3072, 96, torch.bfloat16),
                                          (512, 256, 192, torch.bfloat16)])
 def test_gpu_fast_linear_matches_the_fast_formula(tokens, k, n, r, dtype):
     _quack_fast()
@@ -200,6 +202,10 @@ def test_gpu_fast_linear_matches_the_fast_formula(tokens, k, n, r, dtype):
 
     torch.manual_seed(tokens + k + r)
     m = random_w4a4(k, n, r, dtype, "cuda")
+    if r == 96:  # a fused q/k/v: block-diagonal proj_up, each third of the rows on its own 32 columns
+        with torch.no_grad():
+            mask = torch.block_diag(*[torch.ones(n // 3, 32)] * 3).to(m.proj_up)
+            m.proj_up.mul_(mask)
     m.set_mode("fast")
     x = torch.randn(tokens, k, device="cuda", dtype=dtype)
     backend = backends.choose(m, x)

@@ -28,18 +28,107 @@ def test_copy_split_covers_every_tile_exactly():
         lr.copy_split(96, 32, 256)  # not a power of two
 
 
-def test_lowrank_in_acc_rank_rule_and_padding():
+def _block_diagonal(rows_ranks, seed=0):
+    """A fused linear's proj_up: segment i has rows_ranks[i][0] rows using its own rows_ranks[i][1] columns."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    n, r = sum(a for a, _ in rows_ranks), sum(b for _, b in rows_ranks)
+    up = torch.zeros(n, r)
+    i = c = 0
+    for a, b in rows_ranks:
+        up[i:i + a, c:c + b] = torch.randn(a, b, generator=g)
+        i, c = i + a, c + b
+    return up
+
+
+def test_plan_puts_each_weight_tile_in_one_window():
     pytest.importorskip("triton")
     import torch
 
     from svdq_linear.backends import sm90
 
-    assert not sm90.lowrank_in_acc(0) and sm90.lowrank_in_acc(20) and sm90.lowrank_in_acc(sm90.LOWRANK_ACC_MAX_RANK)
-    assert not sm90.lowrank_in_acc(sm90.LOWRANK_ACC_MAX_RANK + 1)
-    t = torch.randn(5, 20)
-    p = sm90._pad16(t)
-    assert p.shape == (5, 32) and torch.equal(p[:, :20], t) and not p[:, 20:].any()
-    assert sm90._pad16(p) is p
+    def plan(up):
+        p = sm90.plan_lowrank(up)
+        return None if p is None else (p[0], p[1].tolist())
+
+    dense = torch.randn(256, 32)
+    assert plan(dense) == (32, [0, 0, 0, 0])
+    assert plan(torch.randn(256, 20)) == (32, [0] * 4)  # padded to a whole window
+    assert plan(torch.randn(256, 64)) == (64, [0] * 4)
+    assert plan(torch.randn(256, 80)) is None  # wider than LOWRANK_ACC_MAX_RANK: the tile path
+    assert plan(torch.zeros(256, 32)) == (16, [0] * 4)
+    # fused q/k/v of rank 32 (R = 96): each segment reads its own 32 columns
+    assert plan(_block_diagonal([(128, 32)] * 3)) == (32, [0, 0, 1, 1, 2, 2])
+    # a single block's q, k, v, mlp at rank 8: two segments share each 16-wide window
+    assert plan(_block_diagonal([(128, 8)] * 3 + [(256, 8)])) == (16, [0, 0, 0, 0, 1, 1, 1, 1, 1, 1])
+    # segments of 64 rows inside one 128-row tile: the tile's window must hold both
+    assert plan(_block_diagonal([(64, 32), (64, 32)])) == (64, [0, 0])
+    assert plan(_block_diagonal([(64, 48), (64, 48)])) is None
+    # an unused half of a tile takes its partner's window
+    up = _block_diagonal([(128, 32), (128, 32)])
+    up[192:] = 0
+    assert plan(up) == (32, [0, 0, 1, 1])
+
+
+def test_prepared_windows_give_the_dense_low_rank_product():
+    """What the kernel sums, W columns a row from its segment's window, equals lora_act @ (proj_up /
+    c)^T: the dropped columns are zero."""
+    pytest.importorskip("svdq_linear.backends.sm90.quack_fast")
+    import torch
+
+    from svdq_linear import SVDQW4A4Linear
+    from svdq_linear.backends.sm90 import Sm90Backend
+
+    n, k = 384, 256
+    up = _block_diagonal([(128, 16), (128, 16), (128, 16)], seed=3)
+    m = SVDQW4A4Linear(k, n, rank=48)
+    with torch.no_grad():
+        m.proj_up.copy_(up)
+        m.proj_down.copy_(torch.randn(k, 48) / k**0.5)
+        m.smooth.copy_(torch.rand(k) + 0.5)
+        m.wcscale.copy_(torch.rand(n) + 0.5)
+    m.set_mode("fast")
+    prep = Sm90Backend().prepare(m, torch.device("cpu"))
+    w = prep.proj_up_bf16.shape[1]
+    assert w == 16 and prep.lowrank_segments.tolist() == [0, 0, 1, 1, 2, 2]
+    x = torch.randn(5, k)
+    la = x @ prep.proj_down_smoothed.float()  # [M, S * W]
+    rows = torch.arange(n)
+    cols = (prep.lowrank_segments.long()[rows // 64] * w)[:, None] + torch.arange(w)
+    got = torch.einsum("nw,mnw->mn", prep.proj_up_bf16.float(), la[:, cols])
+    upc = up / prep.quack.cs.reshape(-1, 1)
+    want = (x / m.smooth) @ m.proj_down @ upc.T
+    bound = ((x / m.smooth).abs() @ m.proj_down.abs() @ upc.abs().T) * 2**-6  # bf16 operands: 3 roundings
+    assert ((got - want).abs() <= bound).all(), f"max err/bound {((got - want).abs() / bound).max():.3g}"
+    assert Sm90Backend().extra_tensors(prep)[2] is prep.lowrank_segments  # the op's third low-rank tensor
+
+
+@pytest.mark.parametrize("widths", [(128, 128, 128), (128, 128, 128, 256)])
+def test_fused_linears_take_the_accumulator_path_one_window_a_part(widths):
+    """``fuse.concat_w4a4`` (what ``fuse_qkv_projections`` builds) stacks the parts' branches along R
+    with a block-diagonal proj_up: the fused layer keeps each part's rank per tile, not their sum."""
+    pytest.importorskip("svdq_linear.backends.sm90.quack_fast")
+    import torch
+
+    from svdq_linear import SVDQW4A4Linear
+    from svdq_linear.backends.sm90 import Sm90Backend
+    from svdq_linear.fuse import concat_w4a4
+
+    smooth = torch.rand(256) + 0.5
+    parts = []
+    for n in widths:
+        p = SVDQW4A4Linear(256, n, rank=32)
+        with torch.no_grad():
+            p.proj_up.normal_()
+            p.smooth.copy_(smooth)
+        parts.append(p)
+    fused = concat_w4a4(parts).set_mode("fast")
+    assert fused.rank == 32 * len(widths)
+    prep = Sm90Backend().prepare(fused, torch.device("cpu"))
+    want = [i for i, n in enumerate(widths) for _ in range(n // 64)]
+    assert prep.proj_up_bf16.shape[1] == 32 and prep.lowrank_segments.tolist() == want
+    assert prep.proj_down_smoothed.shape == (256, 32 * len(widths))
 
 
 _COMPILE = r"""
@@ -57,7 +146,9 @@ q = torch.zeros(n, k // 2, dtype=torch.uint8)
 s = torch.ones(n, k // 16).to(torch.float8_e4m3fn)
 for mode, m, r in [("fast", 4096, 48), ("fast", 1, 48), ("exact", 300, 48), ("exact", 4096, 16)]:
     before = set(dump.glob("*.cubin"))
-    lr = (torch.zeros(n, r, dtype=torch.bfloat16), torch.zeros(m, r, dtype=torch.bfloat16))
+    # three windows of r (a fused q/k/v): la is 3 r wide, the MMA r
+    lr = (torch.zeros(n, r, dtype=torch.bfloat16), torch.zeros(m, 3 * r, dtype=torch.bfloat16),
+          torch.tensor([0, 1, 2, 2], dtype=torch.int32))
     if mode == "fast":
         w = quack_fast.prepare(q, s, torch.ones(n), None)
         quack_fast.gemm(torch.zeros(m, k).to(torch.float8_e4m3fn), torch.ones(m), w, launch=False, lr_acc=lr)

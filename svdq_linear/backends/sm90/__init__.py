@@ -43,34 +43,61 @@ QUACK_MIN_M = 128  # tokens from which quack's W4 GEMM serves bf16 calls (docs/p
 ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (no repacked weight copy on the GPU)
 
 
-LOWRANK_ACC_MAX_RANK = 64  # above this the in-accumulator operands cost the main loop stages (docs/perf.md)
+LOWRANK_ACC_MAX_RANK = 64  # widest low-rank window a weight tile reads in the accumulator path (docs/perf.md)
 
 
-def lowrank_in_acc(rank: int) -> bool:
-    """Whether the quack paths issue the low-rank MMA into the main accumulator (``quack_lowrank``) for
-    this rank, rather than adding a cuBLAS-made [M, N] tile in the epilogue."""
-    return 0 < rank <= LOWRANK_ACC_MAX_RANK
-
-
-def _pad16(t: torch.Tensor) -> torch.Tensor:
-    """[rows, R] -> [rows, ceil16(R)] with zero columns: wgmma consumes K in steps of 16."""
+def _pad_cols(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """[rows, R] -> [rows, R rounded up to ``multiple``] with zero columns."""
     r = t.shape[1]
-    return t if r % 16 == 0 else torch.nn.functional.pad(t, (0, 16 - r % 16))
+    return t if r % multiple == 0 else torch.nn.functional.pad(t, (0, multiple - r % multiple))
+
+
+def plan_lowrank(proj_up: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    """How the quack paths put the low-rank MMA into their accumulator: ``(W, segments)``, each 64
+    weight rows reading the ``W`` columns ``[s W, s W + W)`` of ``proj_up`` (and of ``lora_act``) with
+    ``s = segments[rows // 64]`` ([N / 64] int32); or None (the [M, N] tile path instead).
+
+    Dropping a group's all-zero columns is exact, so any ``proj_up`` qualifies whose nonzero columns
+    fit such windows of at most ``LOWRANK_ACC_MAX_RANK`` columns, the same window for both halves of a
+    128-row tile: a dense rank up to 64 (one window), and the block-diagonal ``proj_up`` of fused
+    linears (q/k/v, the single blocks' inputs), whose segments each read their own rank's window."""
+    n, r = proj_up.shape
+    if r == 0 or n % 64:
+        return None
+    nz = (proj_up != 0).reshape(n // 64, 64, r).any(1)  # [G, R]: the columns each 64 rows use
+    used = nz.any(1)
+    col = torch.arange(r, device=proj_up.device)
+    lo = torch.where(nz, col, r).amin(1)
+    hi = torch.where(nz, col, -1).amax(1)
+    for w in range(16, LOWRANK_ACC_MAX_RANK + 1, 16):
+        if not bool(((lo // w == hi // w) | ~used).all()):
+            continue
+        seg = torch.where(used, lo // w, 0)
+        if n % 128 == 0:  # a 128-row tile reads one window: an unused half takes its partner's
+            pair, pair_used = seg.reshape(-1, 2), used.reshape(-1, 2)
+            if not bool(((pair[:, 0] == pair[:, 1]) | ~pair_used.all(1)).all()):
+                continue
+            pair = torch.where(pair_used, pair, pair.flip(1))
+            seg = pair.reshape(-1)
+        return w, seg.to(torch.int32).contiguous()
+    return None
 
 
 @dataclass
 class Sm90Prepared:
     """What the sm90 kernels read besides the canonical tensors (built once per device)."""
 
-    proj_down_smoothed: torch.Tensor | None  # [K, R'] bf16: proj_down / smooth[:, None], for lora_act = x @ it
-    # [N, R'] bf16, the quack paths' proj_up: divided by the epilogue's per-column factor (wcscale, or
-    # 2**e * wcscale in the fast mode) when the low-rank MMA joins the accumulator (R' = R rounded up to
-    # 16 then), else proj_up itself for the cuBLAS-made [M, N] tile
+    # [K, R'] bf16: proj_down / smooth[:, None], for lora_act = x @ it (R' = S * W in the accumulator path)
+    proj_down_smoothed: torch.Tensor | None
+    # the quack paths' proj_up, bf16: in the accumulator path [N, W], each row's window of proj_up divided
+    # by the epilogue's per-column factor (wcscale, or 2**e * wcscale in the fast mode); in the tile path
+    # [N, R], proj_up itself for the cuBLAS-made [M, N] tile
     proj_up_bf16: torch.Tensor | None
     quack: object | None  # quack_gemm.QuackWeight or quack_fast.FastWeight: the weight repacked for quack
+    lowrank_segments: torch.Tensor | None = None  # [N / 64] int32 (plan_lowrank): set in the accumulator path
 
     def tensors(self) -> list[torch.Tensor]:
-        out = [t for t in (self.proj_down_smoothed, self.proj_up_bf16) if t is not None]
+        out = [t for t in (self.proj_down_smoothed, self.proj_up_bf16, self.lowrank_segments) if t is not None]
         if self.quack is not None:
             out += self.quack.tensors()
         return out
@@ -178,14 +205,18 @@ class Sm90Backend(Backend):
             fw = quack.prepare(module.qweight, module.wscales, module.wcscale, module.bias) if quack else None
             colscale = module.wcscale.float().reshape(-1, 1)
             quack_up = fw is not None
-        up = None
+        up = seg = None
         if r and quack_up:
-            if lowrank_in_acc(r):
-                pds = _pad16(pds).contiguous()
-                up = _pad16(module.proj_up.float() / colscale).to(torch.bfloat16).contiguous()
+            plan = plan_lowrank(module.proj_up)
+            if plan is not None:
+                w, seg = plan
+                pds = _pad_cols(pds, w).contiguous()
+                up_scaled = _pad_cols(module.proj_up.float() / colscale, w)
+                window = (seg.repeat_interleave(64).long() * w)[:, None] + torch.arange(w, device=device)
+                up = torch.gather(up_scaled, 1, window).to(torch.bfloat16).contiguous()
             else:
                 up = module.proj_up.to(torch.bfloat16).contiguous()
-        return Sm90Prepared(pds, up, fw)
+        return Sm90Prepared(pds, up, fw, seg)
 
     def extra_tensors(self, prepared):
         return [] if prepared is None else prepared.tensors()
@@ -208,6 +239,7 @@ class Sm90Backend(Backend):
         if r:
             pds = extra[0] if extra else (proj_down.float() / smooth[:, None]).to(torch.bfloat16)
             lora = x.to(torch.bfloat16) @ pds  # [M, R] bf16; x read once more, at copy speed
+        # extra: [proj_down', proj_up', (segments)] when r, then the 4 tensors of QuackWeight when prepared
         use_quack = len(extra) >= (6 if r else 4) and m >= QUACK_MIN_M and x.dtype == torch.bfloat16
         xq, _, _ = self.kernels.quantize_act(x, smooth, out_dtype=torch.bfloat16 if use_quack else None)
         if use_quack:
@@ -215,10 +247,10 @@ class Sm90Backend(Backend):
             from .quack_gemm import QuackWeight
 
             qw = QuackWeight(*extra[-4:])
-            if lowrank_in_acc(r):
-                return quack_gemm.gemm(xq, qw, lr_acc=(extra[1], lora))
+            if len(extra) == 7:  # the low-rank MMA in the accumulator
+                return quack_gemm.gemm(xq, qw, lr_acc=(extra[1], lora, extra[2]))
             return quack_gemm.gemm(xq, qw, lora @ extra[1].T if r else None)
-        if r and lora.shape[1] != r:  # padded to 16 for the quack path
+        if r and lora.shape[1] != r:  # padded to whole windows for the quack path
             lora = lora[:, :r].contiguous()
         cfg = self.tuning.pick(m, n, k)
         return self.kernels.w4_gemm(xq, qweight, wscales, wcscale, bias, proj_up if r else None, lora, x.dtype, cfg)
@@ -228,10 +260,10 @@ class Sm90Backend(Backend):
         r = proj_down.shape[1]
         fw = quack_fast.FastWeight(*extra[-4:])
         out_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
-        if lowrank_in_acc(r):
-            pds, up = extra[0], extra[1]
+        if len(extra) == 7:  # [proj_down', proj_up', segments] + FastWeight: the low-rank MMA in the accumulator
+            pds, up, seg = extra[:3]
             a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=_mm_f32(x.to(torch.bfloat16), pds))
-            out = quack_fast.gemm(a8, sa, fw, out_dtype=out_dtype, lr_acc=(up, la))
+            out = quack_fast.gemm(a8, sa, fw, out_dtype=out_dtype, lr_acc=(up, la, seg))
         else:
             lowrank = None
             if r:

@@ -268,12 +268,12 @@ def tiles(m: int) -> tuple[int, int]:
 
 def gemm(a8: torch.Tensor, sa: torch.Tensor, w: FastWeight, lowrank: torch.Tensor | None = None,
          tile: tuple[int, int] | None = None, launch: bool = True,
-         out_dtype: torch.dtype = torch.bfloat16, lr_acc: tuple[torch.Tensor, torch.Tensor] | None = None
+         out_dtype: torch.dtype = torch.bfloat16, lr_acc: tuple[torch.Tensor, ...] | None = None
          ) -> torch.Tensor:
     """``out [M, N] = (a8 @ w8^T) * sa * cs + bias (+ lowrank)`` in ``out_dtype`` (bf16 or fp16, rounded
     once); ``a8`` E4M3 contiguous. The low-rank term comes either as the [M, N] tile ``lowrank`` or,
-    into the accumulator, as ``lr_acc = (proj_up / cs [N, R], lora_act / sa [M, R])`` (bf16,
-    ``quack_lowrank``). ``launch=False`` compiles (into quack's caches) without launching."""
+    into the accumulator, as ``lr_acc = (proj_up / cs [N, W], lora_act / sa [M, S * W][, segments
+    [N / 64] int32])`` (bf16, ``quack_lowrank``). ``launch=False`` compiles (into quack's caches) without launching."""
     m = a8.shape[0]
     n = w.cs.shape[1]
     out = torch.empty(m, n, device=a8.device, dtype=out_dtype)
@@ -287,7 +287,7 @@ def gemm(a8: torch.Tensor, sa: torch.Tensor, w: FastWeight, lowrank: torch.Tenso
     if lowrank is not None:
         args["lr"], mod = lowrank, _epi_fast_lowrank
     elif lr_acc is not None:
-        args["lu"], args["la"] = lr_acc
+        args.update(zip(("lu", "la", "ls"), lr_acc))
     mod.gemm(a8, w.blob, out, epi_args=args, transform_a=FAST_MOD, transform_sf=w.strip, tile_M=tm, tile_N=tn,
              tile_K=TILE_K, cluster_M=1, cluster_N=1, max_swizzle_size=8, split_k=1, _launch=launch)
     return out

@@ -128,10 +128,11 @@ def tiles(m: int, n: int) -> tuple[int, int]:
 
 
 def gemm(xq: torch.Tensor, w: QuackWeight, lowrank: torch.Tensor | None = None, launch: bool = True,
-         lr_acc: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+         lr_acc: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """``out [M, N] bf16 = (xq @ Wq^T) * wcscale + bias (+ low-rank)``; ``xq`` bf16 contiguous. The
     low-rank term comes either as the [M, N] tile ``lowrank`` or, into the accumulator, as
-    ``lr_acc = (proj_up / wcscale [N, R], lora_act [M, R])`` (bf16, ``quack_lowrank``).
+    ``lr_acc = (proj_up / wcscale [N, W], lora_act [M, S * W][, segments [N / 64] int32])`` (bf16,
+    ``quack_lowrank``).
     ``launch=False`` compiles (into quack's caches) without launching."""
     m, k = xq.shape
     n = w.wc.shape[1]
@@ -144,6 +145,6 @@ def gemm(xq: torch.Tensor, w: QuackWeight, lowrank: torch.Tensor | None = None, 
         _epi_bias_lowrank.gemm(xq, w.blob, out, epi_args={**args, "lr": lowrank}, **common)
         return out
     if lr_acc is not None:
-        args["lu"], args["la"] = lr_acc
+        args.update(zip(("lu", "la", "ls"), lr_acc))
     _epi_bias.gemm(xq, w.blob, out, epi_args=args, **common)
     return out

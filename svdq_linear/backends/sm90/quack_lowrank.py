@@ -3,19 +3,21 @@
 The contract's low-rank term ``lora_act @ proj_up^T`` is folded into the accumulator before the
 epilogue scales it: with the epilogue ``out = acc * s[m] * c[n] + bias``, adding
 ``(lora_act[m] / s[m]) . (proj_up[n] / c[n])`` to ``acc`` gives the contract's sum, so after quack's
-K-loop each math warpgroup issues ``R / 16`` more bf16 wgmmas (shared-memory operands, fp32 into the
+K-loop each math warpgroup issues ``W / 16`` more bf16 wgmmas (shared-memory operands, fp32 into the
 same registers) and the output is written once. No [M, N] low-rank tile, no second GEMM.
 
 Operands (kernel coordinates: the kernel computes ``D^T``, its M is the weight's rows, its N the
-tokens): ``lu [N_w, R]`` = ``proj_up / c`` (prepared once per device), ``la [M_tok, R]`` =
-``lora_act / s`` (per call). Both are bf16, K-major (``R`` contiguous), ``R % 16 == 0``.
+tokens): ``lu [N_w, W]`` = ``proj_up / c`` (prepared once per device), ``la [M_tok, S * W]`` =
+``lora_act / s`` (per call), bf16, K-major, ``W % 16 == 0``; with the optional segment table ``ls``
+(fused linears: a block-diagonal ``proj_up``) a weight tile reads the ``W``-wide window of ``la`` of
+its segment, and ``lu`` holds each row's own window only.
 
 Overlap: the math warps issue ``cp.async`` copies of the tile's ``lu`` and ``la`` rows into two
-swizzled shared-memory buffers at the start of each work tile (quack's ``on_work_tile`` seam of the
-operand transform, which runs before the K-loop), so the loads fly under the main loop; after it,
-``epi_visit_acc`` waits for them, joins the math threads on the epilogue barrier and issues the
-wgmmas. The buffers are unstaged epilogue shared memory (``(tile_M + tile_N) * R * 2`` bytes); quack
-counts them before it picks the number of K-stages.
+swizzled shared-memory buffers (``W`` wide) at the start of each work tile (quack's ``on_work_tile``
+seam of the operand transform, which runs before the K-loop), so the loads fly under the main loop;
+after it, ``epi_visit_acc`` waits for them, joins the math threads on the epilogue barrier and issues
+the wgmmas. The buffers are unstaged epilogue shared memory, ``(tile_M + tile_N) * W * 2`` bytes that
+quack counts before it picks the number of K-stages (one stage fewer at ``W = 32``: docs/perf.md).
 """
 
 from __future__ import annotations
@@ -67,8 +69,11 @@ def copy_split(rows: int, r: int, nthreads: int) -> tuple[int, int]:
 
 
 class LowRankOperand(EpiOp):
-    """One operand of the low-rank MMA, ``[rows, R]`` bf16: ``dim`` 0 = kernel M (``lu``), 1 = kernel N
-    (``la``). The tile's rows sit whole in shared memory; the fn frontend never sees it."""
+    """One operand of the low-rank MMA, bf16, K-major: ``lu [N_w, W]`` (``dim`` 0, kernel M) or
+    ``la [M_tok, S * W]`` (``dim`` 1, kernel N). A work tile reads ``W`` columns of each: all of ``lu``,
+    and the window ``s`` of ``la`` that the segment table gives its weight rows (``s = 0`` without a
+    table). The tile's rows of both sit whole in shared memory, ``W`` wide; ``lu`` declares the bytes
+    of both buffers (``la``'s own width is ``S * W``). The fn frontend never sees them."""
 
     fn_port = None
 
@@ -106,11 +111,13 @@ class LowRankOperand(EpiOp):
         return {self.name: cute.make_tensor(ptr, cute.make_layout(t.shape, stride=stride))}
 
     def smem_bytes(self, arg_tensor, cta_tile_shape_mnk, epi_tile, warp_shape_mnk=None):
-        rows = cta_tile_shape_mnk[self.dim]
-        return EpiSmemBytes(unstaged=rows * cute.size(arg_tensor, mode=[1]) * 2 + _SMEM_ALIGN)
+        if self.dim == 1:
+            return EpiSmemBytes()  # counted by lu, whose width is the window's
+        rows = cta_tile_shape_mnk[0] + cta_tile_shape_mnk[1]
+        return EpiSmemBytes(unstaged=rows * cute.size(arg_tensor, mode=[1]) * 2 + 2 * _SMEM_ALIGN)
 
     def _layout(self, gemm, params):
-        return _smem_layout(gemm.cta_tile_shape_mnk[self.dim], cute.size(getattr(params, self.name), mode=[1]))
+        return _smem_layout(gemm.cta_tile_shape_mnk[self.dim], cute.size(params.lu, mode=[1]))
 
     def smem_struct_field(self, gemm, params):
         size = cute.cosize(self._layout(gemm, params))
@@ -119,6 +126,32 @@ class LowRankOperand(EpiOp):
     def get_smem_tensor(self, gemm, params, storage_epi):
         layout = self._layout(gemm, params)
         return getattr(storage_epi, f"s_{self.name}").get_tensor(layout.outer, swizzle=layout.inner)
+
+
+class LowRankSegments(EpiOp):
+    """``ls [N_w / 64] int32``: the window of ``la`` (and of the fused ``proj_up``) that each 64 weight
+    rows use. Fused linears (q/k/v, the single blocks' inputs) concatenate their low-rank branches
+    along R with a block-diagonal ``proj_up``: a weight tile inside one segment needs its own ``W``
+    columns only, so the MMA and the buffers stay ``W`` wide instead of ``S * W``."""
+
+    fn_port = None
+
+    def host_arg_key(self, value):
+        return None if value is None else (torch2cute_dtype_map[value.dtype],)
+
+    def host_validate(self, value, **_):
+        if value.dtype != torch.int32 or value.dim() != 1 or not value.is_contiguous():
+            raise ValueError(f"low-rank segment table {self.name!r}: needs a contiguous [N / 64] int32 tensor, "
+                             f"got {tuple(value.shape)} {value.dtype}")
+
+    def host_fake_arg(self, key, fctx):
+        return make_fake_tensor(key[0], (cute.sym_int(),), leading_dim=0)
+
+    def param_fields(self):
+        return [(self.name, object, None)]
+
+    def to_params(self, gemm, args):
+        return {self.name: getattr(args, self.name)}
 
 
 class LowRankAccMixin:
@@ -153,16 +186,20 @@ class LowRankAccMixin:
             params, tensors = self._lr
             tidx, _, _ = cute.arch.thread_idx()
             nthreads = self.mma_warp_groups * self.num_threads_per_warp_group
+            w = cute.size(params.lu, mode=[1])
+            window = 0
+            if const_expr(params.ls is not None):  # the weight tile's segment (tiles never straddle two)
+                window = params.ls[tile_coord_mnkl[0] * (self.cta_tile_shape_mnk[0] // 64)]
             for name, dim in (("lu", 0), ("la", 1)):
                 mX = getattr(params, name)
                 sX = tensors[name]
                 rows = self.cta_tile_shape_mnk[dim]
-                r = cute.size(mX, mode=[1])
-                per_row, rows_per_pass = copy_split(rows, r, nthreads)
+                per_row, rows_per_pass = copy_split(rows, w, nthreads)
                 nthr = rows_per_pass * per_row
                 thr_copy = copy_utils.tiled_copy_2d(BFloat16, per_row, nthr, _VEC, is_async=True).get_slice(tidx % nthr)
-                gX = cute.local_tile(mX, (rows, r), (tile_coord_mnkl[dim], 0))
-                cX = cute.local_tile(cute.make_identity_tensor(mX.shape), (rows, r), (tile_coord_mnkl[dim], 0))
+                col = 0 if dim == 0 else window
+                gX = cute.local_tile(mX, (rows, w), (tile_coord_mnkl[dim], col))
+                cX = cute.local_tile(cute.make_identity_tensor(mX.shape), (rows, w), (tile_coord_mnkl[dim], col))
                 tXgX = thr_copy.partition_S(gX)
                 tXsX = thr_copy.partition_D(sX)
                 tXcX = thr_copy.partition_S(cX)
@@ -205,7 +242,8 @@ class LowRankEpiMod(EpiMod):
     the call passes ``lu`` and ``la``)."""
 
     def __init__(self, fn, **kwargs):
-        extra = tuple(kwargs.pop("extra_ops", ())) + (LowRankOperand("lu", 0), LowRankOperand("la", 1))
+        extra = tuple(kwargs.pop("extra_ops", ())) + (LowRankOperand("lu", 0), LowRankOperand("la", 1),
+                                                      LowRankSegments("ls"))
         super().__init__(fn, extra_ops=extra, **kwargs)
         TORCH_OP_EPI_MODS.pop(self.semantic_digest, None)
         # the mixin's code is part of what the compiled kernels mean

@@ -39,15 +39,16 @@ def variants(shapes, quick: bool, rank: int = 32):
     ``quick``)."""
     import torch
 
-    from . import QUACK_MIN_M, fast_layout, lowrank_in_acc, quack_fast, quack_gemm
+    from . import LOWRANK_ACC_MAX_RANK, QUACK_MIN_M, fast_layout, quack_fast, quack_gemm
 
-    assert lowrank_in_acc(rank) and rank % 16 == 0
+    assert rank % 16 == 0 and rank <= LOWRANK_ACC_MAX_RANK
     out = []
     for m, k, n in shapes:
         qweight = torch.zeros(n, k // 2, dtype=torch.uint8)
         wscales = torch.ones(n, k // 16).to(torch.float8_e4m3fn)
         ones = torch.ones(n)
-        lr = (torch.zeros(n, rank, dtype=torch.bfloat16), torch.zeros(m, rank, dtype=torch.bfloat16))
+        lr = (torch.zeros(n, rank, dtype=torch.bfloat16), torch.zeros(m, rank, dtype=torch.bfloat16),
+              torch.zeros(n // 64, dtype=torch.int32))  # what prepare passes for a dense branch
         for with_lowrank in ((True,) if quick else (True, False)):
             lr_acc = lr if with_lowrank else None
             tag = f"{m}x{k}x{n}{f'_r{rank}' if with_lowrank else ''}"
