@@ -87,6 +87,8 @@ class LowRankOperand(EpiOp):
     def host_arg_key(self, value):
         if value is None:
             return None
+        if self.dim == 1:  # la's width (S * W) stays dynamic: one kernel for one window or several
+            return (torch2cute_dtype_map[value.dtype],)
         return (torch2cute_dtype_map[value.dtype], int(value.shape[1]))
 
     def host_validate(self, value, **_):
@@ -97,9 +99,9 @@ class LowRankOperand(EpiOp):
             raise ValueError(f"low-rank operand {self.name!r}: rows must be 16-byte aligned")
 
     def host_fake_arg(self, key, fctx):
-        dtype, r = key
-        rows = fctx.m if self.dim == 0 else fctx.n
-        return make_fake_tensor(dtype, (rows, r), divisibility=8, leading_dim=1)
+        if self.dim == 1:
+            return make_fake_tensor(key[0], (fctx.n, cute.sym_int()), divisibility=8, leading_dim=1)
+        return make_fake_tensor(key[0], (fctx.m, key[1]), divisibility=8, leading_dim=1)
 
     def param_fields(self):
         return [(self.name, object, None)]
