@@ -125,6 +125,27 @@ def test_cuda_graph_capture_and_replay(tokens):
     assert torch.equal(out, m(x))
 
 
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_quack_paths_hold_one_copy_of_the_weight(mode):
+    """On Hopper with quack, the repacked weight stands in for the canonical tensors: the GPU holds one
+    copy, every call (large and small M) gives what it gave before, and state_dict is canonical."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the quack paths run on sm90")
+    pytest.importorskip("quack")
+    from test_conformance import random_w4a4
+
+    m = random_w4a4(3072, 3072, 32, torch.bfloat16, "cuda").set_mode(mode)
+    q, s = m.qweight.clone(), m.wscales.clone()
+    xs = [torch.randn(t, 3072, device="cuda", dtype=torch.bfloat16) for t in (512, 7)]
+    ys = [m(x) for x in xs]
+    stood = {name for name in ("qweight", "wscales") if m._parameters[name].numel() == 0}
+    assert stood == ({"qweight", "wscales"} if mode == "exact" else {"qweight"})
+    assert all(torch.equal(m(x), y) for x, y in zip(xs, ys)), "a call after the stand-in differs"
+    assert not {name for name in stood if m._parameters[name].numel()}, "a small-M call brought a tensor back"
+    sd = m.state_dict()
+    assert torch.equal(sd["qweight"], q) and torch.equal(sd["wscales"].view(torch.uint8), s.view(torch.uint8))
+
+
 @pytest.mark.parametrize("offload", ["model", "sequential", "group"])
 def test_offload_moves_the_4bit_tensors_on_and_off_the_gpu(offload, monkeypatch):
     from svdq_linear.linear import _PackedNVFP4Linear

@@ -138,7 +138,8 @@ def test_sm90_leaves_the_fast_mode_to_the_reference_on_the_cpu():
 
 def test_fast_state_stands_in_for_the_canonical_codes():
     """The fast kernel's blob is a permutation of the canonical codes: while it is cached the module
-    frees ``qweight`` and rebuilds it from the blob bit for bit; the exact mode keeps its tensors."""
+    frees ``qweight`` and rebuilds it from the blob bit for bit (the scales stay: the strip cannot give
+    them back). The exact mode's stand-ins: ``test_sm90_host``."""
     qf = pytest.importorskip("svdq_linear.backends.sm90.quack_fast")
     qg = pytest.importorskip("svdq_linear.backends.sm90.quack_gemm")
     from svdq_linear.backends.sm90 import Sm90Backend, Sm90Prepared
@@ -147,8 +148,9 @@ def test_fast_state_stands_in_for_the_canonical_codes():
     backend = Sm90Backend()
     rebuild = backend.replaced(Sm90Prepared(None, None, qf.prepare(q, s, torch.rand(128) + 0.5, None)))
     assert set(rebuild) == {"qweight"} and torch.equal(rebuild["qweight"](), q)
-    assert backend.replaced(Sm90Prepared(None, None, qg.prepare(q, s, torch.ones(128), None))) == {}
-    assert backend.replaced(None) == {}
+    assert set(backend.replaced(Sm90Prepared(None, None, qg.prepare(q, s, torch.ones(128), None)))) == {
+        "qweight", "wscales"}
+    assert backend.replaced(None) == {} and backend.replaced(Sm90Prepared(None, None, None)) == {}
 
 
 # ---- GPU ------------------------------------------------------------------------------------------

@@ -32,3 +32,28 @@ def test_tile_table_is_well_formed():
         cfg = tuning.pick(m, 3072, 3072)
         assert cfg.block_m >= 16 and cfg.block_m <= max(16, 1 << (m - 1).bit_length())
         assert cfg.split_k >= 1 and 3072 % cfg.block_k == 0
+
+
+def test_exact_state_stands_in_and_the_triton_gemm_rebuilds_per_call():
+    """quack's blob and strip stand in for the canonical qweight and wscales (bit for bit); a call the
+    Triton GEMM serves (fewer than QUACK_MIN_M tokens) rebuilds them and gives the same bytes as with
+    the canonical tensors."""
+    pytest.importorskip("triton")
+    from test_conformance import random_w4a4
+
+    from svdq_linear.backends.sm90 import Sm90Backend, Sm90Prepared
+
+    backend = Sm90Backend()
+    m = random_w4a4(256, 128, 16, torch.bfloat16, "cpu")
+    qw = quack_gemm.prepare(m.qweight, m.wscales, m.wcscale, m.bias)
+    pds = (m.proj_down.float() / m.smooth[:, None]).bfloat16()
+    prep = Sm90Prepared(pds, m.proj_up.bfloat16(), qw)
+    rebuild = backend.replaced(prep)
+    assert set(rebuild) == {"qweight", "wscales"}
+    assert torch.equal(rebuild["qweight"](), m.qweight)
+    assert torch.equal(rebuild["wscales"]().view(torch.uint8), m.wscales.view(torch.uint8))
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    args = (m.smooth, m.proj_down, m.proj_up, m.wcscale, m.bias, backend.extra_tensors(prep))
+    want = backend.run_w4a4(x, m.qweight, m.wscales, *args)
+    empty_q, empty_s = m.qweight.new_empty(0, 0), m.wscales.new_empty(0, 0)
+    assert torch.equal(backend.run_w4a4(x, empty_q, empty_s, *args), want)

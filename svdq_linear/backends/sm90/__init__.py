@@ -9,8 +9,9 @@ By tokens M (bf16):
   registers as wgmma's A operand, ``* wcscale`` then the low-rank MMA into the same accumulator);
 - M >= 128, bf16: quack-kernels' NVFP4 W4 GEMM (``quack_gemm``) with ``* wcscale + bias`` fused and
   the low-rank MMA issued into its accumulator after the K-loop (``quack_lowrank``; ranks above
-  ``LOWRANK_ACC_MAX_RANK`` add a cuBLAS-made [M, N] tile in the epilogue instead). It reads a repacked
-  copy of the weight (``SVDQ_SM90_QUACK=0`` leaves it out).
+  ``LOWRANK_ACC_MAX_RANK`` add a cuBLAS-made [M, N] tile in the epilogue instead). Its repacked
+  weight stands in for the canonical ``qweight``/``wscales`` on the GPU (``Backend.replaced``); the
+  Triton calls rebuild them per call (``SVDQ_SM90_QUACK=0`` leaves quack out).
 
 The fast mode (``nvfp4.w4a8_fast_linear``): ``kernels.quantize_act_fp8`` writes the per-token E4M3
 activations (and ``lora_act / sa``), and ``quack_fast`` runs FP8 wgmma on the 4-bit weight decoded to
@@ -40,7 +41,7 @@ from .. import Backend, device_capability, weights_are_offloaded
 
 MAX_RANK = 256
 QUACK_MIN_M = 128  # tokens from which quack's W4 GEMM serves bf16 calls (docs/perf.md)
-ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (no repacked weight copy on the GPU)
+ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (the Triton GEMM for every exact call)
 
 
 LOWRANK_ACC_MAX_RANK = 64  # widest low-rank window a weight tile reads in the accumulator path (docs/perf.md)
@@ -188,7 +189,10 @@ class Sm90Backend(Backend):
     def _use_quack(self, module) -> bool:
         n, k = module.out_features, module.in_features
         # Under per-call offload the repacked copy would be rebuilt for every call: use the Triton GEMM.
-        return (not self.interpret and not weights_are_offloaded(module) and os.environ.get(ENV_QUACK, "1") != "0" and n % 128 == 0 and k % 128 == 0
+        # quack serves bf16 activations, which follow the module's dtype in a pipeline: an fp16 module
+        # would keep a repacked copy that no call reads.
+        return (not self.interpret and not weights_are_offloaded(module) and os.environ.get(ENV_QUACK, "1") != "0"
+                and n % 128 == 0 and k % 128 == 0 and module.proj_up.dtype == torch.bfloat16
                 and _quack_module() is not None)
 
     def prepare(self, module, device):
@@ -222,19 +226,26 @@ class Sm90Backend(Backend):
         return [] if prepared is None else prepared.tensors()
 
     def replaced(self, prepared):
-        # The fast kernel reads only its own layout, and its blob is a permutation of the canonical codes:
-        # the canonical qweight leaves the device while the state is cached. (The exact mode keeps its
-        # canonical tensors: the Triton GEMM reads them for fewer than QUACK_MIN_M tokens.)
-        if prepared is None or type(prepared.quack).__name__ != "FastWeight":
-            return {}
-        from .fast_layout import unpack_fast_weight
+        # Both quack layouts are byte permutations of the canonical tensors, so those leave the device
+        # while the state is cached: the fast kernel's blob stands in for qweight (its strip cannot give
+        # the scales back); the exact kernel's blob and strip stand in for qweight and wscales, and the
+        # Triton GEMM that serves the exact mode's other calls rebuilds them per call (run_w4a4).
+        kind = type(getattr(prepared, "quack", None)).__name__
+        if kind == "FastWeight":
+            from .fast_layout import unpack_fast_weight
 
-        blob = prepared.quack.blob
-        return {"qweight": lambda: unpack_fast_weight(blob)}
+            blob = prepared.quack.blob
+            return {"qweight": lambda: unpack_fast_weight(blob)}
+        if kind == "QuackWeight":
+            from .quack_gemm import unpack_scales, unpack_weight
+
+            qw = prepared.quack
+            return {"qweight": lambda: unpack_weight(qw.blob), "wscales": lambda: unpack_scales(qw.sf)}
+        return {}
 
     def run_w4a4(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
         m, k = x.shape
-        n, r = qweight.shape[0], proj_down.shape[1]
+        n, r = wcscale.shape[0], proj_down.shape[1]
         lora = None
         if r:
             pds = extra[0] if extra else (proj_down.float() / smooth[:, None]).to(torch.bfloat16)
@@ -252,6 +263,10 @@ class Sm90Backend(Backend):
             return quack_gemm.gemm(xq, qw, lora @ extra[1].T if r else None)
         if r and lora.shape[1] != r:  # padded to whole windows for the quack path
             lora = lora[:, :r].contiguous()
+        if qweight.numel() == 0:  # quack's repacked tensors stand in for the canonical ones (replaced)
+            from .quack_gemm import unpack_scales, unpack_weight
+
+            qweight, wscales = unpack_weight(extra[-4]), unpack_scales(extra[-3])
         cfg = self.tuning.pick(m, n, k)
         return self.kernels.w4_gemm(xq, qweight, wscales, wcscale, bias, proj_up if r else None, lora, x.dtype, cfg)
 
