@@ -215,6 +215,8 @@ class LowRankAccMixin:
     @cute.jit
     def epi_visit_acc(self, params, acc, tiled_mma, tile_coord_mnkl, tidx):
         if const_expr(self._lr is not None):
+            # quack calls this hook in every split of a split-K tile: the term would be added split_k times
+            assert self.split_k == 1, "the low-rank MMA in the accumulator needs split_k == 1"
             _, tensors = self._lr
             cute.arch.cp_async_wait_group(0)
             # the cp.async writes are generic-proxy stores; wgmma reads through the async proxy
