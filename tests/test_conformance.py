@@ -27,7 +27,7 @@ BACKENDS = _backend_devices()
 if HAS_CUDA:
     SHAPES = [(3072, 3072), (3072, 12288), (12288, 3072)]
     MS = [0, 1, 7, 128, 1000, 4096]
-    # 20: padded to 16 for the low-rank MMA in quack's accumulator; 192: above LOWRANK_ACC_MAX_RANK
+    # 20: padded to 16 for the low-rank MMA in quack's accumulator; 192: above LOWRANK_MAX_WINDOW
     RANKS = [0, 16, 20, 32, 128, 192]
 else:
     RANKS = [0, 16, 32, 128]

@@ -6,7 +6,7 @@ and ``quantize_act_fp8`` (under Triton's interpreter) against ``nvfp4.fast_act``
 GPU (H100/H200 with quack-kernels): the same on the device, the decoded weights read back through the
 GEMM itself, and the whole fast linear against the fast formula in float64 (ranks that put the low-rank
 MMA into the accumulator, one padded to 16, a fused q/k/v whose tiles each read their own window, and
-one above ``LOWRANK_ACC_MAX_RANK`` that adds a tile).
+one above ``LOWRANK_MAX_WINDOW`` that adds a tile).
 """
 
 import pytest

@@ -56,7 +56,7 @@ def test_plan_puts_each_weight_tile_in_one_window():
     assert plan(dense) == (32, [0, 0, 0, 0])
     assert plan(torch.randn(256, 20)) == (32, [0] * 4)  # padded to a whole window
     assert plan(torch.randn(256, 64)) == (64, [0] * 4)
-    assert plan(torch.randn(256, 80)) is None  # wider than LOWRANK_ACC_MAX_RANK: the tile path
+    assert plan(torch.randn(256, 80)) is None  # wider than LOWRANK_MAX_WINDOW: the tile path
     assert plan(torch.zeros(256, 32)) == (16, [0] * 4)
     # fused q/k/v of rank 32 (R = 96): each segment reads its own 32 columns
     assert plan(_block_diagonal([(128, 32)] * 3)) == (32, [0, 0, 1, 1, 2, 2])

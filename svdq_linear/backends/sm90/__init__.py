@@ -8,8 +8,9 @@ By tokens M (bf16):
 - M < 128, fp16/fp32 inputs, or no quack: ``kernels.w4_gemm`` (Triton: the weight decoded in
   registers as wgmma's A operand, ``* wcscale`` then the low-rank MMA into the same accumulator);
 - M >= 128, bf16: quack-kernels' NVFP4 W4 GEMM (``quack_gemm``) with ``* wcscale + bias`` fused and
-  the low-rank MMA issued into its accumulator after the K-loop (``quack_lowrank``; ranks above
-  ``LOWRANK_ACC_MAX_RANK`` add a cuBLAS-made [M, N] tile in the epilogue instead). Its repacked
+  the low-rank MMA issued into its accumulator after the K-loop (``quack_lowrank``, each weight tile
+  reading a window of at most ``LOWRANK_MAX_WINDOW`` columns: ``plan_lowrank``; wider branches add a
+  cuBLAS-made [M, N] tile in the epilogue instead). Its repacked
   weight stands in for the canonical ``qweight``/``wscales`` on the GPU (``Backend.replaced``); the
   Triton calls rebuild them per call (``SVDQ_SM90_QUACK=0`` leaves quack out).
 
@@ -44,7 +45,7 @@ QUACK_MIN_M = 128  # tokens from which quack's W4 GEMM serves bf16 calls (docs/p
 ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (the Triton GEMM for every exact call)
 
 
-LOWRANK_ACC_MAX_RANK = 64  # widest low-rank window a weight tile reads in the accumulator path (docs/perf.md)
+LOWRANK_MAX_WINDOW = 64  # widest low-rank window a weight tile reads in the accumulator path (docs/perf.md)
 
 
 def _pad_cols(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -59,7 +60,7 @@ def plan_lowrank(proj_up: torch.Tensor) -> tuple[int, torch.Tensor] | None:
     ``s = segments[rows // 64]`` ([N / 64] int32); or None (the [M, N] tile path instead).
 
     Dropping a group's all-zero columns is exact, so any ``proj_up`` qualifies whose nonzero columns
-    fit such windows of at most ``LOWRANK_ACC_MAX_RANK`` columns, the same window for both halves of a
+    fit such windows of at most ``LOWRANK_MAX_WINDOW`` columns, the same window for both halves of a
     128-row tile: a dense rank up to 64 (one window), and the block-diagonal ``proj_up`` of fused
     linears (q/k/v, the single blocks' inputs), whose segments each read their own rank's window."""
     n, r = proj_up.shape
@@ -70,7 +71,7 @@ def plan_lowrank(proj_up: torch.Tensor) -> tuple[int, torch.Tensor] | None:
     col = torch.arange(r, device=proj_up.device)
     lo = torch.where(nz, col, r).amin(1)
     hi = torch.where(nz, col, -1).amax(1)
-    for w in range(16, LOWRANK_ACC_MAX_RANK + 1, 16):
+    for w in range(16, LOWRANK_MAX_WINDOW + 1, 16):
         if not bool(((lo // w == hi // w) | ~used).all()):
             continue
         seg = torch.where(used, lo // w, 0)

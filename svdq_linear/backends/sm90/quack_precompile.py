@@ -39,9 +39,9 @@ def variants(shapes, quick: bool, rank: int = 32):
     ``quick``)."""
     import torch
 
-    from . import LOWRANK_ACC_MAX_RANK, QUACK_MIN_M, fast_layout, quack_fast, quack_gemm
+    from . import LOWRANK_MAX_WINDOW, QUACK_MIN_M, fast_layout, quack_fast, quack_gemm
 
-    assert rank % 16 == 0 and rank <= LOWRANK_ACC_MAX_RANK
+    assert rank % 16 == 0 and rank <= LOWRANK_MAX_WINDOW
     out = []
     for m, k, n in shapes:
         qweight = torch.zeros(n, k // 2, dtype=torch.uint8)
