@@ -6,10 +6,10 @@ Per shape (M, K, N), each path checked before it is timed:
 - ``F.linear`` bf16 (cuBLAS, with bias): the baseline;
 - ``torch._scaled_mm`` FP8 with per-token / per-channel scales (8-bit weights, no low-rank branch);
 - the exact W4A4 linear (the module's forward, ``mode="exact"``);
-- the fast GEMM alone (E4M3 activations ready; ``* sa * cs + bias + lowrank`` fused, lowrank tile
-  ready) at R = 32, and its low-rank-free form;
-- the whole fast linear (the module's forward, ``mode="fast"``: quantize_act_fp8 + low-rank GEMMs +
-  the fast GEMM), and its quantization pass alone.
+- the fast GEMM alone (E4M3 activations and ``lora_act / sa`` ready; the low-rank MMA in its
+  accumulator, ``* sa * cs + bias`` fused) at R = 32, and its low-rank-free form;
+- the whole fast linear (the module's forward, ``mode="fast"``: ``lora_act``, quantize_act_fp8, the
+  fast GEMM), and its quantization pass alone (with ``lora_act / sa``).
 Then the accuracy of the FP8 accumulation at K = 3072 / 12288 / 15360 against the fast formula in
 float64, and (``--tiles``) the GEMM per tile shape. Random data; ``do_bench`` medians (ms); ratios are
 cuBLAS time / path time, from the same run.
@@ -57,6 +57,17 @@ def fast_reference(m, x) -> torch.Tensor:
     args = [t.cpu() if t is not None else None for t in (m.qweight, m.wscales, m.smooth, m.proj_down, m.proj_up,
                                                             m.wcscale, m.bias)]
     return nvfp4.w4a8_fast_linear(x.cpu(), *args, torch.float64)
+
+
+def _gemm_operands(mod, x):
+    """The fast GEMM's weight and low-rank operands as the backend prepares them (the low-rank MMA in
+    the accumulator), and ``lora_act`` for the activation pass."""
+    from svdq_linear.backends.sm90 import Sm90Backend, _mm_f32
+
+    prep = Sm90Backend().prepare(mod, x.device)
+    lora = _mm_f32(x, prep.proj_down_smoothed)
+    _, sa, la = kernels.quantize_act_fp8(x, mod.smooth, lora=lora)
+    return prep.quack, (prep.proj_up_bf16, la, prep.lowrank_segments), lora
 
 
 def scaled_mm_fp8(x, w):
@@ -111,7 +122,7 @@ def main() -> None:
         return
     log(f"# fast mode — {torch.cuda.get_device_name()} — {time.strftime('%Y-%m-%d %H:%M')}"
         f"{' — CUDA graph replays (GPU time)' if args.graphs else ' — eager launches'}")
-    log("\nms (ratio = cuBLAS bf16 / path); fast GEMM: E4M3 activations and the low-rank tile ready; "
+    log("\nms (ratio = cuBLAS bf16 / path); fast GEMM: E4M3 activations and lora_act / sa ready; "
         "whole: the module's forward. check: relative error against the fast formula (float64).\n")
     log("| shape | M | K | N | cuBLAS bf16 | _scaled_mm fp8 | exact linear | fast GEMM R=32 | fast GEMM R=0 | "
         "fast whole R=32 | quant pass | check |")
@@ -130,20 +141,19 @@ def main() -> None:
         mod.set_mode("fast")
         y = mod(x)
         err = rel(y.cpu(), fast_reference(mod, x))
-        fw = quack_fast.prepare(mod.qweight, mod.wscales, mod.wcscale, mod.bias)
+        fw, lr_acc, lora = _gemm_operands(mod, x)
         a8, sa = kernels.quantize_act_fp8(x, mod.smooth)
-        lowrank = torch.randn(m_tok, n, device=dev, dtype=torch.bfloat16)
-        t_gemm = timer(lambda: quack_fast.gemm(a8, sa, fw, lowrank))
+        t_gemm = timer(lambda: quack_fast.gemm(a8, sa, fw, lr_acc=lr_acc))
         t_gemm0 = timer(lambda: quack_fast.gemm(a8, sa, fw, None))
         t_whole = timer(lambda: mod(x))
-        t_quant = timer(lambda: kernels.quantize_act_fp8(x, mod.smooth))
+        t_quant = timer(lambda: kernels.quantize_act_fp8(x, mod.smooth, lora=lora))
 
         def cell(t):
             return f"{t:.4f} ({t_ref / t:.2f}x)"
 
         log(f"| {label} | {m_tok} | {k} | {n} | {t_ref:.4f} | {cell(t_smm)} | {cell(t_exact)} | {cell(t_gemm)} | "
             f"{cell(t_gemm0)} | {cell(t_whole)} | {t_quant:.4f} | {err:.2e} |")
-        del fw, a8, lowrank
+        del fw, a8, lr_acc
         torch.cuda.empty_cache()
 
     log("\n## FP8 accumulation: error of the fast linear against the fast formula in float64\n")
@@ -168,17 +178,16 @@ def main() -> None:
                             (1, 3072, 3072)]:
             torch.manual_seed(0)
             mod = random_w4a4(k, n, 32, torch.bfloat16, dev)
-            fw = quack_fast.prepare(mod.qweight, mod.wscales, mod.wcscale, mod.bias)
             x = torch.randn(m_tok, k, device=dev, dtype=torch.bfloat16)
+            fw, lr_acc, _ = _gemm_operands(mod.set_mode("fast"), x)
             a8, sa = kernels.quantize_act_fp8(x, mod.smooth)
-            lowrank = torch.randn(m_tok, n, device=dev, dtype=torch.bfloat16)
             cells = []
             for tile in tiles:
                 if tile[1] > 2 * max(m_tok, 16) and tile[1] > 16:
                     cells.append("-")
                     continue
                 try:
-                    cells.append(f"{timer(lambda: quack_fast.gemm(a8, sa, fw, lowrank, tile=tile)):.4f}")
+                    cells.append(f"{timer(lambda: quack_fast.gemm(a8, sa, fw, tile=tile, lr_acc=lr_acc)):.4f}")
                 except Exception as e:  # a tile the kernel cannot build (registers, shared memory)
                     cells.append(f"fail: {type(e).__name__}")
             log(f"| {m_tok} | {k} | {n} | " + " | ".join(cells) + " |")
