@@ -120,9 +120,11 @@ def main() -> None:
     log("\n## whole linear (module forward, R = 32 a part: fused q/k/v and the single blocks' fused input are "
         "concat_w4a4 of their parts), CUDA-graph replays, ms (ratio = cuBLAS bf16 / path)\n")
     log("Parts, each alone: quant = the activation pass (fast: with lora_act / sa), lora = x @ (proj_down / "
-        "smooth), GEMM = the quack GEMM with the low-rank MMA in its accumulator.\n")
-    log("| shape | M | K | N | cuBLAS bf16 | exact | exact: quant, lora, GEMM | fast | fast: quant, lora, GEMM |")
-    log("|---|---|---|---|---|---|---|---|---|")
+        "smooth), GEMM = the quack GEMM with the low-rank MMA in its accumulator; last column: the fast "
+        "activation pass computing lora_act itself (replacing quant + lora).\n")
+    log("| shape | M | K | N | cuBLAS bf16 | exact | exact: quant, lora, GEMM | fast | fast: quant, lora, GEMM | "
+        "fast: quant with lora inside |")
+    log("|---|---|---|---|---|---|---|---|---|---|")
     from svdq_linear.backends.sm90 import Sm90Backend, _mm_f32
     from svdq_linear.fuse import concat_w4a4
 
@@ -161,7 +163,15 @@ def main() -> None:
                 t_q = timer(lambda: kernels.quantize_act_fp8(x, mod.smooth, lora=lora))
                 t_l = timer(lambda: _mm_f32(x, pds_p))
                 t_g = timer(lambda: quack_fast.gemm(a8, sa, w, lr_acc=(lu, la, seg)))
+                # lora_act computed inside the activation pass instead of by cuBLAS: checked, then timed
+                _, _, la_f = kernels.quantize_act_fp8(x, mod.smooth, proj_down_smoothed=pds_p)
+                bound = (x.float().abs() @ pds_p.float().abs()) / sa[:, None] * 2.0**-7 + 1e-30
+                if not bool(((la_f.float() - la.float()).abs() <= bound).all()):
+                    raise AssertionError(f"{label}: the fused lora_act differs from cuBLAS's beyond bf16 rounding")
+                t_f = timer(lambda: kernels.quantize_act_fp8(x, mod.smooth, proj_down_smoothed=pds_p))
             cells += [f"{t:.4f} ({t_ref / t:.2f}x)", f"{t_q:.4f}, {t_l:.4f}, {t_g:.4f}"]
+            if mode == "fast":
+                cells.append(f"{t_f:.4f}")
             del w
         log(f"| {label} | {m_tok} | {k} | {n} | {t_ref:.4f} | " + " | ".join(cells) + " |")
         del mod

@@ -75,10 +75,14 @@ def _variants_sm90(quick: bool):
         out.append((kernels._quantize_act_kernel, sig, cx, dict(num_warps=4), f"quantize_act_{xdt}"))
         # with lora_act / sa for the low-rank MMA in the accumulator, at the converter's default rank 32
         sig = dict(x_ptr=k_ptr[xdt], smooth_ptr="*fp32", a8_ptr="*u8", sa_ptr="*fp32", lora_ptr="*fp32",
-                   la_ptr="*bf16", M="i32", K="i32", R="i32", stride_xm="i32", stride_xk="i32")
+                   pds_ptr="*fp32", la_ptr="*bf16", M="i32", K="i32", R="i32", stride_xm="i32", stride_xk="i32")
         out.append((kernels._quantize_act_fp8_kernel, sig,
-                    dict(BLOCK_M=4, BLOCK_K=512, BLOCK_R=32, HAS_LORA=True), dict(num_warps=4),
+                    dict(BLOCK_M=4, BLOCK_K=512, BLOCK_R=32, HAS_LORA=True, FUSE_LORA=False, DOT_F32=False), dict(num_warps=4),
                     f"quantize_act_fp8_{xdt}"))
+        sig = dict(sig, pds_ptr="*bf16")  # lora_act computed in the pass (proj_down_smoothed=)
+        out.append((kernels._quantize_act_fp8_kernel, sig,
+                    dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=32, HAS_LORA=False, FUSE_LORA=True, DOT_F32=False),
+                    dict(num_warps=4), f"quantize_act_fp8_lora_{xdt}"))
     seen = set()
     for m, k, n in (SHAPES[:2] + SHAPES[-3:] if quick else SHAPES):
         cfg = tuning.pick(m, n, k)

@@ -130,6 +130,30 @@ def test_quantize_act_fp8_divides_lora_act_by_the_token_scale(block_m):
         kernels.quantize_act_fp8(x.to(dev), smooth.to(dev), lora=lora[:5].to(dev))
 
 
+def test_quantize_act_fp8_can_compute_lora_act_itself():
+    """``proj_down_smoothed=``: the kernel's first pass also multiplies the x it reads by
+    ``proj_down / smooth`` (bf16 operands, fp32 accumulation) and writes ``la = lora_act / sa``; the codes
+    and scales stay bit-exact."""
+    from svdq_linear.backends.sm90 import kernels
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(37, 384, generator=g) * torch.logspace(-3, 3, 37).unsqueeze(1)).bfloat16()
+    x[5] = 0
+    smooth = torch.rand(384, generator=g) + 0.5
+    pds = (torch.randn(384, 24, generator=g) / 20 / smooth[:, None]).bfloat16()
+    a8, sa, la = kernels.quantize_act_fp8(x.to(dev), smooth.to(dev), proj_down_smoothed=pds.to(dev))
+    ra8, rsa = nvfp4.fast_act(nvfp4.smooth_input(x, smooth))
+    assert torch.equal(sa.cpu(), rsa) and torch.equal(a8.view(torch.uint8).cpu(), ra8.view(torch.uint8))
+    want = (x.double() @ pds.double()) / rsa.double()[:, None]
+    bound = (x.double().abs() @ pds.double().abs()) / rsa.double()[:, None] * 2.0**-7 + 1e-30
+    err = (la.cpu().double() - want).abs()
+    assert la.shape == (37, 24) and (err <= bound).all(), f"max err/bound {(err / bound).max().item():.3g}"
+    with pytest.raises(ValueError, match="not both"):
+        kernels.quantize_act_fp8(x.to(dev), smooth.to(dev), lora=torch.zeros(37, 24, device=dev),
+                                 proj_down_smoothed=pds.to(dev))
+
+
 def test_sm90_leaves_the_fast_mode_to_the_reference_on_the_cpu():
     m = SVDQW4A4Linear(256, 128, rank=8)
     m.set_mode("fast")

@@ -112,15 +112,19 @@ def _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, R, BLOCK_M: tl.constexpr, BLOCK_
 
 @triton.jit
 def _quantize_act_fp8_kernel(
-    x_ptr, smooth_ptr, a8_ptr, sa_ptr, lora_ptr, la_ptr, M, K, R, stride_xm, stride_xk,
+    x_ptr, smooth_ptr, a8_ptr, sa_ptr, lora_ptr, pds_ptr, la_ptr, M, K, R, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
+    FUSE_LORA: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     # The fast mode's per-token E4M3 activations: the row max first, then one more pass that
-    # quantizes (the second read of a row block comes from L2).
+    # quantizes (the second read of a row block comes from L2). FUSE_LORA: the first pass also
+    # accumulates lora_act = x @ (proj_down / smooth) on tensor cores from the x it reads anyway.
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = rm < M
     amax = tl.zeros([BLOCK_M], tl.float32)
     nan = tl.zeros([BLOCK_M], tl.int32)
+    rr = tl.arange(0, BLOCK_R)
+    lacc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
@@ -130,12 +134,21 @@ def _quantize_act_fp8_kernel(
         xs = tl.abs(x * tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)[None, :])
         amax = tl.maximum(amax, tl.max(tl.where(xs == xs, xs, 0.0), axis=1))
         nan = tl.maximum(nan, tl.max((xs != xs).to(tl.int32), axis=1))
+        if FUSE_LORA:
+            pd = tl.load(pds_ptr + rk[:, None] * R + rr[None, :], mask=k_ok[:, None] & (rr < R)[None, :], other=0.0)
+            if DOT_F32:  # Triton's CPU interpreter multiplies bf16 operands wrongly; same values in fp32
+                lacc += tl.dot(x.to(tl.bfloat16).to(tl.float32), pd.to(tl.float32))
+            else:
+                lacc += tl.dot(x.to(tl.bfloat16), pd)
     # as nvfp4.fast_act: 1 for an all-zero row and where the max is NaN
     ok = (amax > 0) & (nan == 0)
     sa = tl.where(ok, tl.math.div_rn(amax, tl.full([BLOCK_M], 448.0, tl.float32)), 1.0)
     r = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sa)
     tl.store(sa_ptr + rm, sa, mask=m_ok)
-    if HAS_LORA:
+    if FUSE_LORA:
+        la = tl.math.div_rn(lacc, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_R)))
+        tl.store(la_ptr + rm[:, None] * R + rr[None, :], la.to(tl.bfloat16), mask=m_ok[:, None] & (rr < R)[None, :])
+    elif HAS_LORA:
         _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, R, BLOCK_M, BLOCK_R)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -291,34 +304,49 @@ def quantize_act(
 
 
 
-def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tensor | None = None, block_m: int = 4,
-                     block_k: int = 512, num_warps: int = 4):
+def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tensor | None = None,
+                     proj_down_smoothed: torch.Tensor | None = None, block_m: int = 4, block_k: int = 512,
+                     num_warps: int = 4):
     """The fast mode's activations of ``x [M, K]`` (any strides): ``(a8 [M, K] float8_e4m3fn, sa [M]
     float32)``, bit-identical to ``nvfp4.fast_act(nvfp4.smooth_input(x, smooth))``. With ``lora [M, R]``
     (contiguous, any float dtype: ``lora_act``) also ``la [M, R] bf16 = lora / sa`` rounded once, as the
-    third result. Two passes over each row block: its max, then the codes (the second read comes from
-    L2). The default block (4 rows x 512) measured fastest of six on the H200 (docs/perf.md). A one-pass
-    variant holding a row in registers wrote wrong bytes there."""
+    third result; with ``proj_down_smoothed [K, R]`` (bf16, contiguous) instead, the kernel computes
+    ``lora_act = x @ proj_down_smoothed`` itself (tensor cores, fp32, from the x of its first pass;
+    blocks of at least 16 rows, k-chunks of at most 128) and returns the same ``la``: one read of x
+    fewer than a separate GEMM, not yet timed on a GPU (``benchmarks/bench_lowrank.py``). Two passes over each row block: its max, then
+    the codes (the second read comes from L2). The default block (4 rows x 512) measured fastest of six
+    on the H200 (docs/perf.md). A one-pass variant holding a row in registers wrote wrong bytes there."""
     m, k = x.shape
     if x.stride(1) != 1 and not _INTERPRET:
         # Triton 3.6 on sm_90 writes wrong bytes for an input strided along K (seen on the H200 for a
         # column-major x, docs/perf.md): such inputs are rare in a transformer, so copy them.
         x = x.contiguous()
+    if lora is not None and proj_down_smoothed is not None:
+        raise ValueError("pass lora (computed) or proj_down_smoothed (to compute it here), not both")
     a8 = torch.empty(m, k, device=x.device, dtype=torch.uint8)
     sa = torch.empty(m, device=x.device, dtype=torch.float32)
-    r, la = 0, None
+    r, la, lora_in, pds = 0, None, sa, sa
     if lora is not None:
         if lora.dim() != 2 or lora.shape[0] != m or not lora.is_contiguous():
             raise ValueError(f"lora must be a contiguous [{m}, R] tensor, got {tuple(lora.shape)}")
-        r = lora.shape[1]
+        r, lora_in = lora.shape[1], lora
+    if proj_down_smoothed is not None:
+        pds = proj_down_smoothed
+        if pds.dim() != 2 or pds.shape[0] != k or pds.dtype != torch.bfloat16 or not pds.is_contiguous():
+            raise ValueError(f"proj_down_smoothed must be a contiguous [{k}, R] bf16 tensor, got "
+                             f"{tuple(pds.shape)} {pds.dtype}")
+        # tl.dot takes 16 rows at least; a k-chunk of 128 keeps the proj_down tile in registers
+        r, block_m, block_k = pds.shape[1], max(block_m, 16), min(block_k, 128)
+    wants_la = lora is not None or proj_down_smoothed is not None
+    if wants_la:
         la = torch.empty(m, r, device=x.device, dtype=torch.bfloat16)
-    lora_args = (lora, la) if r else (sa, sa)
     if m:
         _quantize_act_fp8_kernel[(triton.cdiv(m, block_m),)](
-            x, smooth, a8, sa, *lora_args, m, k, r, x.stride(0), x.stride(1),
+            x, smooth, a8, sa, lora_in, pds, la if r else sa, m, k, r, x.stride(0), x.stride(1),
             BLOCK_M=block_m, BLOCK_K=min(block_k, triton.next_power_of_2(k)), BLOCK_R=_block_r(r),
-            HAS_LORA=bool(r), num_warps=num_warps)
-    if lora is None:
+            HAS_LORA=lora is not None, FUSE_LORA=proj_down_smoothed is not None, DOT_F32=_INTERPRET,
+            num_warps=num_warps)
+    if not wants_la:
         return a8.view(torch.float8_e4m3fn), sa
     return a8.view(torch.float8_e4m3fn), sa, la
 
