@@ -1,12 +1,15 @@
-"""GPU time of the sm90 path at a few tokens, without host overhead: CUDA-graph replays.
+"""GPU time of the sm90 paths at a few tokens, without host overhead: CUDA-graph replays.
 
-    python benchmarks/bench_small_m.py [--out FILE]
+    python benchmarks/bench_small_m.py [--out FILE] [--no-sweep]
 
 At M <= 64 one call is microseconds of GPU work behind ~0.2 ms of Python and launch overhead, so
 ``do_bench`` on the eager call measures the host. Here each variant is captured once in a CUDA graph
-holding 20 calls and the replays are timed with events: cuBLAS bf16 ``F.linear``, the module's whole
-forward (activation pass, lora, W4 GEMM), and the Triton W4 GEMM alone; weight GB/s counts the 4-bit
-weight and its scales once.
+holding 20 calls and the replays are timed with events. Per shape: cuBLAS bf16 ``F.linear``; the
+module's whole forward in each mode with the small-M kernel (``small_m``, the default up to
+``SMALL_M`` tokens) and with the paths it replaced (the Triton W4 GEMM for the exact mode and W4A16,
+quack's FP8 GEMM for the fast mode); the small-M kernel alone with its epilogue and low-rank term
+(the GEMM target), its weight GB/s (4-bit codes and scales read once) against a device-to-device
+copy measured in the same run. ``--sweep`` times the kernel's tile, warp and split choices.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _table import emit  # noqa: E402
 from test_conformance import random_w4a4  # noqa: E402
 
+import svdq_linear.backends.sm90 as sm90  # noqa: E402
 from svdq_linear import NVFP4W4A16Linear  # noqa: E402
-from svdq_linear.backends.sm90 import kernels, tuning  # noqa: E402
+from svdq_linear.backends.sm90 import small_m  # noqa: E402
 
 CALLS = 20
 
@@ -53,34 +57,102 @@ def graph_time(fn) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def module_time(q, x, small: bool) -> float:
+    sm90.SMALL_M = 64 if small else 0  # read per call by the backend
+    try:
+        return graph_time(lambda: q(x))
+    finally:
+        sm90.SMALL_M = 64
+
+
+def kernel_call(q, x, mode: str):
+    """The small-M kernel alone as the backend calls it (activations and lora_act made beforehand)."""
+    n, k = q.out_features, q.in_features
+    if mode == "w4a16":
+        return lambda **kw: small_m.linear(x, small_m.CANONICAL, q.qweight, q.wscales, q.wcscale.float(), n,
+                                           act=small_m.ACT_X, bias=q.bias, out_dtype=x.dtype, **kw)
+    r = q.rank
+    lora = torch.randn(x.shape[0], r, device="cuda", dtype=torch.bfloat16)
+    if mode == "exact":
+        return lambda **kw: small_m.linear(x, small_m.CANONICAL, q.qweight, q.wscales, q.wcscale.float(), n,
+                                           act=small_m.ACT_NVFP4 if x.shape[0] <= small_m.FMA_MAX_M else small_m.ACT_X,
+                                           smooth=q.smooth, bias=q.bias, proj_up=q.proj_up, lora_act=lora,
+                                           out_dtype=x.dtype, **kw)
+    from svdq_linear.backends.sm90 import kernels, quack_fast
+
+    fw = quack_fast.prepare(q.qweight, q.wscales, q.wcscale, q.bias)
+    a8, sa = kernels.quantize_act_fp8(x, q.smooth)
+    return lambda **kw: small_m.linear(a8, small_m.FAST, fw.blob, fw.strip, fw.cs.view(-1), n, act=small_m.ACT_E4M3,
+                                       rowscale=sa, bias=q.bias, proj_up=q.proj_up, lora_act=lora, out_dtype=x.dtype,
+                                       **kw)
+
+
+SHAPES = [("attn", 1, 3072, 3072), ("attn", 4, 3072, 3072), ("attn", 8, 3072, 3072), ("attn", 16, 3072, 3072),
+          ("attn", 64, 3072, 3072), ("ff up", 1, 3072, 12288), ("ff down", 1, 12288, 3072),
+          ("single out", 1, 15360, 3072)]
+ADALN = [("adaLN W4A16", 1, 3072, 18432), ("adaLN W4A16", 4, 3072, 9216), ("adaLN W4A16", 1, 3072, 6 * 3072 // 2)]
+
+
 @torch.no_grad()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out")
+    p.add_argument("--sweep", action="store_true")
     args = p.parse_args()
+    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * src.numel() / (graph_time(lambda: dst.copy_(src)) * 1e-3) / 1e9
     rows = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}, "
-            f"CUDA-graph replays of {CALLS} calls", "",
-            "| layer | M | K | N | cuBLAS bf16 us | svdq linear us | vs bf16 | W4 GEMM alone us | weight GB/s |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for label, m, k, n, w4a16 in [("attn", 1, 3072, 3072, False), ("attn", 7, 3072, 3072, False),
-                                  ("attn", 64, 3072, 3072, False), ("ff up", 7, 3072, 12288, False),
-                                  ("adaLN W4A16", 1, 3072, 18432, True), ("adaLN W4A16", 4, 3072, 9216, True)]:
+            f"CUDA-graph replays of {CALLS} calls; device copy {copy_gbs:.0f} GB/s (read + write)", "",
+            "us; ratio = cuBLAS bf16 time / ours; 'before' = the path the small-M kernel replaced; kernel = "
+            "small_m.linear alone (epilogue and low-rank term included), weight GB/s = codes + scales / its time", "",
+            "| layer | M | K | N | cuBLAS bf16 | mode | linear | before | kernel | kernel vs bf16 | weight GB/s | % of copy |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    have_fast = sm90._quack_fast_module() is not None
+    for label, m, k, n in SHAPES + ADALN:
+        w4a16 = label.startswith("adaLN")
         lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        q = NVFP4W4A16Linear.from_linear(lin) if w4a16 else random_w4a4(k, n, 32, torch.bfloat16, "cuda")
         t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
-        t_q = graph_time(lambda: q(x))
-        cfg = tuning.pick(m, n, k)
-        if w4a16:
-            t_g = graph_time(lambda: kernels.w4_gemm(x, q.qweight, q.wscales, q.wcscale, q.bias, None, None,
-                                                     torch.bfloat16, cfg))
-        else:
-            lora = torch.randn(m, 32, device="cuda", dtype=torch.bfloat16)
-            t_g = graph_time(lambda: kernels.w4_gemm(x, q.qweight, q.wscales, q.wcscale, q.bias, q.proj_up, lora,
-                                                     torch.bfloat16, cfg))
-        gbs = (n * k // 2 + n * k // 16) / (t_g * 1e-3) / 1e9
-        rows.append(f"| {label} | {m} | {k} | {n} | {t_ref * 1e3:.1f} | {t_q * 1e3:.1f} | {t_ref / t_q:.2f}x | "
-                    f"{t_g * 1e3:.1f} | {gbs:.0f} |")
+        wbytes = n * k // 2 + n * k // 16
+        modes = ["w4a16"] if w4a16 else (["exact", "fast"] if have_fast else ["exact"])
+        for mode in modes:
+            if w4a16:
+                q = NVFP4W4A16Linear.from_linear(lin)
+            else:
+                q = random_w4a4(k, n, 32, torch.bfloat16, "cuda").set_mode(mode)
+            t_new = module_time(q, x, True)
+            t_old = module_time(q, x, False)
+            t_k = graph_time(kernel_call(q, x, mode))
+            gbs = wbytes / (t_k * 1e-3) / 1e9
+            rows.append(f"| {label} | {m} | {k} | {n} | {t_ref * 1e3:.1f} | {mode} | {t_new * 1e3:.1f} "
+                        f"({t_ref / t_new:.2f}x) | {t_old * 1e3:.1f} ({t_ref / t_old:.2f}x) | {t_k * 1e3:.1f} | "
+                        f"{t_ref / t_k:.2f}x | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% |")
+            print(rows[-1], flush=True)
+    if args.sweep:
+        rows += ["", "Sweep of the kernel alone (us): block_n x block_k, warps, split (auto = small_m.split_for)", "",
+                 "| layer | M | mode | config | us | weight GB/s |", "|---|---|---|---|---|---|"]
+        for label, m, k, n, mode in [("attn", 1, 3072, 3072, "exact"), ("adaLN W4A16", 1, 3072, 18432, "w4a16"),
+                                     ("attn", 1, 3072, 3072, "fast"), ("attn", 16, 3072, 3072, "exact")]:
+            if mode == "fast" and not have_fast:
+                continue
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            q = (NVFP4W4A16Linear.from_linear(torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16))
+                 if mode == "w4a16" else random_w4a4(k, n, 32, torch.bfloat16, "cuda"))
+            call = kernel_call(q, x, mode)
+            wbytes = n * k // 2 + n * k // 16
+            for bn in (32, 64, 128):
+                for bk, nw in ((64, 8), (128, 4), (128, 8)):
+                    auto = small_m.split_for(16 if m > small_m.FMA_MAX_M else 2, n, k, bn, bk)
+                    for split in sorted({max(1, auto // 2), auto, auto * 2}):
+                        try:
+                            t = graph_time(lambda: call(block_n=bn, block_k=bk, num_warps=nw, split_k=split))
+                        except Exception as e:  # a config Triton cannot build (registers, shared memory)
+                            rows.append(f"| {label} | {m} | {mode} | {bn}x{bk} w{nw} s{split} | {type(e).__name__} | |")
+                            continue
+                        rows.append(f"| {label} | {m} | {mode} | {bn}x{bk} w{nw} s{split}{' (auto)' if split == auto else ''}"
+                                    f" | {t * 1e3:.1f} | {wbytes / (t * 1e-3) / 1e9:.0f} |")
+            print("\n".join(rows[-8:]), flush=True)
     emit(rows, args.out)
 
 

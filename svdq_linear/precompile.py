@@ -83,6 +83,7 @@ def _variants_sm90(quick: bool):
         out.append((kernels._quantize_act_fp8_kernel, sig,
                     dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=32, HAS_LORA=False, FUSE_LORA=True, DOT_F32=False),
                     dict(num_warps=4), f"quantize_act_fp8_lora_{xdt}"))
+    out += _variants_small_m(quick)
     seen = set()
     for m, k, n in (SHAPES[:2] + SHAPES[-3:] if quick else SHAPES):
         cfg = tuning.pick(m, n, k)
@@ -103,6 +104,36 @@ def _variants_sm90(quick: bool):
                          f"_w{cfg.num_warps}{'_lora' if has_lora else ''}")
                 out.append((kernels._w4_gemm_kernel, sig, cx,
                             dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), label))
+    return out
+
+
+def _variants_small_m(quick: bool):
+    """The small-M kernel (``backends/sm90/small_m.py``) as the backend launches it: W4A16 on the
+    canonical layout, the exact mode quantizing in the kernel (canonical and quack layouts) or reading
+    ``xq``, the fast mode on its blob; multiply-adds at M <= 8, a dot above."""
+    from .backends.sm90 import small_m as sm
+
+    out = []
+    cases = [  # (layout, act, x dtype, block_m, use_dot, label)
+        (sm.CANONICAL, sm.ACT_X, "bf16", 2, False, "w4a16_m1"), (sm.QUACK, sm.ACT_NVFP4, "bf16", 2, False, "exact_quack_m1"),
+        (sm.FAST, sm.ACT_E4M3, "u8", 2, False, "fast_m1"), (sm.QUACK, sm.ACT_X, "bf16", 64, True, "exact_quack_xq_m64"),
+    ]
+    if not quick:
+        cases += [(sm.CANONICAL, sm.ACT_X, "bf16", 4, False, "w4a16_m4"), (sm.CANONICAL, sm.ACT_X, "fp16", 2, False,
+                                                                          "w4a16_fp16_m1"),
+                  (sm.CANONICAL, sm.ACT_X, "bf16", 16, True, "w4a16_m16"), (sm.CANONICAL, sm.ACT_NVFP4, "bf16", 8, False,
+                                                                             "exact_m8"),
+                  (sm.FAST, sm.ACT_E4M3, "u8", 8, False, "fast_m8"), (sm.FAST, sm.ACT_E4M3, "u8", 64, True, "fast_m64")]
+    for layout, act, xdt, bm, dot, label in cases:
+        for split, lora in ((2, True), (1, False)):
+            sig = dict(x_ptr=f"*{xdt}", smooth_ptr="*fp32", w_ptr="*u8", s_ptr="*u8", cs_ptr="*fp32", rs_ptr="*fp32",
+                       bias_ptr="*bf16", up_ptr="*bf16", lora_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32",
+                       cnt_ptr="*i32", M="i32", N="i32", K="i32", R="i32", stride_xm="i32", stride_lm="i32",
+                       stride_om="i32", k_per_split="i32", SPLIT_K="i32")
+            cx = dict(LAYOUT=layout, ACT=act, BLOCK_N=64, BLOCK_M=bm, BLOCK_K=128 if dot else 64, RC=32, IS_SPLIT=split > 1,
+                      HAS_RS=act == sm.ACT_E4M3, HAS_BIAS=True, HAS_LORA=lora, USE_DOT=dot, DOT_F32=False)
+            out.append((sm._small_m_kernel, sig, cx, dict(num_warps=4 if dot else 8),
+                        f"small_m_{label}_s{split}{'_lora' if lora else ''}"))
     return out
 
 

@@ -26,6 +26,10 @@ def test_sm90_kernels_compile_to_hgmma_without_spills(tmp_path):
         assert k["local_memory"] == 0 and k["stack_bytes"] == 0, f"{k['kernel']} spills: {k}"
     assert any((tmp_path / "triton-cache").rglob("*.cubin")), "nothing was written to the Triton cache"
     assert any(k["kernel"].startswith("quantize_act_fp8") for k in report)
+    small = {k["kernel"]: k for k in report if k["kernel"].startswith("small_m")}
+    assert len(small) >= 8, sorted(small)
+    for name, k in small.items():  # the dot variants run on wgmma; the multiply-add ones must not spill either
+        assert (k["hgmma"] > 0) == ("_m64" in name), f"{name}: {k['hgmma']} HGMMA"
     quack = [k for k in report if k["kernel"].startswith("quack")]
     if quack:  # quack-kernels installed (the kernels extra): its GEMMs go into its disk cache
         for k in quack:

@@ -260,8 +260,9 @@ def test_gpu_fast_mode_keeps_one_copy_of_the_codes():
     assert torch.equal(m(x), y)
     assert torch.equal(m.state_dict()["qweight"], q) and m._parameters["qweight"].numel() == 0
     m.set_mode("exact")
-    m(x)  # the exact kernels read the canonical codes: back, bit for bit
-    assert torch.equal(m._parameters["qweight"], q)
+    m(x)  # the exact mode's own prepared state (quack's blob and strip) stands in now; the codes rebuild exactly
+    assert torch.equal(m.qweight, q), "the canonical codes did not come back bit for bit"
+    assert torch.equal(m.state_dict()["qweight"], q)
 
 
 def test_auto_mode_is_exact_where_no_gpu_kernel_serves_the_fast_mode(monkeypatch):

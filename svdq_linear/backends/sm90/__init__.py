@@ -5,6 +5,9 @@ computed exactly on Hopper's 16-bit tensor cores: ``quantize_act`` writes the ex
 activations in one pass; ``lora_act`` is one cuBLAS GEMM of ``x`` with ``proj_down / smooth``.
 By tokens M (bf16):
 
+- M <= ``SMALL_M`` (64): ``small_m.linear``, one launch that splits K across the SMs and reads the
+  weight once in whichever layout the module holds (canonical, quack's, the fast blob); up to 8
+  tokens it quantizes the activations itself (W4A16 and the fast mode use it too);
 - M < 128, fp16/fp32 inputs, or no quack: ``kernels.w4_gemm`` (Triton: the weight decoded in
   registers as wgmma's A operand, ``* wcscale`` then the low-rank MMA into the same accumulator);
 - M >= 128, bf16: quack-kernels' NVFP4 W4 GEMM (``quack_gemm``) with ``* wcscale + bias`` fused and
@@ -42,6 +45,7 @@ from .. import Backend, device_capability, weights_are_offloaded
 
 MAX_RANK = 256
 QUACK_MIN_M = 128  # tokens from which quack's W4 GEMM serves bf16 calls (docs/perf.md)
+SMALL_M = int(os.environ.get("SVDQ_SM90_SMALL_M", "64"))  # up to this many tokens: small_m's kernel (docs/perf.md)
 ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (the Triton GEMM for every exact call)
 
 
@@ -247,6 +251,8 @@ class Sm90Backend(Backend):
     def run_w4a4(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
         m, k = x.shape
         n, r = wcscale.shape[0], proj_down.shape[1]
+        if m <= SMALL_M:
+            return self._small_w4a4(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra)
         lora = None
         if r:
             pds = extra[0] if extra else (proj_down.float() / smooth[:, None]).to(torch.bfloat16)
@@ -271,11 +277,40 @@ class Sm90Backend(Backend):
         cfg = self.tuning.pick(m, n, k)
         return self.kernels.w4_gemm(xq, qweight, wscales, wcscale, bias, proj_up if r else None, lora, x.dtype, cfg)
 
+    def _small_w4a4(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
+        """A few tokens (``small_m``): one launch reading the weight once (plus ``lora_act``'s GEMM); up
+        to ``FMA_MAX_M`` tokens the kernel quantizes the activations itself."""
+        from . import small_m
+
+        m, n, r = x.shape[0], wcscale.shape[0], proj_down.shape[1]
+        lora = None
+        if r:
+            pds = extra[0] if extra else (proj_down.float() / smooth[:, None]).to(torch.bfloat16)
+            lora = x.to(torch.bfloat16) @ pds[:, :r]
+        layout, w, s = small_m.CANONICAL, qweight, wscales
+        if qweight.numel() == 0:  # quack's repacked tensors stand in for the canonical ones (replaced)
+            layout, w, s = small_m.QUACK, extra[-4], extra[-3]
+        if m <= small_m.FMA_MAX_M:
+            a, act = x, small_m.ACT_NVFP4
+        else:
+            a, act = self.kernels.quantize_act(x, smooth)[0], small_m.ACT_X
+        return small_m.linear(a, layout, w, s, wcscale.float(), n, act=act, smooth=smooth, bias=bias,
+                              proj_up=proj_up if r else None, lora_act=lora, out_dtype=x.dtype)
+
     def run_w4a4_fast(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
         quack_fast = _quack_fast_module()
         r = proj_down.shape[1]
         fw = quack_fast.FastWeight(*extra[-4:])
         out_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
+        if x.shape[0] <= SMALL_M:  # a few tokens: the small-M kernel on the fast blob (one read of it)
+            from . import small_m
+
+            a8, sa = self.kernels.quantize_act_fp8(x, smooth)
+            lora = _mm_f32(x.to(torch.bfloat16), extra[0][:, :r]) if r else None
+            out = small_m.linear(a8, small_m.FAST, fw.blob, fw.strip, fw.cs.view(-1), wcscale.shape[0],
+                                 act=small_m.ACT_E4M3, rowscale=sa, bias=bias, proj_up=proj_up if r else None,
+                                 lora_act=lora, out_dtype=out_dtype)
+            return out if x.dtype == out_dtype else out.to(x.dtype)
         if len(extra) == 7:  # [proj_down', proj_up', segments] + FastWeight: the low-rank MMA in the accumulator
             pds, up, seg = extra[:3]
             a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=_mm_f32(x.to(torch.bfloat16), pds))
@@ -292,6 +327,11 @@ class Sm90Backend(Backend):
     def run_w4a16(self, x, qweight, wscales, wcscale, bias, extra):
         if x.stride(1) != 1:
             x = x.contiguous()
+        if x.shape[0] <= SMALL_M:
+            from . import small_m
+
+            return small_m.linear(x, small_m.CANONICAL, qweight, wscales, wcscale.float(), qweight.shape[0],
+                                  act=small_m.ACT_X, bias=bias, out_dtype=x.dtype)
         cfg = self.tuning.pick(x.shape[0], qweight.shape[0], x.shape[1])
         return self.kernels.w4_gemm(x, qweight, wscales, wcscale, bias, None, None, x.dtype, cfg)
 

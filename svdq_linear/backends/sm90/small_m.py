@@ -1,0 +1,329 @@
+"""The sm90 backend's kernel for a few tokens (M <= 64): one launch that reads the 4-bit weight once.
+
+At a handful of tokens a linear is bound by its weight bytes (3072 x 3072: 5.3 MB of codes and scales,
+1.2 us at the H200's 4.3 TB/s), and the tensor-core GEMMs leave most of that bandwidth unused: 48-96
+CTAs each walk a serial K-loop (docs/perf.md, 230-910 GB/s). This kernel splits K until the grid holds
+about four CTAs per SM, so every SM has several weight tiles in flight; each split writes an fp32
+partial tile and the last split of a weight tile to finish (an atomic counter per tile) sums the
+partials in a fixed order (the result does not depend on scheduling) and applies the epilogue
+``y = acc * colscale[n] (* rowscale[m]) + lora_act @ proj_up^T + bias``. The counter is left at zero
+for the next call.
+
+It reads the weight in any of the backend's three layouts, gathering through index arithmetic that
+splits into a row part and a k part (one add per element and step):
+
+- ``CANONICAL``: ``qweight [N, K/2]`` (low nibble = even k), ``wscales [N, K/16]`` E4M3;
+- ``QUACK``: the exact mode's quack blob and scale strip (``quack_gemm.repack_weight`` /
+  ``repack_scales``, byte permutations of the canonical tensors);
+- ``FAST``: the fast mode's blob and UE5M3 strip (``fast_layout``): the weight decoded to
+  ``e4m3(code * g)`` exactly as the fast kernel does, bit for bit ``nvfp4.fast_weight``.
+
+and its activations as
+
+- ``ACT_X``: ``x`` itself (16-bit; W4A16, or the exact activations ``xq`` from ``quantize_act``);
+- ``ACT_NVFP4``: ``x`` quantized to NVFP4 inside the kernel (``x / smooth``, per-16 E4M3 scale, E2M1
+  codes: the contract's rules, as ``kernels.quantize_act``), each split quantizing its own k-range
+  (NVFP4 blocks are independent): no activation pass at all for the exact mode at M <= 8;
+- ``ACT_E4M3``: the fast mode's per-token E4M3 activations (``kernels.quantize_act_fp8``).
+
+Every product of a decoded weight and an activation is exact in fp32 (at most 4 x 11 significant
+bits), so the result differs from the reference only in FP32 summation order (the contract's
+tensor-core tolerance). Tokens go through ``tl.dot`` from 9 rows (padded to 16), and through
+multiply-adds below (a dot would be at least 16 wide).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .kernels import _round_e4m3
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+CANONICAL, QUACK, FAST = 0, 1, 2
+ACT_X, ACT_NVFP4, ACT_E4M3 = 0, 1, 2
+MAX_M = 64  # tokens this kernel serves
+FMA_MAX_M = 8  # up to this many tokens: multiply-adds instead of a 16-wide dot
+SM_COUNT = 132
+CTAS_PER_SM = 4  # the grid the split-K aims at
+
+
+@triton.jit
+def _e2m1(c):
+    """int32 codes (0..15) -> their E2M1 values as fp32 (magnitude bits to fp32 bits 24..22, x 2**126)."""
+    bits = ((c & 7) << 22) | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37
+
+
+@triton.jit
+def _nvfp4_values(xs, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``xs [ROWS, BLOCK_K]`` fp32 -> its NVFP4 values (per-16 E4M3 scale times the nearest-even E2M1
+    code; NaN over a block holding a NaN or an Inf), as ``kernels._quantize_act_kernel`` writes them."""
+    xb = tl.reshape(xs, (ROWS, BLOCK_K // 16, 16))
+    ab = tl.abs(xb)
+    amax = tl.max(ab, axis=2)
+    finite = tl.min((ab < float("inf")).to(tl.int32), axis=2)
+    sdiv = tl.math.div_rn(amax, tl.full([ROWS, BLOCK_K // 16], 6.0, tl.float32))
+    sf = tl.where(finite != 0, _round_e4m3(sdiv), 0.0)
+    r = tl.where(sf > 0, tl.math.div_rn(tl.full([ROWS, BLOCK_K // 16], 1.0, tl.float32), sf), 0.0)
+    q = xb * r[:, :, None]
+    a = tl.abs(q)
+    v = 0.5 * ((a > 0.25).to(tl.float32) + (a >= 0.75).to(tl.float32) + (a > 1.25).to(tl.float32)
+               + (a >= 1.75).to(tl.float32))
+    v += (a > 2.5).to(tl.float32) + (a >= 3.5).to(tl.float32) + 2.0 * (a > 5.0).to(tl.float32)
+    v = tl.where(q < 0, -v, v) * sf[:, :, None]
+    v = tl.where((finite != 0)[:, :, None], v, float("nan"))
+    return tl.reshape(v, (ROWS, BLOCK_K))
+
+
+@triton.jit
+def _acts(x_ptr, smooth_ptr, rows, rk, M, K, stride_xm, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+          ACT: tl.constexpr):
+    """The activations of ``rows`` (``[ROWS]``) at ``rk`` as fp32 ``[ROWS, BLOCK_K]`` (0 outside)."""
+    mask = (rows < M)[:, None] & (rk < K)[None, :]
+    ptrs = x_ptr + rows[:, None] * stride_xm + rk[None, :]
+    if ACT == 2:  # E4M3 bytes
+        a = tl.load(ptrs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        a = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 1:
+        sm = tl.load(smooth_ptr + rk, mask=rk < K, other=1.0)
+        a = _nvfp4_values(a * tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)[None, :], ROWS, BLOCK_K)
+        a = tl.where(mask, a, 0.0)
+    return a
+
+
+@triton.jit
+def _epilogue(acc, rn, rm, M, N, R, cs_ptr, rs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_lm, stride_om,
+              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, RC: tl.constexpr, HAS_RS: tl.constexpr,
+              HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
+    n_ok = rn < N
+    m_ok = rm < M
+    acc = acc * tl.load(cs_ptr + rn, mask=n_ok, other=0.0)[:, None]
+    if HAS_RS:
+        acc = acc * tl.load(rs_ptr + rm, mask=m_ok, other=0.0)[None, :]
+    if HAS_LORA:  # [BLOCK_N, R] @ [R, BLOCK_M] in chunks of RC columns
+        for r0 in range(0, R, RC):
+            rr = r0 + tl.arange(0, RC)
+            r_ok = rr < R
+            up = tl.load(up_ptr + rn[:, None] * R + rr[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                         other=0.0).to(tl.float32)
+            if USE_DOT:
+                lt = tl.load(lora_ptr + rm[None, :] * stride_lm + rr[:, None], mask=m_ok[None, :] & r_ok[:, None],
+                             other=0.0).to(tl.float32)
+                if DOT_F32:
+                    acc = tl.dot(up, lt, acc, input_precision="ieee")
+                else:  # bf16 operands (the contract allows them)
+                    acc = tl.dot(up.to(tl.bfloat16), lt.to(tl.bfloat16), acc)
+            else:
+                for mi in tl.static_range(BLOCK_M):
+                    lrow = tl.load(lora_ptr + mi * stride_lm + rr, mask=r_ok & (tl.full([RC], mi, tl.int32) < M),
+                                   other=0.0).to(tl.float32)
+                    s = tl.sum(up * lrow[None, :], axis=1)
+                    acc = tl.where(rm[None, :] == mi, acc + s[:, None], acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _small_m_kernel(
+    x_ptr, smooth_ptr, w_ptr, s_ptr, cs_ptr, rs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N, K, R, stride_xm, stride_lm, stride_om, k_per_split, SPLIT_K,
+    LAYOUT: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, RC: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_RS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_l = rn % N  # clamped rows for loads; stores are masked
+    rm = tl.arange(0, BLOCK_M)
+    ck = tl.arange(0, BLOCK_K)
+    cb = tl.arange(0, BLOCK_K // 2)
+    cs = tl.arange(0, BLOCK_K // 16)
+    # Each layout's byte offset is a row part (here) plus a k part (per step, on [BLOCK_K] vectors).
+    if LAYOUT == 0:
+        w_row = rn_l * (K // 2)
+        s_row = rn_l * (K // 16)
+    elif LAYOUT == 1:
+        # blob [N/64, K/64, 128, 16]: row 64 g + 16 t2 + 8 p0 + t1 and byte column 32 kt + 8 b + 4 p1 + t0
+        # at [g, kt, 32 t2 + 4 t1 + t0, 4 b + 2 p1 + p0]; strip [N/64, K/64, 32, 4, 2]: row
+        # 64 g + 16 s1 + 8 i + s0 and scale column 4 kt + b at [g, kt, 8 s1 + s0, b, i]
+        g = rn_l // 64
+        rr = rn_l % 64
+        w_row = g * (K // 64) * 2048 + ((rr // 16) * 32 + (rr % 8) * 4) * 16 + (rr // 8) % 2
+        s_row = g * (K // 64) * 256 + ((rr // 16) * 8 + rr % 8) * 8 + (rr // 8) % 2
+    else:
+        # blob [N/64, K/128, 128, 32]: row 64 g + 16 w + 8 p + rq, k 128 kt + 32 b + 16 h + 4 c + j at
+        # byte [g, kt, 32 w + 4 rq + c, 8 b + 4 h + j], the high nibble for p = 0; strip
+        # [N/64, K/128, 512]: the 16-block 8 kt + 2 b + h of that row at [g, kt, 16 (8 w + rq) + 4 b + 2 h + p]
+        g = rn_l // 64
+        rr = rn_l % 64
+        w_row = g * (K // 128) * 4096 + ((rr // 16) * 32 + (rr % 8) * 4) * 32
+        s_row = g * (K // 128) * 512 + ((rr // 16) * 8 + rr % 8) * 16 + (rr // 8) % 2
+        shift = 4 - 4 * ((rr // 8) % 2)
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        rk = k0 + ck
+        kc = k0 // 2 + cb  # byte columns
+        ks = k0 // 16 + cs  # scale columns
+        if LAYOUT == 0:  # any K % 16 == 0: mask the tail
+            wb = tl.load(w_ptr + w_row[:, None] + kc[None, :], mask=(kc < K // 2)[None, :], other=0)
+            sc = tl.load(s_ptr + s_row[:, None] + ks[None, :], mask=(ks < K // 16)[None, :], other=0)
+        elif LAYOUT == 1:  # K % 128 == 0 (the host checks)
+            w_col = (kc // 32) * 2048 + (kc % 4) * 16 + ((kc % 32) // 8) * 4 + ((kc // 4) % 2) * 2
+            wb = tl.load(w_ptr + w_row[:, None] + w_col[None, :])
+            sc = tl.load(s_ptr + s_row[:, None] + ((ks // 4) * 256 + (ks % 4) * 2)[None, :])
+        else:
+            kk = rk % 128
+            w_col = (rk // 128) * 4096 + ((kk // 4) % 4) * 32 + (kk // 32) * 8 + ((kk // 16) % 2) * 4 + kk % 4
+            wb = tl.load(w_ptr + w_row[:, None] + w_col[None, :])
+            kb = ks % 8
+            sc = tl.load(s_ptr + s_row[:, None] + ((ks // 8) * 512 + (kb // 2) * 4 + (kb % 2) * 2)[None, :])
+        if LAYOUT == 2:
+            c = ((wb.to(tl.int32) >> shift[:, None]) & 0xF)
+            gf = (sc.to(tl.int16) << 7).to(tl.float16, bitcast=True).to(tl.float32)
+            v = _e2m1(c)
+            mag = tl.reshape(tl.reshape(tl.abs(v), (BLOCK_N, BLOCK_K // 16, 16)) * gf[:, :, None], (BLOCK_N, BLOCK_K))
+            w = tl.where(v < 0, -_round_e4m3(mag), _round_e4m3(mag))  # exact products: no saturation
+        else:
+            c = tl.interleave(wb & 0xF, wb >> 4).to(tl.int32)  # element 2i is the low nibble
+            sf = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            w = tl.reshape(tl.reshape(_e2m1(c), (BLOCK_N, BLOCK_K // 16, 16)) * sf[:, :, None], (BLOCK_N, BLOCK_K))
+        if USE_DOT:
+            a = _acts(x_ptr, smooth_ptr, rm, rk, M, K, stride_xm, BLOCK_M, BLOCK_K, ACT)
+            if DOT_F32:  # the CPU interpreter: exact fp32 values
+                acc = tl.dot(w, tl.trans(a), acc, input_precision="ieee")
+            elif ACT == 0:
+                acc = tl.dot(w.to(x_ptr.dtype.element_ty), tl.trans(a).to(x_ptr.dtype.element_ty), acc)
+            else:  # NVFP4 and E4M3 values are exact in bf16
+                acc = tl.dot(w.to(tl.bfloat16), tl.trans(a).to(tl.bfloat16), acc)
+        else:
+            for mi in tl.static_range(BLOCK_M):
+                a = _acts(x_ptr, smooth_ptr, tl.full([1], mi, tl.int32), rk, M, K, stride_xm, 1, BLOCK_K, ACT)
+                s = tl.sum(w * a, axis=1)
+                acc = tl.where(rm[None, :] == mi, acc + s[:, None], acc)
+
+    if not IS_SPLIT:
+        _epilogue(acc, rn, rm, M, N, R, cs_ptr, rs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_lm, stride_om,
+                  BLOCK_N, BLOCK_M, RC, HAS_RS, HAS_BIAS, HAS_LORA, USE_DOT, DOT_F32)
+    else:
+        num_n = tl.num_programs(0)
+        tile = BLOCK_N * BLOCK_M
+        local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + rm[None, :]
+        tl.store(part_ptr + (pid_k * num_n + pid_n) * tile + local, acc)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:  # the last split of this tile: sum in split order, then the epilogue
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in range(SPLIT_K):
+                acc += tl.load(part_ptr + (s * num_n + pid_n) * tile + local, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next call
+            _epilogue(acc, rn, rm, M, N, R, cs_ptr, rs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_lm,
+                      stride_om, BLOCK_N, BLOCK_M, RC, HAS_RS, HAS_BIAS, HAS_LORA, USE_DOT, DOT_F32)
+
+
+# ---- host side ------------------------------------------------------------------------------------
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per weight tile, kept per (device, stream): each launch leaves them at
+    zero, so launches on one stream (CUDA-graph replays included) share them without a memset."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def block_k_for(layout: int, k: int, block_k: int = 128) -> int:
+    if layout != CANONICAL:
+        if k % 128 or block_k % 64:
+            raise ValueError(f"the repacked layouts need in_features % 128 == 0, got {k}")
+        return block_k if k % block_k == 0 else 64
+    return min(block_k, max(16, triton.next_power_of_2(k)))
+
+
+def split_for(block_m: int, n: int, k: int, block_n: int, block_k: int, sms: int = SM_COUNT) -> int:
+    """K splits: about ``CTAS_PER_SM`` CTAs per SM, while the fp32 partials (``block_m`` columns a
+    tile, written and read once) stay under half the weight's bytes."""
+    tiles = -(-n // block_n)
+    steps = -(-k // block_k)
+    want = max(1, round(CTAS_PER_SM * sms / tiles))
+    cap = max(1, int(0.5 * k * 0.5625 / (8 * block_m)))  # split * M * 8 B <= half of K * 0.5625 B
+    split = min(want, cap, steps)
+    per = -(-steps // split)
+    return -(-steps // per)
+
+
+def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colscale: torch.Tensor, n: int, *,
+           act: int, out_dtype: torch.dtype, smooth: torch.Tensor | None = None,
+           rowscale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+           proj_up: torch.Tensor | None = None, lora_act: torch.Tensor | None = None,
+           block_n: int = 64, block_k: int | None = None, split_k: int | None = None,
+           num_warps: int | None = None) -> torch.Tensor:
+    """``out [M, N] = (A(x) @ W^T) * colscale (* rowscale) + lora_act @ proj_up^T + bias`` for M <= 64.
+
+    ``x [M, K]`` with unit stride along K (16-bit for ``ACT_X``; any float for ``ACT_NVFP4``, which
+    needs ``smooth``; E4M3 for ``ACT_E4M3``); ``w``/``s`` the weight in ``layout``; ``colscale [N]``
+    fp32 (``wcscale``, or the fast mode's ``2**e * wcscale``); ``rowscale [M]`` fp32 (the fast mode's
+    ``sa``); ``bias [N]``; ``proj_up [N, R]`` contiguous with ``lora_act [M, R]`` (unit stride along R)."""
+    m, k = x.shape
+    if m > MAX_M:
+        raise ValueError(f"the small-M kernel serves at most {MAX_M} tokens, got {m}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if _INTERPRET and out_dtype != torch.float32:
+        # The CPU interpreter's fp32 -> 16-bit conversion does not round to nearest: cast outside.
+        return linear(x, layout, w, s, colscale, n, act=act, out_dtype=torch.float32, smooth=smooth,
+                      rowscale=rowscale, bias=bias, proj_up=proj_up, lora_act=lora_act, block_n=block_n,
+                      block_k=block_k, split_k=split_k, num_warps=num_warps).to(out_dtype)
+    out = torch.empty(m, n, device=x.device, dtype=out_dtype)
+    if m == 0:
+        return out
+    if act == ACT_NVFP4 and smooth is None:
+        raise ValueError("ACT_NVFP4 needs smooth")
+    r = 0 if lora_act is None else lora_act.shape[1]
+    if r and (proj_up is None or proj_up.shape != (n, r) or not proj_up.is_contiguous() or lora_act.stride(1) != 1):
+        raise ValueError(f"proj_up must be a contiguous [{n}, {r}] tensor beside lora_act [M, {r}]")
+    if r:  # proj_up's row stride is R: the padded columns of a prepared lora_act are not read
+        r = proj_up.shape[1]
+    if x.dtype == torch.float8_e4m3fn:
+        x = x.view(torch.uint8)
+    use_dot = m > FMA_MAX_M
+    # registers (CPU-compiled for sm_90a, docs/perf.md): a 64 x 64 weight tile over 8 warps for the
+    # multiply-adds, 64 x 128 over 4 warps for the dot
+    bk = block_k_for(layout, k, block_k or (128 if use_dot else 64))
+    num_warps = num_warps or (4 if use_dot else 8)
+    bm = max(16 if use_dot else 2, triton.next_power_of_2(m))
+    split = split_k or split_for(bm, n, k, block_n, bk)
+    steps = -(-k // bk)
+    per = -(-steps // split)
+    split = -(-steps // per)
+    tiles = -(-n // block_n)
+    dummy = colscale
+    part = torch.empty(split * tiles * block_n * bm, device=x.device, dtype=torch.float32) if split > 1 else dummy
+    cnt = _counters(x.device, tiles) if split > 1 else dummy
+    _small_m_kernel[(tiles, split)](
+        x, smooth if smooth is not None else dummy, w, s.view(torch.uint8), colscale,
+        rowscale if rowscale is not None else dummy, bias if bias is not None else dummy,
+        proj_up if r else dummy, lora_act if r else dummy, out, part, cnt,
+        m, n, k, r, x.stride(0), lora_act.stride(0) if r else 0, out.stride(0), per * bk, split,
+        LAYOUT=layout, ACT=act, BLOCK_N=block_n, BLOCK_M=bm, BLOCK_K=bk, RC=min(64, max(16, triton.next_power_of_2(r or 16))),
+        IS_SPLIT=split > 1, HAS_RS=rowscale is not None, HAS_BIAS=bias is not None, HAS_LORA=bool(r),
+        USE_DOT=use_dot, DOT_F32=_INTERPRET, num_warps=num_warps,
+    )
+    return out

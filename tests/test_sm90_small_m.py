@@ -1,0 +1,143 @@
+"""The sm90 small-M kernel (``backends/sm90/small_m.py``): every weight layout and activation form
+against the contract's formulas (float64 oracles from ``svdq_linear.nvfp4``), split-K reduction in
+the kernel, its host rules and its errors. On the CPU through Triton's interpreter (conftest); on the
+H200 compiled, against the same oracles."""
+
+import pytest
+import torch
+
+from svdq_linear import nvfp4
+
+pytest.importorskip("triton")
+sm = pytest.importorskip("svdq_linear.backends.sm90.small_m")
+from svdq_linear.backends.sm90 import fast_layout  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _weight(n, k, gen):
+    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    ws = (torch.rand(n, k // 16, generator=gen) * 0.9 + 0.01).to(torch.float8_e4m3fn)
+    ws[0, 1] = 0  # a zero block scale
+    return q, ws
+
+
+def _lowrank(m, n, r, gen):
+    up = torch.randn(n, r, generator=gen).bfloat16()
+    lora = torch.randn(m, r, generator=gen).bfloat16()
+    return up, lora, lora.double() @ up.double().T
+
+
+def _close(y, ref, what):
+    err = (y.double().cpu() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < 1e-5, f"{what}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("m", [1, 5, 9, 33])
+@pytest.mark.parametrize("split", [1, 3, None])
+def test_w4a16_canonical_any_k(m, split):
+    gen = torch.Generator().manual_seed(m)
+    n, k, r = 96, 208, 20  # K not a multiple of the k-step: the tail is masked
+    q, ws = _weight(n, k, gen)
+    wc, bias = torch.rand(n, generator=gen) + 0.5, torch.randn(n, generator=gen).bfloat16()
+    up, lora, lr = _lowrank(m, n, r, gen)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    ref = (x.double() @ nvfp4.dequantize_nvfp4(q, ws).double().T) * wc.double() + lr + bias.double()
+    to = dict(device=DEV)
+    y = sm.linear(x.to(**to), sm.CANONICAL, q.to(**to), ws.to(**to), wc.to(**to), n, act=sm.ACT_X,
+                  out_dtype=torch.float32, bias=bias.to(**to), proj_up=up.to(**to), lora_act=lora.to(**to), split_k=split)
+    _close(y, ref, f"W4A16 m={m} split={split}")
+
+
+@pytest.mark.parametrize("m", [1, 8, 12, 64])
+@pytest.mark.parametrize("layout", ["canonical", "quack"])
+def test_exact_w4a4_both_layouts(m, layout):
+    quack_gemm = pytest.importorskip("svdq_linear.backends.sm90.quack_gemm")
+    gen = torch.Generator().manual_seed(10 + m)
+    n, k = 128, 512
+    q, ws = _weight(n, k, gen)
+    wc = torch.rand(n, generator=gen) + 0.5
+    smooth = torch.exp(torch.randn(k, generator=gen) * 0.3)
+    x = torch.randn(m, k, generator=gen).bfloat16() * 3
+    x[0, :16] = 0  # an all-zero block
+    codes, scales = nvfp4.quantize_nvfp4(nvfp4.smooth_input(x, smooth))
+    ref = (nvfp4.dequantize_nvfp4(codes, scales).double() @ nvfp4.dequantize_nvfp4(q, ws).double().T) * wc.double()
+    w, s, lay = (q, ws, sm.CANONICAL) if layout == "canonical" else (
+        quack_gemm.repack_weight(q), quack_gemm.repack_scales(ws), sm.QUACK)
+    to = dict(device=DEV)
+    if m <= sm.FMA_MAX_M:  # the kernel quantizes x / smooth itself
+        a, act = x, sm.ACT_NVFP4
+    else:  # the exact activations from quantize_act
+        a, act = nvfp4.dequantize_nvfp4(codes, scales).bfloat16(), sm.ACT_X
+    y = sm.linear(a.to(**to), lay, w.to(**to), s.to(**to), wc.to(**to), n, act=act, smooth=smooth.to(**to),
+                  out_dtype=torch.float32, split_k=2)
+    _close(y, ref, f"exact {layout} m={m}")
+
+
+def test_in_kernel_quantization_keeps_nan_blocks():
+    gen = torch.Generator().manual_seed(3)
+    n, k = 64, 256
+    q, ws = _weight(n, k, gen)
+    x = torch.randn(2, k, generator=gen)
+    x[1, 40] = float("inf")  # block 2 of token 1: NaN per the contract, so its whole output row is NaN
+    y = sm.linear(x.to(DEV), sm.CANONICAL, q.to(DEV), ws.to(DEV), torch.ones(n, device=DEV), n, act=sm.ACT_NVFP4,
+                  smooth=torch.ones(k, device=DEV), out_dtype=torch.float32).cpu()
+    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 64])
+def test_fast_blob_matches_the_fast_formula(m):
+    gen = torch.Generator().manual_seed(20 + m)
+    n, k, r = 128, 384, 32
+    q, ws = _weight(n, k, gen)
+    wc, bias = torch.rand(n, generator=gen) + 0.5, torch.randn(n, generator=gen)
+    up, lora, lr = _lowrank(m, n, r, gen)
+    xs = torch.randn(m, k, generator=gen) * torch.exp(torch.randn(m, 1, generator=gen))
+    a8, sa = nvfp4.fast_act(xs)
+    w8, nw = nvfp4.fast_weight(q, ws)
+    cs = (nw * wc).float()
+    ref = (a8.double() @ w8.double().T) * sa.double()[:, None] * cs.double() + lr + bias.double()
+    blob, (strip, _) = fast_layout.repack_fast_weight(q), fast_layout.fast_scales(q, ws)
+    to = dict(device=DEV)
+    y = sm.linear(a8.to(**to), sm.FAST, blob.to(**to), strip.to(**to), cs.to(**to), n, act=sm.ACT_E4M3,
+                  rowscale=sa.to(**to), out_dtype=torch.float32, bias=bias.to(**to), proj_up=up.to(**to),
+                  lora_act=lora.to(**to), split_k=4)
+    _close(y, ref, f"fast m={m}")
+
+
+def test_split_k_reduction_is_ordered_and_leaves_its_counters_at_zero():
+    gen = torch.Generator().manual_seed(5)
+    n, k = 192, 1024
+    q, ws = _weight(n, k, gen)
+    x = torch.randn(3, k, generator=gen).bfloat16().to(DEV)
+    args = (x, sm.CANONICAL, q.to(DEV), ws.to(DEV), torch.ones(n, device=DEV), n)
+    one = sm.linear(*args, act=sm.ACT_X, out_dtype=torch.float32, split_k=1)
+    many = [sm.linear(*args, act=sm.ACT_X, out_dtype=torch.float32, split_k=8) for _ in range(3)]
+    assert all(torch.equal(many[0], y) for y in many[1:]), "the split-K sum depends on scheduling"
+    assert torch.allclose(one, many[0], rtol=1e-5, atol=1e-4)
+    assert int(sm._counters(torch.device(DEV), 3).abs().sum()) == 0, "a tile counter was not reset"
+
+
+def test_split_rule_fills_the_gpu_and_bounds_the_partials():
+    # 48 weight tiles of 64 rows: about 4 CTAs per SM; never more splits than k-steps
+    for n in (3072, 18432):
+        ctas = (n // 64) * sm.split_for(2, n, 3072, 64, 64)
+        assert 3 * sm.SM_COUNT <= ctas <= 5 * sm.SM_COUNT, (n, ctas)
+    assert sm.split_for(2, 3072, 128, 64, 64) == 2
+    # at 64 tokens the fp32 partials would outweigh the 4-bit weight: capped
+    s = sm.split_for(64, 3072, 3072, 64, 128)
+    assert 1 <= s and s * 64 * 8 <= 0.5 * 3072 * 0.5625
+
+
+def test_bad_calls_name_the_problem():
+    q, ws = _weight(64, 192, torch.Generator().manual_seed(0))
+    one = torch.ones(64)
+    with pytest.raises(ValueError, match="at most 64 tokens"):
+        sm.linear(torch.zeros(65, 192), sm.CANONICAL, q, ws, one, 64, act=sm.ACT_X, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="in_features % 128"):
+        sm.linear(torch.zeros(1, 192), sm.QUACK, q, ws, one, 64, act=sm.ACT_X, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="smooth"):
+        sm.linear(torch.zeros(1, 192), sm.CANONICAL, q, ws, one, 64, act=sm.ACT_NVFP4, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="proj_up"):
+        sm.linear(torch.zeros(1, 192), sm.CANONICAL, q, ws, one, 64, act=sm.ACT_X, out_dtype=torch.float32,
+                  proj_up=torch.zeros(64, 4), lora_act=torch.zeros(1, 8))
