@@ -66,15 +66,22 @@ def module_time(q, x, small: bool) -> float:
 
 
 def kernel_call(q, x, mode: str):
-    """The small-M kernel alone as the backend calls it (activations and lora_act made beforehand)."""
+    """The small-M kernel alone as the backend calls it (activations and lora_act made beforehand);
+    ``exact`` reads quack's blob where quack is installed (as the backend does), ``exact-canonical``
+    the canonical tensors."""
     n, k = q.out_features, q.in_features
     if mode == "w4a16":
         return lambda **kw: small_m.linear(x, small_m.CANONICAL, q.qweight, q.wscales, q.wcscale.float(), n,
                                            act=small_m.ACT_X, bias=q.bias, out_dtype=x.dtype, **kw)
     r = q.rank
     lora = torch.randn(x.shape[0], r, device="cuda", dtype=torch.bfloat16)
-    if mode == "exact":
-        return lambda **kw: small_m.linear(x, small_m.CANONICAL, q.qweight, q.wscales, q.wcscale.float(), n,
+    if mode.startswith("exact"):
+        lay, w, s = small_m.CANONICAL, q.qweight, q.wscales
+        if mode == "exact" and sm90._quack_module() is not None:
+            from svdq_linear.backends.sm90 import quack_gemm
+
+            lay, w, s = small_m.QUACK, quack_gemm.repack_weight(q.qweight), quack_gemm.repack_scales(q.wscales)
+        return lambda **kw: small_m.linear(x, lay, w, s, q.wcscale.float(), n,
                                            act=small_m.ACT_NVFP4 if x.shape[0] <= small_m.FMA_MAX_M else small_m.ACT_X,
                                            smooth=q.smooth, bias=q.bias, proj_up=q.proj_up, lora_act=lora,
                                            out_dtype=x.dtype, **kw)
@@ -88,9 +95,12 @@ def kernel_call(q, x, mode: str):
 
 
 SHAPES = [("attn", 1, 3072, 3072), ("attn", 4, 3072, 3072), ("attn", 8, 3072, 3072), ("attn", 16, 3072, 3072),
-          ("attn", 64, 3072, 3072), ("ff up", 1, 3072, 12288), ("ff down", 1, 12288, 3072),
-          ("single out", 1, 15360, 3072)]
-ADALN = [("adaLN W4A16", 1, 3072, 18432), ("adaLN W4A16", 4, 3072, 9216), ("adaLN W4A16", 1, 3072, 6 * 3072 // 2)]
+          ("attn", 64, 3072, 3072), ("ff up", 1, 3072, 12288), ("ff down", 1, 12288, 3072)]
+ADALN = [("adaLN W4A16", 1, 3072, 18432), ("adaLN W4A16", 4, 3072, 9216)]
+# (block_n, block_k, warps) tried by --sweep; the repacked layouts are read 64 rows a tile
+SWEEP_CANONICAL = [(64, 64, 8), (64, 128, 8), (64, 256, 8), (128, 128, 8), (64, 128, 4), (128, 256, 8)]
+SWEEP_REPACKED = [(64, 64, 8), (64, 128, 8), (64, 256, 8), (64, 512, 8), (64, 128, 4), (64, 256, 4)]
+SWEEP_DOT = [(64, 64, 4), (64, 128, 4), (64, 256, 4), (64, 128, 8), (64, 256, 8)]
 
 
 @torch.no_grad()
@@ -132,8 +142,9 @@ def main() -> None:
     if args.sweep:
         rows += ["", "Sweep of the kernel alone (us): block_n x block_k, warps, split (auto = small_m.split_for)", "",
                  "| layer | M | mode | config | us | weight GB/s |", "|---|---|---|---|---|---|"]
-        for label, m, k, n, mode in [("attn", 1, 3072, 3072, "exact"), ("adaLN W4A16", 1, 3072, 18432, "w4a16"),
-                                     ("attn", 1, 3072, 3072, "fast"), ("attn", 16, 3072, 3072, "exact")]:
+        for label, m, k, n, mode in [("attn", 1, 3072, 3072, "exact"), ("attn", 1, 3072, 3072, "exact-canonical"),
+                                     ("adaLN W4A16", 1, 3072, 18432, "w4a16"), ("attn", 1, 3072, 3072, "fast"),
+                                     ("attn", 16, 3072, 3072, "exact"), ("attn", 16, 3072, 3072, "fast")]:
             if mode == "fast" and not have_fast:
                 continue
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -141,18 +152,22 @@ def main() -> None:
                  if mode == "w4a16" else random_w4a4(k, n, 32, torch.bfloat16, "cuda"))
             call = kernel_call(q, x, mode)
             wbytes = n * k // 2 + n * k // 16
-            for bn in (32, 64, 128):
-                for bk, nw in ((64, 8), (128, 4), (128, 8)):
-                    auto = small_m.split_for(16 if m > small_m.FMA_MAX_M else 2, n, k, bn, bk)
-                    for split in sorted({max(1, auto // 2), auto, auto * 2}):
-                        try:
-                            t = graph_time(lambda: call(block_n=bn, block_k=bk, num_warps=nw, split_k=split))
-                        except Exception as e:  # a config Triton cannot build (registers, shared memory)
-                            rows.append(f"| {label} | {m} | {mode} | {bn}x{bk} w{nw} s{split} | {type(e).__name__} | |")
-                            continue
-                        rows.append(f"| {label} | {m} | {mode} | {bn}x{bk} w{nw} s{split}{' (auto)' if split == auto else ''}"
-                                    f" | {t * 1e3:.1f} | {wbytes / (t * 1e-3) / 1e9:.0f} |")
-            print("\n".join(rows[-8:]), flush=True)
+            repacked = mode in ("exact", "fast")
+            configs = SWEEP_DOT if m > small_m.FMA_MAX_M else SWEEP_REPACKED if repacked else SWEEP_CANONICAL
+            before = len(rows)
+            for bn, bk, nw in configs:
+                if mode == "fast" and bk < 128:
+                    continue
+                auto = small_m.split_for(16 if m > small_m.FMA_MAX_M else 2, n, k, bn, bk)
+                for split in sorted({max(1, auto // 2), auto, auto * 2}):
+                    try:
+                        t = graph_time(lambda: call(block_n=bn, block_k=bk, num_warps=nw, split_k=split))
+                    except Exception as e:  # a config Triton cannot build (registers, shared memory)
+                        rows.append(f"| {label} | {m} | {mode} | {bn}x{bk} w{nw} s{split} | {type(e).__name__} | |")
+                        continue
+                    rows.append(f"| {label} | {m} | {mode} | {bn}x{bk} w{nw} s{split}{' (auto)' if split == auto else ''}"
+                                f" | {t * 1e3:.1f} | {wbytes / (t * 1e-3) / 1e9:.0f} |")
+            print("\n".join(rows[before:]), flush=True)
     emit(rows, args.out)
 
 

@@ -105,6 +105,36 @@ def test_fast_blob_matches_the_fast_formula(m):
     _close(y, ref, f"fast m={m}")
 
 
+@pytest.mark.parametrize("m", [2, 16])
+@pytest.mark.parametrize("layout", ["quack", "fast"])
+@pytest.mark.parametrize("block_k", [128, 256, 512])
+def test_repacked_layouts_at_every_k_step(layout, block_k, m):
+    """The blob tiles are read a run of several 64- or 128-k tiles at a time and permuted in registers:
+    every run length (K = 768 makes 512 fall back to 256) against the canonical formula."""
+    gen = torch.Generator().manual_seed(block_k + m)
+    n, k = 128, 768
+    q, ws = _weight(n, k, gen)
+    wc = torch.rand(n, generator=gen) + 0.5
+    x = (torch.randn(m, k, generator=gen) * 2).bfloat16()
+    to = dict(device=DEV)
+    if layout == "quack":
+        quack_gemm = pytest.importorskip("svdq_linear.backends.sm90.quack_gemm")
+        w, s, lay = quack_gemm.repack_weight(q), quack_gemm.repack_scales(ws), sm.QUACK
+        ref = (x.double() @ nvfp4.dequantize_nvfp4(q, ws).double().T) * wc.double()
+        a, act, cs, rs = x, sm.ACT_X, wc, None
+    else:
+        w, (s, _), lay = fast_layout.repack_fast_weight(q), fast_layout.fast_scales(q, ws), sm.FAST
+        a8, sa = nvfp4.fast_act(x.float())
+        w8, nw = nvfp4.fast_weight(q, ws)
+        cs = (nw * wc).float()
+        ref = (a8.double() @ w8.double().T) * sa.double()[:, None] * cs.double()
+        a, act, rs = a8, sm.ACT_E4M3, sa.to(**to)
+    assert sm.block_k_for(lay, k, block_k) == min(block_k, 256)
+    y = sm.linear(a.to(**to), lay, w.to(**to), s.to(**to), cs.to(**to), n, act=act, rowscale=rs,
+                  out_dtype=torch.float32, block_k=block_k, split_k=2)
+    _close(y, ref, f"{layout} block_k={block_k} m={m}")
+
+
 def test_split_k_reduction_is_ordered_and_leaves_its_counters_at_zero():
     gen = torch.Generator().manual_seed(5)
     n, k = 192, 1024
@@ -141,3 +171,5 @@ def test_bad_calls_name_the_problem():
     with pytest.raises(ValueError, match="proj_up"):
         sm.linear(torch.zeros(1, 192), sm.CANONICAL, q, ws, one, 64, act=sm.ACT_X, out_dtype=torch.float32,
                   proj_up=torch.zeros(64, 4), lora_act=torch.zeros(1, 8))
+    with pytest.raises(ValueError, match="64-row group"):
+        sm.linear(torch.zeros(1, 256), sm.QUACK, q, ws, one, 64, act=sm.ACT_X, out_dtype=torch.float32, block_n=128)

@@ -132,73 +132,88 @@ def _epilogue(acc, rn, rm, M, N, R, cs_ptr, rs_ptr, bias_ptr, up_ptr, lora_ptr, 
 
 
 @triton.jit
-def _small_m_kernel(
-    x_ptr, smooth_ptr, w_ptr, s_ptr, cs_ptr, rs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, part_ptr, cnt_ptr,
-    M, N, K, R, stride_xm, stride_lm, stride_om, k_per_split, SPLIT_K,
-    LAYOUT: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr, RC: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_RS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn_l = rn % N  # clamped rows for loads; stores are masked
-    rm = tl.arange(0, BLOCK_M)
-    ck = tl.arange(0, BLOCK_K)
-    cb = tl.arange(0, BLOCK_K // 2)
-    cs = tl.arange(0, BLOCK_K // 16)
-    # Each layout's byte offset is a row part (here) plus a k part (per step, on [BLOCK_K] vectors).
+def _weight_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HW_CVT: tl.constexpr):
+    """One weight tile as fp32 ``[BLOCK_N, BLOCK_K]`` in the tile's row order (``_tile_rows``) and the k
+    of each of its columns (``[BLOCK_K]``, absolute).
+
+    The repacked layouts are read as they lie: a 64-row group's ``BLOCK_K`` columns are one contiguous
+    run of the blob (16-byte loads), put in row order by a register permutation (Triton moves the
+    bytes through shared memory). Their columns come out in the k order the permutation gives, and the
+    activations are gathered in that order instead: the sum over k does not care."""
     if LAYOUT == 0:
-        w_row = rn_l * (K // 2)
-        s_row = rn_l * (K // 16)
+        kc = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        if EVEN_K:
+            wb = tl.load(w_ptr + rn_l[:, None] * stride_w + kc[None, :])
+            sc = tl.load(s_ptr + rn_l[:, None] * stride_s + ks[None, :])
+        else:
+            wb = tl.load(w_ptr + rn_l[:, None] * stride_w + kc[None, :], mask=(kc < K // 2)[None, :], other=0)
+            sc = tl.load(s_ptr + rn_l[:, None] * stride_s + ks[None, :], mask=(ks < K // 16)[None, :], other=0)
+        kx = k0 + tl.arange(0, BLOCK_K)
     elif LAYOUT == 1:
-        # blob [N/64, K/64, 128, 16]: row 64 g + 16 t2 + 8 p0 + t1 and byte column 32 kt + 8 b + 4 p1 + t0
-        # at [g, kt, 32 t2 + 4 t1 + t0, 4 b + 2 p1 + p0]; strip [N/64, K/64, 32, 4, 2]: row
-        # 64 g + 16 s1 + 8 i + s0 and scale column 4 kt + b at [g, kt, 8 s1 + s0, b, i]
-        g = rn_l // 64
-        rr = rn_l % 64
-        w_row = g * (K // 64) * 2048 + ((rr // 16) * 32 + (rr % 8) * 4) * 16 + (rr // 8) % 2
-        s_row = g * (K // 64) * 256 + ((rr // 16) * 8 + rr % 8) * 8 + (rr // 8) % 2
+        # blob [N/64, K/64, 128, 16]: row 64 g + 16 t2 + 8 p0 + t1, byte column 32 kt + 8 b + 4 p1 + t0
+        # (k 64 kt + 16 b + 8 p1 + 2 t0 + nibble) at [g, kt, 32 t2 + 4 t1 + t0, 4 b + 2 p1 + p0]; strip
+        # [N/64, K/64, 32, 4, 2]: that row's scale of block 4 kt + b at [g, kt, 8 t2 + t1, b, p0]
+        KT: tl.constexpr = BLOCK_K // 64
+        wb = tl.load(w_ptr + pid_n * (K // 64) * 2048 + (k0 // 64) * 2048 + tl.arange(0, KT * 2048))
+        wb = tl.permute(tl.reshape(wb, (KT, 4, 8, 4, 4, 2, 2)), (1, 2, 6, 0, 4, 3, 5))  # t2 t1 p0 | kt b t0 p1
+        wb = tl.reshape(wb, (64, KT * 32))
+        sc = tl.load(s_ptr + pid_n * (K // 64) * 256 + (k0 // 64) * 256 + tl.arange(0, KT * 256))
+        sc = tl.reshape(tl.permute(tl.reshape(sc, (KT, 4, 8, 4, 2)), (1, 2, 4, 0, 3)), (64, KT * 4))
+        q = tl.arange(0, BLOCK_K)  # column 64 kt + 16 b + 4 t0 + 2 p1 + nibble
+        kx = k0 + (q // 16) * 16 + ((q // 2) % 2) * 8 + ((q // 4) % 4) * 2 + q % 2
     else:
         # blob [N/64, K/128, 128, 32]: row 64 g + 16 w + 8 p + rq, k 128 kt + 32 b + 16 h + 4 c + j at
         # byte [g, kt, 32 w + 4 rq + c, 8 b + 4 h + j], the high nibble for p = 0; strip
         # [N/64, K/128, 512]: the 16-block 8 kt + 2 b + h of that row at [g, kt, 16 (8 w + rq) + 4 b + 2 h + p]
-        g = rn_l // 64
-        rr = rn_l % 64
-        w_row = g * (K // 128) * 4096 + ((rr // 16) * 32 + (rr % 8) * 4) * 32
-        s_row = g * (K // 128) * 512 + ((rr // 16) * 8 + rr % 8) * 16 + (rr // 8) % 2
-        shift = 4 - 4 * ((rr // 8) % 2)
+        KT: tl.constexpr = BLOCK_K // 128
+        wb = tl.load(w_ptr + pid_n * (K // 128) * 4096 + (k0 // 128) * 4096 + tl.arange(0, KT * 4096))
+        wb = tl.permute(tl.reshape(wb, (KT, 4, 8, 4, 4, 2, 4)), (1, 2, 0, 4, 5, 3, 6))  # w rq | kt b h c j
+        wb = tl.reshape(wb, (32, BLOCK_K))
+        sc = tl.load(s_ptr + pid_n * (K // 128) * 512 + (k0 // 128) * 512 + tl.arange(0, KT * 512))
+        sc = tl.reshape(tl.permute(tl.reshape(sc, (KT, 4, 8, 4, 2, 2)), (1, 2, 5, 0, 3, 4)), (64, KT * 8))
+        kx = k0 + tl.arange(0, BLOCK_K)
+    if LAYOUT == 2:
+        wi = wb.to(tl.int32)  # two rows a byte: p = 0 high, p = 1 low -> rows 2 (8 w + rq) + p
+        c = tl.reshape(tl.permute(tl.join(wi >> 4, wi & 0xF), (0, 2, 1)), (64, BLOCK_K))
+        gf = (sc.to(tl.int16) << 7).to(tl.float16, bitcast=True).to(tl.float32)  # UE5M3 -> its value
+        v = tl.reshape(tl.reshape(_e2m1(c), (64, BLOCK_K // 16, 16)) * gf[:, :, None], (64, BLOCK_K))
+        if HW_CVT:  # exact products of at most 6 bits: one rounding, no saturation
+            w = v.to(tl.float8e4nv).to(tl.float32)
+        else:  # the CPU interpreter mis-rounds conversions
+            w = tl.where(v < 0, -_round_e4m3(tl.abs(v)), _round_e4m3(tl.abs(v)))
+    else:
+        c = tl.interleave(wb & 0xF, wb >> 4).to(tl.int32)  # element 2i is the low nibble
+        sf = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        w = tl.reshape(tl.reshape(_e2m1(c), (BLOCK_N, BLOCK_K // 16, 16)) * sf[:, :, None], (BLOCK_N, BLOCK_K))
+    return w, kx
+
+
+@triton.jit
+def _small_m_kernel(
+    x_ptr, smooth_ptr, w_ptr, s_ptr, cs_ptr, rs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N, K, R, stride_xm, stride_lm, stride_om, stride_w, stride_s, k_per_split, SPLIT_K,
+    LAYOUT: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, RC: tl.constexpr, EVEN_K: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_RS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    ri = tl.arange(0, BLOCK_N)
+    if LAYOUT == 0:
+        rn = pid_n * BLOCK_N + ri
+    else:  # a repacked group (BLOCK_N = 64) comes out as rows 16 t + 2 r + p = row 16 t + 8 p + r
+        rn = pid_n * 64 + (ri // 16) * 16 + (ri % 2) * 8 + (ri // 2) % 8
+    rn_l = rn % N  # clamped rows for loads; stores are masked
+    rm = tl.arange(0, BLOCK_M)
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        rk = k0 + ck
-        kc = k0 // 2 + cb  # byte columns
-        ks = k0 // 16 + cs  # scale columns
-        if LAYOUT == 0:  # any K % 16 == 0: mask the tail
-            wb = tl.load(w_ptr + w_row[:, None] + kc[None, :], mask=(kc < K // 2)[None, :], other=0)
-            sc = tl.load(s_ptr + s_row[:, None] + ks[None, :], mask=(ks < K // 16)[None, :], other=0)
-        elif LAYOUT == 1:  # K % 128 == 0 (the host checks)
-            w_col = (kc // 32) * 2048 + (kc % 4) * 16 + ((kc % 32) // 8) * 4 + ((kc // 4) % 2) * 2
-            wb = tl.load(w_ptr + w_row[:, None] + w_col[None, :])
-            sc = tl.load(s_ptr + s_row[:, None] + ((ks // 4) * 256 + (ks % 4) * 2)[None, :])
-        else:
-            kk = rk % 128
-            w_col = (rk // 128) * 4096 + ((kk // 4) % 4) * 32 + (kk // 32) * 8 + ((kk // 16) % 2) * 4 + kk % 4
-            wb = tl.load(w_ptr + w_row[:, None] + w_col[None, :])
-            kb = ks % 8
-            sc = tl.load(s_ptr + s_row[:, None] + ((ks // 8) * 512 + (kb // 2) * 4 + (kb % 2) * 2)[None, :])
-        if LAYOUT == 2:
-            c = ((wb.to(tl.int32) >> shift[:, None]) & 0xF)
-            gf = (sc.to(tl.int16) << 7).to(tl.float16, bitcast=True).to(tl.float32)
-            v = _e2m1(c)
-            mag = tl.reshape(tl.reshape(tl.abs(v), (BLOCK_N, BLOCK_K // 16, 16)) * gf[:, :, None], (BLOCK_N, BLOCK_K))
-            w = tl.where(v < 0, -_round_e4m3(mag), _round_e4m3(mag))  # exact products: no saturation
-        else:
-            c = tl.interleave(wb & 0xF, wb >> 4).to(tl.int32)  # element 2i is the low nibble
-            sf = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            w = tl.reshape(tl.reshape(_e2m1(c), (BLOCK_N, BLOCK_K // 16, 16)) * sf[:, :, None], (BLOCK_N, BLOCK_K))
+        w, rk = _weight_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT, BLOCK_N, BLOCK_K, EVEN_K,
+                             not DOT_F32)
         if USE_DOT:
             a = _acts(x_ptr, smooth_ptr, rm, rk, M, K, stride_xm, BLOCK_M, BLOCK_K, ACT)
             if DOT_F32:  # the CPU interpreter: exact fp32 values
@@ -219,7 +234,7 @@ def _small_m_kernel(
     else:
         num_n = tl.num_programs(0)
         tile = BLOCK_N * BLOCK_M
-        local = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + rm[None, :]
+        local = ri[:, None] * BLOCK_M + rm[None, :]
         tl.store(part_ptr + (pid_k * num_n + pid_n) * tile + local, acc)
         tl.debug_barrier()  # every thread's partial is written before the counter moves
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
@@ -250,10 +265,17 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def block_k_for(layout: int, k: int, block_k: int = 128) -> int:
+    """The k-step: for the repacked layouts a run of whole blob tiles (64 k for quack's, 128 for the
+    fast one) that divides K, so their loads need no mask; for the canonical layout any power of two
+    (the tail is masked)."""
     if layout != CANONICAL:
-        if k % 128 or block_k % 64:
+        unit = 64 if layout == QUACK else 128
+        if k % 128:
             raise ValueError(f"the repacked layouts need in_features % 128 == 0, got {k}")
-        return block_k if k % block_k == 0 else 64
+        bk = max(unit, block_k // unit * unit)
+        while k % bk:
+            bk //= 2
+        return max(bk, unit)
     return min(block_k, max(16, triton.next_power_of_2(k)))
 
 
@@ -304,9 +326,11 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
     if x.dtype == torch.float8_e4m3fn:
         x = x.view(torch.uint8)
     use_dot = m > FMA_MAX_M
+    if layout != CANONICAL and block_n != 64:
+        raise ValueError(f"the repacked layouts are read a 64-row group a tile, got block_n={block_n}")
     # registers (CPU-compiled for sm_90a, docs/perf.md): a 64 x 64 weight tile over 8 warps for the
     # multiply-adds, 64 x 128 over 4 warps for the dot
-    bk = block_k_for(layout, k, block_k or (128 if use_dot else 64))
+    bk = block_k_for(layout, k, block_k or (128 if use_dot or layout == FAST else 64))
     num_warps = num_warps or (4 if use_dot else 8)
     bm = max(16 if use_dot else 2, triton.next_power_of_2(m))
     split = split_k or split_for(bm, n, k, block_n, bk)
@@ -321,9 +345,9 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         x, smooth if smooth is not None else dummy, w, s.view(torch.uint8), colscale,
         rowscale if rowscale is not None else dummy, bias if bias is not None else dummy,
         proj_up if r else dummy, lora_act if r else dummy, out, part, cnt,
-        m, n, k, r, x.stride(0), lora_act.stride(0) if r else 0, out.stride(0), per * bk, split,
+        m, n, k, r, x.stride(0), lora_act.stride(0) if r else 0, out.stride(0), k // 2, k // 16, per * bk, split,
         LAYOUT=layout, ACT=act, BLOCK_N=block_n, BLOCK_M=bm, BLOCK_K=bk, RC=min(64, max(16, triton.next_power_of_2(r or 16))),
-        IS_SPLIT=split > 1, HAS_RS=rowscale is not None, HAS_BIAS=bias is not None, HAS_LORA=bool(r),
+        EVEN_K=k % bk == 0, IS_SPLIT=split > 1, HAS_RS=rowscale is not None, HAS_BIAS=bias is not None, HAS_LORA=bool(r),
         USE_DOT=use_dot, DOT_F32=_INTERPRET, num_warps=num_warps,
     )
     return out
