@@ -58,11 +58,12 @@ def graph_time(fn) -> float:
 
 
 def module_time(q, x, small: bool) -> float:
-    sm90.SMALL_M = 64 if small else 0  # read per call by the backend
+    saved = sm90.SMALL_M
+    sm90.SMALL_M = dict.fromkeys(saved, 64 if small else 0)  # read per call by the backend
     try:
         return graph_time(lambda: q(x))
     finally:
-        sm90.SMALL_M = 64
+        sm90.SMALL_M = saved
 
 
 def kernel_call(q, x, mode: str):
@@ -97,10 +98,10 @@ def kernel_call(q, x, mode: str):
 SHAPES = [("attn", 1, 3072, 3072), ("attn", 4, 3072, 3072), ("attn", 8, 3072, 3072), ("attn", 16, 3072, 3072),
           ("attn", 64, 3072, 3072), ("ff up", 1, 3072, 12288), ("ff down", 1, 12288, 3072)]
 ADALN = [("adaLN W4A16", 1, 3072, 18432), ("adaLN W4A16", 4, 3072, 9216)]
-# (block_n, block_k, warps) tried by --sweep; the repacked layouts are read 64 rows a tile
-SWEEP_CANONICAL = [(64, 64, 8), (64, 128, 8), (64, 256, 8), (128, 128, 8), (64, 128, 4), (128, 256, 8)]
-SWEEP_REPACKED = [(64, 64, 8), (64, 128, 8), (64, 256, 8), (64, 512, 8), (64, 128, 4), (64, 256, 4)]
-SWEEP_DOT = [(64, 64, 4), (64, 128, 4), (64, 256, 4), (64, 128, 8), (64, 256, 8)]
+# (block_n, block_k, warps, pipeline stages) tried by --sweep; the repacked layouts are read 64 rows a tile
+SWEEP_CANONICAL = [(64, 128, 8, 1), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 3), (64, 64, 8, 3), (128, 128, 8, 3)]
+SWEEP_REPACKED = [(64, 64, 8, 3), (64, 128, 8, 1), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 3), (64, 256, 8, 3)]
+SWEEP_DOT = [(64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3)]
 
 
 @torch.no_grad()
@@ -140,7 +141,7 @@ def main() -> None:
                         f"{t_ref / t_k:.2f}x | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% |")
             print(rows[-1], flush=True)
     if args.sweep:
-        rows += ["", "Sweep of the kernel alone (us): block_n x block_k, warps, split (auto = small_m.split_for)", "",
+        rows += ["", "Sweep of the kernel alone (us): block_n x block_k, warps, pipeline stages, split (auto = small_m.split_for)", "",
                  "| layer | M | mode | config | us | weight GB/s |", "|---|---|---|---|---|---|"]
         for label, m, k, n, mode in [("attn", 1, 3072, 3072, "exact"), ("attn", 1, 3072, 3072, "exact-canonical"),
                                      ("adaLN W4A16", 1, 3072, 18432, "w4a16"), ("attn", 1, 3072, 3072, "fast"),
@@ -155,17 +156,17 @@ def main() -> None:
             repacked = mode in ("exact", "fast")
             configs = SWEEP_DOT if m > small_m.FMA_MAX_M else SWEEP_REPACKED if repacked else SWEEP_CANONICAL
             before = len(rows)
-            for bn, bk, nw in configs:
+            for bn, bk, nw, ns in configs:
                 if mode == "fast" and bk < 128:
                     continue
                 auto = small_m.split_for(16 if m > small_m.FMA_MAX_M else 2, n, k, bn, bk)
                 for split in sorted({max(1, auto // 2), auto, auto * 2}):
                     try:
-                        t = graph_time(lambda: call(block_n=bn, block_k=bk, num_warps=nw, split_k=split))
+                        t = graph_time(lambda: call(block_n=bn, block_k=bk, num_warps=nw, split_k=split, num_stages=ns))
                     except Exception as e:  # a config Triton cannot build (registers, shared memory)
-                        rows.append(f"| {label} | {m} | {mode} | {bn}x{bk} w{nw} s{split} | {type(e).__name__} | |")
+                        rows.append(f"| {label} | {m} | {mode} | {bn}x{bk} w{nw} st{ns} s{split} | {type(e).__name__} | |")
                         continue
-                    rows.append(f"| {label} | {m} | {mode} | {bn}x{bk} w{nw} s{split}{' (auto)' if split == auto else ''}"
+                    rows.append(f"| {label} | {m} | {mode} | {bn}x{bk} w{nw} st{ns} s{split}{' (auto)' if split == auto else ''}"
                                 f" | {t * 1e3:.1f} | {wbytes / (t * 1e-3) / 1e9:.0f} |")
             print("\n".join(rows[before:]), flush=True)
     emit(rows, args.out)

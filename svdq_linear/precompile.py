@@ -115,11 +115,11 @@ def _variants_small_m(quick: bool):
 
     out = []
     cases = [  # (layout, act, x dtype, block_m, use_dot, label)
-        (sm.CANONICAL, sm.ACT_X, "bf16", 2, False, "w4a16_m1"), (sm.QUACK, sm.ACT_NVFP4, "bf16", 2, False, "exact_quack_m1"),
-        (sm.FAST, sm.ACT_E4M3, "u8", 2, False, "fast_m1"), (sm.QUACK, sm.ACT_X, "bf16", 64, True, "exact_quack_xq_m64"),
+        (sm.CANONICAL, sm.ACT_X, "bf16", 1, False, "w4a16_m1"), (sm.QUACK, sm.ACT_NVFP4, "bf16", 1, False, "exact_quack_m1"),
+        (sm.FAST, sm.ACT_E4M3, "u8", 1, False, "fast_m1"), (sm.QUACK, sm.ACT_X, "bf16", 64, True, "exact_quack_xq_m64"),
     ]
     if not quick:
-        cases += [(sm.CANONICAL, sm.ACT_X, "bf16", 4, False, "w4a16_m4"), (sm.CANONICAL, sm.ACT_X, "fp16", 2, False,
+        cases += [(sm.CANONICAL, sm.ACT_X, "bf16", 4, False, "w4a16_m4"), (sm.CANONICAL, sm.ACT_X, "fp16", 1, False,
                                                                           "w4a16_fp16_m1"),
                   (sm.CANONICAL, sm.ACT_X, "bf16", 16, True, "w4a16_m16"), (sm.CANONICAL, sm.ACT_NVFP4, "bf16", 8, False,
                                                                              "exact_m8"),
@@ -130,7 +130,7 @@ def _variants_small_m(quick: bool):
                        bias_ptr="*bf16", up_ptr="*bf16", lora_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32",
                        cnt_ptr="*i32", M="i32", N="i32", K="i32", R="i32", stride_xm="i32", stride_lm="i32",
                        stride_om="i32", stride_w="i32", stride_s="i32", k_per_split="i32", SPLIT_K="i32")
-            cx = dict(LAYOUT=layout, ACT=act, BLOCK_N=64, BLOCK_M=bm, BLOCK_K=128 if dot or layout == sm.FAST else 64, RC=32, EVEN_K=True, IS_SPLIT=split > 1,
+            cx = dict(LAYOUT=layout, ACT=act, BLOCK_N=64, BLOCK_M=bm, BLOCK_K=128 if dot or layout == sm.FAST else 64, RC=32, EVEN_K=True, NUM_STAGES=3, IS_SPLIT=split > 1,
                       HAS_RS=act == sm.ACT_E4M3, HAS_BIAS=True, HAS_LORA=lora, USE_DOT=dot, DOT_F32=False)
             out.append((sm._small_m_kernel, sig, cx, dict(num_warps=4 if dot else 8),
                         f"small_m_{label}_s{split}{'_lora' if lora else ''}"))

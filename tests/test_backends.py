@@ -259,6 +259,18 @@ def test_stood_in_state_compiles_fullgraph(standing):
     assert m._parameters["qweight"].numel() == 0 and standing.prepares == 1
 
 
+def test_compiled_before_any_eager_call_traces_the_preparation(counting):
+    """torch.compile on a fresh module: the preparation is traced into the graph, nothing from the
+    trace's fake tensors is cached, and the first eager call prepares and caches as usual."""
+    m = _module()
+    x = torch.randn(3, 64)
+    compiled = torch.compile(torch.nn.Sequential(m, torch.nn.GELU()), fullgraph=True, backend="aot_eager")
+    y = compiled(x)
+    assert not m._dispatch_cache, "a state prepared under tracing was cached"
+    assert torch.equal(y, torch.nn.functional.gelu(m(x)))
+    assert m._dispatch_cache and counting.calls >= 2
+
+
 def test_sequential_offload_moves_the_packed_tensors():
     from accelerate import cpu_offload
 

@@ -283,8 +283,13 @@ def resolve(module, x: torch.Tensor) -> tuple[Backend, object]:
     cache = module._dispatch_cache
     slot = (backend.name, module.kind)  # a mode switch changes the kind and what is prepared
     entry = cache.get(slot)
-    if torch.compiler.is_compiling() and entry is not None:
-        return backend, entry[1]  # prepared before tracing; the guard below runs in eager mode
+    if torch.compiler.is_compiling():
+        if entry is not None:
+            return backend, entry[1]  # prepared before tracing; the guard below runs in eager mode
+        # Compiled before any eager call: the preparation is traced into the graph (it holds no
+        # data-dependent choices then, see sm90.plan_lowrank) and nothing is cached from fake tensors;
+        # the first eager call prepares and caches, and a recompile picks that up.
+        return backend, backend.prepare(module, device)
     if weights_are_offloaded(module):
         module._restore()
         cache.clear()

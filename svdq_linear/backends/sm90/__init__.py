@@ -45,7 +45,11 @@ from .. import Backend, device_capability, weights_are_offloaded
 
 MAX_RANK = 256
 QUACK_MIN_M = 128  # tokens from which quack's W4 GEMM serves bf16 calls (docs/perf.md)
-SMALL_M = int(os.environ.get("SVDQ_SM90_SMALL_M", "64"))  # up to this many tokens: small_m's kernel (docs/perf.md)
+# Up to this many tokens a layer kind runs small_m's kernel, from where it beat the GEMM it replaced
+# (docs/perf.md, "Small M"); SVDQ_SM90_SMALL_M=<int> sets one limit for every kind (0: never).
+SMALL_M = {"w4a4": 64, "w4a4_fast": 64, "w4a16": 64}
+if os.environ.get("SVDQ_SM90_SMALL_M"):
+    SMALL_M = dict.fromkeys(SMALL_M, int(os.environ["SVDQ_SM90_SMALL_M"]))
 ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (the Triton GEMM for every exact call)
 
 
@@ -68,7 +72,7 @@ def plan_lowrank(proj_up: torch.Tensor) -> tuple[int, torch.Tensor] | None:
     128-row tile: a dense rank up to 64 (one window), and the block-diagonal ``proj_up`` of fused
     linears (q/k/v, the single blocks' inputs), whose segments each read their own rank's window."""
     n, r = proj_up.shape
-    if r == 0 or n % 64:
+    if r == 0 or n % 64 or torch.compiler.is_compiling():  # traced: no data-dependent choice, the tile path
         return None
     nz = (proj_up != 0).reshape(n // 64, 64, r).any(1)  # [G, R]: the columns each 64 rows use
     used = nz.any(1)
@@ -251,7 +255,7 @@ class Sm90Backend(Backend):
     def run_w4a4(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
         m, k = x.shape
         n, r = wcscale.shape[0], proj_down.shape[1]
-        if m <= SMALL_M:
+        if m <= SMALL_M["w4a4"]:
             return self._small_w4a4(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra)
         lora = None
         if r:
@@ -302,7 +306,7 @@ class Sm90Backend(Backend):
         r = proj_down.shape[1]
         fw = quack_fast.FastWeight(*extra[-4:])
         out_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
-        if x.shape[0] <= SMALL_M:  # a few tokens: the small-M kernel on the fast blob (one read of it)
+        if x.shape[0] <= SMALL_M["w4a4_fast"]:  # a few tokens: the small-M kernel on the fast blob (one read of it)
             from . import small_m
 
             a8, sa = self.kernels.quantize_act_fp8(x, smooth)
@@ -327,7 +331,7 @@ class Sm90Backend(Backend):
     def run_w4a16(self, x, qweight, wscales, wcscale, bias, extra):
         if x.stride(1) != 1:
             x = x.contiguous()
-        if x.shape[0] <= SMALL_M:
+        if x.shape[0] <= SMALL_M["w4a16"]:
             from . import small_m
 
             return small_m.linear(x, small_m.CANONICAL, qweight, wscales, wcscale.float(), qweight.shape[0],

@@ -82,9 +82,13 @@ def _nvfp4_values(xs, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _acts(x_ptr, smooth_ptr, rows, rk, M, K, stride_xm, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-          ACT: tl.constexpr):
-    """The activations of ``rows`` (``[ROWS]``) at ``rk`` as fp32 ``[ROWS, BLOCK_K]`` (0 outside)."""
-    mask = (rows < M)[:, None] & (rk < K)[None, :]
+          ACT: tl.constexpr, EVEN_K: tl.constexpr):
+    """The activations of ``rows`` (``[ROWS]``) at ``rk`` as fp32 ``[ROWS, BLOCK_K]`` (0 outside).
+    ``EVEN_K``: every ``rk < K``, so the mask is constant along k and the loads are vectors."""
+    if EVEN_K:
+        mask = (rows < M)[:, None] & (rk >= 0)[None, :]
+    else:
+        mask = (rows < M)[:, None] & (rk < K)[None, :]
     ptrs = x_ptr + rows[:, None] * stride_xm + rk[None, :]
     if ACT == 2:  # E4M3 bytes
         a = tl.load(ptrs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -132,15 +136,12 @@ def _epilogue(acc, rn, rm, M, N, R, cs_ptr, rs_ptr, bias_ptr, up_ptr, lora_ptr, 
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HW_CVT: tl.constexpr):
-    """One weight tile as fp32 ``[BLOCK_N, BLOCK_K]`` in the tile's row order (``_tile_rows``) and the k
-    of each of its columns (``[BLOCK_K]``, absolute).
+def _load_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The bytes of one weight tile (codes and scales) as they lie in memory.
 
     The repacked layouts are read as they lie: a 64-row group's ``BLOCK_K`` columns are one contiguous
-    run of the blob (16-byte loads), put in row order by a register permutation (Triton moves the
-    bytes through shared memory). Their columns come out in the k order the permutation gives, and the
-    activations are gathered in that order instead: the sum over k does not care."""
+    run of the blob (16-byte loads); ``_decode_tile`` puts them in row order."""
     if LAYOUT == 0:
         kc = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
@@ -150,16 +151,37 @@ def _weight_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT: t
         else:
             wb = tl.load(w_ptr + rn_l[:, None] * stride_w + kc[None, :], mask=(kc < K // 2)[None, :], other=0)
             sc = tl.load(s_ptr + rn_l[:, None] * stride_s + ks[None, :], mask=(ks < K // 16)[None, :], other=0)
+    elif LAYOUT == 1:
+        KT: tl.constexpr = BLOCK_K // 64
+        wb = tl.load(w_ptr + pid_n * (K // 64) * 2048 + (k0 // 64) * 2048 + tl.arange(0, KT * 2048))
+        sc = tl.load(s_ptr + pid_n * (K // 64) * 256 + (k0 // 64) * 256 + tl.arange(0, KT * 256))
+    else:
+        KT: tl.constexpr = BLOCK_K // 128
+        wb = tl.load(w_ptr + pid_n * (K // 128) * 4096 + (k0 // 128) * 4096 + tl.arange(0, KT * 4096))
+        sc = tl.load(s_ptr + pid_n * (K // 128) * 512 + (k0 // 128) * 512 + tl.arange(0, KT * 512))
+    return wb, sc
+
+
+@triton.jit
+def _decode_tile(wb, sc, k0, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HW_CVT: tl.constexpr):
+    """``_load_tile``'s bytes -> fp32 ``[BLOCK_N, BLOCK_K]`` values in the tile's row order, their
+    per-16-block factor ``[BLOCK_N, BLOCK_K / 16]`` (the E4M3 block scale, applied by the caller a block
+    sum at a time; 1 for the fast layout, whose decode rounds after the factor) and the k of each column
+    (``[BLOCK_K]``, absolute).
+
+    A repacked tile is put in row order by a register permutation (Triton moves the bytes through
+    shared memory). Its columns come out in the k order the permutation gives, and the activations
+    are gathered in that order instead: the sum over k does not care."""
+    if LAYOUT == 0:
         kx = k0 + tl.arange(0, BLOCK_K)
     elif LAYOUT == 1:
         # blob [N/64, K/64, 128, 16]: row 64 g + 16 t2 + 8 p0 + t1, byte column 32 kt + 8 b + 4 p1 + t0
         # (k 64 kt + 16 b + 8 p1 + 2 t0 + nibble) at [g, kt, 32 t2 + 4 t1 + t0, 4 b + 2 p1 + p0]; strip
         # [N/64, K/64, 32, 4, 2]: that row's scale of block 4 kt + b at [g, kt, 8 t2 + t1, b, p0]
         KT: tl.constexpr = BLOCK_K // 64
-        wb = tl.load(w_ptr + pid_n * (K // 64) * 2048 + (k0 // 64) * 2048 + tl.arange(0, KT * 2048))
         wb = tl.permute(tl.reshape(wb, (KT, 4, 8, 4, 4, 2, 2)), (1, 2, 6, 0, 4, 3, 5))  # t2 t1 p0 | kt b t0 p1
         wb = tl.reshape(wb, (64, KT * 32))
-        sc = tl.load(s_ptr + pid_n * (K // 64) * 256 + (k0 // 64) * 256 + tl.arange(0, KT * 256))
         sc = tl.reshape(tl.permute(tl.reshape(sc, (KT, 4, 8, 4, 2)), (1, 2, 4, 0, 3)), (64, KT * 4))
         q = tl.arange(0, BLOCK_K)  # column 64 kt + 16 b + 4 t0 + 2 p1 + nibble
         kx = k0 + (q // 16) * 16 + ((q // 2) % 2) * 8 + ((q // 4) % 4) * 2 + q % 2
@@ -168,10 +190,8 @@ def _weight_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT: t
         # byte [g, kt, 32 w + 4 rq + c, 8 b + 4 h + j], the high nibble for p = 0; strip
         # [N/64, K/128, 512]: the 16-block 8 kt + 2 b + h of that row at [g, kt, 16 (8 w + rq) + 4 b + 2 h + p]
         KT: tl.constexpr = BLOCK_K // 128
-        wb = tl.load(w_ptr + pid_n * (K // 128) * 4096 + (k0 // 128) * 4096 + tl.arange(0, KT * 4096))
         wb = tl.permute(tl.reshape(wb, (KT, 4, 8, 4, 4, 2, 4)), (1, 2, 0, 4, 5, 3, 6))  # w rq | kt b h c j
         wb = tl.reshape(wb, (32, BLOCK_K))
-        sc = tl.load(s_ptr + pid_n * (K // 128) * 512 + (k0 // 128) * 512 + tl.arange(0, KT * 512))
         sc = tl.reshape(tl.permute(tl.reshape(sc, (KT, 4, 8, 4, 2, 2)), (1, 2, 5, 0, 3, 4)), (64, KT * 8))
         kx = k0 + tl.arange(0, BLOCK_K)
     if LAYOUT == 2:
@@ -183,11 +203,14 @@ def _weight_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT: t
             w = v.to(tl.float8e4nv).to(tl.float32)
         else:  # the CPU interpreter mis-rounds conversions
             w = tl.where(v < 0, -_round_e4m3(tl.abs(v)), _round_e4m3(tl.abs(v)))
+        sf = tl.full((64, BLOCK_K // 16), 1.0, tl.float32)
     else:
-        c = tl.interleave(wb & 0xF, wb >> 4).to(tl.int32)  # element 2i is the low nibble
+        wi = wb.to(tl.int32)  # E2M1 straight from each nibble; element 2i is the low one
+        lo = (((wi & 7) << 22) | ((wi & 8) << 28)).to(tl.float32, bitcast=True)
+        hi = (((wi & 0x70) << 18) | ((wi & 0x80) << 24)).to(tl.float32, bitcast=True)
+        w = tl.interleave(lo, hi) * 8.507059173023462e37  # x 2**126
         sf = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        w = tl.reshape(tl.reshape(_e2m1(c), (BLOCK_N, BLOCK_K // 16, 16)) * sf[:, :, None], (BLOCK_N, BLOCK_K))
-    return w, kx
+    return w, sf, kx
 
 
 @triton.jit
@@ -195,7 +218,8 @@ def _small_m_kernel(
     x_ptr, smooth_ptr, w_ptr, s_ptr, cs_ptr, rs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, R, stride_xm, stride_lm, stride_om, stride_w, stride_s, k_per_split, SPLIT_K,
     LAYOUT: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr, RC: tl.constexpr, EVEN_K: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_RS: tl.constexpr,
+    BLOCK_K: tl.constexpr, RC: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, IS_SPLIT: tl.constexpr,
+    HAS_RS: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -211,11 +235,14 @@ def _small_m_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        w, rk = _weight_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT, BLOCK_N, BLOCK_K, EVEN_K,
-                             not DOT_F32)
+    # A few tokens make this loop bound by the weight bytes in flight: Triton's pipeliner keeps
+    # NUM_STAGES - 1 tiles of them coming (asynchronous copies to shared memory) while one is decoded.
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        wb, sc = _load_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT, BLOCK_N, BLOCK_K, EVEN_K)
+        w, sf, rk = _decode_tile(wb, sc, k0, LAYOUT, BLOCK_N, BLOCK_K, not DOT_F32)
         if USE_DOT:
-            a = _acts(x_ptr, smooth_ptr, rm, rk, M, K, stride_xm, BLOCK_M, BLOCK_K, ACT)
+            w = tl.reshape(tl.reshape(w, (BLOCK_N, BLOCK_K // 16, 16)) * sf[:, :, None], (BLOCK_N, BLOCK_K))
+            a = _acts(x_ptr, smooth_ptr, rm, rk, M, K, stride_xm, BLOCK_M, BLOCK_K, ACT, EVEN_K)
             if DOT_F32:  # the CPU interpreter: exact fp32 values
                 acc = tl.dot(w, tl.trans(a), acc, input_precision="ieee")
             elif ACT == 0:
@@ -224,9 +251,13 @@ def _small_m_kernel(
                 acc = tl.dot(w.to(tl.bfloat16), tl.trans(a).to(tl.bfloat16), acc)
         else:
             for mi in tl.static_range(BLOCK_M):
-                a = _acts(x_ptr, smooth_ptr, tl.full([1], mi, tl.int32), rk, M, K, stride_xm, 1, BLOCK_K, ACT)
-                s = tl.sum(w * a, axis=1)
-                acc = tl.where(rm[None, :] == mi, acc + s[:, None], acc)
+                if mi < M or mi == 0:  # the padded tokens cost nothing
+                    a = _acts(x_ptr, smooth_ptr, tl.full([1], mi, tl.int32), rk, M, K, stride_xm, 1, BLOCK_K, ACT,
+                              EVEN_K)
+                    # block sums of exact products, then the block scale: one multiply a block, not a value
+                    blk = tl.sum(tl.reshape(w * a, (BLOCK_N, BLOCK_K // 16, 16)), axis=2)
+                    s = tl.sum(blk * sf, axis=1)
+                    acc = tl.where(rm[None, :] == mi, acc + s[:, None], acc)
 
     if not IS_SPLIT:
         _epilogue(acc, rn, rm, M, N, R, cs_ptr, rs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_lm, stride_om,
@@ -296,7 +327,7 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
            rowscale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
            proj_up: torch.Tensor | None = None, lora_act: torch.Tensor | None = None,
            block_n: int = 64, block_k: int | None = None, split_k: int | None = None,
-           num_warps: int | None = None) -> torch.Tensor:
+           num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
     """``out [M, N] = (A(x) @ W^T) * colscale (* rowscale) + lora_act @ proj_up^T + bias`` for M <= 64.
 
     ``x [M, K]`` with unit stride along K (16-bit for ``ACT_X``; any float for ``ACT_NVFP4``, which
@@ -312,7 +343,7 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         # The CPU interpreter's fp32 -> 16-bit conversion does not round to nearest: cast outside.
         return linear(x, layout, w, s, colscale, n, act=act, out_dtype=torch.float32, smooth=smooth,
                       rowscale=rowscale, bias=bias, proj_up=proj_up, lora_act=lora_act, block_n=block_n,
-                      block_k=block_k, split_k=split_k, num_warps=num_warps).to(out_dtype)
+                      block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages).to(out_dtype)
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
     if m == 0:
         return out
@@ -332,7 +363,7 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
     # multiply-adds, 64 x 128 over 4 warps for the dot
     bk = block_k_for(layout, k, block_k or (128 if use_dot or layout == FAST else 64))
     num_warps = num_warps or (4 if use_dot else 8)
-    bm = max(16 if use_dot else 2, triton.next_power_of_2(m))
+    bm = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
     split = split_k or split_for(bm, n, k, block_n, bk)
     steps = -(-k // bk)
     per = -(-steps // split)
@@ -347,7 +378,7 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         proj_up if r else dummy, lora_act if r else dummy, out, part, cnt,
         m, n, k, r, x.stride(0), lora_act.stride(0) if r else 0, out.stride(0), k // 2, k // 16, per * bk, split,
         LAYOUT=layout, ACT=act, BLOCK_N=block_n, BLOCK_M=bm, BLOCK_K=bk, RC=min(64, max(16, triton.next_power_of_2(r or 16))),
-        EVEN_K=k % bk == 0, IS_SPLIT=split > 1, HAS_RS=rowscale is not None, HAS_BIAS=bias is not None, HAS_LORA=bool(r),
+        EVEN_K=k % bk == 0, NUM_STAGES=num_stages, IS_SPLIT=split > 1, HAS_RS=rowscale is not None, HAS_BIAS=bias is not None, HAS_LORA=bool(r),
         USE_DOT=use_dot, DOT_F32=_INTERPRET, num_warps=num_warps,
     )
     return out
