@@ -47,7 +47,7 @@ MAX_RANK = 256
 QUACK_MIN_M = 128  # tokens from which quack's W4 GEMM serves bf16 calls (docs/perf.md)
 # Up to this many tokens a layer kind runs small_m's kernel, from where it beat the GEMM it replaced
 # (docs/perf.md, "Small M"); SVDQ_SM90_SMALL_M=<int> sets one limit for every kind (0: never).
-SMALL_M = {"w4a4": 64, "w4a4_fast": 64, "w4a16": 64}
+SMALL_M = {"w4a4": 64, "w4a4_fast": 0, "w4a16": 1}
 if os.environ.get("SVDQ_SM90_SMALL_M"):
     SMALL_M = dict.fromkeys(SMALL_M, int(os.environ["SVDQ_SM90_SMALL_M"]))
 ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (the Triton GEMM for every exact call)

@@ -47,9 +47,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CANONICAL, QUACK, FAST = 0, 1, 2
 ACT_X, ACT_NVFP4, ACT_E4M3 = 0, 1, 2
 MAX_M = 64  # tokens this kernel serves
-FMA_MAX_M = 8  # up to this many tokens: multiply-adds instead of a 16-wide dot
+FMA_MAX_M = 2  # up to this many tokens: multiply-adds instead of a 16-wide dot (docs/perf.md)
 SM_COUNT = 132
-CTAS_PER_SM = 4  # the grid the split-K aims at
+CTAS_PER_SM = 8  # the grid the split-K aims at (docs/perf.md: 8 beat 4 at every measured shape but one)
 
 
 @triton.jit
@@ -359,10 +359,10 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
     use_dot = m > FMA_MAX_M
     if layout != CANONICAL and block_n != 64:
         raise ValueError(f"the repacked layouts are read a 64-row group a tile, got block_n={block_n}")
-    # registers (CPU-compiled for sm_90a, docs/perf.md): a 64 x 64 weight tile over 8 warps for the
-    # multiply-adds, 64 x 128 over 4 warps for the dot
+    # measured on the H200 (docs/perf.md, "Small M"): 64 x 64 over 4 warps for the multiply-adds (the
+    # fast blob's 64 x 128 over 8), 64 x 128 over 4 warps for the dot; three pipeline stages
     bk = block_k_for(layout, k, block_k or (128 if use_dot or layout == FAST else 64))
-    num_warps = num_warps or (4 if use_dot else 8)
+    num_warps = num_warps or (8 if layout == FAST and not use_dot else 4)
     bm = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
     split = split_k or split_for(bm, n, k, block_n, bk)
     steps = -(-k // bk)
