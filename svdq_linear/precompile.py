@@ -110,7 +110,7 @@ def _variants_sm90(quick: bool):
 def _variants_small_m(quick: bool):
     """The small-M kernel (``backends/sm90/small_m.py``) as the backend launches it: W4A16 on the
     canonical layout, the exact mode quantizing in the kernel (canonical and quack layouts) or reading
-    ``xq``, the fast mode on its blob; multiply-adds at M <= 8, a dot above."""
+    ``xq``, the fast mode on its blob; multiply-adds up to ``FMA_MAX_M`` tokens, a dot above."""
     from .backends.sm90 import small_m as sm
 
     out = []
@@ -119,11 +119,11 @@ def _variants_small_m(quick: bool):
         (sm.FAST, sm.ACT_E4M3, "u8", 1, False, "fast_m1"), (sm.QUACK, sm.ACT_X, "bf16", 64, True, "exact_quack_xq_m64"),
     ]
     if not quick:
-        cases += [(sm.CANONICAL, sm.ACT_X, "bf16", 4, False, "w4a16_m4"), (sm.CANONICAL, sm.ACT_X, "fp16", 1, False,
+        cases += [(sm.CANONICAL, sm.ACT_X, "bf16", 2, False, "w4a16_m2"), (sm.CANONICAL, sm.ACT_X, "fp16", 1, False,
                                                                           "w4a16_fp16_m1"),
-                  (sm.CANONICAL, sm.ACT_X, "bf16", 16, True, "w4a16_m16"), (sm.CANONICAL, sm.ACT_NVFP4, "bf16", 8, False,
-                                                                             "exact_m8"),
-                  (sm.FAST, sm.ACT_E4M3, "u8", 8, False, "fast_m8"), (sm.FAST, sm.ACT_E4M3, "u8", 64, True, "fast_m64")]
+                  (sm.CANONICAL, sm.ACT_X, "bf16", 16, True, "w4a16_m16"), (sm.CANONICAL, sm.ACT_NVFP4, "bf16", 2, False,
+                                                                             "exact_m2"),
+                  (sm.FAST, sm.ACT_E4M3, "u8", 2, False, "fast_m2"), (sm.FAST, sm.ACT_E4M3, "u8", 64, True, "fast_m64")]
     for layout, act, xdt, bm, dot, label in cases:
         for split, lora in ((2, True), (1, False)):
             sig = dict(x_ptr=f"*{xdt}", smooth_ptr="*fp32", w_ptr="*u8", s_ptr="*u8", cs_ptr="*fp32", rs_ptr="*fp32",
