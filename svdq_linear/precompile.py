@@ -130,8 +130,8 @@ def _variants_small_m(quick: bool):
                        bias_ptr="*bf16", up_ptr="*bf16", lora_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32",
                        cnt_ptr="*i32", M="i32", N="i32", K="i32", R="i32", stride_xm="i32", stride_lm="i32",
                        stride_om="i32", stride_w="i32", stride_s="i32", k_per_split="i32", SPLIT_K="i32")
-            cx = dict(LAYOUT=layout, ACT=act, BLOCK_N=64, BLOCK_M=bm, BLOCK_K=128 if dot or layout == sm.FAST else 64, RC=32, EVEN_K=True, NUM_STAGES=3, IS_SPLIT=split > 1,
-                      HAS_RS=act == sm.ACT_E4M3, HAS_BIAS=True, HAS_LORA=lora, USE_DOT=dot, DOT_F32=False)
+            cx = dict(LAYOUT=layout, ACT=act, BLOCK_N=64, BLOCK_M=bm, BLOCK_K=128 if dot or layout == sm.FAST else 64,
+                      RC=32, EVEN_K=True, NUM_STAGES=3, IS_SPLIT=split > 1, HAS_RS=act == sm.ACT_E4M3, HAS_BIAS=True, HAS_LORA=lora, USE_DOT=dot, DOT_F32=False)
             out.append((sm._small_m_kernel, sig, cx, dict(num_warps=8 if layout == sm.FAST and not dot else 4),
                         f"small_m_{label}_s{split}{'_lora' if lora else ''}"))
     return out

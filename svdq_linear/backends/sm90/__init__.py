@@ -5,9 +5,10 @@ computed exactly on Hopper's 16-bit tensor cores: ``quantize_act`` writes the ex
 activations in one pass; ``lora_act`` is one cuBLAS GEMM of ``x`` with ``proj_down / smooth``.
 By tokens M (bf16):
 
-- M <= ``SMALL_M`` (64): ``small_m.linear``, one launch that splits K across the SMs and reads the
-  weight once in whichever layout the module holds (canonical, quack's, the fast blob); up to 8
-  tokens it quantizes the activations itself (W4A16 and the fast mode use it too);
+- M <= ``SMALL_M[kind]`` (exact W4A4: 64; W4A16: 1; the fast mode: 0, its quack GEMM wins there, see
+  docs/perf.md): ``small_m.linear``, one launch that splits K across the SMs and reads the weight
+  once in whichever layout the module holds (canonical, quack's, the fast blob); up to 2 tokens it
+  quantizes the activations itself;
 - M < 128, fp16/fp32 inputs, or no quack: ``kernels.w4_gemm`` (Triton: the weight decoded in
   registers as wgmma's A operand, ``* wcscale`` then the low-rank MMA into the same accumulator);
 - M >= 128, bf16: quack-kernels' NVFP4 W4 GEMM (``quack_gemm``) with ``* wcscale + bias`` fused and

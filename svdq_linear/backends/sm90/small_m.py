@@ -2,15 +2,17 @@
 
 At a handful of tokens a linear is bound by its weight bytes (3072 x 3072: 5.3 MB of codes and scales,
 1.2 us at the H200's 4.3 TB/s), and the tensor-core GEMMs leave most of that bandwidth unused: 48-96
-CTAs each walk a serial K-loop (docs/perf.md, 230-910 GB/s). This kernel splits K until the grid holds
-about four CTAs per SM, so every SM has several weight tiles in flight; each split writes an fp32
-partial tile and the last split of a weight tile to finish (an atomic counter per tile) sums the
-partials in a fixed order (the result does not depend on scheduling) and applies the epilogue
-``y = acc * colscale[n] (* rowscale[m]) + lora_act @ proj_up^T + bias``. The counter is left at zero
-for the next call.
+CTAs each walk a serial K-loop (docs/perf.md, 230-910 GB/s). This kernel splits K until the grid
+holds about ``CTAS_PER_SM`` CTAs per SM, so every SM has several weight tiles in flight; each split
+writes an fp32 partial tile and the last split of a weight tile to finish (an atomic counter per
+tile) sums the partials in a fixed order (the result does not depend on scheduling) and applies the
+epilogue ``y = acc * colscale[n] (* rowscale[m]) + lora_act @ proj_up^T + bias``. The counter is
+left at zero for the next call.
 
-It reads the weight in any of the backend's three layouts, gathering through index arithmetic that
-splits into a row part and a k part (one add per element and step):
+It reads the weight in any of the backend's three layouts. The repacked blobs are read as they lie,
+a 64-row group's k-run at a time (16-byte loads, Triton's pipeliner keeping the next runs in flight),
+and put in row order by a register permutation; their columns come out in a permuted k order, and
+the activations are gathered in that order instead:
 
 - ``CANONICAL``: ``qweight [N, K/2]`` (low nibble = even k), ``wscales [N, K/16]`` E4M3;
 - ``QUACK``: the exact mode's quack blob and scale strip (``quack_gemm.repack_weight`` /
@@ -23,13 +25,15 @@ and its activations as
 - ``ACT_X``: ``x`` itself (16-bit; W4A16, or the exact activations ``xq`` from ``quantize_act``);
 - ``ACT_NVFP4``: ``x`` quantized to NVFP4 inside the kernel (``x / smooth``, per-16 E4M3 scale, E2M1
   codes: the contract's rules, as ``kernels.quantize_act``), each split quantizing its own k-range
-  (NVFP4 blocks are independent): no activation pass at all for the exact mode at M <= 8;
+  (NVFP4 blocks are independent): no activation pass at all for the exact mode at M <= ``FMA_MAX_M``;
 - ``ACT_E4M3``: the fast mode's per-token E4M3 activations (``kernels.quantize_act_fp8``).
 
 Every product of a decoded weight and an activation is exact in fp32 (at most 4 x 11 significant
 bits), so the result differs from the reference only in FP32 summation order (the contract's
-tensor-core tolerance). Tokens go through ``tl.dot`` from 9 rows (padded to 16), and through
-multiply-adds below (a dot would be at least 16 wide).
+tensor-core tolerance). Tokens go through multiply-adds up to ``FMA_MAX_M`` (each token is one more
+pass over the decoded tile) and through ``tl.dot`` above (padded to 16 rows).
+
+What bounds it is the E2M1 decode's instruction count, not the bytes (docs/perf.md, "Small M").
 """
 
 from __future__ import annotations
@@ -377,8 +381,9 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         rowscale if rowscale is not None else dummy, bias if bias is not None else dummy,
         proj_up if r else dummy, lora_act if r else dummy, out, part, cnt,
         m, n, k, r, x.stride(0), lora_act.stride(0) if r else 0, out.stride(0), k // 2, k // 16, per * bk, split,
-        LAYOUT=layout, ACT=act, BLOCK_N=block_n, BLOCK_M=bm, BLOCK_K=bk, RC=min(64, max(16, triton.next_power_of_2(r or 16))),
-        EVEN_K=k % bk == 0, NUM_STAGES=num_stages, IS_SPLIT=split > 1, HAS_RS=rowscale is not None, HAS_BIAS=bias is not None, HAS_LORA=bool(r),
+        LAYOUT=layout, ACT=act, BLOCK_N=block_n, BLOCK_M=bm, BLOCK_K=bk,
+        RC=min(64, max(16, triton.next_power_of_2(r or 16))), EVEN_K=k % bk == 0, NUM_STAGES=num_stages,
+        IS_SPLIT=split > 1, HAS_RS=rowscale is not None, HAS_BIAS=bias is not None, HAS_LORA=bool(r),
         USE_DOT=use_dot, DOT_F32=_INTERPRET, num_warps=num_warps,
     )
     return out
