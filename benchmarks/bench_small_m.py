@@ -1,6 +1,6 @@
 """GPU time of the sm90 paths at a few tokens, without host overhead: CUDA-graph replays.
 
-    python benchmarks/bench_small_m.py [--out FILE] [--no-sweep]
+    python benchmarks/bench_small_m.py [--out FILE] [--sweep] [--crossover]
 
 At M <= 64 one call is microseconds of GPU work behind ~0.2 ms of Python and launch overhead, so
 ``do_bench`` on the eager call measures the host. Here each variant is captured once in a CUDA graph
@@ -109,6 +109,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--crossover", action="store_true",
+                   help="per mode and token count: the module with the GEMM it replaced, with the kernel's "
+                        "multiply-adds and with its dot (what SMALL_M and FMA_MAX_M are set from)")
     args = p.parse_args()
     src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -169,6 +172,32 @@ def main() -> None:
                     rows.append(f"| {label} | {m} | {mode} | {bn}x{bk} w{nw} st{ns} s{split}{' (auto)' if split == auto else ''}"
                                 f" | {t * 1e3:.1f} | {wbytes / (t * 1e-3) / 1e9:.0f} |")
             print("\n".join(rows[before:]), flush=True)
+    if args.crossover:
+        rows += ["", "Crossover (module forward, us): 'before' = SMALL_M 0; 'fma' / 'dot' = the small-M kernel with "
+                 "FMA_MAX_M forced above / below M", "",
+                 "| layer | K | N | mode | M | cuBLAS bf16 | before | small-M fma | small-M dot |", "|---|---|---|---|---|---|---|---|---|"]
+        for label, k, n in (("attn", 3072, 3072), ("adaLN", 3072, 18432)):
+            for mode in ("exact", "fast", "w4a16"):
+                if mode == "fast" and not have_fast:
+                    continue
+                lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+                q = (NVFP4W4A16Linear.from_linear(lin) if mode == "w4a16"
+                     else random_w4a4(k, n, 32, torch.bfloat16, "cuda").set_mode(mode))
+                for m in (1, 2, 3, 4, 8, 16, 32, 64):
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
+                    t_old = module_time(q, x, False)
+                    saved = small_m.FMA_MAX_M
+                    try:
+                        small_m.FMA_MAX_M = 64
+                        t_fma = module_time(q, x, True) if m <= 8 else float("nan")
+                        small_m.FMA_MAX_M = 0
+                        t_dot = module_time(q, x, True)
+                    finally:
+                        small_m.FMA_MAX_M = saved
+                    rows.append(f"| {label} | {k} | {n} | {mode} | {m} | {t_ref * 1e3:.1f} | {t_old * 1e3:.1f} | "
+                                f"{t_fma * 1e3:.1f} | {t_dot * 1e3:.1f} |")
+                    print(rows[-1], flush=True)
     emit(rows, args.out)
 
 
