@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _cuda import graphed  # noqa: E402
 from _table import emit  # noqa: E402
 from test_conformance import random_w4a4  # noqa: E402
 
@@ -36,21 +37,12 @@ CALLS = 20
 
 def graph_time(fn) -> float:
     """Median ms of one call, from replays of a graph of CALLS calls."""
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(CALLS):
-            fn()
+    replay = graphed(lambda: [fn() for _ in range(CALLS)])
     times = []
     for _ in range(30):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        g.replay()
+        replay()
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) / CALLS)

@@ -12,11 +12,15 @@ rank-32 branch (the kernels' speed does not depend on the values). Times: CUDA-e
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cuda import graphed  # noqa: E402
 
 
 class DynamicFP8Linear(nn.Module):
@@ -97,15 +101,7 @@ def timed(fn, iters=10):
 
 def graph_replay_time(fn, iters=10):
     """``fn`` (eager) captured once in a CUDA graph; the median of its replays: GPU time without the host."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return timed(g.replay, iters)
+    return timed(graphed(fn), iters)
 
 
 def weight_bytes(model) -> int:
