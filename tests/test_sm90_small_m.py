@@ -174,3 +174,30 @@ def test_bad_calls_name_the_problem():
                   proj_up=torch.zeros(64, 4), lora_act=torch.zeros(1, 8))
     with pytest.raises(ValueError, match="64-row group"):
         sm.linear(torch.zeros(1, 256), sm.QUACK, q, ws, one, 64, act=sm.ACT_X, out_dtype=torch.float32, block_n=128)
+
+
+def test_backend_routes_each_kind_by_its_own_token_limit(monkeypatch):
+    """``sm90.SMALL_M`` is per layer kind: W4A16 at 1 token goes to the small-M kernel and at 2 to the
+    GEMM; exact W4A4 up to 64 tokens; both give the contract's result either way."""
+    import svdq_linear.backends.sm90 as sm90
+    from svdq_linear import NVFP4W4A16Linear, SVDQW4A4Linear, backends
+
+    calls = []
+    real = sm.linear
+    monkeypatch.setattr(sm, "linear", lambda *a, **kw: calls.append(a[1]) or real(*a, **kw))
+    monkeypatch.setattr(sm90, "SMALL_M", {"w4a4": 64, "w4a4_fast": 0, "w4a16": 1})
+    gen = torch.Generator().manual_seed(7)
+    lin = torch.nn.Linear(256, 128)
+    backend = backends.get_backend("sm90")
+    for module, m, small in [(NVFP4W4A16Linear.from_linear(lin), 1, True), (NVFP4W4A16Linear.from_linear(lin), 2, False),
+                             (SVDQW4A4Linear.from_linear(lin, rank=16), 3, True),
+                             (SVDQW4A4Linear.from_linear(lin, rank=16), 64, True)]:
+        module = module.to(DEV)
+        x = torch.randn(m, 256, generator=gen).to(DEV)
+        calls.clear()
+        y = backend.linear(module, x, backend.prepare(module, x.device))
+        assert bool(calls) == small, f"{module.kind} at {m} tokens: small-M kernel {'not ' if small else ''}expected"
+        ref = backends.get_backend("reference")
+        want = ref.linear(module, x, ref.prepare(module, x.device))
+        # bf16 operands of the low-rank product: the contract's allowance, ~1e-3 of the output here
+        assert (y.float() - want.float()).abs().max() <= 1e-2 * want.abs().max(), f"{module.kind} at {m}"

@@ -140,8 +140,8 @@ def _epilogue(acc, rn, rm, M, N, R, cs_ptr, rs_ptr, bias_ptr, up_ptr, lora_ptr, 
 
 
 @triton.jit
-def _load_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _load_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT: tl.constexpr, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr):
     """The bytes of one weight tile (codes and scales) as they lie in memory.
 
     The repacked layouts are read as they lie: a 64-row group's ``BLOCK_K`` columns are one contiguous
@@ -167,10 +167,9 @@ def _load_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT: tl.
 
 
 @triton.jit
-def _decode_tile(wb, sc, k0, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HW_CVT: tl.constexpr):
-    """``_load_tile``'s bytes -> fp32 ``[BLOCK_N, BLOCK_K]`` values in the tile's row order, their
-    per-16-block factor ``[BLOCK_N, BLOCK_K / 16]`` (the E4M3 block scale, applied by the caller a block
+def _decode_tile(wb, sc, k0, LAYOUT: tl.constexpr, BLOCK_K: tl.constexpr, HW_CVT: tl.constexpr):
+    """``_load_tile``'s bytes -> fp32 ``[rows, BLOCK_K]`` values in the tile's row order, their
+    per-16-block factor ``[rows, BLOCK_K / 16]`` (the E4M3 block scale, applied by the caller a block
     sum at a time; 1 for the fast layout, whose decode rounds after the factor) and the k of each column
     (``[BLOCK_K]``, absolute).
 
@@ -242,8 +241,8 @@ def _small_m_kernel(
     # A few tokens make this loop bound by the weight bytes in flight: Triton's pipeliner keeps
     # NUM_STAGES - 1 tiles of them coming (asynchronous copies to shared memory) while one is decoded.
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
-        wb, sc = _load_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT, BLOCK_N, BLOCK_K, EVEN_K)
-        w, sf, rk = _decode_tile(wb, sc, k0, LAYOUT, BLOCK_N, BLOCK_K, not DOT_F32)
+        wb, sc = _load_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT, BLOCK_K, EVEN_K)
+        w, sf, rk = _decode_tile(wb, sc, k0, LAYOUT, BLOCK_K, not DOT_F32)
         if USE_DOT:
             w = tl.reshape(tl.reshape(w, (BLOCK_N, BLOCK_K // 16, 16)) * sf[:, :, None], (BLOCK_N, BLOCK_K))
             a = _acts(x_ptr, smooth_ptr, rm, rk, M, K, stride_xm, BLOCK_M, BLOCK_K, ACT, EVEN_K)
