@@ -79,6 +79,14 @@ def _variants_sm90(quick: bool):
         out.append((kernels._quantize_act_fp8_kernel, sig,
                     dict(BLOCK_M=4, BLOCK_K=512, BLOCK_R=32, HAS_LORA=True, FUSE_LORA=False, DOT_F32=False), dict(num_warps=4),
                     f"quantize_act_fp8_{xdt}"))
+        # the one-pass kernel (the default), at the row widths of Flux.1 and SD3.5 inputs
+        for k in ((3072,) if quick else (2432, 3072, 3840, 10240, 12288, 15360)):
+            rows, c, nch, warps = kernels.fp8_rows_config(k)
+            sig1 = dict(x_ptr=k_ptr[xdt], inv_ptr="*fp32", a8_ptr="*fp8e4nv", sa_ptr="*fp32", lora_ptr="*fp32",
+                        la_ptr="*bf16", M="i32", K="i32", R="i32", stride_xm="i32")
+            out.append((kernels._quantize_act_fp8_rows_kernel, sig1,
+                        dict(ROWS=rows, C=c, NCH=nch, BLOCK_R=32, HAS_LORA=True, HW_CVT=True, CANON_NAN=True),
+                        dict(num_warps=warps), f"quantize_act_fp8_rows_k{k}_{xdt}"))
         sig = dict(sig, pds_ptr="*bf16")  # lora_act computed in the pass (proj_down_smoothed=)
         out.append((kernels._quantize_act_fp8_kernel, sig,
                     dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=32, HAS_LORA=False, FUSE_LORA=True, DOT_F32=False),

@@ -205,6 +205,27 @@ def test_quantize_act_writes_exact_values(device, dtype):
     assert torch.equal(got[~nan_block], want[~nan_block]), "dequantized activations are not exact"
 
 
+@pytest.mark.parametrize("device", ["cuda"] if HAS_CUDA else ["cpu"])
+def test_quantize_act_rounds_every_midpoint_to_even(device):
+    """Blocks whose max is 6 get the scale 1, so q is x itself: every E2M1 midpoint (0.25 and 1.25
+    down, 0.75 and 1.75 up, 2.5 and 5 down, 3.5 up), values just beside them, the signs of zero, and the
+    same at other scales, bit for bit (bf16 bits, signs of zero included) against the reference."""
+    from svdq_linear.backends.sm90 import kernels
+
+    mids = torch.tensor([6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, -0.25, -0.75, -1.25, -2.5, 5.5, 0.2499,
+                         0.7501, -0.0])
+    x = torch.cat([mids, mids * 2.0**-3, -mids * 2.0**5, -mids * 2.0**-12]).repeat(3, 1)
+    x[1] = torch.tensor([-6.0, 3.49, 3.51, 1.7499, 1.2501, 2.4999, 2.5001, 4.9999, 5.0001, 0.0, 0.5, 1.0, 1.5, 2.0,
+                         3.0, 4.0]).repeat(4)
+    x[2] = torch.randn(64)
+    xq = kernels.quantize_act(x.bfloat16().to(device), torch.ones(64, device=device))[0].cpu()
+    xs = nvfp4.smooth_input(x.bfloat16(), torch.ones(64))
+    want = nvfp4.dequantize_nvfp4(*nvfp4.quantize_nvfp4(xs), torch.float32).bfloat16()
+    diff = (xq.view(torch.int16) != want.view(torch.int16)).nonzero()
+    assert diff.numel() == 0, f"{len(diff)} values differ, first {diff[:3].tolist()}: {xq[tuple(diff[0])]} " \
+                              f"vs {want[tuple(diff[0])]}"
+
+
 @pytest.mark.parametrize("backend,device", BACKENDS, ids=[f"{b}-{d}" for b, d in BACKENDS])
 @pytest.mark.parametrize("m_tokens", [1, 4, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -83,30 +83,69 @@ def test_layout_refuses_shapes_it_cannot_tile():
         fast_layout.repack_fast_weight(q[:96])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("block", [(4, 512, 4), (8, 256, 4), (1, 1024, 8)])
-def test_quantize_act_fp8_is_bit_exact(dtype, block):
-    from svdq_linear.backends.sm90 import kernels
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator().manual_seed(2)
-    x = (torch.randn(11, 1000, generator=g) * torch.logspace(-5, 4, 11).unsqueeze(1)).to(dtype)
+def _fp8_input(m, k, dtype, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-5, 4, m).unsqueeze(1)).to(dtype)
     x[3] = 0
     x[5, 7] = float("nan")
     x[6, 9] = float("inf")
     x[7, 100] = -float("inf")
-    smooth = torch.rand(1000, generator=g) + 0.25
+    x[8, 3] = -0.0
+    x[9, 11] = -float("nan")  # a NaN with its sign bit set
+    x[9, 12] = float("nan")
+    smooth = torch.rand(k, generator=g) + 0.25
+    return x, smooth
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kernel", [(False, 4, 512, 4), (False, 8, 256, 4), (False, 1, 1024, 8), (True, None, 0, None),
+                                    (True, 1, 0, 4), (True, 4, 0, 8)])
+def test_quantize_act_fp8_is_bit_exact(dtype, kernel):
+    """Both kernels (two passes over a block; whole rows in registers, at its default block and others)
+    against the contract, bit for bit: zero rows, +-Inf, NaN of either sign, -0.0, both majors."""
+    from svdq_linear.backends.sm90 import kernels
+
+    one_pass, rows, block_k, warps = kernel
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x, smooth = _fp8_input(11, 1000, dtype)
     x, smooth = x.to(dev), smooth.to(dev)
     for xin in [x, x.T.contiguous().T]:  # both majors
-        a8, sa = kernels.quantize_act_fp8(xin, smooth, block_m=block[0], block_k=block[1], num_warps=block[2])
+        if one_pass:
+            a8, sa = kernels.quantize_act_fp8(xin, smooth, one_pass=True, rows=rows, num_warps=warps)
+        else:
+            a8, sa = kernels.quantize_act_fp8(xin, smooth, one_pass=False, block_m=rows, block_k=block_k,
+                                              num_warps=warps)
         ra8, rsa = nvfp4.fast_act(nvfp4.smooth_input(xin, smooth))
         assert torch.equal(sa.cpu(), rsa.cpu())
         diff = (a8.view(torch.uint8) != ra8.view(torch.uint8)).nonzero()
         assert diff.numel() == 0, f"{len(diff)} bytes differ, first at {diff[:3].tolist()}"
 
 
-@pytest.mark.parametrize("block_m", [8, 16])
-def test_quantize_act_fp8_divides_lora_act_by_the_token_scale(block_m):
+@pytest.mark.parametrize("k", [3072, 3840, 12288, 15360])
+def test_quantize_act_fp8_one_pass_at_flux_widths(k):
+    """The one-pass kernel splits a row into up to 4 power-of-two chunks (3 x 1024 at K = 3072, 4 x 4096
+    with the last one partly masked at K = 15360): every chunk's bytes and the row scale are the
+    contract's, given ``inv_smooth`` as the backend caches it."""
+    from svdq_linear.backends.sm90 import kernels
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, c, nch, _ = kernels.fp8_rows_config(k)
+    assert nch <= 4 and (nch - 1) * c < k <= nch * c and c & (c - 1) == 0
+    x, smooth = _fp8_input(11, k, torch.bfloat16, seed=k)
+    x[10, k - 1] = 1e4  # the row max in the last chunk
+    a8, sa = kernels.quantize_act_fp8(x.to(dev), smooth.to(dev), inv_smooth=(1.0 / smooth).to(dev))
+    ra8, rsa = nvfp4.fast_act(nvfp4.smooth_input(x, smooth))
+    assert torch.equal(sa.cpu(), rsa)
+    assert torch.equal(a8.view(torch.uint8).cpu(), ra8.view(torch.uint8))
+    with pytest.raises(ValueError, match="inv_smooth"):
+        kernels.quantize_act_fp8(x.to(dev), smooth.to(dev), inv_smooth=smooth[:-16].to(dev))
+    with pytest.raises(ValueError, match="one-pass"):
+        kernels.quantize_act_fp8(torch.zeros(2, kernels.ROW_MAX_K + 16, device=dev),
+                                 torch.ones(kernels.ROW_MAX_K + 16, device=dev), one_pass=True)
+
+
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_quantize_act_fp8_divides_lora_act_by_the_token_scale(one_pass):
     """``la = lora_act / sa`` rounded once to bf16: the operand that adds the low-rank product to the
     accumulator before the epilogue multiplies it by ``sa``."""
     from svdq_linear.backends.sm90 import kernels
@@ -117,7 +156,7 @@ def test_quantize_act_fp8_divides_lora_act_by_the_token_scale(block_m):
     x[4] = 0  # sa = 1
     smooth = torch.rand(256, generator=g) + 0.5
     lora = torch.randn(13, 24, generator=g) * 1e3
-    a8, sa, la = kernels.quantize_act_fp8(x.to(dev), smooth.to(dev), lora=lora.to(dev), block_m=block_m)
+    a8, sa, la = kernels.quantize_act_fp8(x.to(dev), smooth.to(dev), lora=lora.to(dev), one_pass=one_pass, block_m=8)
     ra8, rsa = nvfp4.fast_act(nvfp4.smooth_input(x, smooth))
     assert torch.equal(sa.cpu(), rsa) and torch.equal(a8.view(torch.uint8).cpu(), ra8.view(torch.uint8))
     want = (lora.double() / rsa.double()[:, None])
@@ -288,15 +327,17 @@ def test_gpu_auto_mode_runs_the_fast_kernel_on_hopper(monkeypatch):
 
 
 def test_prepared_state_hands_the_kernels_back_what_they_were_given():
-    """``run_w4a4_fast`` rebuilds the kernel's weight from the op's trailing tensors."""
+    """``run_w4a4_fast`` rebuilds the kernel's weight and ``1 / smooth`` from the op's trailing tensors."""
     qf = pytest.importorskip("svdq_linear.backends.sm90.quack_fast")
     from svdq_linear.backends.sm90 import Sm90Prepared
 
     q, s = _weight(128, 256)
     fw = qf.prepare(q, s, torch.rand(128) + 0.5, torch.randn(128))
     pds, up = torch.randn(256, 8).bfloat16(), torch.randn(128, 8).bfloat16()
-    extra = Sm90Prepared(pds, up, fw).tensors()
-    back = qf.FastWeight(*extra[-4:])
+    inv = 1.0 / (torch.rand(256) + 0.5)
+    extra = Sm90Prepared(pds, up, fw, None, inv).tensors()
+    assert extra[-1] is inv  # run_w4a4_fast takes inv_smooth from the end, then the weight before it
+    back = qf.FastWeight(*extra[-5:-1])
     assert extra[0] is pds and extra[1] is up
     assert all(a is b for a, b in zip(back.tensors(), fw.tensors()))
     w8, nw = nvfp4.fast_weight(q, s)

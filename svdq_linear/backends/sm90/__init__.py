@@ -106,11 +106,15 @@ class Sm90Prepared:
     proj_up_bf16: torch.Tensor | None
     quack: object | None  # quack_gemm.QuackWeight or quack_fast.FastWeight: the weight repacked for quack
     lowrank_segments: torch.Tensor | None = None  # [N / 64] int32 (plan_lowrank): set in the accumulator path
+    inv_smooth: torch.Tensor | None = None  # [K] float32 1 / smooth: the fast mode's one-pass activation kernel
 
     def tensors(self) -> list[torch.Tensor]:
+        """[proj_down', proj_up', (segments)] + the quack weight's tensors + [inv_smooth] (fast mode)."""
         out = [t for t in (self.proj_down_smoothed, self.proj_up_bf16, self.lowrank_segments) if t is not None]
         if self.quack is not None:
             out += self.quack.tensors()
+        if self.inv_smooth is not None:
+            out.append(self.inv_smooth)
         return out
 
 
@@ -230,7 +234,9 @@ class Sm90Backend(Backend):
                 up = torch.gather(up_scaled, 1, window).to(torch.bfloat16).contiguous()
             else:
                 up = module.proj_up.to(torch.bfloat16).contiguous()
-        return Sm90Prepared(pds, up, fw, seg)
+        # IEEE division: the bits of nvfp4.smooth_input's factor
+        inv = (1.0 / module.smooth.float()).contiguous() if module.kind == "w4a4_fast" else None
+        return Sm90Prepared(pds, up, fw, seg, inv)
 
     def extra_tensors(self, prepared):
         return [] if prepared is None else prepared.tensors()
@@ -305,12 +311,13 @@ class Sm90Backend(Backend):
     def run_w4a4_fast(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
         quack_fast = _quack_fast_module()
         r = proj_down.shape[1]
+        inv, extra = extra[-1], extra[:-1]  # Sm90Prepared.tensors(): inv_smooth comes last
         fw = quack_fast.FastWeight(*extra[-4:])
         out_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
         if x.shape[0] <= SMALL_M["w4a4_fast"]:  # a few tokens: the small-M kernel on the fast blob (one read of it)
             from . import small_m
 
-            a8, sa = self.kernels.quantize_act_fp8(x, smooth)
+            a8, sa = self.kernels.quantize_act_fp8(x, smooth, inv_smooth=inv)
             lora = _mm_f32(x.to(torch.bfloat16), extra[0][:, :r]) if r else None
             out = small_m.linear(a8, small_m.FAST, fw.blob, fw.strip, fw.cs.view(-1), wcscale.shape[0],
                                  act=small_m.ACT_E4M3, rowscale=sa, bias=bias, proj_up=proj_up if r else None,
@@ -318,14 +325,15 @@ class Sm90Backend(Backend):
             return out if x.dtype == out_dtype else out.to(x.dtype)
         if len(extra) == 7:  # [proj_down', proj_up', segments] + FastWeight: the low-rank MMA in the accumulator
             pds, up, seg = extra[:3]
-            a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=_mm_f32(x.to(torch.bfloat16), pds))
+            a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=_mm_f32(x.to(torch.bfloat16), pds),
+                                                       inv_smooth=inv)
             out = quack_fast.gemm(a8, sa, fw, out_dtype=out_dtype, lr_acc=(up, la, seg))
         else:
             lowrank = None
             if r:
                 pds, up = extra[0], extra[1]
                 lowrank = ((x.to(torch.bfloat16) @ pds) @ up.T).to(out_dtype)  # [M, N], the epilogue's tile
-            a8, sa = self.kernels.quantize_act_fp8(x, smooth)
+            a8, sa = self.kernels.quantize_act_fp8(x, smooth, inv_smooth=inv)
             out = quack_fast.gemm(a8, sa, fw, lowrank, out_dtype=out_dtype)
         return out if x.dtype == out_dtype else out.to(x.dtype)
 

@@ -66,9 +66,11 @@ def _quantize_act_kernel(
     xs = x * tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)[None, :]
 
     xb = tl.reshape(xs, (BLOCK_M, BLOCK_K // 16, 16))
-    ab = tl.abs(xb)
-    amax = tl.max(ab, axis=2)
-    finite = tl.min((ab < float("inf")).to(tl.int32), axis=2)  # 0 for a NaN or +-Inf in the block
+    # the block max on the magnitudes' bits: integer order is float order for non-negative floats, and
+    # +-Inf and every NaN lie at or above 0x7F800000, so one integer max also tells a finite block
+    mb = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+    finite = (mb < 0x7F800000).to(tl.int32)  # 0 for a NaN or +-Inf in the block
+    amax = mb.to(tl.float32, bitcast=True)
     sdiv = tl.math.div_rn(amax, tl.full([BLOCK_M, BLOCK_K // 16], 6.0, tl.float32))
     sf = tl.where(finite != 0, _round_e4m3(sdiv), 0.0)
     r = tl.where(sf > 0, tl.math.div_rn(tl.full([BLOCK_M, BLOCK_K // 16], 1.0, tl.float32), sf), 0.0)
@@ -77,9 +79,13 @@ def _quantize_act_kernel(
     neg = q < 0
     # Nearest-even E2M1: the midpoints 0.25 (down), 0.75 (up), 1.25, 1.75, 2.5, 3.5, 5 alternate.
     if WRITE_XQ:
-        v = 0.5 * ((a > 0.25).to(tl.float32) + (a >= 0.75).to(tl.float32) + (a > 1.25).to(tl.float32)
-                   + (a >= 1.75).to(tl.float32))
-        v += (a > 2.5).to(tl.float32) + (a >= 3.5).to(tl.float32) + 2.0 * (a > 5.0).to(tl.float32)
+        # By arithmetic rather than one compare per midpoint: from 1 up the grid keeps one mantissa bit
+        # (keep fp32's top mantissa bit, nearest-even, a carry moves into the exponent; 6 caps it),
+        # below 1 it is the multiples of 0.5 (the 1.5 * 2**23 trick rounds 2a to an integer, ties even).
+        ab = a.to(tl.int32, bitcast=True)
+        vn = tl.minimum(((ab + 0x1FFFFF + ((ab >> 22) & 1)) & -4194304).to(tl.float32, bitcast=True), 6.0)
+        vs = ((a * 2.0 + 12582912.0) - 12582912.0) * 0.5
+        v = tl.where(a < 1.0, vs, vn)
         v = tl.where(neg, -v, v) * sf[:, :, None]
         v = tl.where((finite != 0)[:, :, None], v, float("nan"))
         tl.store(xq_ptr + rm[:, None] * K + rk[None, :], tl.reshape(v, (BLOCK_M, BLOCK_K)).to(xq_ptr.dtype.element_ty),
@@ -164,6 +170,80 @@ def _quantize_act_fp8_kernel(
         v = v | (((q.to(tl.int32, bitcast=True) >> 31) & 1) << 7).to(tl.uint8)
         v = tl.where(a == a, v, 0x7F)
         tl.store(a8_ptr + rm[:, None] * K + rk[None, :], v, mask=mask)
+
+
+ROW_MAX_K = 16384  # the one-pass FP8 kernel holds a row block of up to this many columns in registers
+
+
+@triton.jit
+def _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, J: tl.constexpr, C: tl.constexpr):
+    # columns [J*C, J*C + C) of the row block, smoothed: xs = x * (1 / smooth) in fp32
+    rk = J * C + tl.arange(0, C)
+    k_ok = rk < K
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    # loaded in x's own shape (each row's copy from L1) so that it lands in x's register layout: a
+    # [C] load would be moved into it through shared memory
+    inv = tl.load(inv_ptr + (rk[None, :] + 0 * rm[:, None]), mask=k_ok[None, :] & m_ok[:, None], other=1.0)
+    return x.to(tl.float32) * inv
+
+
+@triton.jit
+def _fp8_rows_store(a8_ptr, q, rm, m_ok, K, J: tl.constexpr, C: tl.constexpr, HW_CVT: tl.constexpr,
+                    CANON_NAN: tl.constexpr):
+    rk = J * C + tl.arange(0, C)
+    mask = m_ok[:, None] & (rk < K)[None, :]
+    ptrs = a8_ptr + rm[:, None] * K + rk[None, :]
+    if HW_CVT:
+        # the hardware convert rounds to nearest even and saturates at 448 as the contract does, keeps
+        # the sign (of -0.0 too); CANON_NAN makes every NaN the positive one (0x7F) first
+        if CANON_NAN:
+            q = tl.where(q == q, q, float("nan"))
+        tl.store(ptrs, q.to(tl.float8e4nv), mask=mask)
+    else:  # Triton's interpreter mis-rounds conversions that carry into the exponent: round by arithmetic
+        a = tl.abs(q)
+        v = _round_e4m3(tl.where(a == a, a, 0.0)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        v = v | (((q.to(tl.int32, bitcast=True) >> 31) & 1) << 7).to(tl.uint8)
+        tl.store(ptrs.to(tl.pointer_type(tl.uint8), bitcast=True), tl.where(a == a, v, 0x7F), mask=mask)
+
+
+@triton.jit
+def _quantize_act_fp8_rows_kernel(
+    x_ptr, inv_ptr, a8_ptr, sa_ptr, lora_ptr, la_ptr, M, K, R, stride_xm,
+    ROWS: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
+    HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr,
+):
+    # One pass: ROWS whole rows a program, held in registers as NCH chunks of C columns (a power of two
+    # each, so a row of 3 * 2^n columns wastes no lanes); x is read once, every load issued before the
+    # row max. The max runs on the magnitudes' bits: for non-negative floats integer order is float
+    # order and every NaN lies above +Inf, so one integer max gives both the row max and "a NaN is here".
+    rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    m_ok = rm < M
+    xs0 = _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, 0, C)
+    mb = xs0.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    if NCH > 1:
+        xs1 = _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, 1, C)
+        mb = tl.maximum(mb, xs1.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    if NCH > 2:
+        xs2 = _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, 2, C)
+        mb = tl.maximum(mb, xs2.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    if NCH > 3:
+        xs3 = _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, 3, C)
+        mb = tl.maximum(mb, xs3.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    mx = tl.max(mb, axis=1)
+    # as nvfp4.fast_act: 1 for an all-zero row and where a NaN is in the row
+    ok = (mx > 0) & (mx <= 0x7F800000)
+    sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([ROWS], 448.0, tl.float32)), 1.0)
+    tl.store(sa_ptr + rm, sa, mask=m_ok)
+    if HAS_LORA:
+        _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, R, ROWS, BLOCK_R)
+    r = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sa)[:, None]
+    _fp8_rows_store(a8_ptr, xs0 * r, rm, m_ok, K, 0, C, HW_CVT, CANON_NAN)
+    if NCH > 1:
+        _fp8_rows_store(a8_ptr, xs1 * r, rm, m_ok, K, 1, C, HW_CVT, CANON_NAN)
+    if NCH > 2:
+        _fp8_rows_store(a8_ptr, xs2 * r, rm, m_ok, K, 2, C, HW_CVT, CANON_NAN)
+    if NCH > 3:
+        _fp8_rows_store(a8_ptr, xs3 * r, rm, m_ok, K, 3, C, HW_CVT, CANON_NAN)
 
 
 @triton.jit
@@ -304,26 +384,47 @@ def quantize_act(
 
 
 
+def fp8_rows_config(k: int) -> tuple[int, int, int, int]:
+    """``(rows, C, NCH, num_warps)`` of the one-pass FP8 kernel for rows of ``k`` columns: a row in at
+    most 4 power-of-two chunks, two rows a program up to 4096 columns, and about 48-64 values a thread
+    (the blocks measured fastest on the H200, docs/perf.md)."""
+    rows = 2 if k <= 4096 else 1
+    c = triton.next_power_of_2(triton.cdiv(k, 4))
+    nch = triton.cdiv(k, c)
+    threads = triton.next_power_of_2(triton.cdiv(rows * nch * c, 64))
+    return rows, c, nch, max(4, min(16, threads // 32))
+
+
 def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tensor | None = None,
-                     proj_down_smoothed: torch.Tensor | None = None, block_m: int = 4, block_k: int = 512,
-                     num_warps: int = 4):
+                     proj_down_smoothed: torch.Tensor | None = None, inv_smooth: torch.Tensor | None = None,
+                     one_pass: bool | None = None, rows: int | None = None, num_warps: int | None = None,
+                     canon_nan: bool = True, block_m: int = 4, block_k: int = 512):
     """The fast mode's activations of ``x [M, K]`` (any strides): ``(a8 [M, K] float8_e4m3fn, sa [M]
     float32)``, bit-identical to ``nvfp4.fast_act(nvfp4.smooth_input(x, smooth))``. With ``lora [M, R]``
     (contiguous, any float dtype: ``lora_act``) also ``la [M, R] bf16 = lora / sa`` rounded once, as the
     third result; with ``proj_down_smoothed [K, R]`` (bf16, contiguous) instead, the kernel computes
     ``lora_act = x @ proj_down_smoothed`` itself (tensor cores, fp32, from the x of its first pass;
     blocks of at least 16 rows, k-chunks of at most 128) and returns the same ``la``: one read of x
-    fewer than a separate GEMM, not yet timed on a GPU (``benchmarks/bench_lowrank.py``). Two passes over each row block: its max, then
-    the codes (the second read comes from L2). The default block (4 rows x 512) measured fastest of six
-    on the H200 (docs/perf.md). A one-pass variant holding a row in registers wrote wrong bytes there."""
+    fewer than a separate GEMM, but slower than it on the H200 (docs/perf.md), so opt-in.
+
+    Two kernels. The default (``one_pass``, K up to ``ROW_MAX_K``) holds whole rows in registers and
+    reads x once (``fp8_rows_config``; ``rows`` / ``num_warps`` override its block), with
+    ``inv_smooth = 1 / smooth`` (fp32, as the backend caches it; computed here when not given). The
+    other walks a ``block_m x block_k`` block along the row twice, its max then the codes (the second
+    read from L2); it serves ``proj_down_smoothed`` and longer rows."""
     m, k = x.shape
-    if x.stride(1) != 1 and not _INTERPRET:
-        # Triton 3.6 on sm_90 writes wrong bytes for an input strided along K (seen on the H200 for a
-        # column-major x, docs/perf.md): such inputs are rare in a transformer, so copy them.
-        x = x.contiguous()
     if lora is not None and proj_down_smoothed is not None:
         raise ValueError("pass lora (computed) or proj_down_smoothed (to compute it here), not both")
-    a8 = torch.empty(m, k, device=x.device, dtype=torch.uint8)
+    if one_pass is None:
+        one_pass = proj_down_smoothed is None and k <= ROW_MAX_K
+    elif one_pass and (proj_down_smoothed is not None or k > ROW_MAX_K):
+        raise ValueError(f"the one-pass kernel takes K <= {ROW_MAX_K} and no proj_down_smoothed, got K={k}")
+    if x.stride(1) != 1 and (one_pass or not _INTERPRET):
+        # The one-pass kernel reads rows of unit stride. The two-pass one under Triton 3.6 on sm_90
+        # writes wrong bytes for an input strided along K (seen on the H200 for a column-major x,
+        # docs/perf.md): such inputs are rare in a transformer, so copy them.
+        x = x.contiguous()
+    a8 = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
     sa = torch.empty(m, device=x.device, dtype=torch.float32)
     r, la, lora_in, pds = 0, None, sa, sa
     if lora is not None:
@@ -340,15 +441,27 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
     wants_la = lora is not None or proj_down_smoothed is not None
     if wants_la:
         la = torch.empty(m, r, device=x.device, dtype=torch.bfloat16)
-    if m:
+    if m and one_pass:
+        if inv_smooth is None:
+            inv_smooth = 1.0 / smooth.float()  # IEEE division: the bits of nvfp4.smooth_input's factor
+        elif inv_smooth.shape != (k,) or inv_smooth.dtype != torch.float32 or not inv_smooth.is_contiguous():
+            raise ValueError(f"inv_smooth must be a contiguous [{k}] float32 tensor, got "
+                             f"{tuple(inv_smooth.shape)} {inv_smooth.dtype}")
+        rows_d, c, nch, warps_d = fp8_rows_config(k)
+        rows = rows or rows_d
+        _quantize_act_fp8_rows_kernel[(triton.cdiv(m, rows),)](
+            x, inv_smooth, a8, sa, lora_in, la if r else sa, m, k, r, x.stride(0),
+            ROWS=rows, C=c, NCH=nch, BLOCK_R=_block_r(r), HAS_LORA=lora is not None, HW_CVT=not _INTERPRET,
+            CANON_NAN=canon_nan, num_warps=num_warps or warps_d)
+    elif m:
         _quantize_act_fp8_kernel[(triton.cdiv(m, block_m),)](
-            x, smooth, a8, sa, lora_in, pds, la if r else sa, m, k, r, x.stride(0), x.stride(1),
+            x, smooth, a8.view(torch.uint8), sa, lora_in, pds, la if r else sa, m, k, r, x.stride(0), x.stride(1),
             BLOCK_M=block_m, BLOCK_K=min(block_k, triton.next_power_of_2(k)), BLOCK_R=_block_r(r),
             HAS_LORA=lora is not None, FUSE_LORA=proj_down_smoothed is not None, DOT_F32=_INTERPRET,
-            num_warps=num_warps)
+            num_warps=num_warps or 4)
     if not wants_la:
-        return a8.view(torch.float8_e4m3fn), sa
-    return a8.view(torch.float8_e4m3fn), sa, la
+        return a8, sa
+    return a8, sa, la
 
 
 def w4_gemm(
