@@ -71,7 +71,7 @@ def _variants_sm90(quick: bool):
     for xdt in (["bf16"] if quick else ["bf16", "fp16", "fp32"]):
         sig = dict(x_ptr=k_ptr[xdt], smooth_ptr="*fp32", xq_ptr="*bf16" if xdt == "fp32" else k_ptr[xdt],
                    codes_ptr="*u8", scales_ptr="*u8", M="i32", K="i32", stride_xm="i32", stride_xk="i32")
-        cx = dict(BLOCK_M=32, BLOCK_K=256, WRITE_XQ=True, WRITE_CODES=False)
+        cx = dict(BLOCK_M=16, BLOCK_K=256, WRITE_XQ=True, WRITE_CODES=False)
         out.append((kernels._quantize_act_kernel, sig, cx, dict(num_warps=4), f"quantize_act_{xdt}"))
         # with lora_act / sa for the low-rank MMA in the accumulator, at the converter's default rank 32
         sig = dict(x_ptr=k_ptr[xdt], smooth_ptr="*fp32", a8_ptr="*u8", sa_ptr="*fp32", lora_ptr="*fp32",

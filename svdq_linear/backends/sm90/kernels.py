@@ -355,7 +355,7 @@ def quantize_act(
     *,
     out_dtype: torch.dtype | None = None,
     packed: bool = False,
-    block_m: int = 32,
+    block_m: int = 16,
     block_k: int = 256,
     num_warps: int = 4,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
@@ -386,13 +386,14 @@ def quantize_act(
 
 def fp8_rows_config(k: int) -> tuple[int, int, int, int]:
     """``(rows, C, NCH, num_warps)`` of the one-pass FP8 kernel for rows of ``k`` columns: a row in at
-    most 4 power-of-two chunks, two rows a program up to 4096 columns, and about 48-64 values a thread
-    (the blocks measured fastest on the H200, docs/perf.md)."""
-    rows = 2 if k <= 4096 else 1
+    most 4 power-of-two chunks; the blocks measured fastest on the H200 (docs/perf.md, 2026-12-04):
+    2 rows on 8 warps up to 3072 columns (24 values a thread), 1 row on 4 warps up to 4096, 1 row on 8
+    warps above (48-64 values a thread)."""
     c = triton.next_power_of_2(triton.cdiv(k, 4))
     nch = triton.cdiv(k, c)
-    threads = triton.next_power_of_2(triton.cdiv(rows * nch * c, 64))
-    return rows, c, nch, max(4, min(16, threads // 32))
+    if k <= 3072:
+        return 2, c, nch, 8
+    return 1, c, nch, 4 if k <= 4096 else 8
 
 
 def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tensor | None = None,
