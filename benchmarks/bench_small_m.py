@@ -75,7 +75,7 @@ def kernel_call(q, x, mode: str):
 
             lay, w, s = small_m.QUACK, quack_gemm.repack_weight(q.qweight), quack_gemm.repack_scales(q.wscales)
         return lambda **kw: small_m.linear(x, lay, w, s, q.wcscale.float(), n,
-                                           act=small_m.ACT_NVFP4 if x.shape[0] <= small_m.FMA_MAX_M else small_m.ACT_X,
+                                           act=small_m.ACT_NVFP4 if small_m.use_fma(x.shape[0], n, x.shape[1]) else small_m.ACT_X,
                                            smooth=q.smooth, bias=q.bias, proj_up=q.proj_up, lora_act=lora,
                                            out_dtype=x.dtype, **kw)
     from svdq_linear.backends.sm90 import kernels, quack_fast
@@ -103,7 +103,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--crossover", action="store_true",
                    help="per mode and token count: the module with the GEMM it replaced, with the kernel's "
-                        "multiply-adds and with its dot (what SMALL_M and FMA_MAX_M are set from)")
+                        "multiply-adds and with its dot (what SMALL_M and small_m.use_fma are set from)")
     args = p.parse_args()
     src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -149,12 +149,13 @@ def main() -> None:
             call = kernel_call(q, x, mode)
             wbytes = n * k // 2 + n * k // 16
             repacked = mode in ("exact", "fast")
-            configs = SWEEP_DOT if m > small_m.FMA_MAX_M else SWEEP_REPACKED if repacked else SWEEP_CANONICAL
+            fma = small_m.use_fma(m, n, k)
+            configs = SWEEP_REPACKED if fma and repacked else SWEEP_CANONICAL if fma else SWEEP_DOT
             before = len(rows)
             for bn, bk, nw, ns in configs:
                 if mode == "fast" and bk < 128:
                     continue
-                auto = small_m.split_for(16 if m > small_m.FMA_MAX_M else 2, n, k, bn, bk)
+                auto = small_m.split_for(2 if fma else 16, n, k, bn, bk)
                 for split in sorted({max(1, auto // 2), auto, auto * 2}):
                     try:
                         t = graph_time(lambda: call(block_n=bn, block_k=bk, num_warps=nw, split_k=split, num_stages=ns))
@@ -166,7 +167,7 @@ def main() -> None:
             print("\n".join(rows[before:]), flush=True)
     if args.crossover:
         rows += ["", "Crossover (module forward, us): 'before' = SMALL_M 0; 'fma' / 'dot' = the small-M kernel with "
-                 "FMA_MAX_M forced above / below M", "",
+                 "small_m.use_fma forced on / off", "",
                  "| layer | K | N | mode | M | cuBLAS bf16 | before | small-M fma | small-M dot |", "|---|---|---|---|---|---|---|---|---|"]
         for label, k, n in (("attn", 3072, 3072), ("adaLN", 3072, 18432)):
             for mode in ("exact", "fast", "w4a16"):
@@ -179,14 +180,14 @@ def main() -> None:
                     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                     t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
                     t_old = module_time(q, x, False)
-                    saved = small_m.FMA_MAX_M
+                    saved = small_m.use_fma
                     try:
-                        small_m.FMA_MAX_M = 64
+                        small_m.use_fma = lambda *a: True
                         t_fma = module_time(q, x, True) if m <= 8 else float("nan")
-                        small_m.FMA_MAX_M = 0
+                        small_m.use_fma = lambda *a: False
                         t_dot = module_time(q, x, True)
                     finally:
-                        small_m.FMA_MAX_M = saved
+                        small_m.use_fma = saved
                     rows.append(f"| {label} | {k} | {n} | {mode} | {m} | {t_ref * 1e3:.1f} | {t_old * 1e3:.1f} | "
                                 f"{t_fma * 1e3:.1f} | {t_dot * 1e3:.1f} |")
                     print(rows[-1], flush=True)

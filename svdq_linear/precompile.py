@@ -71,7 +71,7 @@ def _variants_sm90(quick: bool):
     for xdt in (["bf16"] if quick else ["bf16", "fp16", "fp32"]):
         sig = dict(x_ptr=k_ptr[xdt], smooth_ptr="*fp32", xq_ptr="*bf16" if xdt == "fp32" else k_ptr[xdt],
                    codes_ptr="*u8", scales_ptr="*u8", M="i32", K="i32", stride_xm="i32", stride_xk="i32")
-        cx = dict(BLOCK_M=16, BLOCK_K=256, WRITE_XQ=True, WRITE_CODES=False)
+        cx = dict(BLOCK_M=8, BLOCK_K=256, WRITE_XQ=True, WRITE_CODES=False)
         out.append((kernels._quantize_act_kernel, sig, cx, dict(num_warps=4), f"quantize_act_{xdt}"))
         # with lora_act / sa for the low-rank MMA in the accumulator, at the converter's default rank 32
         sig = dict(x_ptr=k_ptr[xdt], smooth_ptr="*fp32", a8_ptr="*u8", sa_ptr="*fp32", lora_ptr="*fp32",
@@ -118,7 +118,7 @@ def _variants_sm90(quick: bool):
 def _variants_small_m(quick: bool):
     """The small-M kernel (``backends/sm90/small_m.py``) as the backend launches it: W4A16 on the
     canonical layout, the exact mode quantizing in the kernel (canonical and quack layouts) or reading
-    ``xq``, the fast mode on its blob; multiply-adds up to ``FMA_MAX_M`` tokens, a dot above."""
+    ``xq``, the fast mode on its blob; multiply-adds where ``small_m.use_fma``, a dot elsewhere."""
     from .backends.sm90 import small_m as sm
 
     out = []
@@ -129,7 +129,8 @@ def _variants_small_m(quick: bool):
     if not quick:
         cases += [(sm.CANONICAL, sm.ACT_X, "bf16", 2, False, "w4a16_m2"), (sm.CANONICAL, sm.ACT_X, "fp16", 1, False,
                                                                           "w4a16_fp16_m1"),
-                  (sm.CANONICAL, sm.ACT_X, "bf16", 16, True, "w4a16_m16"), (sm.CANONICAL, sm.ACT_NVFP4, "bf16", 2, False,
+                  (sm.CANONICAL, sm.ACT_X, "bf16", 16, True, "w4a16_m16"), (sm.CANONICAL, sm.ACT_X, "bf16", 32, True,
+                                                                             "w4a16_m32"), (sm.CANONICAL, sm.ACT_NVFP4, "bf16", 2, False,
                                                                              "exact_m2"),
                   (sm.FAST, sm.ACT_E4M3, "u8", 2, False, "fast_m2"), (sm.FAST, sm.ACT_E4M3, "u8", 64, True, "fast_m64")]
     for layout, act, xdt, bm, dot, label in cases:

@@ -65,7 +65,7 @@ def test_exact_w4a4_both_layouts(m, layout):
     w, s, lay = (q, ws, sm.CANONICAL) if layout == "canonical" else (
         quack_gemm.repack_weight(q), quack_gemm.repack_scales(ws), sm.QUACK)
     to = dict(device=DEV)
-    if m <= sm.FMA_MAX_M:  # the kernel quantizes x / smooth itself
+    if sm.use_fma(m, n, k):  # the kernel quantizes x / smooth itself
         a, act = x, sm.ACT_NVFP4
     else:  # the exact activations from quantize_act
         a, act = nvfp4.dequantize_nvfp4(codes, scales).bfloat16(), sm.ACT_X

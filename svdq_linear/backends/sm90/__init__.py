@@ -5,10 +5,10 @@ computed exactly on Hopper's 16-bit tensor cores: ``quantize_act`` writes the ex
 activations in one pass; ``lora_act`` is one cuBLAS GEMM of ``x`` with ``proj_down / smooth``.
 By tokens M (bf16):
 
-- M <= ``SMALL_M[kind]`` (exact W4A4: 64; W4A16: 1; the fast mode: 0, its quack GEMM wins there, see
+- M <= ``SMALL_M[kind]`` (exact W4A4: 64; W4A16: 32; the fast mode: 0, its quack GEMM wins there, see
   docs/perf.md): ``small_m.linear``, one launch that splits K across the SMs and reads the weight
-  once in whichever layout the module holds (canonical, quack's, the fast blob); up to 2 tokens it
-  quantizes the activations itself;
+  once in whichever layout the module holds (canonical, quack's, the fast blob); where
+  ``small_m.use_fma`` (1 token; 2 on small weights) it quantizes the activations itself;
 - M < 128, fp16/fp32 inputs, or no quack: ``kernels.w4_gemm`` (Triton: the weight decoded in
   registers as wgmma's A operand, ``* wcscale`` then the low-rank MMA into the same accumulator);
 - M >= 128, bf16: quack-kernels' NVFP4 W4 GEMM (``quack_gemm``) with ``* wcscale + bias`` fused and
@@ -48,7 +48,7 @@ MAX_RANK = 256
 QUACK_MIN_M = 128  # tokens from which quack's W4 GEMM serves bf16 calls (docs/perf.md)
 # Up to this many tokens a layer kind runs small_m's kernel, from where it beat the GEMM it replaced
 # (docs/perf.md, "Small M"); SVDQ_SM90_SMALL_M=<int> sets one limit for every kind (0: never).
-SMALL_M = {"w4a4": 64, "w4a4_fast": 0, "w4a16": 1}
+SMALL_M = {"w4a4": 64, "w4a4_fast": 0, "w4a16": 32}
 if os.environ.get("SVDQ_SM90_SMALL_M"):
     SMALL_M = dict.fromkeys(SMALL_M, int(os.environ["SVDQ_SM90_SMALL_M"]))
 ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (the Triton GEMM for every exact call)
@@ -289,8 +289,8 @@ class Sm90Backend(Backend):
         return self.kernels.w4_gemm(xq, qweight, wscales, wcscale, bias, proj_up if r else None, lora, x.dtype, cfg)
 
     def _small_w4a4(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
-        """A few tokens (``small_m``): one launch reading the weight once (plus ``lora_act``'s GEMM); up
-        to ``FMA_MAX_M`` tokens the kernel quantizes the activations itself."""
+        """A few tokens (``small_m``): one launch reading the weight once (plus ``lora_act``'s GEMM); where
+        ``small_m.use_fma`` the kernel quantizes the activations itself."""
         from . import small_m
 
         m, n, r = x.shape[0], wcscale.shape[0], proj_down.shape[1]
@@ -301,7 +301,7 @@ class Sm90Backend(Backend):
         layout, w, s = small_m.CANONICAL, qweight, wscales
         if qweight.numel() == 0:  # quack's repacked tensors stand in for the canonical ones (replaced)
             layout, w, s = small_m.QUACK, extra[-4], extra[-3]
-        if m <= small_m.FMA_MAX_M:
+        if small_m.use_fma(m, n, x.shape[1]):
             a, act = x, small_m.ACT_NVFP4
         else:
             a, act = self.kernels.quantize_act(x, smooth)[0], small_m.ACT_X

@@ -25,12 +25,12 @@ and its activations as
 - ``ACT_X``: ``x`` itself (16-bit; W4A16, or the exact activations ``xq`` from ``quantize_act``);
 - ``ACT_NVFP4``: ``x`` quantized to NVFP4 inside the kernel (``x / smooth``, per-16 E4M3 scale, E2M1
   codes: the contract's rules, as ``kernels.quantize_act``), each split quantizing its own k-range
-  (NVFP4 blocks are independent): no activation pass at all for the exact mode at M <= ``FMA_MAX_M``;
+  (NVFP4 blocks are independent): no activation pass at all for the exact mode where ``use_fma``;
 - ``ACT_E4M3``: the fast mode's per-token E4M3 activations (``kernels.quantize_act_fp8``).
 
 Every product of a decoded weight and an activation is exact in fp32 (at most 4 x 11 significant
 bits), so the result differs from the reference only in FP32 summation order (the contract's
-tensor-core tolerance). Tokens go through multiply-adds up to ``FMA_MAX_M`` (each token is one more
+tensor-core tolerance). Tokens go through multiply-adds where ``use_fma`` (each token is one more
 pass over the decoded tile) and through ``tl.dot`` above (padded to 16 rows).
 
 What bounds it is the E2M1 decode's instruction count, not the bytes (docs/perf.md, "Small M").
@@ -51,9 +51,19 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CANONICAL, QUACK, FAST = 0, 1, 2
 ACT_X, ACT_NVFP4, ACT_E4M3 = 0, 1, 2
 MAX_M = 64  # tokens this kernel serves
-FMA_MAX_M = 2  # up to this many tokens: multiply-adds instead of a 16-wide dot (docs/perf.md)
+FMA_MAX_M = 2  # up to this many tokens: multiply-adds instead of a 16-wide dot (docs/perf.md) ...
+FMA_MAX_WEIGHT = 1 << 24  # ... past one token only for weights up to this many elements (use_fma)
 SM_COUNT = 132
 CTAS_PER_SM = 8  # the grid the split-K aims at (docs/perf.md: 8 beat 4 at every measured shape but one)
+
+
+def use_fma(m: int, n: int, k: int) -> bool:
+    """Multiply-adds (and, in the exact mode, the activations quantized in the kernel) rather than the
+    dot for ``m`` tokens of an ``n x k`` weight. Each token costs the multiply-add form one more pass of
+    decoded weight through the FMA pipe, the dot costs the same from 1 to 16 tokens: on the H200 the
+    multiply-adds won at 1 token at every shape and at 2 tokens on 3072 x 3072, not on 18432 x 3072
+    (docs/perf.md, 2026-12-04 crossover)."""
+    return m == 1 or (m <= FMA_MAX_M and n * k <= FMA_MAX_WEIGHT)
 
 
 @triton.jit
@@ -359,7 +369,7 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         r = proj_up.shape[1]
     if x.dtype == torch.float8_e4m3fn:
         x = x.view(torch.uint8)
-    use_dot = m > FMA_MAX_M
+    use_dot = not use_fma(m, n, k)
     if layout != CANONICAL and block_n != 64:
         raise ValueError(f"the repacked layouts are read a 64-row group a tile, got block_n={block_n}")
     # measured on the H200 (docs/perf.md, "Small M"): 64 x 64 over 4 warps for the multiply-adds (the
