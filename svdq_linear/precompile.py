@@ -1,6 +1,6 @@
 """``svdq-precompile``: compile the library's GPU kernels on a machine without a GPU.
 
-    svdq-precompile --arch sm_90a [--out DIR] [--keep-sass] [--quick]
+    svdq-precompile --arch sm_90a [--out DIR] [--keep-sass] [--quick] [--python X.Y]
 
 ``sm_90a``: every Triton kernel variant the sm90 backend launches for the Flux.1 and SD3.5 shapes
 (the activation pass per input dtype, the W4 GEMM per tile configuration of ``configs.json`` with and
@@ -12,7 +12,8 @@ shared memory and the SASS counts that matter (HGMMA, local-memory LDL/STL).
 With quack-kernels installed, the quack GEMMs (the exact mode's NVFP4 W4A16 decode for M >= 128, the
 fast mode's FP8 decode for every M) are compiled per Flux/SD3.5 shape into ``DIR/quack-cache`` (point
 ``QUACK_CACHE_DIR`` there; quack's cache key includes the Python minor version and the cutlass and
-tvm-ffi versions, so compile with the GPU machine's interpreter and packages).
+tvm-ffi versions: ``--python 3.12`` also files the objects for a GPU machine running Python 3.12,
+whose cutlass and tvm-ffi must match this machine's).
 ``sm_100a`` / ``sm_103a``: the Blackwell kernels (``svdq_linear.backends.sm100``), when present.
 """
 
@@ -170,9 +171,11 @@ def precompile_sm90(out_dir: Path, keep_sass: bool = False, quick: bool = False)
     return records
 
 
-def precompile_sm90_quack(out_dir: Path, keep_sass: bool = False, quick: bool = False) -> list[dict]:
+def precompile_sm90_quack(out_dir: Path, keep_sass: bool = False, quick: bool = False,
+                          python: str | None = None) -> list[dict]:
     """Compile the quack-kernels GEMMs (exact W4A16 decode, fast FP8 decode) into ``DIR/quack-cache``
-    (``QUACK_CACHE_DIR`` on the GPU machine), in a child process; [] where quack is not installed."""
+    (``QUACK_CACHE_DIR`` on the GPU machine), in a child process; [] where quack is not installed.
+    ``python`` ("3.12"): also file them for that interpreter (``quack_precompile.file_for_python``)."""
     try:
         import quack  # noqa: F401
     except ImportError:
@@ -180,7 +183,7 @@ def precompile_sm90_quack(out_dir: Path, keep_sass: bool = False, quick: bool = 
     dump = out_dir / "quack-dump"
     proc = subprocess.run(
         [sys.executable, "-m", "svdq_linear.backends.sm90.quack_precompile", "--cache", str(out_dir / "quack-cache"),
-         "--dump", str(dump)] + (["--quick"] if quick else []),
+         "--dump", str(dump)] + (["--quick"] if quick else []) + (["--python", python] if python else []),
         capture_output=True, text=True, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     records = []
     for line in proc.stdout.splitlines():
@@ -201,12 +204,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="svdq-precompiled", help="output folder (default: %(default)s)")
     p.add_argument("--keep-sass", action="store_true", help="write each kernel's SASS")
     p.add_argument("--quick", action="store_true", help="a representative subset (CI)")
+    p.add_argument("--python", default=None, metavar="X.Y",
+                   help="sm_90a: also file quack's cache for the GPU machine's Python X.Y (quack keys by it)")
     args = p.parse_args(argv)
+    if args.python and not re.fullmatch(r"3\.\d+", args.python):
+        p.error(f"--python takes a version like 3.12, got {args.python!r}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.arch == "sm_90a":
         records = precompile_sm90(out_dir, args.keep_sass, args.quick)
-        records += precompile_sm90_quack(out_dir, args.keep_sass, args.quick)
+        records += precompile_sm90_quack(out_dir, args.keep_sass, args.quick, args.python)
     else:
         try:
             from .backends.sm100.precompile import precompile_sm100

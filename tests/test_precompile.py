@@ -41,3 +41,41 @@ def test_sm90_kernels_compile_to_hgmma_without_spills(tmp_path):
         fast_lr = [k for k in quack if k["kernel"].startswith("quack_w4a8") and k["kernel"].endswith("_r32")]
         assert fast_lr and all(k["hgmma"] >= 2 and k["qgmma"] > 0 for k in fast_lr), fast_lr
         assert any((tmp_path / "quack-cache").rglob("*.o")), "nothing was written to quack's cache"
+
+
+def test_quack_cache_is_filed_for_the_gpu_machines_python(tmp_path, monkeypatch):
+    """quack keys its disk cache by the Python minor version: ``--python X.Y`` copies the compiled
+    objects into the folder that interpreter computes. The key is rebuilt by our code, so it must equal
+    quack's own for this interpreter (else it refuses), and differ for another."""
+    pytest.importorskip("quack.cache.jit")
+    import quack.cache as state
+    from quack.cache import jit
+
+    from svdq_linear.backends.sm90 import quack_precompile as qp
+
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert qp.python_fingerprint(here) == jit._compute_source_fingerprint()
+    other = qp.python_fingerprint("3.99")
+    assert other != jit._compute_source_fingerprint() and len(other) == 64
+    monkeypatch.setattr(state, "CACHE_DIR", str(tmp_path))
+    src = tmp_path / jit._compute_source_fingerprint()
+    src.mkdir()
+    (src / "a.o").write_bytes(b"object a")
+    (src / "b.o").write_bytes(b"object b")
+    (src / "b.lock").write_bytes(b"")
+    folder, n = qp.file_for_python(tmp_path, "3.99")
+    assert folder == tmp_path / other and n == 2
+    assert sorted(p.name for p in folder.iterdir()) == ["a.o", "b.o"]
+    assert (folder / "b.o").read_bytes() == b"object b"
+    # a quack whose key this code no longer reproduces: refuse rather than file objects nobody finds
+    monkeypatch.setattr(jit, "_compute_source_fingerprint", lambda: "0" * 64)
+    with pytest.raises(RuntimeError, match="cache key"):
+        qp.python_fingerprint("3.12")
+
+
+def test_precompile_refuses_a_malformed_python_version(capsys):
+    from svdq_linear.precompile import main
+
+    with pytest.raises(SystemExit):
+        main(["--arch", "sm_90a", "--python", "312"])
+    assert "--python" in capsys.readouterr().err

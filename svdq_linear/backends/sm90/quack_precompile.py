@@ -1,13 +1,17 @@
 """Compile the sm90 backend's quack-kernels GEMMs (exact and fast mode) with no GPU, into quack's disk cache.
 
     python -m svdq_linear.backends.sm90.quack_precompile --cache DIR --dump DIR [--quick] [--sms 132]
+        [--python X.Y]
 
 Run by ``svdq-precompile --arch sm_90a`` in a child process: the environment has to be set before
 cutlass is imported. The CuTe DSL compiles for ``sm_90a`` without a driver; the two host queries quack
 makes while planning a launch (the SM count for its persistent grid, the shared memory per SM) are
 answered from the target's tables. quack keys its cache by the Python minor version, the cutlass and
-tvm-ffi versions and its own sources, so run this with the interpreter and packages of the GPU
-machine, and point ``QUACK_CACHE_DIR`` there at ``DIR``.
+tvm-ffi versions and its own sources (one folder per key under ``DIR``); point ``QUACK_CACHE_DIR`` on
+the GPU machine at ``DIR``. The compiled objects are native code behind tvm-ffi's C ABI, not
+CPython's, so ``--python X.Y`` also files them under the key the GPU machine's interpreter computes
+(``python_fingerprint``), for a GPU machine whose Python differs from this one; its cutlass and
+tvm-ffi versions must still be these.
 
 Prints one JSON record per kernel.
 """
@@ -31,6 +35,56 @@ def _setup(cache: Path, dump: Path, sms: int) -> None:
     _pin_dsl_arch("sm_90a")
     _install_gpu_blind_device_attrs()
     host.get_max_active_clusters = dsl_utils.get_max_active_clusters = lambda *a, **k: sms
+
+
+def python_fingerprint(python: str) -> str:
+    """quack's cache-folder name (``quack.cache.jit._compute_source_fingerprint``) as an interpreter of
+    version ``python`` ("3.12") with this machine's quack, cutlass and tvm-ffi computes it. Refuses
+    (RuntimeError) when, for this interpreter, it is not what quack computes: quack changed its key,
+    and a cache filed under a guessed one would never be found."""
+    import hashlib
+
+    import cutlass
+    import quack
+    import quack.cache as state
+    import tvm_ffi
+    from quack.cache import jit
+
+    def digest(py: str) -> str:
+        h = hashlib.sha256()
+        h.update(f"py{py}".encode())
+        h.update(f"cutlass={cutlass.__version__}".encode())
+        h.update(f"tvm_ffi={tvm_ffi.__version__}".encode())
+        jit._hash_source_dir(h, Path(quack.__file__).resolve().parent)
+        for extra in state.EXTRA_SOURCE_DIRS:
+            jit._hash_source_dir(h, Path(extra).resolve())
+        return h.hexdigest()
+
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if digest(here) != jit._compute_source_fingerprint():
+        raise RuntimeError("quack's cache key is not the one svdq-linear reproduces (quack-kernels changed its "
+                           "fingerprint): compile on a machine with the GPU machine's Python instead")
+    return digest(python)
+
+
+def file_for_python(cache: Path, python: str) -> tuple[Path, int]:
+    """Copy the compiled objects of this interpreter's cache folder under ``cache`` into the folder an
+    interpreter of version ``python`` looks in; returns (that folder, objects copied)."""
+    import shutil
+
+    from quack.cache import jit
+
+    src = cache / jit._compute_source_fingerprint()
+    dst = cache / python_fingerprint(python)
+    dst.mkdir(parents=True, exist_ok=True)
+    n = 0
+    for obj in sorted(src.glob("*.o")):
+        if dst != src:
+            tmp = dst / (obj.name + ".partial")
+            shutil.copyfile(obj, tmp)
+            os.replace(tmp, dst / obj.name)  # whole objects only: quack loads any .o it finds
+        n += 1
+    return dst, n
 
 
 def variants(shapes, quick: bool, rank: int = 32):
@@ -72,6 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--dump", required=True)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--sms", type=int, default=132)
+    p.add_argument("--python", default=None, help="also file the cache for this Python (X.Y) of the GPU machine")
     args = p.parse_args(argv)
     dump = Path(args.dump)
     dump.mkdir(parents=True, exist_ok=True)
@@ -87,6 +142,13 @@ def main(argv=None) -> int:
             rec = {"kernel": label, "ok": True, "cubin": str(new[0]) if new else None}
         except Exception as e:  # report and go on: one shape must not hide the others
             rec = {"kernel": label, "ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
+        print(json.dumps(rec), flush=True)
+    if args.python:
+        try:
+            folder, n = file_for_python(Path(args.cache), args.python)
+            rec = {"kernel": f"python{args.python}-quack-cache", "ok": True, "objects": n, "folder": str(folder)}
+        except Exception as e:
+            rec = {"kernel": f"python{args.python}-quack-cache", "ok": False, "error": f"{type(e).__name__}: {e}"}
         print(json.dumps(rec), flush=True)
     return 0
 
