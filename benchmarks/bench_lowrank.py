@@ -124,8 +124,8 @@ def main() -> None:
         "smooth), GEMM = the quack GEMM with the low-rank MMA in its accumulator; last column: the fast "
         "activation pass computing lora_act itself (replacing quant + lora).\n")
     log("| shape | M | K | N | cuBLAS bf16 | exact | exact: quant, lora, GEMM | fast | fast: quant, lora, GEMM | "
-        "fast: quant with lora inside |")
-    log("|---|---|---|---|---|---|---|---|---|---|")
+        "fast: quant with lora inside | lora in Triton (kernels.lora_act) |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|")
     from svdq_linear.backends.sm90 import Sm90Backend, _mm_f32
     from svdq_linear.fuse import concat_w4a4
 
@@ -173,6 +173,12 @@ def main() -> None:
             cells += [f"{t:.4f} ({t_ref / t:.2f}x)", f"{t_q:.4f}, {t_l:.4f}, {t_g:.4f}"]
             if mode == "fast":
                 cells.append(f"{t_f:.4f}")
+                # the Triton lora_act against cuBLAS's: checked (fp32 sums of the same bf16 products), timed
+                lt = kernels.lora_act(x, pds_p, torch.float32)
+                tol = (x.float().abs() @ pds_p.float().abs()) * 2.0**-16 + 1e-30
+                if not bool(((lt - lora).abs() <= tol).all()):
+                    raise AssertionError(f"{label}: kernels.lora_act differs from cuBLAS beyond fp32 summation")
+                cells.append(f"{timer(lambda: kernels.lora_act(x, pds_p, torch.float32)):.4f}")
             del w
         log(f"| {label} | {m_tok} | {k} | {n} | {t_ref:.4f} | " + " | ".join(cells) + " |")
         del mod

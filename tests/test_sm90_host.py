@@ -57,3 +57,26 @@ def test_exact_state_stands_in_and_the_triton_gemm_rebuilds_per_call():
     want = backend.run_w4a4(x, m.qweight, m.wscales, *args)
     empty_q, empty_s = m.qweight.new_empty(0, 0), m.wscales.new_empty(0, 0)
     assert torch.equal(backend.run_w4a4(x, empty_q, empty_s, *args), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m,k,r", [(37, 384, 32), (5, 256, 96), (40, 992, 20), (0, 128, 32)])
+def test_lora_act_kernel_is_x_in_bf16_times_proj_down(dtype, m, k, r):
+    """``kernels.lora_act``: ``x.to(bf16) @ pds`` with fp32 accumulation (one rounding of the fp32 sum:
+    fp32-level error), R padded to a power of two inside, whole K in one program."""
+    from svdq_linear.backends.sm90 import kernels
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(m + k + r)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    pds = (torch.randn(k, r, generator=g) / 20).bfloat16()
+    got = kernels.lora_act(x.to(dev), pds.to(dev), torch.float32).cpu().double()
+    xb = x.to(torch.bfloat16).double()
+    want = xb @ pds.double()
+    mag = xb.abs() @ pds.double().abs() + 1e-30
+    # exact x on the GPU and for bf16 x; Triton's CPU interpreter converts to bf16 by truncation: one ulp
+    rel = 2.0**-20 if dev == "cuda" or dtype == torch.bfloat16 else 2.0**-7
+    assert got.shape == (m, r) and ((got - want).abs() <= mag * rel).all()
+    assert kernels.lora_act(x.to(dev), pds.to(dev), torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="pds"):
+        kernels.lora_act(x.to(dev), pds.float().to(dev))

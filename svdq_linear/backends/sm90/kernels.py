@@ -344,6 +344,30 @@ def _splitk_epilogue_kernel(
               BLOCK_R, HAS_BIAS, HAS_LORA, DOT_F32)
 
 
+@triton.jit
+def _lora_act_kernel(x_ptr, pd_ptr, out_ptr, M, K, R, stride_xm,
+                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr,
+                     DOT_F32: tl.constexpr):
+    # lora_act [BLOCK_M, R] of a row block: x (rounded to bf16, as the cuBLAS path's x.to(bf16)) times
+    # proj_down / smooth (bf16), fp32 accumulation over the whole K in one program (no split: no
+    # partial sums, a fixed order)
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rr = tl.arange(0, BLOCK_R)
+    m_ok = rm < M
+    r_ok = rr < R
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(pd_ptr + rk[:, None] * R + rr[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        if DOT_F32:  # the CPU interpreter multiplies bf16 bit patterns: give it the (exact) fp32 values
+            acc = tl.dot(x.to(tl.bfloat16).to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x.to(tl.bfloat16), w, acc)
+    tl.store(out_ptr + rm[:, None] * R + rr[None, :], acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
+
+
 # ---- launchers -----------------------------------------------------------------------------------
 
 
@@ -467,6 +491,32 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
     if not wants_la:
         return a8, sa
     return a8, sa, la
+
+
+def lora_act(x: torch.Tensor, pds: torch.Tensor, out_dtype: torch.dtype = torch.float32, *, block_m: int = 16,
+             block_k: int | None = None, num_stages: int = 4, num_warps: int = 4) -> torch.Tensor:
+    """``lora_act [M, R] = x.to(bf16) @ pds`` in ``out_dtype`` (fp32 accumulation, one rounding): what
+    the backend gets from cuBLAS (``x @ pds``; ``_mm_f32`` for fp32), as one Triton launch of
+    ``block_m``-row blocks streaming x once. cuBLAS reads x at ~1.5 TB/s for these 32-128-column
+    products on the H200 (docs/perf.md); this kernel is the candidate to replace it once
+    ``benchmarks/bench_lowrank.py`` has timed both. ``x [M, K]`` with unit stride along K, any float
+    dtype; ``pds [K, R]`` bf16 contiguous."""
+    m, k = x.shape
+    if pds.dim() != 2 or pds.shape[0] != k or pds.dtype != torch.bfloat16 or not pds.is_contiguous():
+        raise ValueError(f"pds must be a contiguous [{k}, R] bf16 tensor, got {tuple(pds.shape)} {pds.dtype}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    r = pds.shape[1]
+    out = torch.empty(m, r, device=x.device, dtype=out_dtype)
+    # 128-deep k-steps up to 64 columns; 64 above (R = 128 would otherwise spill: 4 stages of 110 KB)
+    block_k = block_k or (128 if _block_r(r) <= 64 else 64)
+    if m and r:
+        _lora_act_kernel[(triton.cdiv(m, block_m),)](
+            x, pds, out, m, k, r, x.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r),
+            NUM_STAGES=num_stages, DOT_F32=_INTERPRET, num_warps=num_warps)
+    elif m:
+        out.zero_()
+    return out
 
 
 def w4_gemm(
