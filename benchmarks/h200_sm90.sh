@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call for the sm90 backend: GPU conformance + seam tests, the config sweep, the benchmark.
 # Through the device tool with carry [".devcarry/wheels"]:  bash benchmarks/h200_sm90.sh [--sweep]
-# STEPS (default "tests bench"; also lowrank, fast, flux, small, act, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
+# STEPS (default "tests bench"; also lowrank, fast, flux, small, act, cachehit, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
 # spaces: select tests by node id (file::test), not with a quoted -k expression.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -28,6 +28,8 @@ for step in ${STEPS:-tests bench}; do
     flux) timeout "${FLUX_LIMIT:-500}" python3 benchmarks/flux_forward.py --out "$OUT" ${FLUX_ARGS:-} > "$OUT/flux.log" 2>&1; tail -12 "$OUT/flux.log" ;;
     small) timeout "${SMALL_LIMIT:-120}" python3 benchmarks/bench_small_m.py --out "$OUT/bench_small_m.md" ${SMALL_ARGS:-} > "$OUT/small.log" 2>&1; tail -30 "$OUT/small.log" ;;
     act) timeout "${ACT_LIMIT:-200}" python3 benchmarks/bench_act.py --out "$OUT/bench_act.md" > "$OUT/act.log" 2>&1; tail -60 "$OUT/act.log" ;;
+    cachehit) timeout "${CACHE_LIMIT:-200}" python3 benchmarks/check_precompiled.py --cache .devcarry/precompiled/quack-cache \
+                > "$OUT/cachehit.log" 2>&1; tail -6 "$OUT/cachehit.log" ;;
     suite) timeout "${TEST_LIMIT:-400}" python3 -m pytest -q -p no:cacheprovider -W ignore tests/ > "$OUT/suite.log" 2>&1; rc=$?; tail -15 "$OUT/suite.log" ;;
   esac
 done
