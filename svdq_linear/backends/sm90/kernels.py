@@ -6,7 +6,10 @@ their products are exact in FP32, so the exact W4A4 product runs on 16-bit wgmma
 - ``quantize_act``: one pass over ``x [M, K]``: ``xs = x * (1/smooth)``, the per-16 amax, the E4M3
   scale, the E2M1 codes under the contract's rules (``svdq_linear.nvfp4``), writing the exact 16-bit
   dequantized activations ``xq`` that the GEMM reads (or packed codes + scale bytes). ``lora_act``
-  comes from one cuBLAS GEMM on ``x`` with ``proj_down / smooth`` folded at prepare time.
+  comes from one cuBLAS GEMM on ``x`` with ``proj_down / smooth`` folded at prepare time
+  (``lora_act`` here is the one-launch candidate to replace it).
+- ``quantize_act_fp8``: the fast mode's per-token E4M3 activations, whole rows in registers (one read
+  of x).
 - ``w4_gemm``: ``out [M, N] = (a @ Wq^T) * wcscale (+ lora_act @ proj_up^T) (+ bias)``. The kernel
   computes the transposed tile ``acc [BLOCK_N, BLOCK_M]``: the 4-bit weight is decoded in registers
   (A operand of wgmma; weight rows fill wgmma's 64-row M), the activations are the shared-memory B
@@ -440,7 +443,8 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
     reads x once (``fp8_rows_config``; ``rows`` / ``num_warps`` override its block), with
     ``inv_smooth = 1 / smooth`` (fp32, as the backend caches it; computed here when not given). The
     other walks a ``block_m x block_k`` block along the row twice, its max then the codes (the second
-    read from L2); it serves ``proj_down_smoothed`` and longer rows."""
+    read from L2); it serves ``proj_down_smoothed`` and longer rows. ``canon_nan=False`` (for
+    measurement) leaves NaN as the hardware convert writes it; the default writes 0x7F for every NaN."""
     m, k = x.shape
     if lora is not None and proj_down_smoothed is not None:
         raise ValueError("pass lora (computed) or proj_down_smoothed (to compute it here), not both")
