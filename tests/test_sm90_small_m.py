@@ -201,3 +201,11 @@ def test_backend_routes_each_kind_by_its_own_token_limit(monkeypatch):
         want = ref.linear(module, x, ref.prepare(module, x.device))
         # bf16 operands of the low-rank product: the contract's allowance, ~1e-3 of the output here
         assert (y.float() - want.float()).abs().max() <= 1e-2 * want.abs().max(), f"{module.kind} at {m}"
+
+
+def test_use_fma_takes_one_token_everywhere_and_two_only_on_small_weights():
+    """The H200 crossover (docs/perf.md): multiply-adds win at 1 token at every shape, at 2 tokens on
+    3072 x 3072 but not on 18432 x 3072, and never from 3 tokens."""
+    assert sm.use_fma(1, 18432, 3072) and sm.use_fma(1, 3072, 3072)
+    assert sm.use_fma(2, 3072, 3072) and not sm.use_fma(2, 18432, 3072)
+    assert not sm.use_fma(3, 3072, 3072) and not sm.use_fma(16, 256, 256)

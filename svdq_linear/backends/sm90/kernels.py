@@ -52,6 +52,17 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def _e4m3_bits(q):
+    """fp32 ``q`` -> its E4M3 byte (uint8) by arithmetic: nearest even, saturating at 448, the sign bit
+    set from q's (of -0.0 too), NaN -> 0x7F. The rounded magnitude is an exact E4M3 value, so the
+    cast does not round."""
+    a = tl.abs(q)
+    v = _round_e4m3(tl.where(a == a, a, 0.0)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    v = v | (((q.to(tl.int32, bitcast=True) >> 31) & 1) << 7).to(tl.uint8)
+    return tl.where(a == a, v, 0x7F)
+
+
+@triton.jit
 def _quantize_act_kernel(
     x_ptr, smooth_ptr, xq_ptr, codes_ptr, scales_ptr,
     M, K, stride_xm, stride_xk,
@@ -168,13 +179,7 @@ def _quantize_act_fp8_kernel(
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
         sm = tl.load(smooth_ptr + rk, mask=k_ok, other=1.0)
         q = (x * tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)[None, :]) * r[:, None]
-        a = tl.abs(q)
-        # the magnitude is an exact E4M3 value, so the cast does not round; the sign bit (of -0.0 too)
-        # and NaN (0x7F) are set on the byte
-        v = _round_e4m3(tl.where(a == a, a, 0.0)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        v = v | (((q.to(tl.int32, bitcast=True) >> 31) & 1) << 7).to(tl.uint8)
-        v = tl.where(a == a, v, 0x7F)
-        tl.store(a8_ptr + rm[:, None] * K + rk[None, :], v, mask=mask)
+        tl.store(a8_ptr + rm[:, None] * K + rk[None, :], _e4m3_bits(q), mask=mask)
 
 
 ROW_MAX_K = 16384  # the one-pass FP8 kernel holds a row block of up to this many columns in registers
@@ -205,10 +210,7 @@ def _fp8_rows_store(a8_ptr, q, rm, m_ok, K, J: tl.constexpr, C: tl.constexpr, HW
             q = tl.where(q == q, q, float("nan"))
         tl.store(ptrs, q.to(tl.float8e4nv), mask=mask)
     else:  # Triton's interpreter mis-rounds conversions that carry into the exponent: round by arithmetic
-        a = tl.abs(q)
-        v = _round_e4m3(tl.where(a == a, a, 0.0)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        v = v | (((q.to(tl.int32, bitcast=True) >> 31) & 1) << 7).to(tl.uint8)
-        tl.store(ptrs.to(tl.pointer_type(tl.uint8), bitcast=True), tl.where(a == a, v, 0x7F), mask=mask)
+        tl.store(ptrs.to(tl.pointer_type(tl.uint8), bitcast=True), _e4m3_bits(q), mask=mask)
 
 
 @triton.jit
