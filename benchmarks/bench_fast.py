@@ -142,11 +142,11 @@ def main() -> None:
         y = mod(x)
         err = rel(y.cpu(), fast_reference(mod, x))
         fw, lr_acc, lora = _gemm_operands(mod, x)
-        a8, sa = kernels.quantize_act_fp8(x, mod.smooth)
+        a8, sa = kernels.quantize_act_fp8(x, mod.smooth, gemm_order=True)
         t_gemm = timer(lambda: quack_fast.gemm(a8, sa, fw, lr_acc=lr_acc))
         t_gemm0 = timer(lambda: quack_fast.gemm(a8, sa, fw, None))
         t_whole = timer(lambda: mod(x))
-        t_quant = timer(lambda: kernels.quantize_act_fp8(x, mod.smooth, lora=lora))
+        t_quant = timer(lambda: kernels.quantize_act_fp8(x, mod.smooth, lora=lora, gemm_order=True))
 
         def cell(t):
             return f"{t:.4f} ({t_ref / t:.2f}x)"
@@ -180,7 +180,7 @@ def main() -> None:
             mod = random_w4a4(k, n, 32, torch.bfloat16, dev)
             x = torch.randn(m_tok, k, device=dev, dtype=torch.bfloat16)
             fw, lr_acc, _ = _gemm_operands(mod.set_mode("fast"), x)
-            a8, sa = kernels.quantize_act_fp8(x, mod.smooth)
+            a8, sa = kernels.quantize_act_fp8(x, mod.smooth, gemm_order=True)
             cells = []
             for tile in tiles:
                 if tile[1] > 2 * max(m_tok, 16) and tile[1] > 16:

@@ -57,11 +57,67 @@ def close(acc, tile, lowrank_abs, what):
         raise AssertionError(f"{what}: acc and tile outputs differ by {(err / bound).max().item():.3g}x the bound")
 
 
+TILE_SHAPES = [("single out", 4608, 15360, 3072), ("ref 4352x3840x3072", 4352, 3840, 3072),
+               ("fused qkv", 4096, 3072, 9216), ("attn out", 4096, 3072, 3072)]
+TILES = [(128, 256), (128, 192), (128, 128), (256, 128), (64, 256)]
+
+
+def tile_sweep(log, dev) -> None:
+    """The R = 0 GEMM of each mode at each candidate tile: quack's persistent scheduler leaves the last
+    wave part-empty when the tile count is just above a multiple of the 132 SMs (408 tiles of 128 x 256
+    at 4352 x 3072: 3.09 waves)."""
+    log("\n## GEMM tiles (R = 0, CUDA-graph replays, ms; ratio = cuBLAS bf16 / GEMM; tiles = CTAs' output tiles)\n")
+    log("| mode | shape | M | K | N | cuBLAS bf16 | " + " | ".join(f"{a}x{b}" for a, b in TILES) + " |")
+    log("|---|---|---|---|---|---|" + "---|" * len(TILES))
+    for label, m_tok, k, n in TILE_SHAPES:
+        torch.manual_seed(0)
+        x = torch.randn(m_tok, k, device=dev, dtype=torch.bfloat16)
+        wb = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        t_bf16 = timer(lambda: x @ wb.T)
+        base = random_w4a4(k, n, 0, torch.bfloat16, dev)
+        for mode in ("exact", "fast"):
+            if mode == "exact":
+                w = quack_gemm.prepare(base.qweight, base.wscales, base.wcscale, base.bias)
+                xq, _, _ = kernels.quantize_act(x, base.smooth, out_dtype=torch.bfloat16)
+
+                def run(tile):
+                    return quack_gemm.gemm(xq, w, tile=tile)
+            else:
+                w = quack_fast.prepare(base.qweight, base.wscales, base.wcscale, base.bias)
+                a8, sa = kernels.quantize_act_fp8(x, base.smooth, gemm_order=True)
+
+                def run(tile):
+                    return quack_fast.gemm(a8, sa, w, tile=tile)
+            ref = run(TILES[0])
+            cells = []
+            for tile in TILES:
+                if n % tile[0]:
+                    cells.append("-")
+                    continue
+                try:
+                    y = run(tile)
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001 - a tile quack refuses: report and go on
+                    cells.append(f"error {type(e).__name__}")
+                    continue
+                d = (y.float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-30)
+                if d > 1e-2:  # same products, same k order: at most output rounding apart
+                    cells.append(f"differs ({d:.1e})")
+                    continue
+                t = timer(lambda: run(tile))
+                count = -(-n // tile[0]) * -(-m_tok // tile[1])
+                cells.append(f"{t:.4f} ({t_bf16 / t:.2f}x, {count} tiles)")
+            log(f"| {mode} | {label} | {m_tok} | {k} | {n} | {t_bf16:.4f} | " + " | ".join(cells) + " |")
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench_out")
     p.add_argument("--shapes", choices=["flux", "quick"], default="flux")
     p.add_argument("--whole-only", action="store_true", help="only the whole linears (skip the GEMM table)")
+    p.add_argument("--tiles", action="store_true",
+                   help="first, the R = 0 GEMMs of both modes at candidate tiles (weight rows x tokens) against cuBLAS")
     args = p.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -77,6 +133,8 @@ def main() -> None:
     log("| mode | shape | M | K | N | R=0 | " + " | ".join(f"R={r} tile | R={r} acc" for r in RANKS) + " |")
     log("|---|---|---|---|---|---|" + "---|---|" * len(RANKS))
     shapes = QUICK if args.shapes == "quick" else FLUX
+    if args.tiles:
+        tile_sweep(log, dev)
     for label, m_tok, k, n in ([] if args.whole_only else shapes):
         torch.manual_seed(0)
         x = torch.randn(m_tok, k, device=dev, dtype=torch.bfloat16)
@@ -91,7 +149,7 @@ def main() -> None:
                     return quack_gemm.gemm(xq, w, lowrank, lr_acc=lr_acc)
             else:
                 w = quack_fast.prepare(base.qweight, base.wscales, base.wcscale, base.bias)
-                a8, sa = kernels.quantize_act_fp8(x, base.smooth)
+                a8, sa = kernels.quantize_act_fp8(x, base.smooth, gemm_order=True)
                 col = w.cs.reshape(-1, 1)
 
                 def run(lowrank=None, lr_acc=None):
@@ -160,16 +218,16 @@ def main() -> None:
                 t_g = timer(lambda: quack_gemm.gemm(xq, w, lr_acc=(lu, lora, seg)))
             else:
                 lora = _mm_f32(x, pds_p)
-                a8, sa, la = kernels.quantize_act_fp8(x, mod.smooth, lora=lora, inv_smooth=prep.inv_smooth)
-                t_q = timer(lambda: kernels.quantize_act_fp8(x, mod.smooth, lora=lora, inv_smooth=prep.inv_smooth))
+                a8, sa, la = kernels.quantize_act_fp8(x, mod.smooth, lora=lora, inv_smooth=prep.inv_smooth, gemm_order=True)
+                t_q = timer(lambda: kernels.quantize_act_fp8(x, mod.smooth, lora=lora, inv_smooth=prep.inv_smooth, gemm_order=True))
                 t_l = timer(lambda: _mm_f32(x, pds_p))
                 t_g = timer(lambda: quack_fast.gemm(a8, sa, w, lr_acc=(lu, la, seg)))
                 # lora_act computed inside the activation pass instead of by cuBLAS: checked, then timed
-                _, _, la_f = kernels.quantize_act_fp8(x, mod.smooth, proj_down_smoothed=pds_p)
+                _, _, la_f = kernels.quantize_act_fp8(x, mod.smooth, proj_down_smoothed=pds_p, gemm_order=True)
                 bound = (x.float().abs() @ pds_p.float().abs()) / sa[:, None] * 2.0**-7 + 1e-30
                 if not bool(((la_f.float() - la.float()).abs() <= bound).all()):
                     raise AssertionError(f"{label}: the fused lora_act differs from cuBLAS's beyond bf16 rounding")
-                t_f = timer(lambda: kernels.quantize_act_fp8(x, mod.smooth, proj_down_smoothed=pds_p))
+                t_f = timer(lambda: kernels.quantize_act_fp8(x, mod.smooth, proj_down_smoothed=pds_p, gemm_order=True))
             cells += [f"{t:.4f} ({t_ref / t:.2f}x)", f"{t_q:.4f}, {t_l:.4f}, {t_g:.4f}"]
             if mode == "fast":
                 cells.append(f"{t_f:.4f}")

@@ -5,11 +5,12 @@
 At M <= 64 one call is microseconds of GPU work behind ~0.2 ms of Python and launch overhead, so
 ``do_bench`` on the eager call measures the host. Here each variant is captured once in a CUDA graph
 holding 20 calls and the replays are timed with events. Per shape: cuBLAS bf16 ``F.linear``; the
-module's whole forward in each mode with the small-M kernel (``small_m``, the default up to
-``SMALL_M`` tokens) and with the paths it replaced (the Triton W4 GEMM for the exact mode and W4A16,
-quack's FP8 GEMM for the fast mode); the small-M kernel alone with its epilogue and low-rank term
-(the GEMM target), its weight GB/s (4-bit codes and scales read once) against a device-to-device
-copy measured in the same run. ``--sweep`` times the kernel's tile, warp and split choices.
+module's whole forward in the exact mode and W4A16 with the small-M kernel (``small_m``, the default
+up to ``SMALL_M`` tokens) and with the path it replaced (the Triton W4 GEMM); the small-M kernel alone
+with its epilogue and low-rank term (the GEMM target), its weight GB/s (4-bit codes and scales read
+once) against a device-to-device copy measured in the same run. The fast mode's forward (quack's FP8
+GEMM at every M: it measured faster than the small-M kernel up to 64 tokens, docs/perf.md) is timed
+beside them as a baseline. ``--sweep`` times the kernel's tile, warp and split choices.
 """
 
 from __future__ import annotations
@@ -61,30 +62,22 @@ def module_time(q, x, small: bool) -> float:
 def kernel_call(q, x, mode: str):
     """The small-M kernel alone as the backend calls it (activations and lora_act made beforehand);
     ``exact`` reads quack's blob where quack is installed (as the backend does), ``exact-canonical``
-    the canonical tensors."""
+    the canonical tensors, ``w4a16`` the canonical ones too."""
     n, k = q.out_features, q.in_features
     if mode == "w4a16":
         return lambda **kw: small_m.linear(x, small_m.CANONICAL, q.qweight, q.wscales, q.wcscale.float(), n,
                                            act=small_m.ACT_X, bias=q.bias, out_dtype=x.dtype, **kw)
-    r = q.rank
-    lora = torch.randn(x.shape[0], r, device="cuda", dtype=torch.bfloat16)
-    if mode.startswith("exact"):
-        lay, w, s = small_m.CANONICAL, q.qweight, q.wscales
-        if mode == "exact" and sm90._quack_module() is not None:
-            from svdq_linear.backends.sm90 import quack_gemm
+    if mode not in ("exact", "exact-canonical"):
+        raise ValueError(f"expected mode 'w4a16', 'exact' or 'exact-canonical', got {mode!r}")
+    lora = torch.randn(x.shape[0], q.rank, device="cuda", dtype=torch.bfloat16)
+    lay, w, s = small_m.CANONICAL, q.qweight, q.wscales
+    if mode == "exact" and sm90._quack_module() is not None:
+        from svdq_linear.backends.sm90 import quack_gemm
 
-            lay, w, s = small_m.QUACK, quack_gemm.repack_weight(q.qweight), quack_gemm.repack_scales(q.wscales)
-        return lambda **kw: small_m.linear(x, lay, w, s, q.wcscale.float(), n,
-                                           act=small_m.ACT_NVFP4 if small_m.use_fma(x.shape[0], n, x.shape[1]) else small_m.ACT_X,
-                                           smooth=q.smooth, bias=q.bias, proj_up=q.proj_up, lora_act=lora,
-                                           out_dtype=x.dtype, **kw)
-    from svdq_linear.backends.sm90 import kernels, quack_fast
-
-    fw = quack_fast.prepare(q.qweight, q.wscales, q.wcscale, q.bias)
-    a8, sa = kernels.quantize_act_fp8(x, q.smooth)
-    return lambda **kw: small_m.linear(a8, small_m.FAST, fw.blob, fw.strip, fw.cs.view(-1), n, act=small_m.ACT_E4M3,
-                                       rowscale=sa, bias=q.bias, proj_up=q.proj_up, lora_act=lora, out_dtype=x.dtype,
-                                       **kw)
+        lay, w, s = small_m.QUACK, quack_gemm.repack_weight(q.qweight), quack_gemm.repack_scales(q.wscales)
+    act = small_m.ACT_NVFP4 if small_m.use_fma(x.shape[0], n, k) else small_m.ACT_X
+    return lambda **kw: small_m.linear(x, lay, w, s, q.wcscale.float(), n, act=act, smooth=q.smooth, bias=q.bias,
+                                       proj_up=q.proj_up, lora_act=lora, out_dtype=x.dtype, **kw)
 
 
 SHAPES = [("attn", 1, 3072, 3072), ("attn", 4, 3072, 3072), ("attn", 8, 3072, 3072), ("attn", 16, 3072, 3072),
@@ -111,7 +104,8 @@ def main() -> None:
     rows = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}, "
             f"CUDA-graph replays of {CALLS} calls; device copy {copy_gbs:.0f} GB/s (read + write)", "",
             "us; ratio = cuBLAS bf16 time / ours; 'before' = the path the small-M kernel replaced; kernel = "
-            "small_m.linear alone (epilogue and low-rank term included), weight GB/s = codes + scales / its time", "",
+            "small_m.linear alone (epilogue and low-rank term included), weight GB/s = codes + scales / its time; "
+            "the fast mode runs quack's FP8 GEMM at every M (no small-M kernel)", "",
             "| layer | M | K | N | cuBLAS bf16 | mode | linear | before | kernel | kernel vs bf16 | weight GB/s | % of copy |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     have_fast = sm90._quack_fast_module() is not None
@@ -128,6 +122,11 @@ def main() -> None:
             else:
                 q = random_w4a4(k, n, 32, torch.bfloat16, "cuda").set_mode(mode)
             t_new = module_time(q, x, True)
+            if mode == "fast":  # the baseline the small-M kernel lost to: quack's FP8 GEMM
+                rows.append(f"| {label} | {m} | {k} | {n} | {t_ref * 1e3:.1f} | fast | {t_new * 1e3:.1f} "
+                            f"({t_ref / t_new:.2f}x) | - | - | - | - | - |")
+                print(rows[-1], flush=True)
+                continue
             t_old = module_time(q, x, False)
             t_k = graph_time(kernel_call(q, x, mode))
             gbs = wbytes / (t_k * 1e-3) / 1e9
@@ -139,22 +138,17 @@ def main() -> None:
         rows += ["", "Sweep of the kernel alone (us): block_n x block_k, warps, pipeline stages, split (auto = small_m.split_for)", "",
                  "| layer | M | mode | config | us | weight GB/s |", "|---|---|---|---|---|---|"]
         for label, m, k, n, mode in [("attn", 1, 3072, 3072, "exact"), ("attn", 1, 3072, 3072, "exact-canonical"),
-                                     ("adaLN W4A16", 1, 3072, 18432, "w4a16"), ("attn", 1, 3072, 3072, "fast"),
-                                     ("attn", 16, 3072, 3072, "exact"), ("attn", 16, 3072, 3072, "fast")]:
-            if mode == "fast" and not have_fast:
-                continue
+                                     ("adaLN W4A16", 1, 3072, 18432, "w4a16"), ("attn", 16, 3072, 3072, "exact")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             q = (NVFP4W4A16Linear.from_linear(torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16))
                  if mode == "w4a16" else random_w4a4(k, n, 32, torch.bfloat16, "cuda"))
             call = kernel_call(q, x, mode)
             wbytes = n * k // 2 + n * k // 16
-            repacked = mode in ("exact", "fast")
+            repacked = mode == "exact"
             fma = small_m.use_fma(m, n, k)
             configs = SWEEP_REPACKED if fma and repacked else SWEEP_CANONICAL if fma else SWEEP_DOT
             before = len(rows)
             for bn, bk, nw, ns in configs:
-                if mode == "fast" and bk < 128:
-                    continue
                 auto = small_m.split_for(2 if fma else 16, n, k, bn, bk)
                 for split in sorted({max(1, auto // 2), auto, auto * 2}):
                     try:
@@ -166,8 +160,8 @@ def main() -> None:
                                 f" | {t * 1e3:.1f} | {wbytes / (t * 1e-3) / 1e9:.0f} |")
             print("\n".join(rows[before:]), flush=True)
     if args.crossover:
-        rows += ["", "Crossover (module forward, us): 'before' = SMALL_M 0; 'fma' / 'dot' = the small-M kernel with "
-                 "small_m.use_fma forced on / off", "",
+        rows += ["", "Crossover (module forward, us): 'before' = SMALL_M 0 (the fast mode: quack's FP8 GEMM, its only "
+                 "path); 'fma' / 'dot' = the small-M kernel with small_m.use_fma forced on / off", "",
                  "| layer | K | N | mode | M | cuBLAS bf16 | before | small-M fma | small-M dot |", "|---|---|---|---|---|---|---|---|---|"]
         for label, k, n in (("attn", 3072, 3072), ("adaLN", 3072, 18432)):
             for mode in ("exact", "fast", "w4a16"):
@@ -180,6 +174,11 @@ def main() -> None:
                     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                     t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
                     t_old = module_time(q, x, False)
+                    if mode == "fast":  # no small-M kernel: the row is the baseline it lost to
+                        rows.append(f"| {label} | {k} | {n} | {mode} | {m} | {t_ref * 1e3:.1f} | {t_old * 1e3:.1f} "
+                                    "| - | - |")
+                        print(rows[-1], flush=True)
+                        continue
                     saved = small_m.use_fma
                     try:
                         small_m.use_fma = lambda *a: True

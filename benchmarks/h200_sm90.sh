@@ -27,7 +27,7 @@ for step in ${STEPS:-tests bench}; do
     fast) timeout "${FAST_LIMIT:-400}" python3 benchmarks/bench_fast.py --out "$OUT" ${FAST_ARGS:-} > "$OUT/fast.log" 2>&1; tail -45 "$OUT/fast.log" ;;
     flux) timeout "${FLUX_LIMIT:-500}" python3 benchmarks/flux_forward.py --out "$OUT" ${FLUX_ARGS:-} > "$OUT/flux.log" 2>&1; tail -12 "$OUT/flux.log" ;;
     small) timeout "${SMALL_LIMIT:-120}" python3 benchmarks/bench_small_m.py --out "$OUT/bench_small_m.md" ${SMALL_ARGS:-} > "$OUT/small.log" 2>&1; tail -30 "$OUT/small.log" ;;
-    act) timeout "${ACT_LIMIT:-200}" python3 benchmarks/bench_act.py --out "$OUT/bench_act.md" > "$OUT/act.log" 2>&1; tail -60 "$OUT/act.log" ;;
+    act) timeout "${ACT_LIMIT:-200}" python3 benchmarks/bench_act.py --out "$OUT/bench_act.md" ${ACT_ARGS:-} > "$OUT/act.log" 2>&1; tail -60 "$OUT/act.log" ;;
     cachehit) timeout "${CACHE_LIMIT:-200}" python3 benchmarks/check_precompiled.py --cache .devcarry/precompiled/quack-cache \
                 > "$OUT/cachehit.log" 2>&1; tail -6 "$OUT/cachehit.log" ;;
     suite) timeout "${TEST_LIMIT:-400}" python3 -m pytest -q -p no:cacheprovider -W ignore tests/ > "$OUT/suite.log" 2>&1; rc=$?; tail -15 "$OUT/suite.log" ;;

@@ -78,19 +78,21 @@ def _variants_sm90(quick: bool):
         sig = dict(x_ptr=k_ptr[xdt], smooth_ptr="*fp32", a8_ptr="*u8", sa_ptr="*fp32", lora_ptr="*fp32",
                    pds_ptr="*fp32", la_ptr="*bf16", M="i32", K="i32", R="i32", stride_xm="i32", stride_xk="i32")
         out.append((kernels._quantize_act_fp8_kernel, sig,
-                    dict(BLOCK_M=4, BLOCK_K=512, BLOCK_R=32, HAS_LORA=True, FUSE_LORA=False, DOT_F32=False), dict(num_warps=4),
+                    dict(BLOCK_M=4, BLOCK_K=512, BLOCK_R=32, HAS_LORA=True, FUSE_LORA=False, DOT_F32=False,
+                         GEMM_ORDER=True), dict(num_warps=4),
                     f"quantize_act_fp8_{xdt}"))
-        # the one-pass kernel (the default), at the row widths of Flux.1 and SD3.5 inputs
+        # the one-pass kernel (the default; the fast GEMM's k order, as the backend writes it), at the row widths of Flux.1 and SD3.5 inputs
         for k in ((3072,) if quick else (2432, 3072, 3840, 10240, 12288, 15360)):
             rows, c, nch, warps = kernels.fp8_rows_config(k)
             sig1 = dict(x_ptr=k_ptr[xdt], inv_ptr="*fp32", a8_ptr="*fp8e4nv", sa_ptr="*fp32", lora_ptr="*fp32",
                         la_ptr="*bf16", M="i32", K="i32", R="i32", stride_xm="i32")
             out.append((kernels._quantize_act_fp8_rows_kernel, sig1,
-                        dict(ROWS=rows, C=c, NCH=nch, BLOCK_R=32, HAS_LORA=True, HW_CVT=True, CANON_NAN=True),
+                        dict(ROWS=rows, C=c, NCH=nch, BLOCK_R=32, HAS_LORA=True, HW_CVT=True, CANON_NAN=True,
+                             GEMM_ORDER=True),
                         dict(num_warps=warps), f"quantize_act_fp8_rows_k{k}_{xdt}"))
         sig = dict(sig, pds_ptr="*bf16")  # lora_act computed in the pass (proj_down_smoothed=)
         out.append((kernels._quantize_act_fp8_kernel, sig,
-                    dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=32, HAS_LORA=False, FUSE_LORA=True, DOT_F32=False),
+                    dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=32, HAS_LORA=False, FUSE_LORA=True, DOT_F32=False, GEMM_ORDER=True),
                     dict(num_warps=4), f"quantize_act_fp8_lora_{xdt}"))
     out += _variants_small_m(quick)
     seen = set()
@@ -119,30 +121,32 @@ def _variants_sm90(quick: bool):
 def _variants_small_m(quick: bool):
     """The small-M kernel (``backends/sm90/small_m.py``) as the backend launches it: W4A16 on the
     canonical layout, the exact mode quantizing in the kernel (canonical and quack layouts) or reading
-    ``xq``, the fast mode on its blob; multiply-adds where ``small_m.use_fma``, a dot elsewhere."""
+    ``xq``; multiply-adds where ``small_m.use_fma``, a dot elsewhere."""
     from .backends.sm90 import small_m as sm
 
     out = []
     cases = [  # (layout, act, x dtype, block_m, use_dot, label)
-        (sm.CANONICAL, sm.ACT_X, "bf16", 1, False, "w4a16_m1"), (sm.QUACK, sm.ACT_NVFP4, "bf16", 1, False, "exact_quack_m1"),
-        (sm.FAST, sm.ACT_E4M3, "u8", 1, False, "fast_m1"), (sm.QUACK, sm.ACT_X, "bf16", 64, True, "exact_quack_xq_m64"),
+        (sm.CANONICAL, sm.ACT_X, "bf16", 1, False, "w4a16_m1"),
+        (sm.QUACK, sm.ACT_NVFP4, "bf16", 1, False, "exact_quack_m1"),
+        (sm.QUACK, sm.ACT_X, "bf16", 64, True, "exact_quack_xq_m64"),
     ]
     if not quick:
-        cases += [(sm.CANONICAL, sm.ACT_X, "bf16", 2, False, "w4a16_m2"), (sm.CANONICAL, sm.ACT_X, "fp16", 1, False,
-                                                                          "w4a16_fp16_m1"),
-                  (sm.CANONICAL, sm.ACT_X, "bf16", 16, True, "w4a16_m16"), (sm.CANONICAL, sm.ACT_X, "bf16", 32, True,
-                                                                             "w4a16_m32"), (sm.CANONICAL, sm.ACT_NVFP4, "bf16", 2, False,
-                                                                             "exact_m2"),
-                  (sm.FAST, sm.ACT_E4M3, "u8", 2, False, "fast_m2"), (sm.FAST, sm.ACT_E4M3, "u8", 64, True, "fast_m64")]
+        cases += [
+            (sm.CANONICAL, sm.ACT_X, "bf16", 2, False, "w4a16_m2"),
+            (sm.CANONICAL, sm.ACT_X, "fp16", 1, False, "w4a16_fp16_m1"),
+            (sm.CANONICAL, sm.ACT_X, "bf16", 16, True, "w4a16_m16"),
+            (sm.CANONICAL, sm.ACT_X, "bf16", 32, True, "w4a16_m32"),
+            (sm.CANONICAL, sm.ACT_NVFP4, "bf16", 2, False, "exact_m2"),
+        ]
     for layout, act, xdt, bm, dot, label in cases:
         for split, lora in ((2, True), (1, False)):
-            sig = dict(x_ptr=f"*{xdt}", smooth_ptr="*fp32", w_ptr="*u8", s_ptr="*u8", cs_ptr="*fp32", rs_ptr="*fp32",
-                       bias_ptr="*bf16", up_ptr="*bf16", lora_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32",
-                       cnt_ptr="*i32", M="i32", N="i32", K="i32", R="i32", stride_xm="i32", stride_lm="i32",
-                       stride_om="i32", stride_w="i32", stride_s="i32", k_per_split="i32", SPLIT_K="i32")
-            cx = dict(LAYOUT=layout, ACT=act, BLOCK_N=64, BLOCK_M=bm, BLOCK_K=128 if dot or layout == sm.FAST else 64,
-                      RC=32, EVEN_K=True, NUM_STAGES=3, IS_SPLIT=split > 1, HAS_RS=act == sm.ACT_E4M3, HAS_BIAS=True, HAS_LORA=lora, USE_DOT=dot, DOT_F32=False)
-            out.append((sm._small_m_kernel, sig, cx, dict(num_warps=8 if layout == sm.FAST and not dot else 4),
+            sig = dict(x_ptr=f"*{xdt}", smooth_ptr="*fp32", w_ptr="*u8", s_ptr="*u8", cs_ptr="*fp32", bias_ptr="*bf16",
+                       up_ptr="*bf16", lora_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", M="i32",
+                       N="i32", K="i32", R="i32", stride_xm="i32", stride_lm="i32", stride_om="i32", stride_w="i32",
+                       stride_s="i32", k_per_split="i32", SPLIT_K="i32")
+            cx = dict(LAYOUT=layout, ACT=act, BLOCK_N=64, BLOCK_M=bm, BLOCK_K=128 if dot else 64, RC=32, EVEN_K=True,
+                      NUM_STAGES=3, IS_SPLIT=split > 1, HAS_BIAS=True, HAS_LORA=lora, USE_DOT=dot, DOT_F32=False)
+            out.append((sm._small_m_kernel, sig, cx, dict(num_warps=4),
                         f"small_m_{label}_s{split}{'_lora' if lora else ''}"))
     return out
 

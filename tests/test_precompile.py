@@ -27,7 +27,7 @@ def test_sm90_kernels_compile_to_hgmma_without_spills(tmp_path):
     assert any((tmp_path / "triton-cache").rglob("*.cubin")), "nothing was written to the Triton cache"
     assert any(k["kernel"].startswith("quantize_act_fp8") for k in report)
     small = {k["kernel"]: k for k in report if k["kernel"].startswith("small_m")}
-    assert len(small) >= 8, sorted(small)
+    assert len(small) >= 6, sorted(small)  # --quick: 3 cases, each with and without split-K
     for name, k in small.items():  # the dot variants run on wgmma; the multiply-add ones must not spill either
         assert (k["hgmma"] > 0) == ("_m64" in name), f"{name}: {k['hgmma']} HGMMA"
     quack = [k for k in report if k["kernel"].startswith("quack")]

@@ -28,6 +28,15 @@ def _weight(n, k, seed=0):
     return nvfp4.quantize_nvfp4(w)
 
 
+def _logical_k(pos):
+    """The fast GEMM's k order written out: position 32 b + 16 h + 4 c + j of a k-tile holds logical
+    column 32 c + 16 (b // 2) + 8 (b % 2) + 4 h + j (thread quad c owns NVFP4 blocks 2 c and 2 c + 1)."""
+    b, rest = divmod(pos, 32)
+    h, rest = divmod(rest, 16)
+    c, j = divmod(rest, 4)
+    return 32 * c + 16 * (b // 2) + 8 * (b % 2) + 4 * h + j
+
+
 def test_codes_sit_where_the_fp8_wgmma_fragment_reads_them():
     q, _ = _weight(128, 256)
     codes = nvfp4.unpack_e2m1(q)
@@ -38,13 +47,26 @@ def test_codes_sit_where_the_fp8_wgmma_fragment_reads_them():
         for reg in range(16):  # four registers per k32 block, four blocks per k-tile
             b, p = divmod(reg, 4)
             row = 64 * g + 16 * warp + lane // 4 + 8 * (p % 2)
-            k0 = 128 * kt + 32 * b + 4 * (lane % 4) + 16 * (p // 2)
-            word = 2 * b + p // 2
+            word_i = 2 * b + p // 2
+            word = int.from_bytes(bytes(blob[g, kt, t, 4 * word_i:4 * word_i + 4].tolist()), "little")
             for j in range(4):
-                byte = int(blob[g, kt, t, 4 * word + j])
-                nibble = byte >> 4 if p % 2 == 0 else byte & 0xF
-                assert nibble == int(codes[row, k0 + j]), (g, kt, t, reg, j)
+                pos = 32 * b + 16 * (p // 2) + 4 * (lane % 4) + j
+                if p % 2 == 0:  # row r: magnitude at bits 4 j, sign at 8 j + 7
+                    code = (word >> 4 * j) & 7 | ((word >> (8 * j + 7)) & 1) << 3
+                else:  # row r + 8: magnitude at 16 + 4 j, sign at 8 j + 3
+                    code = (word >> (16 + 4 * j)) & 7 | ((word >> (8 * j + 3)) & 1) << 3
+                assert code == int(codes[row, 128 * kt + _logical_k(pos)]), (g, kt, t, reg, j)
     assert torch.equal(fast_layout.unpack_fast_weight(blob), q)
+
+
+def test_gemm_k_order_puts_each_column_at_its_position():
+    a = torch.arange(3 * 384).reshape(3, 384)
+    got = fast_layout.gemm_k_order(a)
+    want = torch.tensor([128 * (p // 128) + _logical_k(p % 128) for p in range(384)])
+    assert torch.equal(got, a[:, want])
+    assert torch.equal(fast_layout.logical_k_order(got), a)
+    with pytest.raises(ValueError, match="K % 128"):
+        fast_layout.gemm_k_order(a[:, :200])
 
 
 def test_strip_holds_each_block_factor_once():
@@ -59,6 +81,14 @@ def test_strip_holds_each_block_factor_once():
     live = row_max > 0
     assert ((row_max / nw)[live] <= 448).all() and ((row_max / nw)[live] > 224).all()
     assert nw[1] == 1  # the all-zero row
+    # thread t's word t: byte 2 B + p is block 2 c + B of the tile, row r + 8 p (c = t % 4)
+    ue = (want.half().view(torch.int16).int() >> 7) & 0xFF
+    for gi, kt, t in [(0, 0, 0), (2, 2, 127), (1, 1, 45)]:
+        warp, lane = divmod(t, 32)
+        for big in range(2):
+            for p in range(2):
+                row = 64 * gi + 16 * warp + lane // 4 + 8 * p
+                assert int(strip[gi, kt, 4 * t + 2 * big + p]) == int(ue[row, 8 * kt + 2 * (lane % 4) + big])
 
 
 def test_emulated_decode_is_the_fast_weight_bit_for_bit():
@@ -121,11 +151,12 @@ def test_quantize_act_fp8_is_bit_exact(dtype, kernel):
         assert diff.numel() == 0, f"{len(diff)} bytes differ, first at {diff[:3].tolist()}"
 
 
+@pytest.mark.parametrize("gemm_order", [False, True])
 @pytest.mark.parametrize("k", [3072, 3840, 12288, 15360])
-def test_quantize_act_fp8_one_pass_at_flux_widths(k):
+def test_quantize_act_fp8_one_pass_at_flux_widths(k, gemm_order):
     """The one-pass kernel splits a row into up to 4 power-of-two chunks (3 x 1024 at K = 3072, 4 x 4096
     with the last one partly masked at K = 15360): every chunk's bytes and the row scale are the
-    contract's, given ``inv_smooth`` as the backend caches it."""
+    contract's, given ``inv_smooth`` as the backend caches it, in either k order."""
     from svdq_linear.backends.sm90 import kernels
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -133,8 +164,11 @@ def test_quantize_act_fp8_one_pass_at_flux_widths(k):
     assert nch <= 4 and (nch - 1) * c < k <= nch * c and c & (c - 1) == 0
     x, smooth = _fp8_input(11, k, torch.bfloat16, seed=k)
     x[10, k - 1] = 1e4  # the row max in the last chunk
-    a8, sa = kernels.quantize_act_fp8(x.to(dev), smooth.to(dev), inv_smooth=(1.0 / smooth).to(dev))
+    a8, sa = kernels.quantize_act_fp8(x.to(dev), smooth.to(dev), inv_smooth=(1.0 / smooth).to(dev),
+                                      gemm_order=gemm_order)
     ra8, rsa = nvfp4.fast_act(nvfp4.smooth_input(x, smooth))
+    if gemm_order:
+        ra8 = ra8[:, [128 * (p // 128) + _logical_k(p % 128) for p in range(k)]]
     assert torch.equal(sa.cpu(), rsa)
     assert torch.equal(a8.view(torch.uint8).cpu(), ra8.view(torch.uint8))
     with pytest.raises(ValueError, match="inv_smooth"):
@@ -142,6 +176,27 @@ def test_quantize_act_fp8_one_pass_at_flux_widths(k):
     with pytest.raises(ValueError, match="one-pass"):
         kernels.quantize_act_fp8(torch.zeros(2, kernels.ROW_MAX_K + 16, device=dev),
                                  torch.ones(kernels.ROW_MAX_K + 16, device=dev), one_pass=True)
+
+
+@pytest.mark.parametrize("kernel", [(False, 4, 512), (False, 8, 64), (True, None, 0), (True, 1, 0)])
+def test_quantize_act_fp8_writes_the_gemm_k_order(kernel):
+    """``gemm_order=True``: both kernels write the contract's bytes at the fast GEMM's positions (the
+    order written out in ``_logical_k``, not taken from the library), both majors; K % 128 is required."""
+    from svdq_linear.backends.sm90 import kernels
+
+    one_pass, rows, block_k = kernel
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x, smooth = _fp8_input(11, 384, torch.bfloat16, seed=4)
+    x, smooth = x.to(dev), smooth.to(dev)
+    order = [128 * (p // 128) + _logical_k(p % 128) for p in range(384)]
+    for xin in [x, x.T.contiguous().T]:
+        kw = dict(rows=rows) if one_pass else dict(block_m=rows, block_k=block_k)
+        a8, sa = kernels.quantize_act_fp8(xin, smooth, one_pass=one_pass, gemm_order=True, **kw)
+        ra8, rsa = nvfp4.fast_act(nvfp4.smooth_input(xin, smooth))
+        assert torch.equal(sa.cpu(), rsa.cpu())
+        assert torch.equal(a8.view(torch.uint8).cpu(), ra8.view(torch.uint8).cpu()[:, order])
+    with pytest.raises(ValueError, match="in_features % 128"):
+        kernels.quantize_act_fp8(x[:, :200], smooth[:200], gemm_order=True)
 
 
 @pytest.mark.parametrize("one_pass", [True, False])
@@ -235,6 +290,7 @@ def test_gpu_fast_gemm_reads_back_the_fast_weight_exactly(n, k):
     m = min(k, 512)
     a8 = torch.zeros(m, k, dtype=torch.float32)
     a8[torch.arange(m), torch.arange(m)] = 448.0
+    a8 = a8[:, [128 * (p // 128) + _logical_k(p % 128) for p in range(k)]]  # the GEMM's k order
     a8 = a8.to(torch.float8_e4m3fn).cuda()
     sa = torch.full((m,), 1.0 / 448, device="cuda")
     y = qf.gemm(a8, sa, fw, None).float().cpu()

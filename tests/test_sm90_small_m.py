@@ -10,7 +10,6 @@ from svdq_linear import nvfp4
 
 pytest.importorskip("triton")
 sm = pytest.importorskip("svdq_linear.backends.sm90.small_m")
-from svdq_linear.backends.sm90 import fast_layout  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -85,54 +84,24 @@ def test_in_kernel_quantization_keeps_nan_blocks():
     assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
 
 
-@pytest.mark.parametrize("m", [1, 7, 16, 64])
-def test_fast_blob_matches_the_fast_formula(m):
-    gen = torch.Generator().manual_seed(20 + m)
-    n, k, r = 128, 384, 32
-    q, ws = _weight(n, k, gen)
-    wc, bias = torch.rand(n, generator=gen) + 0.5, torch.randn(n, generator=gen)
-    up, lora, lr = _lowrank(m, n, r, gen)
-    xs = torch.randn(m, k, generator=gen) * torch.exp(torch.randn(m, 1, generator=gen))
-    a8, sa = nvfp4.fast_act(xs)
-    w8, nw = nvfp4.fast_weight(q, ws)
-    cs = (nw * wc).float()
-    ref = (a8.double() @ w8.double().T) * sa.double()[:, None] * cs.double() + lr + bias.double()
-    blob, (strip, _) = fast_layout.repack_fast_weight(q), fast_layout.fast_scales(q, ws)
-    to = dict(device=DEV)
-    y = sm.linear(a8.to(**to), sm.FAST, blob.to(**to), strip.to(**to), cs.to(**to), n, act=sm.ACT_E4M3,
-                  rowscale=sa.to(**to), out_dtype=torch.float32, bias=bias.to(**to), proj_up=up.to(**to),
-                  lora_act=lora.to(**to), split_k=4)
-    _close(y, ref, f"fast m={m}")
-
-
 @pytest.mark.parametrize("m", [2, 16])
-@pytest.mark.parametrize("layout", ["quack", "fast"])
 @pytest.mark.parametrize("block_k", [128, 256, 512])
-def test_repacked_layouts_at_every_k_step(layout, block_k, m):
-    """The blob tiles are read a run of several 64- or 128-k tiles at a time and permuted in registers:
-    every run length (K = 768 makes 512 fall back to 256) against the canonical formula."""
+def test_quack_layout_at_every_k_step(block_k, m):
+    """The blob tiles are read a run of several 64-k tiles at a time and permuted in registers: every
+    run length (K = 768 makes 512 fall back to 256) against the canonical formula."""
+    quack_gemm = pytest.importorskip("svdq_linear.backends.sm90.quack_gemm")
     gen = torch.Generator().manual_seed(block_k + m)
     n, k = 128, 768
     q, ws = _weight(n, k, gen)
     wc = torch.rand(n, generator=gen) + 0.5
     x = (torch.randn(m, k, generator=gen) * 2).bfloat16()
+    w, s = quack_gemm.repack_weight(q), quack_gemm.repack_scales(ws)
+    ref = (x.double() @ nvfp4.dequantize_nvfp4(q, ws).double().T) * wc.double()
+    assert sm.block_k_for(sm.QUACK, k, block_k) == min(block_k, 256)
     to = dict(device=DEV)
-    if layout == "quack":
-        quack_gemm = pytest.importorskip("svdq_linear.backends.sm90.quack_gemm")
-        w, s, lay = quack_gemm.repack_weight(q), quack_gemm.repack_scales(ws), sm.QUACK
-        ref = (x.double() @ nvfp4.dequantize_nvfp4(q, ws).double().T) * wc.double()
-        a, act, cs, rs = x, sm.ACT_X, wc, None
-    else:
-        w, (s, _), lay = fast_layout.repack_fast_weight(q), fast_layout.fast_scales(q, ws), sm.FAST
-        a8, sa = nvfp4.fast_act(x.float())
-        w8, nw = nvfp4.fast_weight(q, ws)
-        cs = (nw * wc).float()
-        ref = (a8.double() @ w8.double().T) * sa.double()[:, None] * cs.double()
-        a, act, rs = a8, sm.ACT_E4M3, sa.to(**to)
-    assert sm.block_k_for(lay, k, block_k) == min(block_k, 256)
-    y = sm.linear(a.to(**to), lay, w.to(**to), s.to(**to), cs.to(**to), n, act=act, rowscale=rs,
+    y = sm.linear(x.to(**to), sm.QUACK, w.to(**to), s.to(**to), wc.to(**to), n, act=sm.ACT_X,
                   out_dtype=torch.float32, block_k=block_k, split_k=2)
-    _close(y, ref, f"{layout} block_k={block_k} m={m}")
+    _close(y, ref, f"quack block_k={block_k} m={m}")
 
 
 def test_split_k_reduction_is_ordered_and_leaves_its_counters_at_zero():
@@ -165,6 +134,8 @@ def test_bad_calls_name_the_problem():
     one = torch.ones(64)
     with pytest.raises(ValueError, match="at most 64 tokens"):
         sm.linear(torch.zeros(65, 192), sm.CANONICAL, q, ws, one, 64, act=sm.ACT_X, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="expected layout CANONICAL or QUACK"):  # 2 was the fast blob's
+        sm.linear(torch.zeros(1, 256), 2, q, ws, one, 64, act=sm.ACT_X, out_dtype=torch.float32)
     with pytest.raises(ValueError, match="in_features % 128"):
         sm.linear(torch.zeros(1, 192), sm.QUACK, q, ws, one, 64, act=sm.ACT_X, out_dtype=torch.float32)
     with pytest.raises(ValueError, match="smooth"):
@@ -185,7 +156,7 @@ def test_backend_routes_each_kind_by_its_own_token_limit(monkeypatch):
     calls = []
     real = sm.linear
     monkeypatch.setattr(sm, "linear", lambda *a, **kw: calls.append(a[1]) or real(*a, **kw))
-    monkeypatch.setattr(sm90, "SMALL_M", {"w4a4": 64, "w4a4_fast": 0, "w4a16": 1})
+    monkeypatch.setattr(sm90, "SMALL_M", {"w4a4": 64, "w4a16": 1})
     gen = torch.Generator().manual_seed(7)
     lin = torch.nn.Linear(256, 128)
     backend = backends.get_backend("sm90")

@@ -5,9 +5,9 @@ computed exactly on Hopper's 16-bit tensor cores: ``quantize_act`` writes the ex
 activations in one pass; ``lora_act`` is one cuBLAS GEMM of ``x`` with ``proj_down / smooth``.
 By tokens M (bf16):
 
-- M <= ``SMALL_M[kind]`` (exact W4A4: 64; W4A16: 32; the fast mode: 0, its quack GEMM wins there, see
-  docs/perf.md): ``small_m.linear``, one launch that splits K across the SMs and reads the weight
-  once in whichever layout the module holds (canonical, quack's, the fast blob); where
+- M <= ``SMALL_M[kind]`` (exact W4A4: 64; W4A16: 32; not the fast mode, its quack GEMM wins at every
+  M, see docs/perf.md): ``small_m.linear``, one launch that splits K across the SMs and reads the
+  weight once in whichever layout the module holds (canonical or quack's); where
   ``small_m.use_fma`` (1 token; 2 on small weights) it quantizes the activations itself;
 - M < 128, fp16/fp32 inputs, or no quack: ``kernels.w4_gemm`` (Triton: the weight decoded in
   registers as wgmma's A operand, ``* wcscale`` then the low-rank MMA into the same accumulator);
@@ -48,7 +48,7 @@ MAX_RANK = 256
 QUACK_MIN_M = 128  # tokens from which quack's W4 GEMM serves bf16 calls (docs/perf.md)
 # Up to this many tokens a layer kind runs small_m's kernel, from where it beat the GEMM it replaced
 # (docs/perf.md, "Small M"); SVDQ_SM90_SMALL_M=<int> sets one limit for every kind (0: never).
-SMALL_M = {"w4a4": 64, "w4a4_fast": 0, "w4a16": 32}
+SMALL_M = {"w4a4": 64, "w4a16": 32}
 if os.environ.get("SVDQ_SM90_SMALL_M"):
     SMALL_M = dict.fromkeys(SMALL_M, int(os.environ["SVDQ_SM90_SMALL_M"]))
 ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (the Triton GEMM for every exact call)
@@ -314,26 +314,17 @@ class Sm90Backend(Backend):
         inv, extra = extra[-1], extra[:-1]  # Sm90Prepared.tensors(): inv_smooth comes last
         fw = quack_fast.FastWeight(*extra[-4:])
         out_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
-        if x.shape[0] <= SMALL_M["w4a4_fast"]:  # a few tokens: the small-M kernel on the fast blob (one read of it)
-            from . import small_m
-
-            a8, sa = self.kernels.quantize_act_fp8(x, smooth, inv_smooth=inv)
-            lora = _mm_f32(x.to(torch.bfloat16), extra[0][:, :r]) if r else None
-            out = small_m.linear(a8, small_m.FAST, fw.blob, fw.strip, fw.cs.view(-1), wcscale.shape[0],
-                                 act=small_m.ACT_E4M3, rowscale=sa, bias=bias, proj_up=proj_up if r else None,
-                                 lora_act=lora, out_dtype=out_dtype)
-            return out if x.dtype == out_dtype else out.to(x.dtype)
         if len(extra) == 7:  # [proj_down', proj_up', segments] + FastWeight: the low-rank MMA in the accumulator
             pds, up, seg = extra[:3]
             a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=_mm_f32(x.to(torch.bfloat16), pds),
-                                                       inv_smooth=inv)
+                                                       inv_smooth=inv, gemm_order=True)
             out = quack_fast.gemm(a8, sa, fw, out_dtype=out_dtype, lr_acc=(up, la, seg))
         else:
             lowrank = None
             if r:
                 pds, up = extra[0], extra[1]
                 lowrank = ((x.to(torch.bfloat16) @ pds) @ up.T).to(out_dtype)  # [M, N], the epilogue's tile
-            a8, sa = self.kernels.quantize_act_fp8(x, smooth, inv_smooth=inv)
+            a8, sa = self.kernels.quantize_act_fp8(x, smooth, inv_smooth=inv, gemm_order=True)
             out = quack_fast.gemm(a8, sa, fw, lowrank, out_dtype=out_dtype)
         return out if x.dtype == out_dtype else out.to(x.dtype)
 

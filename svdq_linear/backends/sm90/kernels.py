@@ -122,6 +122,17 @@ def _quantize_act_kernel(
 
 
 @triton.jit
+def _gemm_k(pos, GEMM_ORDER: tl.constexpr):
+    """The logical column that position ``pos`` of the fast GEMM's k order holds (``fast_layout``: in-tile
+    bits ``[B b0 h c1 c0 j1 j0]`` of the position are ``[c1 c0 B b0 h j1 j0]`` of the column); runs of
+    four stay contiguous."""
+    if GEMM_ORDER:
+        k = (pos & ~127) | (pos & 3) | (((pos >> 4) & 7) << 2) | (((pos >> 2) & 3) << 5)
+        return tl.max_contiguous(tl.multiple_of(k, 4), 4)
+    return pos
+
+
+@triton.jit
 def _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, R, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
     # la = lora_act / sa, rounded once to bf16: the fast mode's operand of the low-rank MMA that joins
     # the accumulator before the epilogue multiplies it by sa (quack_lowrank)
@@ -136,11 +147,12 @@ def _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, R, BLOCK_M: tl.constexpr, BLOCK_
 def _quantize_act_fp8_kernel(
     x_ptr, smooth_ptr, a8_ptr, sa_ptr, lora_ptr, pds_ptr, la_ptr, M, K, R, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
-    FUSE_LORA: tl.constexpr, DOT_F32: tl.constexpr,
+    FUSE_LORA: tl.constexpr, DOT_F32: tl.constexpr, GEMM_ORDER: tl.constexpr,
 ):
     # The fast mode's per-token E4M3 activations: the row max first, then one more pass that
     # quantizes (the second read of a row block comes from L2). FUSE_LORA: the first pass also
     # accumulates lora_act = x @ (proj_down / smooth) on tensor cores from the x it reads anyway.
+    # GEMM_ORDER: the second pass reads the columns in the fast GEMM's k order and writes a8 in it.
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = rm < M
     amax = tl.zeros([BLOCK_M], tl.float32)
@@ -176,8 +188,9 @@ def _quantize_act_fp8_kernel(
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         mask = m_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        sm = tl.load(smooth_ptr + rk, mask=k_ok, other=1.0)
+        lk = _gemm_k(rk, GEMM_ORDER)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + lk[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        sm = tl.load(smooth_ptr + lk, mask=k_ok, other=1.0)
         q = (x * tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)[None, :]) * r[:, None]
         tl.store(a8_ptr + rm[:, None] * K + rk[None, :], _e4m3_bits(q), mask=mask)
 
@@ -186,14 +199,17 @@ ROW_MAX_K = 16384  # the one-pass FP8 kernel holds a row block of up to this man
 
 
 @triton.jit
-def _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, J: tl.constexpr, C: tl.constexpr):
-    # columns [J*C, J*C + C) of the row block, smoothed: xs = x * (1 / smooth) in fp32
+def _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, J: tl.constexpr, C: tl.constexpr,
+                   GEMM_ORDER: tl.constexpr):
+    # positions [J*C, J*C + C) of the row block (the columns themselves, or those the fast GEMM's k
+    # order puts there), smoothed: xs = x * (1 / smooth) in fp32
     rk = J * C + tl.arange(0, C)
     k_ok = rk < K
-    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    lk = _gemm_k(rk, GEMM_ORDER)
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + lk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     # loaded in x's own shape (each row's copy from L1) so that it lands in x's register layout: a
     # [C] load would be moved into it through shared memory
-    inv = tl.load(inv_ptr + (rk[None, :] + 0 * rm[:, None]), mask=k_ok[None, :] & m_ok[:, None], other=1.0)
+    inv = tl.load(inv_ptr + (lk[None, :] + 0 * rm[:, None]), mask=k_ok[None, :] & m_ok[:, None], other=1.0)
     return x.to(tl.float32) * inv
 
 
@@ -217,7 +233,7 @@ def _fp8_rows_store(a8_ptr, q, rm, m_ok, K, J: tl.constexpr, C: tl.constexpr, HW
 def _quantize_act_fp8_rows_kernel(
     x_ptr, inv_ptr, a8_ptr, sa_ptr, lora_ptr, la_ptr, M, K, R, stride_xm,
     ROWS: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
-    HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr,
+    HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr, GEMM_ORDER: tl.constexpr,
 ):
     # One pass: ROWS whole rows a program, held in registers as NCH chunks of C columns (a power of two
     # each, so a row of 3 * 2^n columns wastes no lanes); x is read once, every load issued before the
@@ -225,16 +241,16 @@ def _quantize_act_fp8_rows_kernel(
     # order and every NaN lies above +Inf, so one integer max gives both the row max and "a NaN is here".
     rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     m_ok = rm < M
-    xs0 = _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, 0, C)
+    xs0 = _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, 0, C, GEMM_ORDER)
     mb = xs0.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     if NCH > 1:
-        xs1 = _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, 1, C)
+        xs1 = _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, 1, C, GEMM_ORDER)
         mb = tl.maximum(mb, xs1.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     if NCH > 2:
-        xs2 = _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, 2, C)
+        xs2 = _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, 2, C, GEMM_ORDER)
         mb = tl.maximum(mb, xs2.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     if NCH > 3:
-        xs3 = _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, 3, C)
+        xs3 = _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, 3, C, GEMM_ORDER)
         mb = tl.maximum(mb, xs3.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     mx = tl.max(mb, axis=1)
     # as nvfp4.fast_act: 1 for an all-zero row and where a NaN is in the row
@@ -432,7 +448,7 @@ def fp8_rows_config(k: int) -> tuple[int, int, int, int]:
 def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tensor | None = None,
                      proj_down_smoothed: torch.Tensor | None = None, inv_smooth: torch.Tensor | None = None,
                      one_pass: bool | None = None, rows: int | None = None, num_warps: int | None = None,
-                     canon_nan: bool = True, block_m: int = 4, block_k: int = 512):
+                     canon_nan: bool = True, block_m: int = 4, block_k: int = 512, gemm_order: bool = False):
     """The fast mode's activations of ``x [M, K]`` (any strides): ``(a8 [M, K] float8_e4m3fn, sa [M]
     float32)``, bit-identical to ``nvfp4.fast_act(nvfp4.smooth_input(x, smooth))``. With ``lora [M, R]``
     (contiguous, any float dtype: ``lora_act``) also ``la [M, R] bf16 = lora / sa`` rounded once, as the
@@ -446,8 +462,12 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
     ``inv_smooth = 1 / smooth`` (fp32, as the backend caches it; computed here when not given). The
     other walks a ``block_m x block_k`` block along the row twice, its max then the codes (the second
     read from L2); it serves ``proj_down_smoothed`` and longer rows. ``canon_nan=False`` (for
-    measurement) leaves NaN as the hardware convert writes it; the default writes 0x7F for every NaN."""
+    measurement) leaves NaN as the hardware convert writes it; the default writes 0x7F for every NaN.
+    ``gemm_order=True`` (K % 128 == 0) writes ``a8``'s columns in the fast GEMM's k order
+    (``fast_layout.gemm_k_order`` of the above): what ``quack_fast.gemm`` reads."""
     m, k = x.shape
+    if gemm_order and k % 128:
+        raise ValueError(f"the fast GEMM's k order needs in_features % 128 == 0, got {k}")
     if lora is not None and proj_down_smoothed is not None:
         raise ValueError("pass lora (computed) or proj_down_smoothed (to compute it here), not both")
     if one_pass is None:
@@ -487,13 +507,13 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
         _quantize_act_fp8_rows_kernel[(triton.cdiv(m, rows),)](
             x, inv_smooth, a8, sa, lora_in, la if r else sa, m, k, r, x.stride(0),
             ROWS=rows, C=c, NCH=nch, BLOCK_R=_block_r(r), HAS_LORA=lora is not None, HW_CVT=not _INTERPRET,
-            CANON_NAN=canon_nan, num_warps=num_warps or warps_d)
+            CANON_NAN=canon_nan, GEMM_ORDER=gemm_order, num_warps=num_warps or warps_d)
     elif m:
         _quantize_act_fp8_kernel[(triton.cdiv(m, block_m),)](
             x, smooth, a8.view(torch.uint8), sa, lora_in, pds, la if r else sa, m, k, r, x.stride(0), x.stride(1),
             BLOCK_M=block_m, BLOCK_K=min(block_k, triton.next_power_of_2(k)), BLOCK_R=_block_r(r),
             HAS_LORA=lora is not None, FUSE_LORA=proj_down_smoothed is not None, DOT_F32=_INTERPRET,
-            num_warps=num_warps or 4)
+            GEMM_ORDER=gemm_order, num_warps=num_warps or 4)
     if not wants_la:
         return a8, sa
     return a8, sa, la

@@ -4,15 +4,17 @@ E4M3 in registers, E4M3 activations, FP8 wgmma.
 quack runs layout-owning A transforms (its W4A16 / W4A8 formats) as the register-sourced A operand of
 wgmma inside an interleaved mainloop (the decode of k-block b + 1 overlaps the wgmma of block b). This
 module adds a decode of its own on that interface: ``_Nvfp4E4m3`` turns our NVFP4 codes and the
-UE5M3 block factors of ``fast_layout`` into ``e4m3(code * g)`` (bit for bit ``nvfp4.fast_weight``),
-per eight codes: two masks, four ``prmt`` lookups of the fp16 magnitude, four ``HMUL2`` by the
-block factor, four ``cvt.rn.satfinite.e4m3x2.f16x2``, two packs and two sign merges.
+UE5M3 block factors of ``fast_layout`` into ``e4m3(code * g)`` (bit for bit ``nvfp4.fast_weight``)
+by table lookup. In the GEMM's k order (``fast_layout``) a thread's values of a row in a k-tile are
+two whole NVFP4 blocks, so per k-tile it builds four tables (rows r and r + 8, two blocks; each four
+``HMUL2`` and four ``cvt.rn.satfinite.e4m3x2.f16x2`` from one strip byte) and then decodes eight codes
+with two ``prmt`` lookups and two sign merges (seven instructions). The activations come in the same
+k order (``kernels.quantize_act_fp8(gemm_order=True)``).
 
-quack's W4 transform holds at most 8 scale bytes per thread and k-tile, and its scale strip is one
-TMA box of ``128 * sf_words`` bytes (a box may not exceed 256 along a mode). A k-tile of 128 (four
-k32 blocks, the least the interleaved mainloop accepts for 8-bit MMAs) needs 16 scale bytes per
-thread: ``_FastTransform`` loads them as one 16-byte vector and ``_SplitStrip`` moves the 512-byte
-strip as a (256, 2) box.
+quack's W4 transform loads at most 8 scale bytes per thread and k-tile from a strip of ``128 *
+sf_words`` bytes, one TMA box (a box may not exceed 256 along a mode). Our strip is 512 bytes per
+m64 block and k-tile (one 4-byte word per thread): ``_FastTransform`` loads the thread's word and
+``_SplitStrip`` moves the strip as a (256, 2) box.
 
 The epilogue (quack's ``@gemm_epilogue``) applies ``acc * sa[token] * (2**e * wcscale)[n] + bias``.
 The low-rank term joins the accumulator before it (``quack_lowrank``): ``R / 16`` bf16 wgmmas of
@@ -34,7 +36,6 @@ from cutlass import Int32, const_expr
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
-from quack.blockscaled import nvfp4_utils as U
 from quack.epilogue.frontend import gemm_epilogue
 from quack.epilogue.ops import ColVecLoad, RowVecLoad, TileLoad
 from quack.gemm_runtime.identity import TORCH_OP_TRANSFORM_MODS
@@ -45,59 +46,51 @@ from quack.operand_transform.transform import AuxOperandA, TransformAW4
 from . import fast_layout, quack_lowrank
 from .fast_layout import STRIP_BYTES, TILE_K
 
-# fp16 high bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 (low bytes are zero)
-_LUT_A = 0x3E3C3800
-_LUT_B = 0x46444240
+# the E2M1 magnitudes as fp16 pairs (low half first): (0, 0.5), (1, 1.5), (2, 3), (4, 6)
+_MAG_PAIRS = (0x38000000, 0x3E003C00, 0x42004000, 0x46004400)
 
 
 @dsl_user_op
-def _scale_pair(word: Int32, second: cutlass.Constexpr[bool], *, loc=None, ip=None) -> Int32:
-    """Two UE5M3 bytes of a strip word (bytes 0, 1 or 2, 3) -> an fp16 pair (row r, row r + 8)."""
-    sel = 0x3424 if second else 0x1404  # bytes [zero, s_a, zero, s_b]; >> 1 lands them at fp16 bits 14..7
-    res = llvm.inline_asm(
-        T.i32(), [Int32(word).ir_value(loc=loc, ip=ip)],
-        f"{{.reg .b32 t; prmt.b32 t, $1, 0, {sel:#x}; shr.b32 $0, t, 1;}}",
-        "=r,r", has_side_effects=False, loc=loc, ip=ip)
-    return Int32(res)
-
-
-@dsl_user_op
-def _decode_word(x: Int32, pair: Int32, lut_a: Int32, lut_b: Int32, *, loc=None, ip=None):
-    """One code word (4 bytes: row r codes in the high nibbles, row r + 8 in the low ones) and the
-    rows' fp16 factors -> two registers of four E4M3 bytes each, k in byte order."""
+def _table(word: Int32, i: cutlass.Constexpr[int], *, loc=None, ip=None):
+    """Byte ``i`` of a strip word (a block factor ``g``, UE5M3) -> the block's two table registers:
+    bytes ``e4m3(m * g)`` for m = 0, 0.5, 1, 1.5 and for m = 2, 3, 4, 6 (``fast_layout._tables``)."""
+    sel = 0x0404 | (i << 4) | (i << 12)  # bytes [zero, g, zero, g]; >> 1 lands g at fp16 bits 14..7 twice
     asm = (
-        "{.reg .b32 se, m1, m2, t, f0, f1, f2, f3, gl, gh; .reg .b16 pl, ph, e0, e1, e2, e3;\n\t"
+        "{.reg .b32 gg, c, f0, f1, f2, f3; .reg .b16 e0, e1, e2, e3;\n\t"
+        f"prmt.b32 gg, $2, 0, {sel:#x};\n\t"
+        "shr.b32 gg, gg, 1;\n\t"
+        + "".join(f"mov.b32 c, {m:#x};\n\tmul.rn.f16x2 f{q}, gg, c;\n\t" for q, m in enumerate(_MAG_PAIRS))
+        + "".join(f"cvt.rn.satfinite.e4m3x2.f16x2 e{q}, f{q};\n\t" for q in range(4))
+        + "mov.b32 $0, {e0, e1};\n\t"
+        "mov.b32 $1, {e2, e3};}"
+    )
+    struct_ty = ir.Type.parse("!llvm.struct<(i32, i32)>")
+    res = llvm.inline_asm(struct_ty, [Int32(word).ir_value(loc=loc, ip=ip)], asm, "=r,=r,r",
+                          has_side_effects=False, loc=loc, ip=ip)
+    return (Int32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)),
+            Int32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip)))
+
+
+@dsl_user_op
+def _decode_word(x: Int32, ta: Int32, tb: Int32, ta8: Int32, tb8: Int32, *, loc=None, ip=None):
+    """One code word (``fast_layout``: eight codes, rows r and r + 8) and the two rows' tables -> two
+    registers of four E4M3 bytes each: two ``prmt`` lookups, two sign merges."""
+    asm = (
+        "{.reg .b32 xm, s1, se, r0, r1;\n\t"
+        "and.b32 xm, $2, 0x77777777;\n\t"
+        "prmt.b32 r0, $3, $4, xm;\n\t"
+        "shr.u32 s1, xm, 16;\n\t"
+        "prmt.b32 r1, $5, $6, s1;\n\t"
         "shl.b32 se, $2, 4;\n\t"
-        "and.b32 m1, $2, 0x70707070;\n\t"
-        "and.b32 m2, se, 0x70707070;\n\t"
-        "prmt.b32 f0, $4, $5, m1;\n\t"
-        "shr.u32 t, m1, 16;\n\t"
-        "prmt.b32 f1, $4, $5, t;\n\t"
-        "prmt.b32 f2, $4, $5, m2;\n\t"
-        "shr.u32 t, m2, 16;\n\t"
-        "prmt.b32 f3, $4, $5, t;\n\t"
-        "mov.b32 {pl, ph}, $3;\n\t"
-        "mov.b32 gl, {pl, pl};\n\t"
-        "mov.b32 gh, {ph, ph};\n\t"
-        "mul.rn.f16x2 f0, f0, gl;\n\t"
-        "mul.rn.f16x2 f1, f1, gl;\n\t"
-        "mul.rn.f16x2 f2, f2, gh;\n\t"
-        "mul.rn.f16x2 f3, f3, gh;\n\t"
-        "cvt.rn.satfinite.e4m3x2.f16x2 e0, f0;\n\t"
-        "cvt.rn.satfinite.e4m3x2.f16x2 e1, f1;\n\t"
-        "cvt.rn.satfinite.e4m3x2.f16x2 e2, f2;\n\t"
-        "cvt.rn.satfinite.e4m3x2.f16x2 e3, f3;\n\t"
-        "mov.b32 f0, {e0, e1};\n\t"
-        "mov.b32 f2, {e2, e3};\n\t"
-        # a | (b & c): the sign bits sit at bit 7 of each byte of x (row r) and of x << 4 (row r + 8)
-        "lop3.b32 $0, f0, $2, 0x80808080, 0xF8;\n\t"
-        "lop3.b32 $1, f2, se, 0x80808080, 0xF8;}"
+        # a | (b & c): the signs sit at bit 7 of each byte of x (row r) and of x << 4 (row r + 8)
+        "lop3.b32 $0, r0, $2, 0x80808080, 0xF8;\n\t"
+        "lop3.b32 $1, r1, se, 0x80808080, 0xF8;}"
     )
     struct_ty = ir.Type.parse("!llvm.struct<(i32, i32)>")
     res = llvm.inline_asm(
         struct_ty,
-        [Int32(v).ir_value(loc=loc, ip=ip) for v in (x, pair, lut_a, lut_b)],
-        asm, "=r,=r,r,r,r,r", has_side_effects=False, loc=loc, ip=ip)
+        [Int32(v).ir_value(loc=loc, ip=ip) for v in (x, ta, tb, ta8, tb8)],
+        asm, "=r,=r,r,r,r,r,r", has_side_effects=False, loc=loc, ip=ip)
     return (Int32(llvm.extractvalue(T.i32(), res, [0], loc=loc, ip=ip)),
             Int32(llvm.extractvalue(T.i32(), res, [1], loc=loc, ip=ip)))
 
@@ -105,7 +98,8 @@ def _decode_word(x: Int32, pair: Int32, lut_a: Int32, lut_b: Int32, *, loc=None,
 class _Nvfp4E4m3(DecodeFormat):
     """Our NVFP4 codes x UE5M3 block factors -> E4M3 fragments (``fast_layout``'s layout).
 
-    ``b`` indexes k32 blocks (0..3); ``sfw`` is the thread's four strip words of the k-tile."""
+    ``b`` indexes k32 blocks (0..3); ``ts`` holds the thread's eight table registers of the k-tile:
+    ``ts[2 i]``, ``ts[2 i + 1]`` for strip byte ``i = 2 B + p`` (block ``2 c + B``, row ``r + 8 p``)."""
 
     name = "svdq_nvfp4_e4m3"
     tile_k = TILE_K
@@ -114,13 +108,13 @@ class _Nvfp4E4m3(DecodeFormat):
     roundtrip = False  # the per-row 2**e lives in the epilogue
 
     def make_consts(self):
-        return U.pin_b32_vreg(_LUT_A), U.mov_b32_vreg(_LUT_B)
+        return None
 
     @cute.jit
-    def decode_k16(self, xw, sfw, b, consts):
-        lut_a, lut_b = consts
-        r0, r1 = _decode_word(xw[2 * b], _scale_pair(sfw[b], False), lut_a, lut_b)
-        r2, r3 = _decode_word(xw[2 * b + 1], _scale_pair(sfw[b], True), lut_a, lut_b)
+    def decode_k16(self, xw, ts, b, consts):
+        t0 = 4 * (b // 2)  # k32 blocks 0, 1 read NVFP4 block 2 c, blocks 2, 3 block 2 c + 1
+        r0, r1 = _decode_word(xw[2 * b], ts[t0], ts[t0 + 1], ts[t0 + 2], ts[t0 + 3])
+        r2, r3 = _decode_word(xw[2 * b + 1], ts[t0], ts[t0 + 1], ts[t0 + 2], ts[t0 + 3])
         return r0, r1, r2, r3
 
     def prepare(self, q, sf):
@@ -159,7 +153,7 @@ class _SplitStrip(AuxOperandA):
 
 
 class _FastTransform(quack_lowrank.LowRankTransformHook, TransformAW4):
-    """quack's W4 transform with four strip words per thread (one 16-byte shared-memory load)."""
+    """quack's W4 transform reading one strip word per thread and building the decode's tables from it."""
 
     def __init__(self, gemm, fmt):
         super().__init__(gemm, fmt)
@@ -170,21 +164,19 @@ class _FastTransform(quack_lowrank.LowRankTransformHook, TransformAW4):
         gemm = self.gemm
         tm64 = gemm.cta_tile_shape_mnk[0] // 64
         nw = self._nw
-        sf_words = self.fmt.sf_words
         codes = cute.make_tensor(
             cute.recast_ptr(sA.iterator, dtype=Int32),
             cute.make_ordered_layout((nw, 128, tm64, gemm.ab_stage), order=(0, 1, 2, 3)))
         strip = cute.make_tensor(
             cute.recast_ptr(sAux.iterator, dtype=Int32),
-            cute.make_ordered_layout((sf_words, 32, tm64, gemm.ab_stage), order=(0, 1, 2, 3)))
-        t128 = tidx % 128
-        slot = (t128 // 32) * 8 + (t128 % 32) // 4  # the (row r, row r + 8) pair of this thread
-        consts = self.fmt.make_consts()
+            cute.make_ordered_layout((128, tm64, gemm.ab_stage), order=(0, 1, 2)))
+        t128 = tidx % 128  # also this thread's strip word
         frag_i32 = cute.recast_tensor(tCrA, Int32)
         mma_m = const_expr(cute.size(tCrA.shape[1]))
         atom_m = gemm.atom_layout_mnk[0]
         xw = cute.make_rmem_tensor((nw, mma_m), Int32)
-        sfw = cute.make_rmem_tensor((sf_words, mma_m), Int32)
+        sw = cute.make_rmem_tensor((1, mma_m), Int32)
+        ts = cute.make_rmem_tensor((8, mma_m), Int32)
 
         def copy_block(stage_idx, b, k_tile=None):
             if const_expr(b == 0):
@@ -193,8 +185,15 @@ class _FastTransform(quack_lowrank.LowRankTransformHook, TransformAW4):
                 for m in cutlass.range_constexpr(mma_m):
                     m64 = m * atom_m + warp_group_idx
                     cute.autovec_copy(codes[None, t128, m64, stage_idx], xw[None, m])
-                    cute.autovec_copy(strip[None, slot, m64, stage_idx], sfw[None, m])
-            self._decode_block(xw, sfw, frag_i32, b, mma_m, consts)
+                    sw[0, m] = strip[t128, m64, stage_idx]
+            if const_expr(b % 2 == 0):
+                # the tables of NVFP4 block 2 c + b // 2 (rows r, r + 8), built before its first k32 block
+                for m in cutlass.range_constexpr(mma_m):
+                    for i in cutlass.range_constexpr(b, b + 2):
+                        ta, tb = _table(sw[0, m], i)
+                        ts[2 * i, m] = ta
+                        ts[2 * i + 1, m] = tb
+            self._decode_block(xw, ts, frag_i32, b, mma_m, None)
 
         return copy_block
 
@@ -271,7 +270,8 @@ def gemm(a8: torch.Tensor, sa: torch.Tensor, w: FastWeight, lowrank: torch.Tenso
          out_dtype: torch.dtype = torch.bfloat16, lr_acc: tuple[torch.Tensor, ...] | None = None
          ) -> torch.Tensor:
     """``out [M, N] = (a8 @ w8^T) * sa * cs + bias (+ lowrank)`` in ``out_dtype`` (bf16 or fp16, rounded
-    once); ``a8`` E4M3 contiguous. The low-rank term comes either as the [M, N] tile ``lowrank`` or,
+    once); ``a8`` E4M3 contiguous, its columns in the GEMM's k order (``fast_layout``; as
+    ``kernels.quantize_act_fp8(gemm_order=True)`` writes them). The low-rank term comes either as the [M, N] tile ``lowrank`` or,
     into the accumulator, as ``lr_acc = (proj_up / cs [N, W], lora_act / sa [M, S * W][, segments
     [N / 64] int32])`` (bf16, ``quack_lowrank``). ``launch=False`` compiles (into quack's caches) without launching."""
     m = a8.shape[0]

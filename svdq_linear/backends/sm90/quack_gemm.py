@@ -128,16 +128,16 @@ def tiles(m: int, n: int) -> tuple[int, int]:
 
 
 def gemm(xq: torch.Tensor, w: QuackWeight, lowrank: torch.Tensor | None = None, launch: bool = True,
-         lr_acc: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+         lr_acc: tuple[torch.Tensor, ...] | None = None, tile: tuple[int, int] | None = None) -> torch.Tensor:
     """``out [M, N] bf16 = (xq @ Wq^T) * wcscale + bias (+ low-rank)``; ``xq`` bf16 contiguous. The
     low-rank term comes either as the [M, N] tile ``lowrank`` or, into the accumulator, as
     ``lr_acc = (proj_up / wcscale [N, W], lora_act [M, S * W][, segments [N / 64] int32])`` (bf16,
     ``quack_lowrank``).
-    ``launch=False`` compiles (into quack's caches) without launching."""
+    ``launch=False`` compiles (into quack's caches) without launching; ``tile`` overrides ``tiles``."""
     m, k = xq.shape
     n = w.wc.shape[1]
     out = torch.empty(m, n, device=xq.device, dtype=torch.bfloat16)
-    tm, tn = tiles(m, n)
+    tm, tn = tile or tiles(m, n)
     common = dict(transform_a=EXACT_MOD, transform_sf=w.sf, tile_M=tm, tile_N=tn, tile_K=TILE_K, cluster_M=1,
                   cluster_N=1, max_swizzle_size=8, split_k=1, _launch=launch)
     args = {"wc": w.wc, "bias": w.bias}

@@ -6,27 +6,26 @@ CTAs each walk a serial K-loop (docs/perf.md, 230-910 GB/s). This kernel splits 
 holds about ``CTAS_PER_SM`` CTAs per SM, so every SM has several weight tiles in flight; each split
 writes an fp32 partial tile and the last split of a weight tile to finish (an atomic counter per
 tile) sums the partials in a fixed order (the result does not depend on scheduling) and applies the
-epilogue ``y = acc * colscale[n] (* rowscale[m]) + lora_act @ proj_up^T + bias``. The counter is
-left at zero for the next call.
+epilogue ``y = acc * colscale[n] + lora_act @ proj_up^T + bias``. The counter is left at zero for
+the next call.
 
-It reads the weight in any of the backend's three layouts. The repacked blobs are read as they lie,
-a 64-row group's k-run at a time (16-byte loads, Triton's pipeliner keeping the next runs in flight),
-and put in row order by a register permutation; their columns come out in a permuted k order, and
-the activations are gathered in that order instead:
+It serves W4A16 and the exact W4A4 mode; the fast mode does not use it, because quack's FP8 GEMM
+measured faster at every M up to 64 (docs/perf.md, 2026-12-04 crossover). It reads the weight in
+either layout those modes hold. The repacked blob is read as it lies, a 64-row group's k-run at a
+time (16-byte loads, Triton's pipeliner keeping the next runs in flight), and put in row order by a
+register permutation; its columns come out in a permuted k order, and the activations are gathered
+in that order instead:
 
 - ``CANONICAL``: ``qweight [N, K/2]`` (low nibble = even k), ``wscales [N, K/16]`` E4M3;
 - ``QUACK``: the exact mode's quack blob and scale strip (``quack_gemm.repack_weight`` /
-  ``repack_scales``, byte permutations of the canonical tensors);
-- ``FAST``: the fast mode's blob and UE5M3 strip (``fast_layout``): the weight decoded to
-  ``e4m3(code * g)`` exactly as the fast kernel does, bit for bit ``nvfp4.fast_weight``.
+  ``repack_scales``, byte permutations of the canonical tensors).
 
 and its activations as
 
 - ``ACT_X``: ``x`` itself (16-bit; W4A16, or the exact activations ``xq`` from ``quantize_act``);
 - ``ACT_NVFP4``: ``x`` quantized to NVFP4 inside the kernel (``x / smooth``, per-16 E4M3 scale, E2M1
   codes: the contract's rules, as ``kernels.quantize_act``), each split quantizing its own k-range
-  (NVFP4 blocks are independent): no activation pass at all for the exact mode where ``use_fma``;
-- ``ACT_E4M3``: the fast mode's per-token E4M3 activations (``kernels.quantize_act_fp8``).
+  (NVFP4 blocks are independent): no activation pass at all for the exact mode where ``use_fma``.
 
 Every product of a decoded weight and an activation is exact in fp32 (at most 4 x 11 significant
 bits), so the result differs from the reference only in FP32 summation order (the contract's
@@ -48,8 +47,8 @@ from .kernels import _round_e4m3
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-CANONICAL, QUACK, FAST = 0, 1, 2
-ACT_X, ACT_NVFP4, ACT_E4M3 = 0, 1, 2
+CANONICAL, QUACK = 0, 1
+ACT_X, ACT_NVFP4 = 0, 1
 MAX_M = 64  # tokens this kernel serves
 FMA_MAX_M = 2  # up to this many tokens: multiply-adds instead of a 16-wide dot (docs/perf.md) ...
 FMA_MAX_WEIGHT = 1 << 24  # ... past one token only for weights up to this many elements (use_fma)
@@ -64,13 +63,6 @@ def use_fma(m: int, n: int, k: int) -> bool:
     multiply-adds won at 1 token at every shape and at 2 tokens on 3072 x 3072, not on 18432 x 3072
     (docs/perf.md, 2026-12-04 crossover)."""
     return m == 1 or (m <= FMA_MAX_M and n * k <= FMA_MAX_WEIGHT)
-
-
-@triton.jit
-def _e2m1(c):
-    """int32 codes (0..15) -> their E2M1 values as fp32 (magnitude bits to fp32 bits 24..22, x 2**126)."""
-    bits = ((c & 7) << 22) | ((c & 8) << 28)
-    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37
 
 
 @triton.jit
@@ -103,11 +95,7 @@ def _acts(x_ptr, smooth_ptr, rows, rk, M, K, stride_xm, ROWS: tl.constexpr, BLOC
         mask = (rows < M)[:, None] & (rk >= 0)[None, :]
     else:
         mask = (rows < M)[:, None] & (rk < K)[None, :]
-    ptrs = x_ptr + rows[:, None] * stride_xm + rk[None, :]
-    if ACT == 2:  # E4M3 bytes
-        a = tl.load(ptrs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        a = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(x_ptr + rows[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     if ACT == 1:
         sm = tl.load(smooth_ptr + rk, mask=rk < K, other=1.0)
         a = _nvfp4_values(a * tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)[None, :], ROWS, BLOCK_K)
@@ -116,14 +104,12 @@ def _acts(x_ptr, smooth_ptr, rows, rk, M, K, stride_xm, ROWS: tl.constexpr, BLOC
 
 
 @triton.jit
-def _epilogue(acc, rn, rm, M, N, R, cs_ptr, rs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_lm, stride_om,
-              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, RC: tl.constexpr, HAS_RS: tl.constexpr,
-              HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
+def _epilogue(acc, rn, rm, M, N, R, cs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_lm, stride_om,
+              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, RC: tl.constexpr, HAS_BIAS: tl.constexpr,
+              HAS_LORA: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
     n_ok = rn < N
     m_ok = rm < M
     acc = acc * tl.load(cs_ptr + rn, mask=n_ok, other=0.0)[:, None]
-    if HAS_RS:
-        acc = acc * tl.load(rs_ptr + rm, mask=m_ok, other=0.0)[None, :]
     if HAS_LORA:  # [BLOCK_N, R] @ [R, BLOCK_M] in chunks of RC columns
         for r0 in range(0, R, RC):
             rr = r0 + tl.arange(0, RC)
@@ -154,7 +140,7 @@ def _load_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT: tl.
                EVEN_K: tl.constexpr):
     """The bytes of one weight tile (codes and scales) as they lie in memory.
 
-    The repacked layouts are read as they lie: a 64-row group's ``BLOCK_K`` columns are one contiguous
+    The repacked layout is read as it lies: a 64-row group's ``BLOCK_K`` columns are one contiguous
     run of the blob (16-byte loads); ``_decode_tile`` puts them in row order."""
     if LAYOUT == 0:
         kc = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -165,30 +151,25 @@ def _load_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT: tl.
         else:
             wb = tl.load(w_ptr + rn_l[:, None] * stride_w + kc[None, :], mask=(kc < K // 2)[None, :], other=0)
             sc = tl.load(s_ptr + rn_l[:, None] * stride_s + ks[None, :], mask=(ks < K // 16)[None, :], other=0)
-    elif LAYOUT == 1:
+    else:
         KT: tl.constexpr = BLOCK_K // 64
         wb = tl.load(w_ptr + pid_n * (K // 64) * 2048 + (k0 // 64) * 2048 + tl.arange(0, KT * 2048))
         sc = tl.load(s_ptr + pid_n * (K // 64) * 256 + (k0 // 64) * 256 + tl.arange(0, KT * 256))
-    else:
-        KT: tl.constexpr = BLOCK_K // 128
-        wb = tl.load(w_ptr + pid_n * (K // 128) * 4096 + (k0 // 128) * 4096 + tl.arange(0, KT * 4096))
-        sc = tl.load(s_ptr + pid_n * (K // 128) * 512 + (k0 // 128) * 512 + tl.arange(0, KT * 512))
     return wb, sc
 
 
 @triton.jit
-def _decode_tile(wb, sc, k0, LAYOUT: tl.constexpr, BLOCK_K: tl.constexpr, HW_CVT: tl.constexpr):
-    """``_load_tile``'s bytes -> fp32 ``[rows, BLOCK_K]`` values in the tile's row order, their
-    per-16-block factor ``[rows, BLOCK_K / 16]`` (the E4M3 block scale, applied by the caller a block
-    sum at a time; 1 for the fast layout, whose decode rounds after the factor) and the k of each column
-    (``[BLOCK_K]``, absolute).
+def _decode_tile(wb, sc, k0, LAYOUT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``_load_tile``'s bytes -> fp32 ``[rows, BLOCK_K]`` E2M1 values in the tile's row order, their
+    per-16-block E4M3 scale ``[rows, BLOCK_K / 16]`` (applied by the caller a block sum at a time) and
+    the k of each column (``[BLOCK_K]``, absolute).
 
     A repacked tile is put in row order by a register permutation (Triton moves the bytes through
     shared memory). Its columns come out in the k order the permutation gives, and the activations
     are gathered in that order instead: the sum over k does not care."""
     if LAYOUT == 0:
         kx = k0 + tl.arange(0, BLOCK_K)
-    elif LAYOUT == 1:
+    else:
         # blob [N/64, K/64, 128, 16]: row 64 g + 16 t2 + 8 p0 + t1, byte column 32 kt + 8 b + 4 p1 + t0
         # (k 64 kt + 16 b + 8 p1 + 2 t0 + nibble) at [g, kt, 32 t2 + 4 t1 + t0, 4 b + 2 p1 + p0]; strip
         # [N/64, K/64, 32, 4, 2]: that row's scale of block 4 kt + b at [g, kt, 8 t2 + t1, b, p0]
@@ -198,41 +179,20 @@ def _decode_tile(wb, sc, k0, LAYOUT: tl.constexpr, BLOCK_K: tl.constexpr, HW_CVT
         sc = tl.reshape(tl.permute(tl.reshape(sc, (KT, 4, 8, 4, 2)), (1, 2, 4, 0, 3)), (64, KT * 4))
         q = tl.arange(0, BLOCK_K)  # column 64 kt + 16 b + 4 t0 + 2 p1 + nibble
         kx = k0 + (q // 16) * 16 + ((q // 2) % 2) * 8 + ((q // 4) % 4) * 2 + q % 2
-    else:
-        # blob [N/64, K/128, 128, 32]: row 64 g + 16 w + 8 p + rq, k 128 kt + 32 b + 16 h + 4 c + j at
-        # byte [g, kt, 32 w + 4 rq + c, 8 b + 4 h + j], the high nibble for p = 0; strip
-        # [N/64, K/128, 512]: the 16-block 8 kt + 2 b + h of that row at [g, kt, 16 (8 w + rq) + 4 b + 2 h + p]
-        KT: tl.constexpr = BLOCK_K // 128
-        wb = tl.permute(tl.reshape(wb, (KT, 4, 8, 4, 4, 2, 4)), (1, 2, 0, 4, 5, 3, 6))  # w rq | kt b h c j
-        wb = tl.reshape(wb, (32, BLOCK_K))
-        sc = tl.reshape(tl.permute(tl.reshape(sc, (KT, 4, 8, 4, 2, 2)), (1, 2, 5, 0, 3, 4)), (64, KT * 8))
-        kx = k0 + tl.arange(0, BLOCK_K)
-    if LAYOUT == 2:
-        wi = wb.to(tl.int32)  # two rows a byte: p = 0 high, p = 1 low -> rows 2 (8 w + rq) + p
-        c = tl.reshape(tl.permute(tl.join(wi >> 4, wi & 0xF), (0, 2, 1)), (64, BLOCK_K))
-        gf = (sc.to(tl.int16) << 7).to(tl.float16, bitcast=True).to(tl.float32)  # UE5M3 -> its value
-        v = tl.reshape(tl.reshape(_e2m1(c), (64, BLOCK_K // 16, 16)) * gf[:, :, None], (64, BLOCK_K))
-        if HW_CVT:  # exact products of at most 6 bits: one rounding, no saturation
-            w = v.to(tl.float8e4nv).to(tl.float32)
-        else:  # the CPU interpreter mis-rounds conversions
-            w = tl.where(v < 0, -_round_e4m3(tl.abs(v)), _round_e4m3(tl.abs(v)))
-        sf = tl.full((64, BLOCK_K // 16), 1.0, tl.float32)
-    else:
-        wi = wb.to(tl.int32)  # E2M1 straight from each nibble; element 2i is the low one
-        lo = (((wi & 7) << 22) | ((wi & 8) << 28)).to(tl.float32, bitcast=True)
-        hi = (((wi & 0x70) << 18) | ((wi & 0x80) << 24)).to(tl.float32, bitcast=True)
-        w = tl.interleave(lo, hi) * 8.507059173023462e37  # x 2**126
-        sf = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    wi = wb.to(tl.int32)  # E2M1 straight from each nibble; element 2i is the low one
+    lo = (((wi & 7) << 22) | ((wi & 8) << 28)).to(tl.float32, bitcast=True)
+    hi = (((wi & 0x70) << 18) | ((wi & 0x80) << 24)).to(tl.float32, bitcast=True)
+    w = tl.interleave(lo, hi) * 8.507059173023462e37  # x 2**126
+    sf = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     return w, sf, kx
 
 
 @triton.jit
 def _small_m_kernel(
-    x_ptr, smooth_ptr, w_ptr, s_ptr, cs_ptr, rs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, part_ptr, cnt_ptr,
+    x_ptr, smooth_ptr, w_ptr, s_ptr, cs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, R, stride_xm, stride_lm, stride_om, stride_w, stride_s, k_per_split, SPLIT_K,
     LAYOUT: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, RC: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, IS_SPLIT: tl.constexpr,
-    HAS_RS: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -252,7 +212,7 @@ def _small_m_kernel(
     # NUM_STAGES - 1 tiles of them coming (asynchronous copies to shared memory) while one is decoded.
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         wb, sc = _load_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT, BLOCK_K, EVEN_K)
-        w, sf, rk = _decode_tile(wb, sc, k0, LAYOUT, BLOCK_K, not DOT_F32)
+        w, sf, rk = _decode_tile(wb, sc, k0, LAYOUT, BLOCK_K)
         if USE_DOT:
             w = tl.reshape(tl.reshape(w, (BLOCK_N, BLOCK_K // 16, 16)) * sf[:, :, None], (BLOCK_N, BLOCK_K))
             a = _acts(x_ptr, smooth_ptr, rm, rk, M, K, stride_xm, BLOCK_M, BLOCK_K, ACT, EVEN_K)
@@ -260,7 +220,7 @@ def _small_m_kernel(
                 acc = tl.dot(w, tl.trans(a), acc, input_precision="ieee")
             elif ACT == 0:
                 acc = tl.dot(w.to(x_ptr.dtype.element_ty), tl.trans(a).to(x_ptr.dtype.element_ty), acc)
-            else:  # NVFP4 and E4M3 values are exact in bf16
+            else:  # NVFP4 values are exact in bf16
                 acc = tl.dot(w.to(tl.bfloat16), tl.trans(a).to(tl.bfloat16), acc)
         else:
             for mi in tl.static_range(BLOCK_M):
@@ -273,8 +233,8 @@ def _small_m_kernel(
                     acc = tl.where(rm[None, :] == mi, acc + s[:, None], acc)
 
     if not IS_SPLIT:
-        _epilogue(acc, rn, rm, M, N, R, cs_ptr, rs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_lm, stride_om,
-                  BLOCK_N, BLOCK_M, RC, HAS_RS, HAS_BIAS, HAS_LORA, USE_DOT, DOT_F32)
+        _epilogue(acc, rn, rm, M, N, R, cs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_lm, stride_om,
+                  BLOCK_N, BLOCK_M, RC, HAS_BIAS, HAS_LORA, USE_DOT, DOT_F32)
     else:
         num_n = tl.num_programs(0)
         tile = BLOCK_N * BLOCK_M
@@ -287,8 +247,8 @@ def _small_m_kernel(
             for s in range(SPLIT_K):
                 acc += tl.load(part_ptr + (s * num_n + pid_n) * tile + local, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next call
-            _epilogue(acc, rn, rm, M, N, R, cs_ptr, rs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_lm,
-                      stride_om, BLOCK_N, BLOCK_M, RC, HAS_RS, HAS_BIAS, HAS_LORA, USE_DOT, DOT_F32)
+            _epilogue(acc, rn, rm, M, N, R, cs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_lm,
+                      stride_om, BLOCK_N, BLOCK_M, RC, HAS_BIAS, HAS_LORA, USE_DOT, DOT_F32)
 
 
 # ---- host side ------------------------------------------------------------------------------------
@@ -309,17 +269,15 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def block_k_for(layout: int, k: int, block_k: int = 128) -> int:
-    """The k-step: for the repacked layouts a run of whole blob tiles (64 k for quack's, 128 for the
-    fast one) that divides K, so their loads need no mask; for the canonical layout any power of two
-    (the tail is masked)."""
-    if layout != CANONICAL:
-        unit = 64 if layout == QUACK else 128
+    """The k-step: for quack's blob a run of whole 64-k blob tiles that divides K, so its loads need no
+    mask; for the canonical layout any power of two (the tail is masked)."""
+    if layout == QUACK:
         if k % 128:
-            raise ValueError(f"the repacked layouts need in_features % 128 == 0, got {k}")
-        bk = max(unit, block_k // unit * unit)
+            raise ValueError(f"the repacked layout needs in_features % 128 == 0, got {k}")
+        bk = max(64, block_k // 64 * 64)
         while k % bk:
             bk //= 2
-        return max(bk, unit)
+        return max(bk, 64)
     return min(block_k, max(16, triton.next_power_of_2(k)))
 
 
@@ -336,27 +294,28 @@ def split_for(block_m: int, n: int, k: int, block_n: int, block_k: int, sms: int
 
 
 def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colscale: torch.Tensor, n: int, *,
-           act: int, out_dtype: torch.dtype, smooth: torch.Tensor | None = None,
-           rowscale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+           act: int, out_dtype: torch.dtype, smooth: torch.Tensor | None = None, bias: torch.Tensor | None = None,
            proj_up: torch.Tensor | None = None, lora_act: torch.Tensor | None = None,
            block_n: int = 64, block_k: int | None = None, split_k: int | None = None,
            num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
-    """``out [M, N] = (A(x) @ W^T) * colscale (* rowscale) + lora_act @ proj_up^T + bias`` for M <= 64.
+    """``out [M, N] = (A(x) @ W^T) * colscale + lora_act @ proj_up^T + bias`` for M <= 64.
 
     ``x [M, K]`` with unit stride along K (16-bit for ``ACT_X``; any float for ``ACT_NVFP4``, which
-    needs ``smooth``; E4M3 for ``ACT_E4M3``); ``w``/``s`` the weight in ``layout``; ``colscale [N]``
-    fp32 (``wcscale``, or the fast mode's ``2**e * wcscale``); ``rowscale [M]`` fp32 (the fast mode's
-    ``sa``); ``bias [N]``; ``proj_up [N, R]`` contiguous with ``lora_act [M, R]`` (unit stride along R)."""
+    needs ``smooth``); ``w``/``s`` the weight in ``layout`` (``CANONICAL`` or ``QUACK``);
+    ``colscale [N]`` fp32 (``wcscale``); ``bias [N]``; ``proj_up [N, R]`` contiguous with
+    ``lora_act [M, R]`` (unit stride along R)."""
     m, k = x.shape
     if m > MAX_M:
         raise ValueError(f"the small-M kernel serves at most {MAX_M} tokens, got {m}")
+    if layout not in (CANONICAL, QUACK) or act not in (ACT_X, ACT_NVFP4):
+        raise ValueError(f"expected layout CANONICAL or QUACK and act ACT_X or ACT_NVFP4, got {layout}, {act}")
     if x.stride(1) != 1:
         x = x.contiguous()
     if _INTERPRET and out_dtype != torch.float32:
         # The CPU interpreter's fp32 -> 16-bit conversion does not round to nearest: cast outside.
-        return linear(x, layout, w, s, colscale, n, act=act, out_dtype=torch.float32, smooth=smooth,
-                      rowscale=rowscale, bias=bias, proj_up=proj_up, lora_act=lora_act, block_n=block_n,
-                      block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages).to(out_dtype)
+        return linear(x, layout, w, s, colscale, n, act=act, out_dtype=torch.float32, smooth=smooth, bias=bias,
+                      proj_up=proj_up, lora_act=lora_act, block_n=block_n, block_k=block_k, split_k=split_k,
+                      num_warps=num_warps, num_stages=num_stages).to(out_dtype)
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
     if m == 0:
         return out
@@ -367,15 +326,13 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         raise ValueError(f"proj_up must be a contiguous [{n}, {r}] tensor beside lora_act [M, {r}]")
     if r:  # proj_up's row stride is R: the padded columns of a prepared lora_act are not read
         r = proj_up.shape[1]
-    if x.dtype == torch.float8_e4m3fn:
-        x = x.view(torch.uint8)
     use_dot = not use_fma(m, n, k)
-    if layout != CANONICAL and block_n != 64:
-        raise ValueError(f"the repacked layouts are read a 64-row group a tile, got block_n={block_n}")
-    # measured on the H200 (docs/perf.md, "Small M"): 64 x 64 over 4 warps for the multiply-adds (the
-    # fast blob's 64 x 128 over 8), 64 x 128 over 4 warps for the dot; three pipeline stages
-    bk = block_k_for(layout, k, block_k or (128 if use_dot or layout == FAST else 64))
-    num_warps = num_warps or (8 if layout == FAST and not use_dot else 4)
+    if layout == QUACK and block_n != 64:
+        raise ValueError(f"the repacked layout is read a 64-row group a tile, got block_n={block_n}")
+    # measured on the H200 (docs/perf.md, "Small M"): 64 x 64 over 4 warps for the multiply-adds,
+    # 64 x 128 over 4 warps for the dot; three pipeline stages
+    bk = block_k_for(layout, k, block_k or (128 if use_dot else 64))
+    num_warps = num_warps or 4
     bm = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
     split = split_k or split_for(bm, n, k, block_n, bk)
     steps = -(-k // bk)
@@ -387,12 +344,11 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
     cnt = _counters(x.device, tiles) if split > 1 else dummy
     _small_m_kernel[(tiles, split)](
         x, smooth if smooth is not None else dummy, w, s.view(torch.uint8), colscale,
-        rowscale if rowscale is not None else dummy, bias if bias is not None else dummy,
-        proj_up if r else dummy, lora_act if r else dummy, out, part, cnt,
+        bias if bias is not None else dummy, proj_up if r else dummy, lora_act if r else dummy, out, part, cnt,
         m, n, k, r, x.stride(0), lora_act.stride(0) if r else 0, out.stride(0), k // 2, k // 16, per * bk, split,
         LAYOUT=layout, ACT=act, BLOCK_N=block_n, BLOCK_M=bm, BLOCK_K=bk,
         RC=min(64, max(16, triton.next_power_of_2(r or 16))), EVEN_K=k % bk == 0, NUM_STAGES=num_stages,
-        IS_SPLIT=split > 1, HAS_RS=rowscale is not None, HAS_BIAS=bias is not None, HAS_LORA=bool(r),
+        IS_SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=bool(r),
         USE_DOT=use_dot, DOT_F32=_INTERPRET, num_warps=num_warps,
     )
     return out
