@@ -12,7 +12,7 @@ import pytest
 def test_copy_split_covers_every_tile_exactly():
     lr = pytest.importorskip("svdq_linear.backends.sm90.quack_lowrank")
     for nthreads in (128, 256):
-        for rows in (16, 32, 64, 128, 256):
+        for rows in (16, 32, 64, 128, 192, 256):
             for r in range(16, 257, 16):
                 if r // 8 > nthreads:
                     continue
@@ -20,12 +20,12 @@ def test_copy_split_covers_every_tile_exactly():
                 assert per_row * 8 == r, (rows, r)
                 assert per_row * rows_per_pass <= nthreads
                 assert rows % rows_per_pass == 0, (rows, r, rows_per_pass)
-                # no idle half: doubling the rows a pass would overrun the threads or the tile
-                assert 2 * rows_per_pass * per_row > nthreads or 2 * rows_per_pass > rows
+                # no idle half: doubling the rows a pass would overrun the threads or stop dividing the tile
+                assert 2 * rows_per_pass * per_row > nthreads or rows % (2 * rows_per_pass)
     with pytest.raises(ValueError):
         lr.copy_split(256, 40, 256)  # not a multiple of 16
     with pytest.raises(ValueError):
-        lr.copy_split(96, 32, 256)  # not a power of two
+        lr.copy_split(100, 32, 256)  # not a multiple of 8
 
 
 def _block_diagonal(rows_ranks, seed=0):

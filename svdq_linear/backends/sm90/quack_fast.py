@@ -43,7 +43,7 @@ from quack.operand_transform.formats import DecodeFormat
 from quack.operand_transform.frontend import PackedFormatMod
 from quack.operand_transform.transform import AuxOperandA, TransformAW4
 
-from . import fast_layout, quack_lowrank
+from . import fast_layout, quack_lowrank, tuning
 from .fast_layout import STRIP_BYTES, TILE_K
 
 # the E2M1 magnitudes as fp16 pairs (low half first): (0, 0.5), (1, 1.5), (2, 3), (4, 6)
@@ -256,10 +256,10 @@ def prepare(qweight, wscales, wcscale, bias) -> FastWeight:
     return FastWeight(blob, strip, (nw * wcscale.float()).reshape(1, n).contiguous(), b.reshape(1, n).contiguous())
 
 
-def tiles(m: int) -> tuple[int, int]:
-    """(tile over weight rows, tile over tokens)."""
+def tiles(m: int, n: int, sms: int = tuning.SM_COUNT) -> tuple[int, int]:
+    """(tile over weight rows, tile over tokens); above 1024 tokens ``tuning.prefill_tiles``."""
     if m > 1024:
-        return 128, 256
+        return tuning.prefill_tiles(m, n, sms)
     if m > 128:
         return 64, 256 if m > 256 else 128
     return 64, max(16, 1 << (max(m, 1) - 1).bit_length())
@@ -279,7 +279,7 @@ def gemm(a8: torch.Tensor, sa: torch.Tensor, w: FastWeight, lowrank: torch.Tenso
     out = torch.empty(m, n, device=a8.device, dtype=out_dtype)
     if m == 0:
         return out
-    tm, tn = tile or tiles(m)
+    tm, tn = tile or tiles(m, n, tuning.sm_count(a8.device))
     if n % tm:
         tm = 64  # n % 64 == 0 always (fast_layout.check_shape)
     args = {"sa": sa.reshape(1, m), "cs": w.cs, "bias": w.bias}

@@ -23,7 +23,7 @@ from quack.gemm_runtime.identity import TORCH_OP_TRANSFORM_MODS
 from quack.operand_transform.frontend import PackedFormatMod
 from quack.operand_transform.transform import TransformAW4
 
-from . import quack_lowrank
+from . import quack_lowrank, tuning
 
 TILE_K = 64  # the k-tile quack requires for nvfp4
 
@@ -121,10 +121,11 @@ def prepare(qweight: torch.Tensor, wscales: torch.Tensor, wcscale: torch.Tensor,
     return QuackWeight(blob, sf, wcscale.float().reshape(1, n).contiguous(), b.reshape(1, n).contiguous())
 
 
-def tiles(m: int, n: int) -> tuple[int, int]:
-    """(tile over weight rows, tile over tokens): quack's prefill rule above 1024 tokens; narrower
-    token tiles between (more CTAs on 132 SMs: 48 at M=512, N=3072 with the prefill rule)."""
-    return (128, 256) if m > 1024 else (64, 256) if m > 256 else (64, 128)
+def tiles(m: int, n: int, sms: int = tuning.SM_COUNT) -> tuple[int, int]:
+    """(tile over weight rows, tile over tokens): above 1024 tokens ``tuning.prefill_tiles`` (quack's
+    prefill rule, with a narrower token tile where its last wave is mostly empty); narrower token tiles
+    between (more CTAs on 132 SMs: 48 at M=512, N=3072 with the prefill rule)."""
+    return tuning.prefill_tiles(m, n, sms) if m > 1024 else (64, 256) if m > 256 else (64, 128)
 
 
 def gemm(xq: torch.Tensor, w: QuackWeight, lowrank: torch.Tensor | None = None, launch: bool = True,
@@ -137,7 +138,7 @@ def gemm(xq: torch.Tensor, w: QuackWeight, lowrank: torch.Tensor | None = None, 
     m, k = xq.shape
     n = w.wc.shape[1]
     out = torch.empty(m, n, device=xq.device, dtype=torch.bfloat16)
-    tm, tn = tile or tiles(m, n)
+    tm, tn = tile or tiles(m, n, tuning.sm_count(xq.device))
     common = dict(transform_a=EXACT_MOD, transform_sf=w.sf, tile_M=tm, tile_N=tn, tile_K=TILE_K, cluster_M=1,
                   cluster_N=1, max_swizzle_size=8, split_k=1, _launch=launch)
     args = {"wc": w.wc, "bias": w.bias}

@@ -59,13 +59,14 @@ _VEC = 8  # bf16 elements a cp.async moves (16 bytes)
 def copy_split(rows: int, r: int, nthreads: int) -> tuple[int, int]:
     """How ``nthreads`` math threads cp.async a ``[rows, r]`` bf16 tile: (threads a row, rows a pass).
 
-    A row takes ``r / 8`` threads; the rows a pass are a power of two (tiles are) and at most the tile's
-    rows, so the passes cover the tile exactly. R = 48 (three fused rank-16 branches) gives 6 threads a
-    row and 32 rows a pass: 192 of 256 threads copy, the rest wait at the barrier."""
-    if r % 16 or rows & (rows - 1) or not 0 < r // _VEC <= nthreads:
+    A row takes ``r / 8`` threads; the rows a pass are a power of two that divides the tile's rows (a
+    192-row tile: at most 64), so the passes cover the tile exactly. R = 48 (three fused rank-16
+    branches) gives 6 threads a row and 32 rows a pass: 192 of 256 threads copy, the rest wait at the
+    barrier."""
+    if r % 16 or rows % 8 or rows <= 0 or not 0 < r // _VEC <= nthreads:
         raise ValueError(f"cannot split a [{rows}, {r}] tile over {nthreads} threads")
     per_row = r // _VEC
-    return per_row, min(rows, 1 << ((nthreads // per_row).bit_length() - 1))
+    return per_row, min(rows & -rows, 1 << ((nthreads // per_row).bit_length() - 1))
 
 
 class LowRankOperand(EpiOp):

@@ -73,3 +73,28 @@ def pick(m: int, n: int, k: int) -> GemmConfig:
     if cfg.split_k == 0:  # 0 in the table: choose by occupancy
         cfg = replace(cfg, split_k=split_for(cfg, m, n, k))
     return cfg
+
+
+def prefill_tiles(m: int, n: int, sms: int = SM_COUNT) -> tuple[int, int]:
+    """quack's tile (weight rows, tokens) above 1024 tokens: 128 x 256, or 128 x 192 where 128 x 256 tiles
+    leave the persistent grid's last wave under 90 % full and 128 x 192 fill it better. On the H200
+    (docs/perf.md, 2026-12-04 tile sweep) that gained 2.5-4 % (exact) and 1.4-2.4 % (fast) at 4608 x
+    15360 x 3072 (432 tiles: 82 % full) and 4352 x 3840 x 3072 (408: 77 %); at 97 % full (384, 1152
+    tiles) 128 x 256 was as fast or faster (up to 6 %)."""
+    def fill(tn: int) -> float:
+        t = -(-n // 128) * -(-m // tn)
+        return t / (-(-t // sms) * sms)
+
+    return (128, 192) if fill(256) < 0.9 and fill(192) > fill(256) else (128, 256)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device) -> int:
+    """The SMs of a CUDA device (``SM_COUNT`` for any other)."""
+    return _sm_count(device.index or 0) if getattr(device, "type", None) == "cuda" else SM_COUNT

@@ -1,0 +1,78 @@
+"""``lora_act = x @ (proj_down / smooth)`` on the H100/H200: one cuBLAS GEMM against K split into S
+slices run as one strided batched GEMM (``x`` viewed as ``[S, M, K/S]``, no copy) and summed in slice
+order.
+
+    python benchmarks/bench_lora_split.py [--out FILE]
+
+The product is skinny (R = 32-128 columns): one GEMM gives few output tiles (M / 128 of them), so its
+CTAs leave SMs idle and read ``x`` at a fraction of the bandwidth; S slices give S times the CTAs.
+Every variant is checked against float64 before it is timed (relative error of the fp32 result).
+CUDA-graph replays, ``do_bench`` medians, us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cuda import graphed  # noqa: E402
+
+SHAPES = [(4096, 3072, 32), (4096, 3072, 96), (4608, 3072, 128), (4096, 12288, 32), (4608, 15360, 32),
+          (4352, 3840, 32), (512, 3072, 32)]
+SPLITS = (2, 4, 8, 16)
+
+
+def split_mm(x: torch.Tensor, pds: torch.Tensor, s: int, out_dtype=torch.float32) -> torch.Tensor:
+    m, k = x.shape
+    xs = x.view(m, s, k // s).transpose(0, 1)  # [S, M, K/S], strides (K/S, K, 1): no copy
+    ws = pds.view(s, k // s, -1)
+    try:
+        part = torch.bmm(xs, ws, out_dtype=torch.float32)
+    except (NotImplementedError, RuntimeError, TypeError):  # no mixed-dtype bmm on this device
+        part = torch.bmm(xs, ws).float()
+    return part.sum(0, dtype=out_dtype)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    lines = [f"# lora_act: one GEMM against K split — {torch.cuda.get_device_name()}", "",
+             "us (relative error against float64); bf16 out = what the exact mode passes on, fp32 out = the fast mode's", "",
+             "| M | K | R | mm bf16 out | mm fp32 out | " + " | ".join(f"S={s} (bmm + sum)" for s in SPLITS) + " |",
+             "|---|---|---|---|---|" + "---|" * len(SPLITS)]
+    print("\n".join(lines), flush=True)
+    for m, k, r in SHAPES:
+        torch.manual_seed(0)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        pds = (torch.randn(k, r, device="cuda") / k**0.5).bfloat16()
+        want = x.double() @ pds.double()
+
+        def err(y):
+            return ((y.double() - want).norm() / want.norm()).item()
+
+        def t(fn):
+            return do_bench(graphed(fn), warmup=10, rep=100, return_mode="median") * 1e3
+
+        cells = [f"{t(lambda: x @ pds):.1f} ({err(x @ pds):.0e})",
+                 f"{t(lambda: torch.mm(x, pds, out_dtype=torch.float32)):.1f} "
+                 f"({err(torch.mm(x, pds, out_dtype=torch.float32)):.0e})"]
+        for s in SPLITS:
+            if k % s:
+                cells.append("-")
+                continue
+            y = split_mm(x, pds, s)
+            cells.append(f"{t(lambda: split_mm(x, pds, s)):.1f} ({err(y):.0e})")
+        lines.append(f"| {m} | {k} | {r} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
