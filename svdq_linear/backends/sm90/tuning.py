@@ -77,15 +77,16 @@ def pick(m: int, n: int, k: int) -> GemmConfig:
 
 def prefill_tiles(m: int, n: int, sms: int = SM_COUNT) -> tuple[int, int]:
     """quack's tile (weight rows, tokens) above 1024 tokens: 128 x 256, or 128 x 192 where 128 x 256 tiles
-    leave the persistent grid's last wave under 90 % full and 128 x 192 fill it better. On the H200
-    (docs/perf.md, 2026-12-04 tile sweep) that gained 2.5-4 % (exact) and 1.4-2.4 % (fast) at 4608 x
-    15360 x 3072 (432 tiles: 82 % full) and 4352 x 3840 x 3072 (408: 77 %); at 97 % full (384, 1152
+    leave the persistent grid's last wave under 80 % full and 128 x 192 fill it better. On the H200
+    (docs/perf.md, 2026-12-04 tile sweep) 128 x 192 was 1-2.5 % faster at 4352 x 3840 x 3072 (408
+    tiles: 77 % full) in every run, with and without the low-rank MMA; at 4608 x 15360 x 3072 (432:
+    82 %) it won without the low-rank MMA and lost 3-6 % with it (two runs); at 97 % full (384, 1152
     tiles) 128 x 256 was as fast or faster (up to 6 %)."""
     def fill(tn: int) -> float:
         t = -(-n // 128) * -(-m // tn)
         return t / (-(-t // sms) * sms)
 
-    return (128, 192) if fill(256) < 0.9 and fill(192) > fill(256) else (128, 256)
+    return (128, 192) if fill(256) < 0.8 and fill(192) > fill(256) else (128, 256)
 
 
 @functools.lru_cache(maxsize=None)
