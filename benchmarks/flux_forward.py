@@ -2,7 +2,7 @@
 bf16, dynamic FP8 (per-token activations, per-channel weights, ``torch._scaled_mm``), and svdq-linear
 in the exact and fast modes, eager and ``torch.compile``d, with the weight bytes of each.
 
-    python benchmarks/flux_forward.py [--layers 19 --single-layers 38] [--out DIR] [--no-compile]
+    python benchmarks/flux_forward.py [--layers 19 --single-layers 38] [--out DIR] [--no-compile] [--fuse]
 
 Random weights (no model hub): the bf16 model is built on the GPU with diffusers' FLUX.1-dev config;
 the svdq model swaps the quantized targets for modules holding random valid NVFP4 codes, scales and a
@@ -34,6 +34,17 @@ class DynamicFP8Linear(nn.Module):
         self.register_buffer("sw", sw.T.contiguous())
         self.bias = lin.bias
 
+    @classmethod
+    def stack(cls, layers: list["DynamicFP8Linear"]) -> "DynamicFP8Linear":
+        """The layers stacked along N (per-channel scales: exact)."""
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.register_buffer("w8", torch.cat([m.w8 for m in layers]))
+        fused.register_buffer("sw", torch.cat([m.sw for m in layers], dim=1))
+        biases = [m.bias for m in layers]
+        fused.bias = None if any(b is None for b in biases) else nn.Parameter(torch.cat(biases), requires_grad=False)
+        return fused
+
     def forward(self, x):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
@@ -41,6 +52,47 @@ class DynamicFP8Linear(nn.Module):
         a8 = (x2.float() / sa).to(torch.float8_e4m3fn)
         y = torch._scaled_mm(a8, self.w8.T, scale_a=sa, scale_b=self.sw, bias=self.bias, out_dtype=x.dtype)
         return y.reshape(*shape[:-1], -1)
+
+
+def fuse_qkv(model, variant: str) -> None:
+    """One GEMM for q/k/v (and the context twins) in every attention: diffusers' ``fuse_qkv_projections()``
+    for bf16, ``svdq_linear.fuse`` for the svdq variants (one quantization pass, the packed weight
+    shared), the rows of the E4M3 weights and their per-channel scales stacked for dynamic FP8."""
+    if variant == "fp8":
+        for attn in model.modules():
+            if isinstance(getattr(attn, "to_q", None), DynamicFP8Linear):
+                attn.to_qkv = DynamicFP8Linear.stack([attn.to_q, attn.to_k, attn.to_v])
+                if isinstance(getattr(attn, "add_q_proj", None), DynamicFP8Linear):
+                    attn.to_added_qkv = DynamicFP8Linear.stack([attn.add_q_proj, attn.add_k_proj, attn.add_v_proj])
+                attn.fused_projections = True
+        return
+    if variant in ("exact", "fast"):
+        from svdq_linear.fuse import fuse_attention_projections
+
+        fuse_attention_projections(model)
+    model.fuse_qkv_projections()
+
+
+def unfuse_qkv(model) -> None:
+    model.unfuse_qkv_projections()  # deletes to_qkv / to_added_qkv (diffusers' and svdq_linear.fuse's)
+
+
+def build_variant(base, variant: str, recipe):
+    """The model timed for ``variant``: ``base`` itself for bf16, else a copy with its linears swapped."""
+    import copy
+
+    import svdq_linear
+
+    if variant == "bf16":
+        return base
+    model = copy.deepcopy(base)
+    if variant == "fp8":
+        swap(model, recipe.w4a4 + recipe.w4a16, DynamicFP8Linear)
+        return model
+    swap(model, recipe.w4a4, lambda lin: random_quantized(lin, "w4a4"))
+    swap(model, recipe.w4a16, lambda lin: random_quantized(lin, "w4a16"))
+    svdq_linear.set_mode(model, variant)
+    return model
 
 
 def swap(model, names, build):
@@ -118,6 +170,8 @@ def main():
                    help="torch.compile mode (reduce-overhead adds CUDA graphs)")
     p.add_argument("--variants", default="bf16,fp8,exact,fast")
     p.add_argument("--graph", action="store_true", help="also time the eager forward captured in a CUDA graph")
+    p.add_argument("--fuse", action="store_true",
+                   help="fuse q/k/v (diffusers' fuse_qkv_projections; one quantization pass for the svdq variants)")
     p.add_argument("--whole-model-compile", action="store_true",
                    help="torch.compile the whole model instead of diffusers' regional compilation "
                         "(compile_repeated_blocks: one compile per block class, minutes less)")
@@ -151,18 +205,10 @@ def main():
     print("\n".join(lines), flush=True)
     ref = {}
     for variant in args.variants.split(","):
-        model = base
-        if variant == "fp8":
-            import copy
-            model = copy.deepcopy(base)
-            swap(model, recipe.w4a4 + recipe.w4a16, DynamicFP8Linear)
-        elif variant in ("exact", "fast"):
-            import copy
-            model = copy.deepcopy(base)
-            swap(model, recipe.w4a4, lambda lin: random_quantized(lin, "w4a4"))
-            swap(model, recipe.w4a16, lambda lin: random_quantized(lin, "w4a16"))
-            svdq_linear.set_mode(model, variant)
-        gb = weight_bytes(model) / 1e9
+        model = build_variant(base, variant, recipe)
+        gb = weight_bytes(model) / 1e9  # before fusing: bf16's and FP8's fused q/k/v are copies
+        if args.fuse:
+            fuse_qkv(model, variant)
         with torch.inference_mode():
             t_eager = timed(lambda: model(**kw))
             t_graph = float("nan")
@@ -194,7 +240,10 @@ def main():
         lines.append(row)
         print(row, flush=True)
         (out_dir / "flux_forward.md").write_text("\n".join(lines) + "\n")
-        if model is not base:
+        if model is base:
+            if args.fuse:
+                unfuse_qkv(base)
+        else:
             del model
             torch._dynamo.reset()
             torch.cuda.empty_cache()

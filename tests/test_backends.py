@@ -141,6 +141,27 @@ def test_prepared_state_follows_buffer_changes(counting):
     assert counting.prepares == 4
 
 
+def test_modules_made_under_inference_mode_dispatch(counting):
+    """A model loaded (or fused) inside ``torch.inference_mode()`` holds inference tensors, which keep no
+    version counter: the prepared-state key must not read it, and a weight loaded anew (a new tensor)
+    still rebuilds the prepared state."""
+    from svdq_linear.fuse import concat_w4a4
+
+    with torch.inference_mode():
+        m = _module()
+        assert m.qweight.is_inference()
+        x = torch.randn(2, 64)
+        y = m(x)  # the counting backend asserts its prepared copy matches the weight
+        fused = concat_w4a4([m, m])
+        yf = fused(x)
+        assert torch.equal(yf[:, :m.out_features], y) and torch.equal(yf[:, m.out_features:], y)
+        sd = {k: v.clone() for k, v in m.state_dict().items()}
+        sd["qweight"][0, 0] ^= 0x11
+        m.load_state_dict(sd)
+        m(x)
+    assert counting.prepares == 3  # m, fused, m again after its weight was replaced
+
+
 def test_sequential_offload_keeps_no_prepared_state(counting):
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 

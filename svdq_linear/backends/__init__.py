@@ -197,7 +197,10 @@ def select_backend(device: torch.device | str, name: str | None = None, kind: st
 
 def _state_key(module, device: torch.device) -> tuple:
     # A buffer replaced (load, offload hook, .to) changes its data_ptr; an in-place edit bumps _version.
-    return (device,) + tuple((t.data_ptr(), t._version, t.dtype) for t in module.packed_tensors())
+    # Tensors made under torch.inference_mode() (a model loaded or fused there) keep no version counter;
+    # they can be edited in place only inside inference mode, which no caller does to packed weights.
+    return (device,) + tuple((t.data_ptr(), -1 if t.is_inference() else t._version, t.dtype)
+                             for t in module.packed_tensors())
 
 
 _GROUP_OFFLOAD_HOOKS = ("group_offloading", "lazy_prefetch_group_offloading")  # diffusers' hook names
