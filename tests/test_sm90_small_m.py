@@ -180,3 +180,71 @@ def test_use_fma_takes_one_token_everywhere_and_two_only_on_small_weights():
     assert sm.use_fma(1, 18432, 3072) and sm.use_fma(1, 3072, 3072)
     assert sm.use_fma(2, 3072, 3072) and not sm.use_fma(2, 18432, 3072)
     assert not sm.use_fma(3, 3072, 3072) and not sm.use_fma(16, 256, 256)
+
+
+# ---- the warp-level tensor-core kernel (small_m_mma): host rules and SASS on the CPU, numerics on a GPU ----
+
+
+def test_mma_split_divides_the_k_tiles_and_leaves_a_tile_to_prefetch():
+    mma = pytest.importorskip("svdq_linear.backends.sm90.small_m_mma")
+    for groups, k_tiles in [(48, 48), (288, 48), (48, 192), (48, 240), (1, 2), (192, 240)]:
+        s = mma.split_for(groups, k_tiles)
+        assert k_tiles % s == 0 and (s == 1 or k_tiles // s >= 2), (groups, k_tiles, s)
+        assert groups * s <= max(groups, mma.CTAS_PER_SM * mma.SM_COUNT * 1.5), (groups, k_tiles, s)
+    assert mma.split_for(48, 48) == 8  # 3072 x 3072: 384 CTAs (the largest divisor of 48 up to 4 x 132 / 48), 6 k-tiles a split
+
+
+@pytest.mark.parametrize("n_tiles", [1, 8])
+def test_mma_kernel_compiles_for_sm90_with_an_hmma_per_k16_block_and_token_tile(tmp_path, n_tiles):
+    """Compiled for sm_90a here (no GPU): one ``HMMA.16816.F32.BF16`` per k16 block and 8 tokens in the
+    k-tile loop, quack's ``prmt`` decode, no local memory."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    pytest.importorskip("quack")
+    from svdq_linear.backends.sm100.precompile import find_nvdisasm
+
+    nvdisasm = find_nvdisasm()
+    if nvdisasm is None:
+        pytest.skip("nvdisasm not found")
+    cubin = tmp_path / "k.cubin"
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "QUACK_ARCH": "90", "CUTE_DSL_KEEP": "cubin",
+           "CUTE_DSL_DUMP_DIR": str(tmp_path), "CUTE_DSL_CACHE_DIR": str(tmp_path / "cache"),
+           "CUTE_DSL_DISABLE_FILE_CACHING": "1", "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([sys.executable, "-m", "svdq_linear.backends.sm90.small_m_mma", "--n-tiles", str(n_tiles),
+                        "--out", str(cubin)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert len(re.findall(r"\bHMMA\.16816\.F32\.BF16\b", sass)) == 4 * n_tiles
+    assert len(re.findall(r"\bPRMT\b", sass)) >= 40  # quack's decode: 11 a k16 block
+    assert not re.search(r"\b(LDL|STL)\b", sass)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 7, 9, 33, 64])
+def test_gpu_mma_kernel_meets_the_contract(m, monkeypatch):
+    """The exact W4A4 layer through the tensor-core kernel (directly, and through the backend with
+    ``SVDQ_SM90_SMALL_M_MMA=1``) against the contract in float64, within its tensor-core tolerance."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm90 GPU")
+    mma = pytest.importorskip("svdq_linear.backends.sm90.small_m_mma")
+    quack_gemm = pytest.importorskip("svdq_linear.backends.sm90.quack_gemm")
+    from test_conformance import _check, _expected_and_bound, random_w4a4
+
+    from svdq_linear import backends
+    from svdq_linear.backends.sm90 import ENV_SMALL_M_MMA, kernels
+
+    torch.manual_seed(m)
+    mod = random_w4a4(3072, 3072, 32, torch.bfloat16, "cuda")
+    x = torch.randn(m, 3072, device="cuda", dtype=torch.bfloat16) * 3
+    pds = (mod.proj_down.float() / mod.smooth.float()[:, None]).bfloat16()
+    y = mma.linear(kernels.quantize_act(x, mod.smooth)[0], quack_gemm.repack_weight(mod.qweight),
+                   quack_gemm.repack_scales(mod.wscales), mod.wcscale.float(), mod.bias, mod.proj_up,
+                   x @ pds, out_dtype=torch.bfloat16)
+    expected, bound = _expected_and_bound(mod, x)
+    _check(y, expected, bound, f"small_m_mma M={m}")
+    monkeypatch.setenv(ENV_SMALL_M_MMA, "1")
+    backend = backends.choose(mod, x)
+    _check(backend.linear(mod, x, backend.prepare(mod, x.device)), expected, bound, f"backend M={m}")

@@ -52,6 +52,9 @@ SMALL_M = {"w4a4": 64, "w4a16": 32}
 if os.environ.get("SVDQ_SM90_SMALL_M"):
     SMALL_M = dict.fromkeys(SMALL_M, int(os.environ["SVDQ_SM90_SMALL_M"]))
 ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (the Triton GEMM for every exact call)
+# "1": the exact mode's small-M calls on quack's blob run small_m_mma (warp-level tensor cores; compiled
+# on the CPU, not yet run on a GPU, hence opt-in until the GPU tests pass and it is measured)
+ENV_SMALL_M_MMA = "SVDQ_SM90_SMALL_M_MMA"
 
 
 LOWRANK_MAX_WINDOW = 64  # widest low-rank window a weight tile reads in the accumulator path (docs/perf.md)
@@ -301,6 +304,11 @@ class Sm90Backend(Backend):
         layout, w, s = small_m.CANONICAL, qweight, wscales
         if qweight.numel() == 0:  # quack's repacked tensors stand in for the canonical ones (replaced)
             layout, w, s = small_m.QUACK, extra[-4], extra[-3]
+        if layout == small_m.QUACK and x.dtype == torch.bfloat16 and os.environ.get(ENV_SMALL_M_MMA) == "1":
+            from . import small_m_mma
+
+            return small_m_mma.linear(self.kernels.quantize_act(x, smooth)[0], w, s, wcscale.float(), bias,
+                                      proj_up if r else None, lora, out_dtype=x.dtype)
         if small_m.use_fma(m, n, x.shape[1]):
             a, act = x, small_m.ACT_NVFP4
         else:
