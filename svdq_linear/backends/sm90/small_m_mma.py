@@ -75,9 +75,12 @@ class SmallMMma:
         xw_next = cute.make_rmem_tensor((4,), Int32)
         sfw_next = cute.make_rmem_tensor((2,), Int32)
         kt0 = split * kt_per_split
-        cute.autovec_copy(mBlob[grp, kt0, tidx, None], xw_next)
-        sfw_next[0] = mSf[grp, kt0, slot, 0]
-        sfw_next[1] = mSf[grp, kt0, slot, 1]
+        # this lane's views, sliced once: its 16-byte run of each k-tile, its scale pair, its tokens' rows
+        g_blob = mBlob[grp, None, tidx, None]  # (KT, 4)
+        g_sf = mSf[grp, None, slot, None]  # (KT, 2)
+        cute.autovec_copy(g_blob[kt0, None], xw_next)
+        sfw_next[0] = g_sf[kt0, 0]
+        sfw_next[1] = g_sf[kt0, 1]
         for i in cutlass.range(kt_per_split):
             kt = kt0 + i
             for w in cutlass.range_constexpr(4):
@@ -85,14 +88,15 @@ class SmallMMma:
             sfw[0] = sfw_next[0]
             sfw[1] = sfw_next[1]
             if i + 1 < kt_per_split:  # the next tile's bytes in flight during this tile's decode
-                cute.autovec_copy(mBlob[grp, kt + 1, tidx, None], xw_next)
-                sfw_next[0] = mSf[grp, kt + 1, slot, 0]
-                sfw_next[1] = mSf[grp, kt + 1, slot, 1]
+                cute.autovec_copy(g_blob[kt + 1, None], xw_next)
+                sfw_next[0] = g_sf[kt + 1, 0]
+                sfw_next[1] = g_sf[kt + 1, 1]
             # B: token 8 j + g, k pair 2 c (+ 8) of each k16 block b: Int32 column 32 kt + 8 b + c (+ 4)
             for j in cutlass.range_constexpr(nt):
+                g_x = mX[8 * j + gq, None]
                 for b in cutlass.range_constexpr(4):
                     for h in cutlass.range_constexpr(2):
-                        frag_b[(0, h), j, b] = mX[8 * j + gq, 32 * kt + 8 * b + cq + 4 * h]
+                        frag_b[(0, h), j, b] = g_x[32 * kt + 8 * b + cq + 4 * h]
             for b in cutlass.range_constexpr(4):
                 r0, r1, r2, r3 = self.fmt.decode_k16(xw, sfw, b, consts)
                 frag_a[(0, 0, 0), 0, b] = r0
