@@ -354,6 +354,17 @@ def test_gpu_fast_linear_on_the_narrow_prefill_tile(r):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 7, 33, 64])
+def test_gpu_fast_small_m_on_warp_tensor_cores(tokens, monkeypatch):
+    """``SVDQ_SM90_SMALL_M_MMA=1``: up to 64 tokens take ``small_m_mma.linear_fast`` (the table decode
+    feeding ``mma.sync``), held to the same bound as the FP8 GEMM."""
+    from svdq_linear.backends.sm90 import ENV_SMALL_M_MMA
+
+    monkeypatch.setenv(ENV_SMALL_M_MMA, "1")
+    test_gpu_fast_linear_matches_the_fast_formula(tokens, 3072, 3072, 32, torch.bfloat16)
+
+
+@pytest.mark.gpu
 def test_gpu_fast_mode_keeps_one_copy_of_the_codes():
     _quack_fast()
     from test_conformance import random_w4a4

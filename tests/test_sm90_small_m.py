@@ -194,10 +194,11 @@ def test_mma_split_divides_the_k_tiles_and_leaves_a_tile_to_prefetch():
     assert mma.split_for(48, 48) == 8  # 3072 x 3072: 384 CTAs (the largest divisor of 48 up to 4 x 132 / 48), 6 k-tiles a split
 
 
-@pytest.mark.parametrize("n_tiles", [1, 8])
-def test_mma_kernel_compiles_for_sm90_with_an_hmma_per_k16_block_and_token_tile(tmp_path, n_tiles):
-    """Compiled for sm_90a here (no GPU): one ``HMMA.16816.F32.BF16`` per k16 block and 8 tokens in the
-    k-tile loop, quack's ``prmt`` decode, no local memory."""
+@pytest.mark.parametrize("mode,n_tiles", [("exact", 1), ("exact", 8), ("fast", 2)])
+def test_mma_kernel_compiles_for_sm90_with_an_hmma_per_k16_block_and_token_tile(tmp_path, mode, n_tiles):
+    """Compiled for sm_90a here (no GPU): exact, one ``HMMA.16816.F32.BF16`` per k16 block and 8 tokens,
+    quack's ``prmt`` decode; fast, the E4M3 ``mma.sync`` as ptxas lowers it on Hopper (two f16
+    ``HMMA.16816.F32`` per k32 block and 8 tokens) after the table decode; no local memory."""
     import os
     import re
     import subprocess
@@ -214,11 +215,15 @@ def test_mma_kernel_compiles_for_sm90_with_an_hmma_per_k16_block_and_token_tile(
            "CUTE_DSL_DUMP_DIR": str(tmp_path), "CUTE_DSL_CACHE_DIR": str(tmp_path / "cache"),
            "CUTE_DSL_DISABLE_FILE_CACHING": "1", "PYTHONWARNINGS": "ignore"}
     r = subprocess.run([sys.executable, "-m", "svdq_linear.backends.sm90.small_m_mma", "--n-tiles", str(n_tiles),
-                        "--out", str(cubin)], env=env, capture_output=True, text=True, timeout=600)
+                        "--mode", mode, "--out", str(cubin)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-    assert len(re.findall(r"\bHMMA\.16816\.F32\.BF16\b", sass)) == 4 * n_tiles
-    assert len(re.findall(r"\bPRMT\b", sass)) >= 40  # quack's decode: 11 a k16 block
+    if mode == "exact":
+        assert len(re.findall(r"\bHMMA\.16816\.F32\.BF16\b", sass)) == 4 * n_tiles
+        assert len(re.findall(r"\bPRMT\b", sass)) >= 40  # quack's decode: 11 a k16 block
+    else:
+        assert len(re.findall(r"\bHMMA\.16816\.F32\b(?!\.BF16)", sass)) == 8 * n_tiles
+        assert len(re.findall(r"\bF2FP\.SATFINITE\.E4M3\.F16\b", sass)) == 16  # the four tables
     assert not re.search(r"\b(LDL|STL)\b", sass)
 
 

@@ -52,8 +52,9 @@ SMALL_M = {"w4a4": 64, "w4a16": 32}
 if os.environ.get("SVDQ_SM90_SMALL_M"):
     SMALL_M = dict.fromkeys(SMALL_M, int(os.environ["SVDQ_SM90_SMALL_M"]))
 ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (the Triton GEMM for every exact call)
-# "1": the exact mode's small-M calls on quack's blob run small_m_mma (warp-level tensor cores; compiled
-# on the CPU, not yet run on a GPU, hence opt-in until the GPU tests pass and it is measured)
+# "1": small-M calls (exact mode on quack's blob, fast mode up to 64 tokens) run small_m_mma (warp-level
+# tensor cores; compiled on the CPU, not yet run on a GPU, hence opt-in until its GPU tests pass and it is
+# measured)
 ENV_SMALL_M_MMA = "SVDQ_SM90_SMALL_M_MMA"
 
 
@@ -322,6 +323,13 @@ class Sm90Backend(Backend):
         inv, extra = extra[-1], extra[:-1]  # Sm90Prepared.tensors(): inv_smooth comes last
         fw = quack_fast.FastWeight(*extra[-4:])
         out_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
+        if x.shape[0] <= 64 and os.environ.get(ENV_SMALL_M_MMA) == "1":  # opt-in: see ENV_SMALL_M_MMA
+            from . import small_m_mma
+
+            a8, sa = self.kernels.quantize_act_fp8(x, smooth, inv_smooth=inv, gemm_order=True)
+            lora = _mm_f32(x.to(torch.bfloat16), (proj_down.float() / smooth.float()[:, None]).to(torch.bfloat16)) if r else None
+            out = small_m_mma.linear_fast(a8, sa, fw, bias, proj_up if r else None, lora, out_dtype)
+            return out if x.dtype == out_dtype else out.to(x.dtype)
         if len(extra) == 7:  # [proj_down', proj_up', segments] + FastWeight: the low-rank MMA in the accumulator
             pds, up, seg = extra[:3]
             a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=_mm_f32(x.to(torch.bfloat16), pds),

@@ -353,14 +353,17 @@ def _w4_gemm_kernel(
 def _splitk_epilogue_kernel(
     part_ptr, wc_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, M, N, R, stride_om,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, DOT_F32: tl.constexpr, rs_ptr, HAS_RS: tl.constexpr,
 ):
+    # HAS_RS: a per-token factor too (the fast mode's sa), applied to the sum before the epilogue
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask = (rn < N)[:, None] & (rm < M)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for s in range(SPLIT_K):  # fixed order: the result does not depend on scheduling
         acc += tl.load(part_ptr + s * M * N + rm[None, :] * N + rn[:, None], mask=mask, other=0.0)
+    if HAS_RS:
+        acc = acc * tl.load(rs_ptr + rm, mask=rm < M, other=0.0)[None, :]
     _epilogue(acc, rn, rm, N, M, R, wc_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_om,
               BLOCK_R, HAS_BIAS, HAS_LORA, DOT_F32)
 
@@ -592,7 +595,7 @@ def w4_gemm(
             part, wcscale, bias if has_bias else dummy, proj_up if r else dummy, lora_act if r else dummy,
             out, m, n, r, out.stride(0),
             SPLIT_K=split, BLOCK_N=bn, BLOCK_M=bm, BLOCK_R=_block_r(r), HAS_BIAS=has_bias, HAS_LORA=bool(r),
-            DOT_F32=_INTERPRET, num_warps=4,
+            DOT_F32=_INTERPRET, rs_ptr=dummy, HAS_RS=False, num_warps=4,
         )
     return out
 

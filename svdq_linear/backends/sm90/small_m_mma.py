@@ -1,20 +1,26 @@
-"""A few tokens on warp-level tensor cores: ``mma.sync m16n8k16`` (bf16 x bf16 -> fp32) on the exact
-mode's quack blob, split over K (CuTe DSL). **Compiled for sm_90a on the CPU; not yet run on a GPU, and
-not routed**: ``small_m.py`` (Triton) serves M <= 64 until this kernel is GPU-tested and measured.
+"""A few tokens on warp-level tensor cores, split over K (CuTe DSL). **Compiled for sm_90a on the CPU;
+not yet run on a GPU; opt-in** (``SVDQ_SM90_SMALL_M_MMA=1``): ``small_m.py`` (Triton) and quack's GEMMs
+serve M <= 64 until this kernel is GPU-tested and measured.
 
 Why: the Triton small-M kernel is bound by instructions, ~9 a weight value (docs/perf.md, "Small M"):
-the E2M1 decode to fp32, one FMA a token, the block sums. quack's blob is already laid out as
-``mma.sync`` A fragments (a lane's 16-byte run is rows ``g``/``g + 8``, k pairs ``2c``/``2c + 8`` of four
-k16 blocks: ``quack_gemm``), so a lane decodes its fragment to bf16 pairs with quack's NVFP4 decode
-(``prmt`` table lookups, the E4M3 block scale multiplied in exactly) and issues one HMMA per k16 block
-and 8 tokens: about 3 instructions a value, no conversion to fp32, no reduction across lanes.
+the E2M1 decode to fp32, one FMA a token, the block sums. Both modes' blobs are already laid out as
+``mma.sync`` A fragments, so a lane decodes its fragment in registers and issues the MMA with the
+tokens as its 8-wide N side, no conversion to fp32, no reduction across lanes:
+
+- exact (W4A4 exact, or W4A16 on x itself): quack's nvfp4 blob (a lane's 16 bytes of a 64-wide k-tile
+  are rows ``g``/``g + 8``, k pairs ``2c``/``2c + 8`` of four k16 blocks: ``quack_gemm``), quack's NVFP4
+  decode (``prmt`` lookups, the E4M3 scale multiplied in exactly), ``mma.sync m16n8k16`` bf16;
+- fast: ``fast_layout``'s blob and tables (``quack_fast``: the weight as ``e4m3(code * g)``), E4M3 tokens
+  in the fast GEMM's k order, ``mma.sync m16n8k32`` E4M3. Hopper has no FP8 ``mma.sync``: ptxas
+  lowers it to E4M3 -> f16 conversions and two f16 ``HMMA.16816`` a k32 block (exact: E4M3 values are
+  f16 values), so its operands cost conversions the exact kernel does not pay.
 
 Work split: a CTA is four warps on one 64-row group of the blob (warp ``w``: rows ``16 w`` to ``16 w +
-15``); ``blockIdx.y`` is the K split (an equal number of 64-wide k-tiles each). Each warp walks its
-k-tiles with the next tile's 16 code bytes and 8 scale bytes loaded before the current tile's decode.
-The tokens are the MMA's N side, padded to ``8 * n_tiles`` rows by the host (zero rows: no
-predication in the loop). Partials go to ``part [S, Mp, N]`` fp32; ``kernels._splitk_epilogue_kernel``
-sums them in split order (deterministic) and applies ``* wcscale + lora @ proj_up^T + bias``.
+15``); ``blockIdx.y`` is the K split (an equal number of k-tiles each). Each warp walks its k-tiles
+with the next tile's code and scale words loaded before the current tile's decode. The tokens are
+padded to ``8 * n_tiles`` rows by the host (zero rows: no predication in the loop). Partials go to
+``part [S, Mp, N]`` fp32; ``kernels._splitk_epilogue_kernel`` sums them in split order
+(deterministic) and applies ``(* sa) * colscale + lora @ proj_up^T + bias``.
 """
 
 from __future__ import annotations
@@ -24,85 +30,125 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp
 
-K_TILE = 64  # k per blob tile (quack's nvfp4 layout)
 ROWS = 64  # weight rows per CTA (one blob group, four warps)
+K_TILE = {"exact": 64, "fast": 128}  # k per blob tile: quack's nvfp4 layout; fast_layout's
 
 
 class SmallMMma:
-    """``part[s, n, r] = sum over split s's k of W[r, k] * x[n, k]`` for ``n_tiles * 8`` padded tokens."""
+    """``part[s, n, r] = sum over split s's k of W[r, k] * x[n, k]`` for ``n_tiles * 8`` padded tokens.
 
-    def __init__(self, n_tiles: int):
+    ``mode="exact"``: quack's nvfp4 blob, bf16 tokens, ``mma.sync m16n8k16`` bf16. ``mode="fast"``:
+    ``fast_layout``'s blob (the weight as ``e4m3(code * g)`` by table lookup), E4M3 tokens in the fast
+    GEMM's k order, ``mma.sync m16n8k32`` E4M3. In both, a lane's Int32 word ``32 kt + 8 b + c + 4 h``
+    of a token row holds the B fragment of k block ``b`` (``h``: its upper half)."""
+
+    def __init__(self, n_tiles: int, mode: str = "exact"):
         if not 1 <= n_tiles <= 8:
             raise ValueError(f"n_tiles must be 1..8 (8 to 64 tokens), got {n_tiles}")
-        self.n_tiles = n_tiles
-        from quack.operand_transform.formats import decode_format
+        if mode not in K_TILE:
+            raise ValueError(f"mode must be 'exact' or 'fast', got {mode!r}")
+        self.n_tiles, self.mode = n_tiles, mode
+        self.k_tile = K_TILE[mode]
+        self.words = 4 if mode == "exact" else 8  # code words a lane loads per k-tile
+        self.sf_words = 2 if mode == "exact" else 1  # scale words a lane loads per k-tile
+        if mode == "exact":
+            from quack.operand_transform.formats import decode_format
 
-        self.fmt = decode_format("nvfp4")
+            self.fmt = decode_format("nvfp4")
 
     @cute.jit
     def __call__(self, mBlob: cute.Tensor, mSf: cute.Tensor, mX: cute.Tensor, mPart: cute.Tensor,
                  kt_per_split: Int32, stream):
-        """``mBlob [G, KT, 128, 4]`` Int32 (the quack blob), ``mSf [G, KT, 32, 2]`` Int32 (its scale
-        strip), ``mX [Mp, K / 2]`` Int32 (bf16 pairs of the padded tokens), ``mPart [S, Mp, N]`` fp32."""
-        op = warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
+        """``mBlob [G, KT, 128, words]`` Int32, ``mSf [G, KT, slots, sf_words]`` Int32 (exact: quack's
+        32 scale-pair slots; fast: one strip word per thread), ``mX [Mp, K * bytes / 4]`` Int32 (the
+        padded tokens), ``mPart [S, Mp, N]`` fp32."""
+        if const_expr(self.mode == "exact"):
+            op = warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
+        else:
+            op = warp.MmaFP8Op(cutlass.Float8E4M3FN, Float32, (16, 8, 32))
         tiled_mma = cute.make_tiled_mma(op, cute.make_layout((1, 1, 1)))
         self.kernel(tiled_mma, mBlob, mSf, mX, mPart, kt_per_split).launch(
             grid=[mBlob.shape[0], mPart.shape[0], 1], block=[128, 1, 1], stream=stream)
 
-    @cute.kernel
-    def kernel(self, tiled_mma: cute.TiledMma, mBlob: cute.Tensor, mSf: cute.Tensor, mX: cute.Tensor,
-               mPart: cute.Tensor, kt_per_split: Int32):
-        nt = const_expr(self.n_tiles)
-        tidx, _, _ = cute.arch.thread_idx()
-        grp, split, _ = cute.arch.block_idx()
-        warp_i = tidx // 32
-        lane = tidx % 32
-        gq = lane // 4  # fragment row (A, C) and token (B) within the tile
-        cq = lane % 4  # k pair (A, B) and token pair (C)
-        slot = warp_i * 8 + gq  # the (row g, row g + 8) scale pair of this lane
-
-        thr = tiled_mma.get_slice(lane)
-        tCrA = thr.make_fragment_A(thr.partition_shape_A((16, K_TILE)))  # bf16 ((2,2,2),1,4)
-        frag_a = cute.recast_tensor(tCrA, Int32)  # ((1,2,2),1,4): [(0, row +8, k +8), 0, k16 block]
-        tCrB = thr.make_fragment_B(thr.partition_shape_B((8 * nt, K_TILE)))  # bf16 ((2,2),nt,4)
-        frag_b = cute.recast_tensor(tCrB, Int32)  # ((1,2),nt,4): [(0, k +8), token tile, k16 block]
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((16, 8 * nt)), Float32)  # ((2,2),1,nt)
-        acc.fill(0.0)
-        consts = self.fmt.make_consts()
-
-        xw = cute.make_rmem_tensor((4,), Int32)
-        sfw = cute.make_rmem_tensor((2,), Int32)
-        xw_next = cute.make_rmem_tensor((4,), Int32)
-        sfw_next = cute.make_rmem_tensor((2,), Int32)
-        kt0 = split * kt_per_split
-        # this lane's views, sliced once: its 16-byte run of each k-tile, its scale pair, its tokens' rows
-        g_blob = mBlob[grp, None, tidx, None]  # (KT, 4)
-        g_sf = mSf[grp, None, slot, None]  # (KT, 2)
-        cute.autovec_copy(g_blob[kt0, None], xw_next)
-        sfw_next[0] = g_sf[kt0, 0]
-        sfw_next[1] = g_sf[kt0, 1]
-        for i in cutlass.range(kt_per_split):
-            kt = kt0 + i
-            for w in cutlass.range_constexpr(4):
-                xw[w] = xw_next[w]
-            sfw[0] = sfw_next[0]
-            sfw[1] = sfw_next[1]
-            if i + 1 < kt_per_split:  # the next tile's bytes in flight during this tile's decode
-                cute.autovec_copy(g_blob[kt + 1, None], xw_next)
-                sfw_next[0] = g_sf[kt + 1, 0]
-                sfw_next[1] = g_sf[kt + 1, 1]
-            # B: token 8 j + g, k pair 2 c (+ 8) of each k16 block b: Int32 column 32 kt + 8 b + c (+ 4)
-            for j in cutlass.range_constexpr(nt):
-                g_x = mX[8 * j + gq, None]
-                for b in cutlass.range_constexpr(4):
-                    for h in cutlass.range_constexpr(2):
-                        frag_b[(0, h), j, b] = g_x[32 * kt + 8 * b + cq + 4 * h]
+    @cute.jit
+    def _decode(self, xw, sfw, ts, frag_a):
+        """The k-tile's A fragments (four k blocks) from the lane's code and scale words."""
+        if const_expr(self.mode == "exact"):
+            consts = self.fmt.make_consts()
             for b in cutlass.range_constexpr(4):
                 r0, r1, r2, r3 = self.fmt.decode_k16(xw, sfw, b, consts)
                 frag_a[(0, 0, 0), 0, b] = r0
                 frag_a[(0, 1, 0), 0, b] = r1
                 frag_a[(0, 0, 1), 0, b] = r2
                 frag_a[(0, 1, 1), 0, b] = r3
+        else:
+            from .quack_fast import _decode_word, _table
+
+            for i in cutlass.range_constexpr(4):  # rows r, r + 8 of NVFP4 blocks 2 c, 2 c + 1
+                ta, tb = _table(sfw[0], i)
+                ts[2 * i] = ta
+                ts[2 * i + 1] = tb
+            for b in cutlass.range_constexpr(4):
+                t0 = 4 * (b // 2)
+                r0, r1 = _decode_word(xw[2 * b], ts[t0], ts[t0 + 1], ts[t0 + 2], ts[t0 + 3])
+                r2, r3 = _decode_word(xw[2 * b + 1], ts[t0], ts[t0 + 1], ts[t0 + 2], ts[t0 + 3])
+                frag_a[(0, 0, 0), 0, b] = r0
+                frag_a[(0, 1, 0), 0, b] = r1
+                frag_a[(0, 0, 1), 0, b] = r2
+                frag_a[(0, 1, 1), 0, b] = r3
+
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, mBlob: cute.Tensor, mSf: cute.Tensor, mX: cute.Tensor,
+               mPart: cute.Tensor, kt_per_split: Int32):
+        nt = const_expr(self.n_tiles)
+        nw = const_expr(self.words)
+        nsf = const_expr(self.sf_words)
+        tidx, _, _ = cute.arch.thread_idx()
+        grp, split, _ = cute.arch.block_idx()
+        warp_i = tidx // 32
+        lane = tidx % 32
+        gq = lane // 4  # fragment row (A, C) and token (B) within the tile
+        cq = lane % 4  # k group (A, B) and token pair (C)
+        # exact: the (row g, row g + 8) scale pair slot of quack's strip; fast: the thread's strip word
+        sf_slot = warp_i * 8 + gq if const_expr(self.mode == "exact") else tidx
+
+        thr = tiled_mma.get_slice(lane)
+        tCrA = thr.make_fragment_A(thr.partition_shape_A((16, self.k_tile)))
+        frag_a = cute.recast_tensor(tCrA, Int32)  # ((1,2,2),1,4): [(0, row +8, k upper half), 0, k block]
+        tCrB = thr.make_fragment_B(thr.partition_shape_B((8 * nt, self.k_tile)))
+        frag_b = cute.recast_tensor(tCrB, Int32)  # ((1,2),nt,4): [(0, k upper half), token tile, k block]
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((16, 8 * nt)), Float32)  # ((2,2),1,nt)
+        acc.fill(0.0)
+
+        xw = cute.make_rmem_tensor((nw,), Int32)
+        sfw = cute.make_rmem_tensor((nsf,), Int32)
+        xw_next = cute.make_rmem_tensor((nw,), Int32)
+        sfw_next = cute.make_rmem_tensor((nsf,), Int32)
+        ts = cute.make_rmem_tensor((8,), Int32)  # the fast decode's tables
+        kt0 = split * kt_per_split
+        # this lane's views, sliced once: its code run of each k-tile, its scale words
+        g_blob = mBlob[grp, None, tidx, None]  # (KT, nw)
+        g_sf = mSf[grp, None, sf_slot, None]  # (KT, nsf)
+        cute.autovec_copy(g_blob[kt0, None], xw_next)
+        for w in cutlass.range_constexpr(nsf):
+            sfw_next[w] = g_sf[kt0, w]
+        for i in cutlass.range(kt_per_split):
+            kt = kt0 + i
+            for w in cutlass.range_constexpr(nw):
+                xw[w] = xw_next[w]
+            for w in cutlass.range_constexpr(nsf):
+                sfw[w] = sfw_next[w]
+            if i + 1 < kt_per_split:  # the next tile's bytes in flight during this tile's decode
+                cute.autovec_copy(g_blob[kt + 1, None], xw_next)
+                for w in cutlass.range_constexpr(nsf):
+                    sfw_next[w] = g_sf[kt + 1, w]
+            # B: token 8 j + g, k group c of each k block b (h: its upper half): Int32 32 kt + 8 b + c + 4 h
+            for j in cutlass.range_constexpr(nt):
+                g_x = mX[8 * j + gq, None]
+                for b in cutlass.range_constexpr(4):
+                    for h in cutlass.range_constexpr(2):
+                        frag_b[(0, h), j, b] = g_x[32 * kt + 8 * b + cq + 4 * h]
+            self._decode(xw, sfw, ts, frag_a)
             cute.gemm(tiled_mma, acc, tCrA, tCrB, acc)
 
         # C: rows g (+ 8), tokens 8 j + 2 c (+ 1)
@@ -130,60 +176,53 @@ def split_for(groups: int, k_tiles: int, sms: int = SM_COUNT) -> int:
     return best
 
 
-_COMPILED: dict[int, object] = {}
+_COMPILED: dict[tuple[int, str], object] = {}
 
 
-def _compiled(n_tiles: int):
+def _compiled(n_tiles: int, mode: str):
     """The kernel for ``8 * n_tiles`` padded tokens, compiled once per process (tvm-ffi: called with
     torch tensors on the current stream)."""
-    fn = _COMPILED.get(n_tiles)
+    fn = _COMPILED.get((n_tiles, mode))
     if fn is None:
-        fn = _COMPILED[n_tiles] = compile_kernel(n_tiles)
+        fn = _COMPILED[n_tiles, mode] = compile_kernel(n_tiles, mode)
     return fn
 
 
-def compile_kernel(n_tiles: int):
+def compile_kernel(n_tiles: int, mode: str = "exact"):
     from quack.compile_utils import make_fake_tensor
 
+    kern = SmallMMma(n_tiles, mode)
     g, kt, s, mp, n, kh = (cute.sym_int() for _ in range(6))
-    blob = make_fake_tensor(Int32, (g, kt, 128, 4), divisibility=4)
-    sf = make_fake_tensor(Int32, (g, kt, 32, 2), divisibility=2)
+    blob = make_fake_tensor(Int32, (g, kt, 128, kern.words), divisibility=4)
+    sf = make_fake_tensor(Int32, (g, kt, 32 if mode == "exact" else 128, kern.sf_words), divisibility=kern.sf_words)
     x = make_fake_tensor(Int32, (mp, kh), divisibility=4)
     part = make_fake_tensor(Float32, (s, mp, n), divisibility=4)
-    return cute.compile(SmallMMma(n_tiles), blob, sf, x, part, Int32(1),
+    return cute.compile(kern, blob, sf, x, part, Int32(1),
                         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
 
 
-def linear(xq, blob, sf, wcscale, bias=None, proj_up=None, lora_act=None, out_dtype=None, split: int | None = None):
-    """``out [M, N] = (xq @ W^T) * wcscale + lora_act @ proj_up^T + bias`` for M <= 64 on the quack blob
-    (``quack_gemm.repack_weight`` / ``repack_scales``) and bf16 ``xq`` (the exact mode's activations, or
-    x itself for W4A16)."""
+def _run(mode, a, blob_i32, sf_i32, colscale, rowscale, bias, proj_up, lora_act, out_dtype, split):
+    """Launch the kernel on the padded tokens, then the ordered sum and the epilogue."""
     import torch
     import triton
 
     from .kernels import _block_r, _splitk_epilogue_kernel
 
-    m, k = xq.shape
-    if not 1 <= m <= 64:
-        raise ValueError(f"the mma small-M kernel takes 1 to 64 tokens, got {m}")
-    if xq.dtype != torch.bfloat16:
-        raise ValueError(f"the mma small-M kernel takes bf16 activations, got {xq.dtype}")
-    groups, k_tiles = blob.shape[:2]
-    n = wcscale.numel()
-    if k != K_TILE * k_tiles or n != ROWS * groups:
-        raise ValueError(f"x [{m}, {k}] does not match the blob of a {ROWS * groups} x {K_TILE * k_tiles} weight")
+    m = a.shape[0]
+    groups, k_tiles = blob_i32.shape[:2]
+    n = colscale.numel()
     n_tiles = -(-m // 8)
     mp = 8 * n_tiles
-    x = xq.contiguous()
     if mp != m:  # zero tokens up to a whole MMA tile: no predication in the loop
-        x = torch.cat([x, x.new_zeros(mp - m, k)])
+        a = torch.cat([a, a.new_zeros(mp - m, a.shape[1])])
+        if rowscale is not None:
+            rowscale = torch.cat([rowscale, rowscale.new_ones(mp - m)])
     split = split or split_for(groups, k_tiles)
     if k_tiles % split:
         raise ValueError(f"split {split} does not divide the {k_tiles} k-tiles")
-    part = torch.empty(split, mp, n, device=x.device, dtype=torch.float32)
-    _compiled(n_tiles)(blob.view(torch.int32), sf.reshape(groups, k_tiles, 32, 8).view(torch.int32),
-                       x.view(torch.int32), part, k_tiles // split)
-    out = torch.empty(mp, n, device=x.device, dtype=out_dtype or xq.dtype)
+    part = torch.empty(split, mp, n, device=a.device, dtype=torch.float32)
+    _compiled(n_tiles, mode)(blob_i32, sf_i32, a.view(torch.int32), part, k_tiles // split)
+    out = torch.empty(mp, n, device=a.device, dtype=out_dtype)
     r = 0 if proj_up is None else proj_up.shape[1]
     lora = lora_act
     if r and mp != m:
@@ -191,11 +230,48 @@ def linear(xq, blob, sf, wcscale, bias=None, proj_up=None, lora_act=None, out_dt
     dummy = part
     bn, bm = 64, min(64, max(16, triton.next_power_of_2(mp)))
     _splitk_epilogue_kernel[(triton.cdiv(n, bn), triton.cdiv(mp, bm))](
-        part, wcscale, bias if bias is not None else dummy, proj_up if r else dummy, lora if r else dummy,
+        part, colscale, bias if bias is not None else dummy, proj_up if r else dummy, lora if r else dummy,
         out, mp, n, r, out.stride(0),
         SPLIT_K=split, BLOCK_N=bn, BLOCK_M=bm, BLOCK_R=_block_r(r), HAS_BIAS=bias is not None, HAS_LORA=bool(r),
-        DOT_F32=False, num_warps=4)
+        DOT_F32=False, rs_ptr=rowscale if rowscale is not None else dummy, HAS_RS=rowscale is not None,
+        num_warps=4)
     return out[:m]
+
+
+def _check_call(m: int, k: int, n: int, k_tiles: int, groups: int, mode: str) -> None:
+    if not 1 <= m <= 64:
+        raise ValueError(f"the mma small-M kernel takes 1 to 64 tokens, got {m}")
+    if k != K_TILE[mode] * k_tiles or n != ROWS * groups:
+        raise ValueError(f"x [{m}, {k}] does not match the blob of a {ROWS * groups} x {K_TILE[mode] * k_tiles} weight")
+
+
+def linear(xq, blob, sf, wcscale, bias=None, proj_up=None, lora_act=None, out_dtype=None, split: int | None = None):
+    """``out [M, N] = (xq @ W^T) * wcscale + lora_act @ proj_up^T + bias`` for M <= 64 on the quack blob
+    (``quack_gemm.repack_weight`` / ``repack_scales``) and bf16 ``xq`` (the exact mode's activations, or
+    x itself for W4A16)."""
+    import torch
+
+    if xq.dtype != torch.bfloat16:
+        raise ValueError(f"the mma small-M kernel takes bf16 activations, got {xq.dtype}")
+    groups, k_tiles = blob.shape[:2]
+    _check_call(xq.shape[0], xq.shape[1], wcscale.numel(), k_tiles, groups, "exact")
+    return _run("exact", xq.contiguous(), blob.view(torch.int32), sf.reshape(groups, k_tiles, 32, 8).view(torch.int32),
+                wcscale, None, bias, proj_up, lora_act, out_dtype or xq.dtype, split)
+
+
+def linear_fast(a8, sa, fw, bias=None, proj_up=None, lora_act=None, out_dtype=None, split: int | None = None):
+    """The fast mode: ``out [M, N] = (a8 @ w8^T) * sa * cs + lora_act @ proj_up^T + bias`` for M <= 64,
+    ``a8`` the E4M3 tokens in the fast GEMM's k order (``quantize_act_fp8(gemm_order=True)``), ``sa`` their
+    scales, ``fw`` the ``quack_fast.FastWeight`` (its blob, strip and ``cs = 2**e * wcscale``)."""
+    import torch
+
+    if a8.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"the fast mma small-M kernel takes float8_e4m3fn activations, got {a8.dtype}")
+    groups, k_tiles = fw.blob.shape[:2]
+    _check_call(a8.shape[0], a8.shape[1], fw.cs.numel(), k_tiles, groups, "fast")
+    return _run("fast", a8.contiguous().view(torch.uint8), fw.blob.view(torch.int32),
+                fw.strip.view(torch.int32).reshape(groups, k_tiles, 128, 1), fw.cs.reshape(-1), sa.float(), bias,
+                proj_up, lora_act, out_dtype or torch.bfloat16, split)
 
 
 def main(argv=None) -> int:
@@ -206,9 +282,10 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     p.add_argument("--n-tiles", type=int, default=1)
+    p.add_argument("--mode", choices=sorted(K_TILE), default="exact")
     p.add_argument("--out", required=True, help="where to write the cubin")
     args = p.parse_args(argv)
-    cubin = getattr(compile_kernel(args.n_tiles), "__cubin__", None)
+    cubin = getattr(compile_kernel(args.n_tiles, args.mode), "__cubin__", None)
     if not cubin:
         raise SystemExit("no cubin kept: set CUTE_DSL_KEEP=cubin")
     if isinstance(cubin, str):  # a path to the dumped file
