@@ -253,3 +253,22 @@ def test_gpu_mma_kernel_meets_the_contract(m, monkeypatch):
     monkeypatch.setenv(ENV_SMALL_M_MMA, "1")
     backend = backends.choose(mod, x)
     _check(backend.linear(mod, x, backend.prepare(mod, x.device)), expected, bound, f"backend M={m}")
+
+
+def test_splitk_epilogue_sums_in_order_and_applies_both_scales():
+    """``kernels.splitk_epilogue`` (the Triton GEMM's split-K and both small_m_mma modes): the partials'
+    sum times the per-token and per-column factors, plus the low-rank product and the bias."""
+    from svdq_linear.backends.sm90 import kernels
+
+    gen = torch.Generator().manual_seed(3)
+    s, m, n, r = 3, 16, 64, 16
+    part = torch.randn(s, m, n, generator=gen)
+    cs, rs, bias = torch.rand(n, generator=gen) + 0.5, torch.rand(m, generator=gen) + 0.5, torch.randn(n, generator=gen)
+    up, lora, lr = _lowrank(m, n, r, gen)
+    to = dict(device=DEV)
+    out = torch.empty(m, n, **to)
+    kernels.splitk_epilogue(part.to(**to), out, cs.to(**to), bias.to(**to), up.to(**to), lora.to(**to), rs.to(**to))
+    ref = part.double().sum(0) * rs.double()[:, None] * cs.double() + lr + bias.double()
+    _close(out, ref, "splitk_epilogue with a row scale")
+    kernels.splitk_epilogue(part.to(**to), out, cs.to(**to))
+    _close(out, part.double().sum(0) * cs.double(), "splitk_epilogue, factors only")

@@ -140,6 +140,12 @@ def _quack_module():
 _QUACK = None
 
 
+def _small_m_mma_module():
+    from . import small_m_mma  # needs cutlass and quack, like the fast mode that calls it
+
+    return small_m_mma
+
+
 def _quack_fast_module():
     """quack_fast, or None where quack-kernels / cutlass are missing (warned once, by _quack_module)."""
     global _QUACK_FAST
@@ -323,11 +329,11 @@ class Sm90Backend(Backend):
         inv, extra = extra[-1], extra[:-1]  # Sm90Prepared.tensors(): inv_smooth comes last
         fw = quack_fast.FastWeight(*extra[-4:])
         out_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
-        if x.shape[0] <= 64 and os.environ.get(ENV_SMALL_M_MMA) == "1":  # opt-in: see ENV_SMALL_M_MMA
-            from . import small_m_mma
-
+        small_m_mma = _small_m_mma_module() if os.environ.get(ENV_SMALL_M_MMA) == "1" else None  # opt-in
+        if small_m_mma is not None and x.shape[0] <= small_m_mma.MAX_M:
             a8, sa = self.kernels.quantize_act_fp8(x, smooth, inv_smooth=inv, gemm_order=True)
-            lora = _mm_f32(x.to(torch.bfloat16), (proj_down.float() / smooth.float()[:, None]).to(torch.bfloat16)) if r else None
+            # the prepared proj_down / smooth: its first r columns (the accumulator path pads at the end)
+            lora = _mm_f32(x.to(torch.bfloat16), extra[0][:, :r]) if r else None
             out = small_m_mma.linear_fast(a8, sa, fw, bias, proj_up if r else None, lora, out_dtype)
             return out if x.dtype == out_dtype else out.to(x.dtype)
         if len(extra) == 7:  # [proj_down', proj_up', segments] + FastWeight: the low-rank MMA in the accumulator

@@ -166,7 +166,7 @@ def _tables(ue: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """UE5M3 bytes -> the decode's two table registers per byte (int64 holding 32 bits): bytes
     ``e4m3(m * g)`` for m = 0, 0.5, 1, 1.5 and m = 2, 3, 4, 6."""
     g = (ue.to(torch.int16) << 7).view(torch.float16)
-    mags = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float16)
+    mags = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float16, device=ue.device)
     e = (g[..., None] * mags).float().to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)  # fp16 product
     regs = [e[..., 4 * r] | (e[..., 4 * r + 1] << 8) | (e[..., 4 * r + 2] << 16) | (e[..., 4 * r + 3] << 24)
             for r in range(2)]

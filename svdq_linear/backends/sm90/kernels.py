@@ -590,12 +590,23 @@ def w4_gemm(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
-        bn, bm = 64, min(64, max(16, triton.next_power_of_2(m)))
-        _splitk_epilogue_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
-            part, wcscale, bias if has_bias else dummy, proj_up if r else dummy, lora_act if r else dummy,
-            out, m, n, r, out.stride(0),
-            SPLIT_K=split, BLOCK_N=bn, BLOCK_M=bm, BLOCK_R=_block_r(r), HAS_BIAS=has_bias, HAS_LORA=bool(r),
-            DOT_F32=_INTERPRET, rs_ptr=dummy, HAS_RS=False, num_warps=4,
-        )
+        splitk_epilogue(part, out, wcscale, bias, proj_up if r else None, lora_act if r else None)
+    return out
+
+
+def splitk_epilogue(part: torch.Tensor, out: torch.Tensor, colscale: torch.Tensor, bias=None, proj_up=None,
+                    lora_act=None, rowscale=None) -> torch.Tensor:
+    """``out [M, N] = (sum_s part[s]) (* rowscale[m]) * colscale[n] + lora_act @ proj_up^T + bias``, the
+    partials ``part [S, M, N]`` fp32 summed in split order (the result does not depend on scheduling)."""
+    split, m, n = part.shape
+    r = 0 if proj_up is None else proj_up.shape[1]
+    bn, bm = 64, min(64, max(16, triton.next_power_of_2(m)))
+    _splitk_epilogue_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+        part, colscale, part if bias is None else bias, proj_up if r else part, lora_act if r else part,
+        out, m, n, r, out.stride(0),
+        SPLIT_K=split, BLOCK_N=bn, BLOCK_M=bm, BLOCK_R=_block_r(r), HAS_BIAS=bias is not None, HAS_LORA=bool(r),
+        DOT_F32=_INTERPRET, rs_ptr=part if rowscale is None else rowscale, HAS_RS=rowscale is not None,
+        num_warps=4,
+    )
     return out
 

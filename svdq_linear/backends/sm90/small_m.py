@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from .kernels import _round_e4m3
+from .tuning import SM_COUNT
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -52,7 +53,6 @@ ACT_X, ACT_NVFP4 = 0, 1
 MAX_M = 64  # tokens this kernel serves
 FMA_MAX_M = 2  # up to this many tokens: multiply-adds instead of a 16-wide dot (docs/perf.md) ...
 FMA_MAX_WEIGHT = 1 << 24  # ... past one token only for weights up to this many elements (use_fma)
-SM_COUNT = 132
 CTAS_PER_SM = 8  # the grid the split-K aims at (docs/perf.md: 8 beat 4 at every measured shape but one)
 
 

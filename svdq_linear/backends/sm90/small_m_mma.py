@@ -30,7 +30,10 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp
 
+from .tuning import SM_COUNT
+
 ROWS = 64  # weight rows per CTA (one blob group, four warps)
+MAX_M = 64  # tokens: up to eight 8-token MMA tiles
 K_TILE = {"exact": 64, "fast": 128}  # k per blob tile: quack's nvfp4 layout; fast_layout's
 
 
@@ -161,7 +164,6 @@ class SmallMMma:
 
 # ---- host side ------------------------------------------------------------------------------------
 
-SM_COUNT = 132
 CTAS_PER_SM = 4  # four warps a CTA: 16 warps an SM in flight
 
 
@@ -204,9 +206,8 @@ def compile_kernel(n_tiles: int, mode: str = "exact"):
 def _run(mode, a, blob_i32, sf_i32, colscale, rowscale, bias, proj_up, lora_act, out_dtype, split):
     """Launch the kernel on the padded tokens, then the ordered sum and the epilogue."""
     import torch
-    import triton
 
-    from .kernels import _block_r, _splitk_epilogue_kernel
+    from .kernels import splitk_epilogue
 
     m = a.shape[0]
     groups, k_tiles = blob_i32.shape[:2]
@@ -222,25 +223,18 @@ def _run(mode, a, blob_i32, sf_i32, colscale, rowscale, bias, proj_up, lora_act,
         raise ValueError(f"split {split} does not divide the {k_tiles} k-tiles")
     part = torch.empty(split, mp, n, device=a.device, dtype=torch.float32)
     _compiled(n_tiles, mode)(blob_i32, sf_i32, a.view(torch.int32), part, k_tiles // split)
-    out = torch.empty(mp, n, device=a.device, dtype=out_dtype)
     r = 0 if proj_up is None else proj_up.shape[1]
     lora = lora_act
     if r and mp != m:
         lora = torch.cat([lora_act, lora_act.new_zeros(mp - m, r)])
-    dummy = part
-    bn, bm = 64, min(64, max(16, triton.next_power_of_2(mp)))
-    _splitk_epilogue_kernel[(triton.cdiv(n, bn), triton.cdiv(mp, bm))](
-        part, colscale, bias if bias is not None else dummy, proj_up if r else dummy, lora if r else dummy,
-        out, mp, n, r, out.stride(0),
-        SPLIT_K=split, BLOCK_N=bn, BLOCK_M=bm, BLOCK_R=_block_r(r), HAS_BIAS=bias is not None, HAS_LORA=bool(r),
-        DOT_F32=False, rs_ptr=rowscale if rowscale is not None else dummy, HAS_RS=rowscale is not None,
-        num_warps=4)
+    out = torch.empty(mp, n, device=a.device, dtype=out_dtype)
+    splitk_epilogue(part, out, colscale, bias, proj_up if r else None, lora if r else None, rowscale)
     return out[:m]
 
 
 def _check_call(m: int, k: int, n: int, k_tiles: int, groups: int, mode: str) -> None:
-    if not 1 <= m <= 64:
-        raise ValueError(f"the mma small-M kernel takes 1 to 64 tokens, got {m}")
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"the mma small-M kernel takes 1 to {MAX_M} tokens, got {m}")
     if k != K_TILE[mode] * k_tiles or n != ROWS * groups:
         raise ValueError(f"x [{m}, {k}] does not match the blob of a {ROWS * groups} x {K_TILE[mode] * k_tiles} weight")
 
