@@ -62,14 +62,15 @@ TILE_SHAPES = [("single out", 4608, 15360, 3072), ("ref 4352x3840x3072", 4352, 3
 TILES = [(128, 256), (128, 192), (128, 128), (256, 128), (64, 256)]
 
 
-def tile_sweep(log, dev) -> None:
+def tile_sweep(log, dev, shapes=TILE_SHAPES, tiles=TILES) -> None:
     """The R = 0 GEMM of each mode at each candidate tile: quack's persistent scheduler leaves the last
     wave part-empty when the tile count is just above a multiple of the 132 SMs (408 tiles of 128 x 256
     at 4352 x 3072: 3.09 waves)."""
-    log("\n## GEMM tiles (R = 0, CUDA-graph replays, ms; ratio = cuBLAS bf16 / GEMM; tiles = CTAs' output tiles)\n")
-    log("| mode | shape | M | K | N | cuBLAS bf16 | " + " | ".join(f"{a}x{b}" for a, b in TILES) + " |")
-    log("|---|---|---|---|---|---|" + "---|" * len(TILES))
-    for label, m_tok, k, n in TILE_SHAPES:
+    log("\n## GEMM tiles (CUDA-graph replays, ms; ratio = cuBLAS bf16 / GEMM; tiles = CTAs' output tiles; "
+        "each cell: R = 0, then R = 32 with the low-rank MMA in the accumulator)\n")
+    log("| mode | shape | M | K | N | cuBLAS bf16 | " + " | ".join(f"{a}x{b}" for a, b in tiles) + " |")
+    log("|---|---|---|---|---|---|" + "---|" * len(tiles))
+    for label, m_tok, k, n in shapes:
         torch.manual_seed(0)
         x = torch.randn(m_tok, k, device=dev, dtype=torch.bfloat16)
         wb = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
@@ -80,22 +81,31 @@ def tile_sweep(log, dev) -> None:
                 w = quack_gemm.prepare(base.qweight, base.wscales, base.wcscale, base.bias)
                 xq, _, _ = kernels.quantize_act(x, base.smooth, out_dtype=torch.bfloat16)
 
-                def run(tile):
-                    return quack_gemm.gemm(xq, w, tile=tile)
+                col = w.wc.reshape(-1, 1)
+
+                def run(tile, lr_acc=None):
+                    return quack_gemm.gemm(xq, w, tile=tile, lr_acc=lr_acc)
             else:
                 w = quack_fast.prepare(base.qweight, base.wscales, base.wcscale, base.bias)
                 a8, sa = kernels.quantize_act_fp8(x, base.smooth, gemm_order=True)
 
-                def run(tile):
-                    return quack_fast.gemm(a8, sa, w, tile=tile)
-            ref = run(TILES[0])
+                col = w.cs.reshape(-1, 1)
+
+                def run(tile, lr_acc=None):
+                    return quack_fast.gemm(a8, sa, w, tile=tile, lr_acc=lr_acc)
+            lora = torch.randn(m_tok, 32, device=dev, dtype=torch.bfloat16)
+            la = lora if mode == "exact" else (lora.float() / sa[:, None]).bfloat16()
+            up = (torch.randn(n, 32, device=dev) * 1e-2 / col).bfloat16()
+            lr = (up, la, torch.zeros(n // 64, device=dev, dtype=torch.int32))
+            ref = run(tiles[0])
             cells = []
-            for tile in TILES:
+            for tile in tiles:
                 if n % tile[0]:
                     cells.append("-")
                     continue
                 try:
                     y = run(tile)
+                    run(tile, lr)
                     torch.cuda.synchronize()
                 except Exception as e:  # noqa: BLE001 - a tile quack refuses: report and go on
                     cells.append(f"error {type(e).__name__}")
@@ -105,8 +115,9 @@ def tile_sweep(log, dev) -> None:
                     cells.append(f"differs ({d:.1e})")
                     continue
                 t = timer(lambda: run(tile))
+                t_lr = timer(lambda: run(tile, lr))
                 count = -(-n // tile[0]) * -(-m_tok // tile[1])
-                cells.append(f"{t:.4f} ({t_bf16 / t:.2f}x, {count} tiles)")
+                cells.append(f"{t:.4f} ({t_bf16 / t:.2f}x, {count} tiles); R=32 {t_lr:.4f} ({t_bf16 / t_lr:.2f}x)")
             log(f"| {mode} | {label} | {m_tok} | {k} | {n} | {t_bf16:.4f} | " + " | ".join(cells) + " |")
         torch.cuda.empty_cache()
 
@@ -117,7 +128,10 @@ def main() -> None:
     p.add_argument("--shapes", choices=["flux", "quick"], default="flux")
     p.add_argument("--whole-only", action="store_true", help="only the whole linears (skip the GEMM table)")
     p.add_argument("--tiles", action="store_true",
-                   help="first, the R = 0 GEMMs of both modes at candidate tiles (weight rows x tokens) against cuBLAS")
+                   help="first, the GEMMs of both modes (R = 0 and 32) at candidate tiles (weight rows x tokens) "
+                        "against cuBLAS")
+    p.add_argument("--tiles-ab", action="store_true",
+                   help="only 128x256 against 128x192 where the tile rule is close (tuning.prefill_tiles)")
     args = p.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -135,6 +149,8 @@ def main() -> None:
     shapes = QUICK if args.shapes == "quick" else FLUX
     if args.tiles:
         tile_sweep(log, dev)
+    if args.tiles_ab:
+        tile_sweep(log, dev, TILE_SHAPES[:2], [(128, 256), (128, 192)])
     for label, m_tok, k, n in ([] if args.whole_only else shapes):
         torch.manual_seed(0)
         x = torch.randn(m_tok, k, device=dev, dtype=torch.bfloat16)

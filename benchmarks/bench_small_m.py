@@ -1,6 +1,6 @@
 """GPU time of the sm90 paths at a few tokens, without host overhead: CUDA-graph replays.
 
-    python benchmarks/bench_small_m.py [--out FILE] [--sweep] [--crossover]
+    python benchmarks/bench_small_m.py [--out FILE] [--sweep] [--crossover] [--mma]
 
 At M <= 64 one call is microseconds of GPU work behind ~0.2 ms of Python and launch overhead, so
 ``do_bench`` on the eager call measures the host. Here each variant is captured once in a CUDA graph
@@ -10,12 +10,15 @@ up to ``SMALL_M`` tokens) and with the path it replaced (the Triton W4 GEMM); th
 with its epilogue and low-rank term (the GEMM target), its weight GB/s (4-bit codes and scales read
 once) against a device-to-device copy measured in the same run. The fast mode's forward (quack's FP8
 GEMM at every M: it measured faster than the small-M kernel up to 64 tokens, docs/perf.md) is timed
-beside them as a baseline. ``--sweep`` times the kernel's tile, warp and split choices.
+beside them as a baseline. ``--sweep`` times the kernel's tile, warp and split choices. ``--mma`` times,
+per mode and token count, the module on its default path against the warp tensor-core kernel
+(``small_m_mma``, routed by ``SVDQ_SM90_SMALL_M_MMA=1``) and that kernel alone (weight GB/s).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -59,6 +62,43 @@ def module_time(q, x, small: bool) -> float:
         sm90.SMALL_M = saved
 
 
+def env_time(fn, name: str, value: str | None) -> float:
+    """graph_time with one environment variable set (or unset) while the graph is captured: the backend
+    reads its routing switches per call, at capture."""
+    saved = os.environ.get(name)
+    try:
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+        return graph_time(fn)
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
+def mma_kernel_call(q, x):
+    """small_m_mma alone as the backend calls it, on the module's prepared state (activations and
+    lora_act made beforehand)."""
+    from svdq_linear import backends
+    from svdq_linear.backends.sm90 import kernels, quack_fast, small_m_mma
+
+    _, prep = backends.resolve(q, x)
+    ex = prep.tensors()
+    r = q.rank
+    lora = torch.randn(x.shape[0], r, device="cuda", dtype=torch.float32) if r else None
+    if q.mode == "fast":
+        fw = quack_fast.FastWeight(*ex[-5:-1])
+        a8, sa = kernels.quantize_act_fp8(x, q.smooth, inv_smooth=ex[-1], gemm_order=True)
+        return lambda: small_m_mma.linear_fast(a8, sa, fw, q.bias, q.proj_up if r else None, lora, torch.bfloat16)
+    xq = kernels.quantize_act(x, q.smooth)[0]
+    blob, sf = ex[-4], ex[-3]
+    return lambda: small_m_mma.linear(xq, blob, sf, q.wcscale.float(), q.bias, q.proj_up if r else None,
+                                      None if lora is None else lora.to(torch.bfloat16), out_dtype=x.dtype)
+
+
 def kernel_call(q, x, mode: str):
     """The small-M kernel alone as the backend calls it (activations and lora_act made beforehand);
     ``exact`` reads quack's blob where quack is installed (as the backend does), ``exact-canonical``
@@ -97,6 +137,8 @@ def main() -> None:
     p.add_argument("--crossover", action="store_true",
                    help="per mode and token count: the module with the GEMM it replaced, with the kernel's "
                         "multiply-adds and with its dot (what SMALL_M and small_m.use_fma are set from)")
+    p.add_argument("--mma", action="store_true",
+                   help="the module on its default path against the warp tensor-core kernel small_m_mma")
     args = p.parse_args()
     src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -189,6 +231,30 @@ def main() -> None:
                         small_m.use_fma = saved
                     rows.append(f"| {label} | {k} | {n} | {mode} | {m} | {t_ref * 1e3:.1f} | {t_old * 1e3:.1f} | "
                                 f"{t_fma * 1e3:.1f} | {t_dot * 1e3:.1f} |")
+                    print(rows[-1], flush=True)
+    if args.mma:
+        rows += ["", "small_m_mma (warp mma.sync, split-K) against the default path (exact: the Triton small-M "
+                 "kernel; fast: quack's FP8 GEMM); us, ratio = cuBLAS bf16 / ours; kernel = small_m_mma alone "
+                 "(split-K sum, epilogue and low-rank term included), weight GB/s = codes + scales / its time", "",
+                 "| layer | K | N | mode | M | cuBLAS bf16 | default | mma | mma kernel | weight GB/s | % of copy |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|"]
+        from svdq_linear.backends.sm90 import ENV_SMALL_M_MMA
+
+        for label, k, n in (("attn", 3072, 3072), ("ff up", 3072, 12288), ("ff down", 12288, 3072)):
+            lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+            wbytes = n * k // 2 + n * k // 16
+            for mode in ("exact", "fast") if have_fast else ("exact",):
+                q = random_w4a4(k, n, 32, torch.bfloat16, "cuda").set_mode(mode)
+                for m in (1, 4, 8, 16, 32, 64):
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
+                    t_def = env_time(lambda: q(x), ENV_SMALL_M_MMA, None)
+                    t_mma = env_time(lambda: q(x), ENV_SMALL_M_MMA, "1")
+                    t_k = graph_time(mma_kernel_call(q, x))
+                    gbs = wbytes / (t_k * 1e-3) / 1e9
+                    rows.append(f"| {label} | {k} | {n} | {mode} | {m} | {t_ref * 1e3:.1f} | {t_def * 1e3:.1f} "
+                                f"({t_ref / t_def:.2f}x) | {t_mma * 1e3:.1f} ({t_ref / t_mma:.2f}x) | {t_k * 1e3:.1f} "
+                                f"| {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% |")
                     print(rows[-1], flush=True)
     emit(rows, args.out)
 

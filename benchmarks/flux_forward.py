@@ -12,6 +12,7 @@ rank-32 branch (the kernels' speed does not depend on the values). Times: CUDA-e
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -156,6 +157,44 @@ def graph_replay_time(fn, iters=10):
     return timed(graphed(fn), iters)
 
 
+# kernel name (lower case) -> what it is, first match wins; the rest is "other"
+CATEGORIES = [
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn")),
+    ("activation pass (ours, Triton)", re.compile(r"quantize|_act_|fp8_pass|splitk")),
+    ("compiler-fused elementwise / norms", re.compile(r"^triton_")),
+    ("quack GEMM (CuTe DSL)", re.compile(r"quack|kernel_cutlass|cutlass_kernel|gemmsm90|gemm_w4")),
+    ("cuBLAS / cuBLASLt GEMM", re.compile(r"nvjet|xmma|gemm|cublas|cutlass")),
+    ("copies / fills", re.compile(r"copy|fill|cat|elementwise|vectorized|reduce")),
+]
+
+
+def kernel_breakdown(fn, runs: int = 3) -> tuple[list[tuple[str, float, int]], list[tuple[str, float, int]]]:
+    """GPU time of one call by kernel category and the top kernels: (name, ms a call, launches a call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    kernels = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None)
+        if t is None:
+            t = getattr(ev, "cuda_time_total", 0.0)
+        if t > 0 and ev.count and str(getattr(ev, "device_type", "CUDA")).endswith("CUDA"):  # kernels, not ops
+            kernels.append((ev.key, t / 1e3 / runs, ev.count // runs))
+    kernels.sort(key=lambda k: -k[1])
+    cats: dict[str, list] = {}
+    for name, ms, n in kernels:
+        cat = next((c for c, rx in CATEGORIES if rx.search(name.lower())), "other")
+        acc = cats.setdefault(cat, [0.0, 0])
+        acc[0] += ms
+        acc[1] += n
+    return sorted(((c, v[0], v[1]) for c, v in cats.items()), key=lambda c: -c[1]), kernels[:25]
+
+
 def weight_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
@@ -172,6 +211,8 @@ def main():
     p.add_argument("--graph", action="store_true", help="also time the eager forward captured in a CUDA graph")
     p.add_argument("--fuse", action="store_true",
                    help="fuse q/k/v (diffusers' fuse_qkv_projections; one quantization pass for the svdq variants)")
+    p.add_argument("--profile", action="store_true",
+                   help="the compiled forward's GPU time by kernel category and its top kernels (torch.profiler)")
     p.add_argument("--whole-model-compile", action="store_true",
                    help="torch.compile the whole model instead of diffusers' regional compilation "
                         "(compile_repeated_blocks: one compile per block class, minutes less)")
@@ -204,6 +245,7 @@ def main():
              "|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     ref = {}
+    profiles: list[str] = []
     for variant in args.variants.split(","):
         model = build_variant(base, variant, recipe)
         gb = weight_bytes(model) / 1e9  # before fusing: bf16's and FP8's fused q/k/v are copies
@@ -230,6 +272,17 @@ def main():
                         t_comp_graph = graph_replay_time(lambda: cm(**kw))
                     except Exception as e:  # noqa: BLE001
                         print(f"{variant}: capturing the compiled forward failed: {type(e).__name__}: {e}", flush=True)
+            if args.profile:
+                cats, top = kernel_breakdown(lambda: (cm if not args.no_compile else model)(**kw))
+                total = sum(c[1] for c in cats)
+                prof_lines = [f"\n### {variant}: GPU time of one {'eager' if args.no_compile else 'compiled'} forward "
+                              f"by kernel (torch.profiler, {total:.1f} ms of kernels)\n",
+                              "| category | ms | share | launches |", "|---|---|---|---|"]
+                prof_lines += [f"| {c} | {ms:.2f} | {100 * ms / total:.0f}% | {n} |" for c, ms, n in cats]
+                prof_lines += ["", "| kernel (top 25) | ms | launches |", "|---|---|---|"]
+                prof_lines += [f"| `{name[:110]}` | {ms:.2f} | {n} |" for name, ms, n in top]
+                profiles.extend(prof_lines)
+                print("\n".join(prof_lines), flush=True)
         ref.setdefault("eager", t_eager)
         ref.setdefault("comp", t_comp)
         ref.setdefault("graph", t_graph)
@@ -239,7 +292,7 @@ def main():
                f"{ref['comp'] / t_comp:.2f}x | {t_comp_graph:.1f} | {ref['comp_graph'] / t_comp_graph:.2f}x |")
         lines.append(row)
         print(row, flush=True)
-        (out_dir / "flux_forward.md").write_text("\n".join(lines) + "\n")
+        (out_dir / "flux_forward.md").write_text("\n".join(lines + profiles) + "\n")
         if model is base:
             if args.fuse:
                 unfuse_qkv(base)

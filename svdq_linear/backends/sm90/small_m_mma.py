@@ -1,6 +1,6 @@
-"""A few tokens on warp-level tensor cores, split over K (CuTe DSL). **Compiled for sm_90a on the CPU;
-not yet run on a GPU; opt-in** (``SVDQ_SM90_SMALL_M_MMA=1``): ``small_m.py`` (Triton) and quack's GEMMs
-serve M <= 64 until this kernel is GPU-tested and measured.
+"""A few tokens on warp-level tensor cores, split over K (CuTe DSL). **Opt-in**
+(``SVDQ_SM90_SMALL_M_MMA=1``): conformant on the H200, but slower than the default paths (``small_m.py``,
+quack's GEMMs) at most token counts (docs/perf.md, 2026-12-04 fourth session).
 
 Why: the Triton small-M kernel is bound by instructions, ~9 a weight value (docs/perf.md, "Small M"):
 the E2M1 decode to fp32, one FMA a token, the block sums. Both modes' blobs are already laid out as
@@ -17,9 +17,9 @@ tokens as its 8-wide N side, no conversion to fp32, no reduction across lanes:
 
 Work split: a CTA is four warps on one 64-row group of the blob (warp ``w``: rows ``16 w`` to ``16 w +
 15``); ``blockIdx.y`` is the K split (an equal number of k-tiles each). Each warp walks its k-tiles
-with the next tile's code and scale words loaded before the current tile's decode. The tokens are
-padded to ``8 * n_tiles`` rows by the host (zero rows: no predication in the loop). Partials go to
-``part [S, Mp, N]`` fp32; ``kernels._splitk_epilogue_kernel`` sums them in split order
+with the code and scale words of the next two tiles and the token words of the next one in flight
+during the current tile's decode. Token rows past M read the last token again (no bounds test in the
+loop; their sums are never stored), so the host pads nothing. Partials go to ``part [S, M, N]`` fp32; ``kernels._splitk_epilogue_kernel`` sums them in split order
 (deterministic) and applies ``(* sa) * colscale + lora @ proj_up^T + bias``.
 """
 
@@ -38,7 +38,7 @@ K_TILE = {"exact": 64, "fast": 128}  # k per blob tile: quack's nvfp4 layout; fa
 
 
 class SmallMMma:
-    """``part[s, n, r] = sum over split s's k of W[r, k] * x[n, k]`` for ``n_tiles * 8`` padded tokens.
+    """``part[s, n, r] = sum over split s's k of W[r, k] * x[n, k]`` for up to ``n_tiles * 8`` tokens.
 
     ``mode="exact"``: quack's nvfp4 blob, bf16 tokens, ``mma.sync m16n8k16`` bf16. ``mode="fast"``:
     ``fast_layout``'s blob (the weight as ``e4m3(code * g)`` by table lookup), E4M3 tokens in the fast
@@ -61,16 +61,16 @@ class SmallMMma:
 
     @cute.jit
     def __call__(self, mBlob: cute.Tensor, mSf: cute.Tensor, mX: cute.Tensor, mPart: cute.Tensor,
-                 kt_per_split: Int32, stream):
+                 kt_per_split: Int32, m_tokens: Int32, stream):
         """``mBlob [G, KT, 128, words]`` Int32, ``mSf [G, KT, slots, sf_words]`` Int32 (exact: quack's
-        32 scale-pair slots; fast: one strip word per thread), ``mX [Mp, K * bytes / 4]`` Int32 (the
-        padded tokens), ``mPart [S, Mp, N]`` fp32."""
+        32 scale-pair slots; fast: one strip word per thread), ``mX [M, K * bytes / 4]`` Int32 (the
+        tokens, ``m_tokens`` = M <= 8 * n_tiles), ``mPart [S, M, N]`` fp32."""
         if const_expr(self.mode == "exact"):
             op = warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
         else:
             op = warp.MmaFP8Op(cutlass.Float8E4M3FN, Float32, (16, 8, 32))
         tiled_mma = cute.make_tiled_mma(op, cute.make_layout((1, 1, 1)))
-        self.kernel(tiled_mma, mBlob, mSf, mX, mPart, kt_per_split).launch(
+        self.kernel(tiled_mma, mBlob, mSf, mX, mPart, kt_per_split, m_tokens).launch(
             grid=[mBlob.shape[0], mPart.shape[0], 1], block=[128, 1, 1], stream=stream)
 
     @cute.jit
@@ -102,7 +102,7 @@ class SmallMMma:
 
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, mBlob: cute.Tensor, mSf: cute.Tensor, mX: cute.Tensor,
-               mPart: cute.Tensor, kt_per_split: Int32):
+               mPart: cute.Tensor, kt_per_split: Int32, m_tokens: Int32):
         nt = const_expr(self.n_tiles)
         nw = const_expr(self.words)
         nsf = const_expr(self.sf_words)
@@ -125,32 +125,51 @@ class SmallMMma:
 
         xw = cute.make_rmem_tensor((nw,), Int32)
         sfw = cute.make_rmem_tensor((nsf,), Int32)
-        xw_next = cute.make_rmem_tensor((nw,), Int32)
-        sfw_next = cute.make_rmem_tensor((nsf,), Int32)
+        xw_n1 = cute.make_rmem_tensor((nw,), Int32)  # the next k-tile's code and scale words
+        sfw_n1 = cute.make_rmem_tensor((nsf,), Int32)
+        xw_n2 = cute.make_rmem_tensor((nw,), Int32)  # the one after: two tiles of weight bytes in flight
+        sfw_n2 = cute.make_rmem_tensor((nsf,), Int32)
+        xb_n1 = cute.make_rmem_tensor((nt * 8,), Int32)  # the next k-tile's token words (B fragments)
         ts = cute.make_rmem_tensor((8,), Int32)  # the fast decode's tables
         kt0 = split * kt_per_split
-        # this lane's views, sliced once: its code run of each k-tile, its scale words
+        # this lane's views, sliced once: its code run of each k-tile, its scale words, its token rows
+        # (tokens past m_tokens read the last token again: no bounds test in the loop, never stored)
         g_blob = mBlob[grp, None, tidx, None]  # (KT, nw)
         g_sf = mSf[grp, None, sf_slot, None]  # (KT, nsf)
-        cute.autovec_copy(g_blob[kt0, None], xw_next)
+        g_xs = [mX[cutlass.min(8 * j + gq, m_tokens - 1), None] for j in range(nt)]
+        cute.autovec_copy(g_blob[kt0, None], xw_n1)
         for w in cutlass.range_constexpr(nsf):
-            sfw_next[w] = g_sf[kt0, w]
+            sfw_n1[w] = g_sf[kt0, w]
+        if kt_per_split > 1:
+            cute.autovec_copy(g_blob[kt0 + 1, None], xw_n2)
+            for w in cutlass.range_constexpr(nsf):
+                sfw_n2[w] = g_sf[kt0 + 1, w]
+        # B: token 8 j + g, k group c of each k block b (h: its upper half): Int32 32 kt + 8 b + c + 4 h
+        for j in cutlass.range_constexpr(nt):
+            for b in cutlass.range_constexpr(4):
+                for h in cutlass.range_constexpr(2):
+                    xb_n1[8 * j + 2 * b + h] = g_xs[j][32 * kt0 + 8 * b + cq + 4 * h]
         for i in cutlass.range(kt_per_split):
             kt = kt0 + i
             for w in cutlass.range_constexpr(nw):
-                xw[w] = xw_next[w]
+                xw[w] = xw_n1[w]
+                xw_n1[w] = xw_n2[w]
             for w in cutlass.range_constexpr(nsf):
-                sfw[w] = sfw_next[w]
-            if i + 1 < kt_per_split:  # the next tile's bytes in flight during this tile's decode
-                cute.autovec_copy(g_blob[kt + 1, None], xw_next)
-                for w in cutlass.range_constexpr(nsf):
-                    sfw_next[w] = g_sf[kt + 1, w]
-            # B: token 8 j + g, k group c of each k block b (h: its upper half): Int32 32 kt + 8 b + c + 4 h
+                sfw[w] = sfw_n1[w]
+                sfw_n1[w] = sfw_n2[w]
             for j in cutlass.range_constexpr(nt):
-                g_x = mX[8 * j + gq, None]
                 for b in cutlass.range_constexpr(4):
                     for h in cutlass.range_constexpr(2):
-                        frag_b[(0, h), j, b] = g_x[32 * kt + 8 * b + cq + 4 * h]
+                        frag_b[(0, h), j, b] = xb_n1[8 * j + 2 * b + h]
+            if i + 2 < kt_per_split:  # the weight bytes of the tile after next
+                cute.autovec_copy(g_blob[kt + 2, None], xw_n2)
+                for w in cutlass.range_constexpr(nsf):
+                    sfw_n2[w] = g_sf[kt + 2, w]
+            if i + 1 < kt_per_split:  # the next tile's token words, in flight during this tile's decode
+                for j in cutlass.range_constexpr(nt):
+                    for b in cutlass.range_constexpr(4):
+                        for h in cutlass.range_constexpr(2):
+                            xb_n1[8 * j + 2 * b + h] = g_xs[j][32 * (kt + 1) + 8 * b + cq + 4 * h]
             self._decode(xw, sfw, ts, frag_a)
             cute.gemm(tiled_mma, acc, tCrA, tCrB, acc)
 
@@ -159,7 +178,8 @@ class SmallMMma:
         for j in cutlass.range_constexpr(nt):
             for v1 in cutlass.range_constexpr(2):
                 for v0 in cutlass.range_constexpr(2):
-                    mPart[split, 8 * j + 2 * cq + v0, row + 8 * v1] = acc[(v0, v1), 0, j]
+                    if 8 * j + 2 * cq + v0 < m_tokens:
+                        mPart[split, 8 * j + 2 * cq + v0, row + 8 * v1] = acc[(v0, v1), 0, j]
 
 
 # ---- host side ------------------------------------------------------------------------------------
@@ -182,7 +202,7 @@ _COMPILED: dict[tuple[int, str], object] = {}
 
 
 def _compiled(n_tiles: int, mode: str):
-    """The kernel for ``8 * n_tiles`` padded tokens, compiled once per process (tvm-ffi: called with
+    """The kernel for up to ``8 * n_tiles`` tokens, compiled once per process (tvm-ffi: called with
     torch tensors on the current stream)."""
     fn = _COMPILED.get((n_tiles, mode))
     if fn is None:
@@ -194,17 +214,17 @@ def compile_kernel(n_tiles: int, mode: str = "exact"):
     from quack.compile_utils import make_fake_tensor
 
     kern = SmallMMma(n_tiles, mode)
-    g, kt, s, mp, n, kh = (cute.sym_int() for _ in range(6))
+    g, kt, s, m, n, kh = (cute.sym_int() for _ in range(6))
     blob = make_fake_tensor(Int32, (g, kt, 128, kern.words), divisibility=4)
     sf = make_fake_tensor(Int32, (g, kt, 32 if mode == "exact" else 128, kern.sf_words), divisibility=kern.sf_words)
-    x = make_fake_tensor(Int32, (mp, kh), divisibility=4)
-    part = make_fake_tensor(Float32, (s, mp, n), divisibility=4)
-    return cute.compile(kern, blob, sf, x, part, Int32(1),
+    x = make_fake_tensor(Int32, (m, kh), divisibility=4)
+    part = make_fake_tensor(Float32, (s, m, n), divisibility=4)
+    return cute.compile(kern, blob, sf, x, part, Int32(1), Int32(1),
                         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
 
 
 def _run(mode, a, blob_i32, sf_i32, colscale, rowscale, bias, proj_up, lora_act, out_dtype, split):
-    """Launch the kernel on the padded tokens, then the ordered sum and the epilogue."""
+    """Launch the kernel on the tokens, then the ordered sum and the epilogue."""
     import torch
 
     from .kernels import splitk_epilogue
@@ -212,24 +232,14 @@ def _run(mode, a, blob_i32, sf_i32, colscale, rowscale, bias, proj_up, lora_act,
     m = a.shape[0]
     groups, k_tiles = blob_i32.shape[:2]
     n = colscale.numel()
-    n_tiles = -(-m // 8)
-    mp = 8 * n_tiles
-    if mp != m:  # zero tokens up to a whole MMA tile: no predication in the loop
-        a = torch.cat([a, a.new_zeros(mp - m, a.shape[1])])
-        if rowscale is not None:
-            rowscale = torch.cat([rowscale, rowscale.new_ones(mp - m)])
     split = split or split_for(groups, k_tiles)
     if k_tiles % split:
         raise ValueError(f"split {split} does not divide the {k_tiles} k-tiles")
-    part = torch.empty(split, mp, n, device=a.device, dtype=torch.float32)
-    _compiled(n_tiles, mode)(blob_i32, sf_i32, a.view(torch.int32), part, k_tiles // split)
+    part = torch.empty(split, m, n, device=a.device, dtype=torch.float32)
+    _compiled(-(-m // 8), mode)(blob_i32, sf_i32, a.view(torch.int32), part, k_tiles // split, m)
     r = 0 if proj_up is None else proj_up.shape[1]
-    lora = lora_act
-    if r and mp != m:
-        lora = torch.cat([lora_act, lora_act.new_zeros(mp - m, r)])
-    out = torch.empty(mp, n, device=a.device, dtype=out_dtype)
-    splitk_epilogue(part, out, colscale, bias, proj_up if r else None, lora if r else None, rowscale)
-    return out[:m]
+    out = torch.empty(m, n, device=a.device, dtype=out_dtype)
+    return splitk_epilogue(part, out, colscale, bias, proj_up if r else None, lora_act if r else None, rowscale)
 
 
 def _check_call(m: int, k: int, n: int, k_tiles: int, groups: int, mode: str) -> None:
