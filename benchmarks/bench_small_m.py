@@ -53,11 +53,13 @@ def graph_time(fn) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def module_time(q, x, small: bool) -> float:
+def module_time(q, x, small: bool, mma: str | None = None) -> float:
+    """The module's forward with the small-M kernel on or off; ``mma`` sets SVDQ_SM90_SMALL_M_MMA
+    (None: the default routing, tuning.use_small_m_mma)."""
     saved = sm90.SMALL_M
     sm90.SMALL_M = dict.fromkeys(saved, 64 if small else 0)  # read per call by the backend
     try:
-        return graph_time(lambda: q(x))
+        return env_time(lambda: q(x), sm90.ENV_SMALL_M_MMA, mma)
     finally:
         sm90.SMALL_M = saved
 
@@ -224,21 +226,23 @@ def main() -> None:
                     saved = small_m.use_fma
                     try:
                         small_m.use_fma = lambda *a: True
-                        t_fma = module_time(q, x, True) if m <= 8 else float("nan")
+                        t_fma = module_time(q, x, True, "0") if m <= 8 else float("nan")
                         small_m.use_fma = lambda *a: False
-                        t_dot = module_time(q, x, True)
+                        t_dot = module_time(q, x, True, "0")
                     finally:
                         small_m.use_fma = saved
                     rows.append(f"| {label} | {k} | {n} | {mode} | {m} | {t_ref * 1e3:.1f} | {t_old * 1e3:.1f} | "
                                 f"{t_fma * 1e3:.1f} | {t_dot * 1e3:.1f} |")
                     print(rows[-1], flush=True)
     if args.mma:
-        rows += ["", "small_m_mma (warp mma.sync, split-K) against the default path (exact: the Triton small-M "
-                 "kernel; fast: quack's FP8 GEMM); us, ratio = cuBLAS bf16 / ours; kernel = small_m_mma alone "
-                 "(split-K sum, epilogue and low-rank term included), weight GB/s = codes + scales / its time", "",
-                 "| layer | K | N | mode | M | cuBLAS bf16 | default | mma | mma kernel | weight GB/s | % of copy |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|"]
-        from svdq_linear.backends.sm90 import ENV_SMALL_M_MMA
+        rows += ["", "small_m_mma (warp mma.sync, split-K) against the path it replaces (SVDQ_SM90_SMALL_M_MMA=0; "
+                 "exact: the Triton small-M kernel; fast: quack's FP8 GEMM) and with it (=1); us, ratio = cuBLAS "
+                 "bf16 / ours; kernel = small_m_mma alone (split-K sum, epilogue and low-rank term included), weight "
+                 "GB/s = codes + scales / its time; 'routed' = what tuning.use_small_m_mma picks by default", "",
+                 "| layer | K | N | mode | M | cuBLAS bf16 | without | mma | mma kernel | weight GB/s | % of copy "
+                 "| routed |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        from svdq_linear.backends.sm90 import ENV_SMALL_M_MMA, tuning
 
         for label, k, n in (("attn", 3072, 3072), ("ff up", 3072, 12288), ("ff down", 12288, 3072)):
             lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
@@ -248,13 +252,14 @@ def main() -> None:
                 for m in (1, 4, 8, 16, 32, 64):
                     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                     t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
-                    t_def = env_time(lambda: q(x), ENV_SMALL_M_MMA, None)
+                    t_def = env_time(lambda: q(x), ENV_SMALL_M_MMA, "0")
                     t_mma = env_time(lambda: q(x), ENV_SMALL_M_MMA, "1")
                     t_k = graph_time(mma_kernel_call(q, x))
                     gbs = wbytes / (t_k * 1e-3) / 1e9
                     rows.append(f"| {label} | {k} | {n} | {mode} | {m} | {t_ref * 1e3:.1f} | {t_def * 1e3:.1f} "
                                 f"({t_ref / t_def:.2f}x) | {t_mma * 1e3:.1f} ({t_ref / t_mma:.2f}x) | {t_k * 1e3:.1f} "
-                                f"| {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% |")
+                                f"| {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | "
+                                f"{'mma' if tuning.use_small_m_mma(mode, m, n, k) else '-'} |")
                     print(rows[-1], flush=True)
     emit(rows, args.out)
 

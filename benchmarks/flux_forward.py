@@ -159,12 +159,13 @@ def graph_replay_time(fn, iters=10):
 
 # kernel name (lower case) -> what it is, first match wins; the rest is "other"
 CATEGORIES = [
-    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn")),
-    ("activation pass (ours, Triton)", re.compile(r"quantize|_act_|fp8_pass|splitk")),
-    ("compiler-fused elementwise / norms", re.compile(r"^triton_")),
-    ("quack GEMM (CuTe DSL)", re.compile(r"quack|kernel_cutlass|cutlass_kernel|gemmsm90|gemm_w4")),
-    ("cuBLAS / cuBLASLt GEMM", re.compile(r"nvjet|xmma|gemm|cublas|cutlass")),
-    ("copies / fills", re.compile(r"copy|fill|cat|elementwise|vectorized|reduce")),
+    ("compiler-fused elementwise / norms", re.compile(r"^triton_")),  # inductor's (names may say "attention")
+    ("attention", re.compile(r"flash|fmha|sdpa|attention")),
+    ("activation passes (ours, Triton)", re.compile(r"^_quantize|^_lora_act")),
+    ("small-M kernels and split-K sums (ours)", re.compile(r"^_small_m|^_splitk|small_m_mma|smallmmma")),
+    ("quack GEMM (CuTe DSL)", re.compile(r"quack|kernel_cutlass_kernel")),
+    ("cuBLAS / cuBLASLt GEMM (lora_act in the svdq variants)", re.compile(r"nvjet|xmma|gemm|cublas|splitkreduce|cutlass")),
+    ("copies / fills", re.compile(r"memset|memcpy|copy|fill|cat|elementwise|vectorized|reduce")),
 ]
 
 

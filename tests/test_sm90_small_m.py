@@ -174,6 +174,26 @@ def test_backend_routes_each_kind_by_its_own_token_limit(monkeypatch):
         assert (y.float() - want.float()).abs().max() <= 1e-2 * want.abs().max(), f"{module.kind} at {m}"
 
 
+def test_small_m_mma_routing_follows_the_measured_crossover(monkeypatch):
+    """``tuning.use_small_m_mma`` (the H200's same-run crossover, docs/perf.md): the exact mode up to 8
+    tokens at every shape, the fast mode up to 8 tokens only where K >= 2 N; ``SVDQ_SM90_SMALL_M_MMA``
+    forces it on ("1", up to 64 tokens) or off ("0")."""
+    import svdq_linear.backends.sm90 as sm90
+    from svdq_linear.backends.sm90 import tuning
+
+    monkeypatch.delenv(sm90.ENV_SMALL_M_MMA, raising=False)
+    assert all(tuning.use_small_m_mma("exact", m, n, k) for m in (1, 8) for n, k in ((3072, 3072), (12288, 3072)))
+    assert not tuning.use_small_m_mma("exact", 9, 3072, 3072)
+    assert tuning.use_small_m_mma("fast", 1, 3072, 12288) and tuning.use_small_m_mma("fast", 8, 3072, 6144)
+    assert not tuning.use_small_m_mma("fast", 1, 3072, 3072) and not tuning.use_small_m_mma("fast", 1, 12288, 3072)
+    assert not tuning.use_small_m_mma("fast", 16, 3072, 12288)
+    assert sm90._route_small_m_mma("exact", 4, 3072, 3072) and not sm90._route_small_m_mma("exact", 16, 3072, 3072)
+    monkeypatch.setenv(sm90.ENV_SMALL_M_MMA, "1")
+    assert sm90._route_small_m_mma("fast", 64, 3072, 3072) and not sm90._route_small_m_mma("fast", 65, 3072, 3072)
+    monkeypatch.setenv(sm90.ENV_SMALL_M_MMA, "0")
+    assert not sm90._route_small_m_mma("exact", 1, 3072, 3072)
+
+
 def test_use_fma_takes_one_token_everywhere_and_two_only_on_small_weights():
     """The H200 crossover (docs/perf.md): multiply-adds win at 1 token at every shape, at 2 tokens on
     3072 x 3072 but not on 18432 x 3072, and never from 3 tokens."""

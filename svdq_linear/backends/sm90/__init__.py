@@ -5,8 +5,11 @@ computed exactly on Hopper's 16-bit tensor cores: ``quantize_act`` writes the ex
 activations in one pass; ``lora_act`` is one cuBLAS GEMM of ``x`` with ``proj_down / smooth``.
 By tokens M (bf16):
 
-- M <= ``SMALL_M[kind]`` (exact W4A4: 64; W4A16: 32; not the fast mode, its quack GEMM wins at every
-  M, see docs/perf.md): ``small_m.linear``, one launch that splits K across the SMs and reads the
+- M <= 8, bf16, exact mode on quack's blob (and the fast mode where K >= 2 N): ``small_m_mma``, warp
+  ``mma.sync`` on the 4-bit weight decoded in registers, split over K (``tuning.use_small_m_mma``:
+  the measured crossover; ``SVDQ_SM90_SMALL_M_MMA`` = 1 / 0 forces it on up to 64 tokens / off);
+- else M <= ``SMALL_M[kind]`` (exact W4A4: 64; W4A16: 32; not the fast mode, its quack GEMM wins
+  there, see docs/perf.md): ``small_m.linear``, one launch that splits K across the SMs and reads the
   weight once in whichever layout the module holds (canonical or quack's); where
   ``small_m.use_fma`` (1 token; 2 on small weights) it quantizes the activations itself;
 - M < 128, fp16/fp32 inputs, or no quack: ``kernels.w4_gemm`` (Triton: the weight decoded in
@@ -52,10 +55,18 @@ SMALL_M = {"w4a4": 64, "w4a16": 32}
 if os.environ.get("SVDQ_SM90_SMALL_M"):
     SMALL_M = dict.fromkeys(SMALL_M, int(os.environ["SVDQ_SM90_SMALL_M"]))
 ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (the Triton GEMM for every exact call)
-# "1": small-M calls (exact mode on quack's blob, fast mode up to 64 tokens) run small_m_mma (warp-level
-# tensor cores; compiled on the CPU, not yet run on a GPU, hence opt-in until its GPU tests pass and it is
-# measured)
+# small_m_mma (warp-level tensor cores) serves the small-M calls where tuning.use_small_m_mma measured it
+# faster; "1": every call it can take (exact mode on quack's blob, fast mode, up to 64 tokens); "0": none
 ENV_SMALL_M_MMA = "SVDQ_SM90_SMALL_M_MMA"
+
+
+def _route_small_m_mma(mode: str, m: int, n: int, k: int) -> bool:
+    from . import tuning
+
+    env = os.environ.get(ENV_SMALL_M_MMA)  # read per call (benchmarks toggle it)
+    if env == "0" or m > tuning.MMA_TOKENS:
+        return False
+    return env == "1" or tuning.use_small_m_mma(mode, m, n, k)
 
 
 LOWRANK_MAX_WINDOW = 64  # widest low-rank window a weight tile reads in the accumulator path (docs/perf.md)
@@ -311,10 +322,8 @@ class Sm90Backend(Backend):
         layout, w, s = small_m.CANONICAL, qweight, wscales
         if qweight.numel() == 0:  # quack's repacked tensors stand in for the canonical ones (replaced)
             layout, w, s = small_m.QUACK, extra[-4], extra[-3]
-        if layout == small_m.QUACK and x.dtype == torch.bfloat16 and os.environ.get(ENV_SMALL_M_MMA) == "1":
-            from . import small_m_mma
-
-            return small_m_mma.linear(self.kernels.quantize_act(x, smooth)[0], w, s, wcscale.float(), bias,
+        if layout == small_m.QUACK and x.dtype == torch.bfloat16 and _route_small_m_mma("exact", m, n, x.shape[1]):
+            return _small_m_mma_module().linear(self.kernels.quantize_act(x, smooth)[0], w, s, wcscale.float(), bias,
                                       proj_up if r else None, lora, out_dtype=x.dtype)
         if small_m.use_fma(m, n, x.shape[1]):
             a, act = x, small_m.ACT_NVFP4
@@ -329,12 +338,12 @@ class Sm90Backend(Backend):
         inv, extra = extra[-1], extra[:-1]  # Sm90Prepared.tensors(): inv_smooth comes last
         fw = quack_fast.FastWeight(*extra[-4:])
         out_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
-        small_m_mma = _small_m_mma_module() if os.environ.get(ENV_SMALL_M_MMA) == "1" else None  # opt-in
-        if small_m_mma is not None and x.shape[0] <= small_m_mma.MAX_M:
+        m, k = x.shape
+        if _route_small_m_mma("fast", m, fw.cs.numel(), k):
             a8, sa = self.kernels.quantize_act_fp8(x, smooth, inv_smooth=inv, gemm_order=True)
             # the prepared proj_down / smooth: its first r columns (the accumulator path pads at the end)
             lora = _mm_f32(x.to(torch.bfloat16), extra[0][:, :r]) if r else None
-            out = small_m_mma.linear_fast(a8, sa, fw, bias, proj_up if r else None, lora, out_dtype)
+            out = _small_m_mma_module().linear_fast(a8, sa, fw, bias, proj_up if r else None, lora, out_dtype)
             return out if x.dtype == out_dtype else out.to(x.dtype)
         if len(extra) == 7:  # [proj_down', proj_up', segments] + FastWeight: the low-rank MMA in the accumulator
             pds, up, seg = extra[:3]

@@ -1,6 +1,6 @@
-"""A few tokens on warp-level tensor cores, split over K (CuTe DSL). **Opt-in**
-(``SVDQ_SM90_SMALL_M_MMA=1``): conformant on the H200, but slower than the default paths (``small_m.py``,
-quack's GEMMs) at most token counts (docs/perf.md, 2026-12-04 fourth session).
+"""A few tokens on warp-level tensor cores, split over K (CuTe DSL). Conformant on the
+H200; the backend routes it where it measured faster (``tuning.use_small_m_mma``: up to 8 tokens in the
+exact mode, and in the fast mode where K >= 2 N; docs/perf.md, 2026-12-04 fourth session).
 
 Why: the Triton small-M kernel is bound by instructions, ~9 a weight value (docs/perf.md, "Small M"):
 the E2M1 decode to fp32, one FMA a token, the block sums. Both modes' blobs are already laid out as
@@ -30,10 +30,10 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp
 
-from .tuning import SM_COUNT
+from .tuning import MMA_TOKENS, SM_COUNT
 
 ROWS = 64  # weight rows per CTA (one blob group, four warps)
-MAX_M = 64  # tokens: up to eight 8-token MMA tiles
+MAX_M = MMA_TOKENS  # tokens: up to eight 8-token MMA tiles
 K_TILE = {"exact": 64, "fast": 128}  # k per blob tile: quack's nvfp4 layout; fast_layout's
 
 

@@ -89,6 +89,25 @@ def prefill_tiles(m: int, n: int, sms: int = SM_COUNT) -> tuple[int, int]:
     return (128, 192) if fill(256) < 0.8 and fill(192) > fill(256) else (128, 256)
 
 
+MMA_MAX_M = 8  # tokens up to which small_m_mma's one 8-token tile wins (see use_small_m_mma)
+MMA_TOKENS = 64  # the most tokens small_m_mma takes at all (eight 8-token MMA tiles)
+
+
+def use_small_m_mma(mode: str, m: int, n: int, k: int) -> bool:
+    """Whether ``small_m_mma`` (warp ``mma.sync``) serves a small-M call, from the H200's same-run
+    crossover (docs/perf.md, 2026-12-04 fourth session, ``bench_small_m.py --mma``; module forward
+    in CUDA graphs):
+
+    - exact mode, M <= 8: 8-25 % faster than the Triton small-M kernel at 3072x3072, 3072x12288 and
+      12288x3072 (its one 8-token tile; from 16 tokens the per-tile token loads make it lose);
+    - fast mode, M <= 8 and K >= 2 N: 12288x3072 1.08-1.12x cuBLAS against 0.87x for quack's FP8
+      GEMM; at K <= N quack's GEMM was as fast or 4-7 % faster, so it keeps those.
+    """
+    if m > MMA_MAX_M:
+        return False
+    return mode == "exact" or k >= 2 * n
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     import torch
