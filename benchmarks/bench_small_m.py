@@ -1,18 +1,17 @@
 """GPU time of the sm90 paths at a few tokens, without host overhead: CUDA-graph replays.
 
-    python benchmarks/bench_small_m.py [--out FILE] [--sweep] [--crossover] [--mma]
+    python benchmarks/bench_small_m.py [--out FILE] [--sweep] [--crossover] [--mma] [--mma-sweep]
 
 At M <= 64 one call is microseconds of GPU work behind ~0.2 ms of Python and launch overhead, so
 ``do_bench`` on the eager call measures the host. Here each variant is captured once in a CUDA graph
 holding 20 calls and the replays are timed with events. Per shape: cuBLAS bf16 ``F.linear``; the
-module's whole forward in the exact mode and W4A16 with the small-M kernel (``small_m``, the default
-up to ``SMALL_M`` tokens) and with the path it replaced (the Triton W4 GEMM); the small-M kernel alone
-with its epilogue and low-rank term (the GEMM target), its weight GB/s (4-bit codes and scales read
-once) against a device-to-device copy measured in the same run. The fast mode's forward (quack's FP8
-GEMM at every M: it measured faster than the small-M kernel up to 64 tokens, docs/perf.md) is timed
-beside them as a baseline. ``--sweep`` times the kernel's tile, warp and split choices. ``--mma`` times,
-per mode and token count, the module on its default path against the warp tensor-core kernel
-(``small_m_mma``, routed by ``SVDQ_SM90_SMALL_M_MMA=1``) and that kernel alone (weight GB/s).
+module's whole forward in the exact mode and W4A16 on its default path and with the path the small-M
+kernels replaced (the Triton W4 GEMM); the Triton small-M kernel alone with its epilogue and low-rank
+term (the GEMM target), its weight GB/s (4-bit codes and scales read once) against a device-to-device
+copy measured in the same run; the fast mode's forward beside them. ``--sweep`` times the Triton
+kernel's tile, warp and split choices. ``--mma`` times, per mode and token count, the module without
+and with the warp tensor-core kernel (``small_m_mma``; ``SVDQ_SM90_SMALL_M_MMA`` 0 / 1) and that
+kernel alone; ``--mma-sweep`` times that kernel at each prefetch depth and CTAs an SM.
 """
 
 from __future__ import annotations
@@ -94,11 +93,13 @@ def mma_kernel_call(q, x):
     if q.mode == "fast":
         fw = quack_fast.FastWeight(*ex[-5:-1])
         a8, sa = kernels.quantize_act_fp8(x, q.smooth, inv_smooth=ex[-1], gemm_order=True)
-        return lambda: small_m_mma.linear_fast(a8, sa, fw, q.bias, q.proj_up if r else None, lora, torch.bfloat16)
+        return lambda **kw: small_m_mma.linear_fast(a8, sa, fw, q.bias, q.proj_up if r else None, lora,
+                                                    torch.bfloat16, **kw)
     xq = kernels.quantize_act(x, q.smooth)[0]
     blob, sf = ex[-4], ex[-3]
-    return lambda: small_m_mma.linear(xq, blob, sf, q.wcscale.float(), q.bias, q.proj_up if r else None,
-                                      None if lora is None else lora.to(torch.bfloat16), out_dtype=x.dtype)
+    lora16 = None if lora is None else lora.to(torch.bfloat16)
+    return lambda **kw: small_m_mma.linear(xq, blob, sf, q.wcscale.float(), q.bias, q.proj_up if r else None, lora16,
+                                           out_dtype=x.dtype, **kw)
 
 
 def kernel_call(q, x, mode: str):
@@ -141,6 +142,8 @@ def main() -> None:
                         "multiply-adds and with its dot (what SMALL_M and small_m.use_fma are set from)")
     p.add_argument("--mma", action="store_true",
                    help="the module on its default path against the warp tensor-core kernel small_m_mma")
+    p.add_argument("--mma-sweep", action="store_true",
+                   help="small_m_mma alone at each prefetch depth and CTAs an SM (small_m_mma.DEPTH, CTAS_PER_SM)")
     args = p.parse_args()
     src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -260,6 +263,29 @@ def main() -> None:
                                 f"({t_ref / t_def:.2f}x) | {t_mma * 1e3:.1f} ({t_ref / t_mma:.2f}x) | {t_k * 1e3:.1f} "
                                 f"| {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | "
                                 f"{'mma' if tuning.use_small_m_mma(mode, m, n, k) else '-'} |")
+                    print(rows[-1], flush=True)
+    if args.mma_sweep:
+        from svdq_linear.backends.sm90 import small_m_mma
+
+        depths, ctas = (1, 2, 3, 4), (4, 8, 16)
+        rows += ["", f"small_m_mma alone (us; weight GB/s): k-tiles of weight bytes in flight (depth) x CTAs an SM "
+                 f"(the split rule's target); today's defaults depth {small_m_mma.DEPTH}, "
+                 f"{small_m_mma.CTAS_PER_SM} CTAs", "",
+                 "| layer | mode | M | " + " | ".join(f"d{d} c{c}" for d in depths for c in ctas) + " |",
+                 "|---|---|---|" + "---|" * (len(depths) * len(ctas))]
+        for label, k, n in (("attn", 3072, 3072), ("ff up", 3072, 12288), ("ff down", 12288, 3072)):
+            wbytes = n * k // 2 + n * k // 16
+            for mode in ("exact", "fast") if have_fast else ("exact",):
+                q = random_w4a4(k, n, 32, torch.bfloat16, "cuda").set_mode(mode)
+                for m in (1, 8, 16):
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    call = mma_kernel_call(q, x)
+                    cells = []
+                    for d in depths:
+                        for c in ctas:
+                            t = graph_time(lambda: call(depth=d, ctas_per_sm=c))
+                            cells.append(f"{t * 1e3:.1f} ({wbytes / (t * 1e-3) / 1e9:.0f})")
+                    rows.append(f"| {label} | {mode} | {m} | " + " | ".join(cells) + " |")
                     print(rows[-1], flush=True)
     emit(rows, args.out)
 

@@ -214,11 +214,14 @@ def test_mma_split_divides_the_k_tiles_and_leaves_a_tile_to_prefetch():
     assert mma.split_for(48, 48) == 8  # 3072 x 3072: 384 CTAs (the largest divisor of 48 up to 4 x 132 / 48), 6 k-tiles a split
 
 
-@pytest.mark.parametrize("mode,n_tiles", [("exact", 1), ("exact", 8), ("fast", 2)])
-def test_mma_kernel_compiles_for_sm90_with_an_hmma_per_k16_block_and_token_tile(tmp_path, mode, n_tiles):
+@pytest.mark.parametrize("mode,n_tiles,depth", [("exact", 1, 2), ("exact", 8, 2), ("fast", 2, 2), ("exact", 1, 4),
+                                                ("fast", 1, 1)])
+def test_mma_kernel_compiles_for_sm90_with_an_hmma_per_k16_block_and_token_tile(tmp_path, mode, n_tiles, depth):
     """Compiled for sm_90a here (no GPU): exact, one ``HMMA.16816.F32.BF16`` per k16 block and 8 tokens,
     quack's ``prmt`` decode; fast, the E4M3 ``mma.sync`` as ptxas lowers it on Hopper (two f16
-    ``HMMA.16816.F32`` per k32 block and 8 tokens) after the table decode; no local memory."""
+    ``HMMA.16816.F32`` per k32 block and 8 tokens) after the table decode; no local memory. The
+    prefetch ring: ``depth`` k-tiles of code words loaded before the loop, one a tile in it (16-byte
+    loads: one a k-tile in the exact blob, two in the fast one)."""
     import os
     import re
     import subprocess
@@ -235,7 +238,8 @@ def test_mma_kernel_compiles_for_sm90_with_an_hmma_per_k16_block_and_token_tile(
            "CUTE_DSL_DUMP_DIR": str(tmp_path), "CUTE_DSL_CACHE_DIR": str(tmp_path / "cache"),
            "CUTE_DSL_DISABLE_FILE_CACHING": "1", "PYTHONWARNINGS": "ignore"}
     r = subprocess.run([sys.executable, "-m", "svdq_linear.backends.sm90.small_m_mma", "--n-tiles", str(n_tiles),
-                        "--mode", mode, "--out", str(cubin)], env=env, capture_output=True, text=True, timeout=600)
+                        "--mode", mode, "--depth", str(depth), "--out", str(cubin)], env=env, capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
     if mode == "exact":
@@ -244,6 +248,8 @@ def test_mma_kernel_compiles_for_sm90_with_an_hmma_per_k16_block_and_token_tile(
     else:
         assert len(re.findall(r"\bHMMA\.16816\.F32\b(?!\.BF16)", sass)) == 8 * n_tiles
         assert len(re.findall(r"\bF2FP\.SATFINITE\.E4M3\.F16\b", sass)) == 16  # the four tables
+    runs = 1 if mode == "exact" else 2
+    assert len(re.findall(r"\bLDG\.E\.128\b", sass)) == runs * (depth + 1)
     assert not re.search(r"\b(LDL|STL)\b", sass)
 
 

@@ -17,8 +17,8 @@ tokens as its 8-wide N side, no conversion to fp32, no reduction across lanes:
 
 Work split: a CTA is four warps on one 64-row group of the blob (warp ``w``: rows ``16 w`` to ``16 w +
 15``); ``blockIdx.y`` is the K split (an equal number of k-tiles each). Each warp walks its k-tiles
-with the code and scale words of the next two tiles and the token words of the next one in flight
-during the current tile's decode. Token rows past M read the last token again (no bounds test in the
+with the code and scale words of the next ``DEPTH`` tiles and the token words of the next one in
+flight during the current tile's decode. Token rows past M read the last token again (no bounds test in the
 loop; their sums are never stored), so the host pads nothing. Partials go to ``part [S, M, N]`` fp32; ``kernels._splitk_epilogue_kernel`` sums them in split order
 (deterministic) and applies ``(* sa) * colscale + lora @ proj_up^T + bias``.
 """
@@ -45,9 +45,12 @@ class SmallMMma:
     GEMM's k order, ``mma.sync m16n8k32`` E4M3. In both, a lane's Int32 word ``32 kt + 8 b + c + 4 h``
     of a token row holds the B fragment of k block ``b`` (``h``: its upper half)."""
 
-    def __init__(self, n_tiles: int, mode: str = "exact"):
+    def __init__(self, n_tiles: int, mode: str = "exact", depth: int = 2):
         if not 1 <= n_tiles <= 8:
             raise ValueError(f"n_tiles must be 1..8 (8 to 64 tokens), got {n_tiles}")
+        if not 1 <= depth <= 4:
+            raise ValueError(f"depth (k-tiles of weight bytes in flight) must be 1..4, got {depth}")
+        self.depth = depth
         if mode not in K_TILE:
             raise ValueError(f"mode must be 'exact' or 'fast', got {mode!r}")
         self.n_tiles, self.mode = n_tiles, mode
@@ -106,6 +109,8 @@ class SmallMMma:
         nt = const_expr(self.n_tiles)
         nw = const_expr(self.words)
         nsf = const_expr(self.sf_words)
+        depth = const_expr(self.depth)
+        shifts = const_expr(self.depth - 1)  # ring moves a k-tile
         tidx, _, _ = cute.arch.thread_idx()
         grp, split, _ = cute.arch.block_idx()
         warp_i = tidx // 32
@@ -125,10 +130,11 @@ class SmallMMma:
 
         xw = cute.make_rmem_tensor((nw,), Int32)
         sfw = cute.make_rmem_tensor((nsf,), Int32)
-        xw_n1 = cute.make_rmem_tensor((nw,), Int32)  # the next k-tile's code and scale words
-        sfw_n1 = cute.make_rmem_tensor((nsf,), Int32)
-        xw_n2 = cute.make_rmem_tensor((nw,), Int32)  # the one after: two tiles of weight bytes in flight
-        sfw_n2 = cute.make_rmem_tensor((nsf,), Int32)
+        # a ring of the next `depth` k-tiles' code and scale words: that many tiles of weight bytes in flight
+        ring_x = [cute.make_rmem_tensor((nw,), Int32) for _ in range(depth)]
+        ring_sf = [cute.make_rmem_tensor((nsf,), Int32) for _ in range(depth)]
+        last_x = ring_x[depth - 1]  # where the loop's loads land (no list index inside a dynamic if)
+        last_sf = ring_sf[depth - 1]
         xb_n1 = cute.make_rmem_tensor((nt * 8,), Int32)  # the next k-tile's token words (B fragments)
         ts = cute.make_rmem_tensor((8,), Int32)  # the fast decode's tables
         kt0 = split * kt_per_split
@@ -137,13 +143,11 @@ class SmallMMma:
         g_blob = mBlob[grp, None, tidx, None]  # (KT, nw)
         g_sf = mSf[grp, None, sf_slot, None]  # (KT, nsf)
         g_xs = [mX[cutlass.min(8 * j + gq, m_tokens - 1), None] for j in range(nt)]
-        cute.autovec_copy(g_blob[kt0, None], xw_n1)
-        for w in cutlass.range_constexpr(nsf):
-            sfw_n1[w] = g_sf[kt0, w]
-        if kt_per_split > 1:
-            cute.autovec_copy(g_blob[kt0 + 1, None], xw_n2)
-            for w in cutlass.range_constexpr(nsf):
-                sfw_n2[w] = g_sf[kt0 + 1, w]
+        for d in cutlass.range_constexpr(depth):
+            if kt_per_split > d:
+                cute.autovec_copy(g_blob[kt0 + d, None], ring_x[d])
+                for w in cutlass.range_constexpr(nsf):
+                    ring_sf[d][w] = g_sf[kt0 + d, w]
         # B: token 8 j + g, k group c of each k block b (h: its upper half): Int32 32 kt + 8 b + c + 4 h
         for j in cutlass.range_constexpr(nt):
             for b in cutlass.range_constexpr(4):
@@ -152,19 +156,21 @@ class SmallMMma:
         for i in cutlass.range(kt_per_split):
             kt = kt0 + i
             for w in cutlass.range_constexpr(nw):
-                xw[w] = xw_n1[w]
-                xw_n1[w] = xw_n2[w]
+                xw[w] = ring_x[0][w]
+                for q in cutlass.range_constexpr(shifts):
+                    ring_x[q][w] = ring_x[q + 1][w]
             for w in cutlass.range_constexpr(nsf):
-                sfw[w] = sfw_n1[w]
-                sfw_n1[w] = sfw_n2[w]
+                sfw[w] = ring_sf[0][w]
+                for q in cutlass.range_constexpr(shifts):
+                    ring_sf[q][w] = ring_sf[q + 1][w]
             for j in cutlass.range_constexpr(nt):
                 for b in cutlass.range_constexpr(4):
                     for h in cutlass.range_constexpr(2):
                         frag_b[(0, h), j, b] = xb_n1[8 * j + 2 * b + h]
-            if i + 2 < kt_per_split:  # the weight bytes of the tile after next
-                cute.autovec_copy(g_blob[kt + 2, None], xw_n2)
+            if i + depth < kt_per_split:  # the weight bytes `depth` tiles ahead
+                cute.autovec_copy(g_blob[kt + depth, None], last_x)
                 for w in cutlass.range_constexpr(nsf):
-                    sfw_n2[w] = g_sf[kt + 2, w]
+                    last_sf[w] = g_sf[kt + depth, w]
             if i + 1 < kt_per_split:  # the next tile's token words, in flight during this tile's decode
                 for j in cutlass.range_constexpr(nt):
                     for b in cutlass.range_constexpr(4):
@@ -185,12 +191,13 @@ class SmallMMma:
 # ---- host side ------------------------------------------------------------------------------------
 
 CTAS_PER_SM = 4  # four warps a CTA: 16 warps an SM in flight
+DEPTH = 2  # k-tiles of weight bytes in flight a warp (SmallMMma's ring)
 
 
-def split_for(groups: int, k_tiles: int, sms: int = SM_COUNT) -> int:
-    """K splits: a divisor of the k-tile count giving about ``CTAS_PER_SM`` CTAs an SM, at least two
+def split_for(groups: int, k_tiles: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM) -> int:
+    """K splits: a divisor of the k-tile count giving about ``ctas_per_sm`` CTAs an SM, at least two
     k-tiles a split (the prefetch needs a next tile to overlap)."""
-    want = max(1, round(CTAS_PER_SM * sms / groups))
+    want = max(1, round(ctas_per_sm * sms / groups))
     best = 1
     for s in range(1, k_tiles // 2 + 1):
         if k_tiles % s == 0 and s <= want:
@@ -198,22 +205,22 @@ def split_for(groups: int, k_tiles: int, sms: int = SM_COUNT) -> int:
     return best
 
 
-_COMPILED: dict[tuple[int, str], object] = {}
+_COMPILED: dict[tuple[int, str, int], object] = {}
 
 
-def _compiled(n_tiles: int, mode: str):
+def _compiled(n_tiles: int, mode: str, depth: int = DEPTH):
     """The kernel for up to ``8 * n_tiles`` tokens, compiled once per process (tvm-ffi: called with
     torch tensors on the current stream)."""
-    fn = _COMPILED.get((n_tiles, mode))
+    fn = _COMPILED.get((n_tiles, mode, depth))
     if fn is None:
-        fn = _COMPILED[n_tiles, mode] = compile_kernel(n_tiles, mode)
+        fn = _COMPILED[n_tiles, mode, depth] = compile_kernel(n_tiles, mode, depth)
     return fn
 
 
-def compile_kernel(n_tiles: int, mode: str = "exact"):
+def compile_kernel(n_tiles: int, mode: str = "exact", depth: int = DEPTH):
     from quack.compile_utils import make_fake_tensor
 
-    kern = SmallMMma(n_tiles, mode)
+    kern = SmallMMma(n_tiles, mode, depth)
     g, kt, s, m, n, kh = (cute.sym_int() for _ in range(6))
     blob = make_fake_tensor(Int32, (g, kt, 128, kern.words), divisibility=4)
     sf = make_fake_tensor(Int32, (g, kt, 32 if mode == "exact" else 128, kern.sf_words), divisibility=kern.sf_words)
@@ -223,8 +230,10 @@ def compile_kernel(n_tiles: int, mode: str = "exact"):
                         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
 
 
-def _run(mode, a, blob_i32, sf_i32, colscale, rowscale, bias, proj_up, lora_act, out_dtype, split):
-    """Launch the kernel on the tokens, then the ordered sum and the epilogue."""
+def _run(mode, a, blob_i32, sf_i32, colscale, rowscale, bias, proj_up, lora_act, out_dtype, split,
+         depth=None, ctas_per_sm=None):
+    """Launch the kernel on the tokens, then the ordered sum and the epilogue (``depth`` / ``ctas_per_sm``
+    override ``DEPTH`` / ``CTAS_PER_SM``: for measurement)."""
     import torch
 
     from .kernels import splitk_epilogue
@@ -232,11 +241,11 @@ def _run(mode, a, blob_i32, sf_i32, colscale, rowscale, bias, proj_up, lora_act,
     m = a.shape[0]
     groups, k_tiles = blob_i32.shape[:2]
     n = colscale.numel()
-    split = split or split_for(groups, k_tiles)
+    split = split or split_for(groups, k_tiles, ctas_per_sm=ctas_per_sm or CTAS_PER_SM)
     if k_tiles % split:
         raise ValueError(f"split {split} does not divide the {k_tiles} k-tiles")
     part = torch.empty(split, m, n, device=a.device, dtype=torch.float32)
-    _compiled(-(-m // 8), mode)(blob_i32, sf_i32, a.view(torch.int32), part, k_tiles // split, m)
+    _compiled(-(-m // 8), mode, depth or DEPTH)(blob_i32, sf_i32, a.view(torch.int32), part, k_tiles // split, m)
     r = 0 if proj_up is None else proj_up.shape[1]
     out = torch.empty(m, n, device=a.device, dtype=out_dtype)
     return splitk_epilogue(part, out, colscale, bias, proj_up if r else None, lora_act if r else None, rowscale)
@@ -249,7 +258,8 @@ def _check_call(m: int, k: int, n: int, k_tiles: int, groups: int, mode: str) ->
         raise ValueError(f"x [{m}, {k}] does not match the blob of a {ROWS * groups} x {K_TILE[mode] * k_tiles} weight")
 
 
-def linear(xq, blob, sf, wcscale, bias=None, proj_up=None, lora_act=None, out_dtype=None, split: int | None = None):
+def linear(xq, blob, sf, wcscale, bias=None, proj_up=None, lora_act=None, out_dtype=None, split: int | None = None,
+           **tune):
     """``out [M, N] = (xq @ W^T) * wcscale + lora_act @ proj_up^T + bias`` for M <= 64 on the quack blob
     (``quack_gemm.repack_weight`` / ``repack_scales``) and bf16 ``xq`` (the exact mode's activations, or
     x itself for W4A16)."""
@@ -260,10 +270,11 @@ def linear(xq, blob, sf, wcscale, bias=None, proj_up=None, lora_act=None, out_dt
     groups, k_tiles = blob.shape[:2]
     _check_call(xq.shape[0], xq.shape[1], wcscale.numel(), k_tiles, groups, "exact")
     return _run("exact", xq.contiguous(), blob.view(torch.int32), sf.reshape(groups, k_tiles, 32, 8).view(torch.int32),
-                wcscale, None, bias, proj_up, lora_act, out_dtype or xq.dtype, split)
+                wcscale, None, bias, proj_up, lora_act, out_dtype or xq.dtype, split, **tune)
 
 
-def linear_fast(a8, sa, fw, bias=None, proj_up=None, lora_act=None, out_dtype=None, split: int | None = None):
+def linear_fast(a8, sa, fw, bias=None, proj_up=None, lora_act=None, out_dtype=None, split: int | None = None,
+                **tune):
     """The fast mode: ``out [M, N] = (a8 @ w8^T) * sa * cs + lora_act @ proj_up^T + bias`` for M <= 64,
     ``a8`` the E4M3 tokens in the fast GEMM's k order (``quantize_act_fp8(gemm_order=True)``), ``sa`` their
     scales, ``fw`` the ``quack_fast.FastWeight`` (its blob, strip and ``cs = 2**e * wcscale``)."""
@@ -275,7 +286,7 @@ def linear_fast(a8, sa, fw, bias=None, proj_up=None, lora_act=None, out_dtype=No
     _check_call(a8.shape[0], a8.shape[1], fw.cs.numel(), k_tiles, groups, "fast")
     return _run("fast", a8.contiguous().view(torch.uint8), fw.blob.view(torch.int32),
                 fw.strip.view(torch.int32).reshape(groups, k_tiles, 128, 1), fw.cs.reshape(-1), sa.float(), bias,
-                proj_up, lora_act, out_dtype or torch.bfloat16, split)
+                proj_up, lora_act, out_dtype or torch.bfloat16, split, **tune)
 
 
 def main(argv=None) -> int:
@@ -287,9 +298,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     p.add_argument("--n-tiles", type=int, default=1)
     p.add_argument("--mode", choices=sorted(K_TILE), default="exact")
+    p.add_argument("--depth", type=int, default=DEPTH, help="k-tiles of weight bytes in flight")
     p.add_argument("--out", required=True, help="where to write the cubin")
     args = p.parse_args(argv)
-    cubin = getattr(compile_kernel(args.n_tiles, args.mode), "__cubin__", None)
+    cubin = getattr(compile_kernel(args.n_tiles, args.mode, args.depth), "__cubin__", None)
     if not cubin:
         raise SystemExit("no cubin kept: set CUTE_DSL_KEEP=cubin")
     if isinstance(cubin, str):  # a path to the dumped file
