@@ -187,11 +187,17 @@ def test_small_m_mma_routing_follows_the_measured_crossover(monkeypatch):
     assert tuning.use_small_m_mma("fast", 1, 3072, 12288) and tuning.use_small_m_mma("fast", 8, 3072, 6144)
     assert not tuning.use_small_m_mma("fast", 1, 3072, 3072) and not tuning.use_small_m_mma("fast", 1, 12288, 3072)
     assert not tuning.use_small_m_mma("fast", 16, 3072, 12288)
-    assert sm90._route_small_m_mma("exact", 4, 3072, 3072) and not sm90._route_small_m_mma("exact", 16, 3072, 3072)
+    class _Cuda:  # shape and device of a CUDA input without a GPU
+        def __init__(self, m, k=3072, cuda=True):
+            self.shape, self.is_cuda = (m, k), cuda
+
+    assert sm90._route_small_m_mma("exact", _Cuda(4), 3072) and not sm90._route_small_m_mma("exact", _Cuda(16), 3072)
+    assert not sm90._route_small_m_mma("exact", _Cuda(4, cuda=False), 3072)  # the Triton interpreter's CPU calls
     monkeypatch.setenv(sm90.ENV_SMALL_M_MMA, "1")
-    assert sm90._route_small_m_mma("fast", 64, 3072, 3072) and not sm90._route_small_m_mma("fast", 65, 3072, 3072)
+    assert sm90._route_small_m_mma("fast", _Cuda(64), 3072) and not sm90._route_small_m_mma("fast", _Cuda(65), 3072)
+    assert not sm90._route_small_m_mma("fast", _Cuda(8, cuda=False), 3072)
     monkeypatch.setenv(sm90.ENV_SMALL_M_MMA, "0")
-    assert not sm90._route_small_m_mma("exact", 1, 3072, 3072)
+    assert not sm90._route_small_m_mma("exact", _Cuda(1), 3072)
 
 
 def test_use_fma_takes_one_token_everywhere_and_two_only_on_small_weights():

@@ -60,11 +60,14 @@ ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (the Triton GEMM for every
 ENV_SMALL_M_MMA = "SVDQ_SM90_SMALL_M_MMA"
 
 
-def _route_small_m_mma(mode: str, m: int, n: int, k: int) -> bool:
+def _route_small_m_mma(mode: str, x: torch.Tensor, n: int) -> bool:
+    """Whether this call of ``x [M, K]`` runs small_m_mma (a CUDA kernel: never under the Triton
+    interpreter on the CPU)."""
     from . import tuning
 
     env = os.environ.get(ENV_SMALL_M_MMA)  # read per call (benchmarks toggle it)
-    if env == "0" or m > tuning.MMA_TOKENS:
+    m, k = x.shape
+    if env == "0" or m > tuning.MMA_TOKENS or not x.is_cuda:
         return False
     return env == "1" or tuning.use_small_m_mma(mode, m, n, k)
 
@@ -322,7 +325,7 @@ class Sm90Backend(Backend):
         layout, w, s = small_m.CANONICAL, qweight, wscales
         if qweight.numel() == 0:  # quack's repacked tensors stand in for the canonical ones (replaced)
             layout, w, s = small_m.QUACK, extra[-4], extra[-3]
-        if layout == small_m.QUACK and x.dtype == torch.bfloat16 and _route_small_m_mma("exact", m, n, x.shape[1]):
+        if layout == small_m.QUACK and x.dtype == torch.bfloat16 and _route_small_m_mma("exact", x, n):
             return _small_m_mma_module().linear(self.kernels.quantize_act(x, smooth)[0], w, s, wcscale.float(), bias,
                                       proj_up if r else None, lora, out_dtype=x.dtype)
         if small_m.use_fma(m, n, x.shape[1]):
@@ -338,8 +341,7 @@ class Sm90Backend(Backend):
         inv, extra = extra[-1], extra[:-1]  # Sm90Prepared.tensors(): inv_smooth comes last
         fw = quack_fast.FastWeight(*extra[-4:])
         out_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
-        m, k = x.shape
-        if _route_small_m_mma("fast", m, fw.cs.numel(), k):
+        if _route_small_m_mma("fast", x, fw.cs.numel()):
             a8, sa = self.kernels.quantize_act_fp8(x, smooth, inv_smooth=inv, gemm_order=True)
             # the prepared proj_down / smooth: its first r columns (the accumulator path pads at the end)
             lora = _mm_f32(x.to(torch.bfloat16), extra[0][:, :r]) if r else None
