@@ -2,7 +2,10 @@
 slices run as one strided batched GEMM (``x`` viewed as ``[S, M, K/S]``, no copy) and summed in slice
 order.
 
-    python benchmarks/bench_lora_split.py [--out FILE]
+    python benchmarks/bench_lora_split.py [--out FILE] [--triton]
+
+``--triton`` adds ``kernels.lora_act`` (Triton, one launch, x streamed once) over row blocks, warps
+and pipeline stages: larger row blocks re-read ``proj_down`` fewer times, at the cost of programs.
 
 The product is skinny (R = 32-128 columns): one GEMM gives few output tiles (M / 128 of them), so its
 CTAs leave SMs idle and read ``x`` at a fraction of the bandwidth; S slices give S times the CTAs.
@@ -41,6 +44,7 @@ def split_mm(x: torch.Tensor, pds: torch.Tensor, s: int, out_dtype=torch.float32
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
+    p.add_argument("--triton", action="store_true", help="also kernels.lora_act over its block / warp / stage choices")
     args = p.parse_args()
     lines = [f"# lora_act: one GEMM against K split — {torch.cuda.get_device_name()}", "",
              "us (relative error against float64); bf16 out = what the exact mode passes on, fp32 out = the fast mode's", "",
@@ -70,6 +74,38 @@ def main() -> None:
             cells.append(f"{t(lambda: split_mm(x, pds, s)):.1f} ({err(y):.0e})")
         lines.append(f"| {m} | {k} | {r} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
+    if args.triton:
+        from svdq_linear.backends.sm90 import kernels
+
+        configs = [(bm, w, st) for bm in (16, 32, 64, 128) for w in (4, 8) for st in (3, 4)]
+        lines += ["", "kernels.lora_act (fp32 out), us (relative error against float64); block_m x warps x stages; "
+                  "cuBLAS fp32 out repeated for reference", "",
+                  "| M | K | R | cuBLAS fp32 out | " + " | ".join(f"{bm} w{w} s{st}" for bm, w, st in configs) + " |",
+                  "|---|---|---|---|" + "---|" * len(configs)]
+        print("\n".join(lines[-4:]), flush=True)
+        for m, k, r in SHAPES:
+            torch.manual_seed(0)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            pds = (torch.randn(k, r, device="cuda") / k**0.5).bfloat16()
+            want = x.double() @ pds.double()
+
+            def t(fn):
+                return do_bench(graphed(fn), warmup=10, rep=100, return_mode="median") * 1e3
+
+            cells = [f"{t(lambda: torch.mm(x, pds, out_dtype=torch.float32)):.1f}"]
+            for bm, w, st in configs:
+                def run(bm=bm, w=w, st=st):
+                    return kernels.lora_act(x, pds, block_m=bm, num_warps=w, num_stages=st)
+                try:
+                    y = run()
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001 - a config Triton cannot build (shared memory)
+                    cells.append(type(e).__name__)
+                    continue
+                e_rel = ((y.double() - want).norm() / want.norm()).item()
+                cells.append(f"{t(run):.1f} ({e_rel:.0e})")
+            lines.append(f"| {m} | {k} | {r} | " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
 
