@@ -14,6 +14,7 @@ modules stay out of ``state_dict`` so saved checkpoints are unchanged.
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 from torch import nn
@@ -63,14 +64,19 @@ def concat_w4a4(layers: list[SVDQW4A4Linear]) -> SVDQW4A4Linear:
 
 
 def _share_packed_weight(fused: SVDQW4A4Linear, layers: list[SVDQW4A4Linear]) -> None:
-    """Point each layer's packed weight at its rows of the fused one (row slices: contiguous views)."""
+    """Point each layer's packed weight at its rows of the fused one (row slices: contiguous views).
+    When a backend frees the fused module's canonical tensors (its prepared layout stands in for them,
+    ``_stand_in``), the layers free their views too, so the weight stays on the device once."""
     row = 0
+    parts = []
     for layer in layers:
         n = layer.out_features
         for name in ("qweight", "wscales"):
             layer._set(name, getattr(fused, name)[row:row + n])
         layer._reset_dispatch()
+        parts.append((weakref.ref(layer), row, n))
         row += n
+    fused.__dict__["_view_parts"] = parts  # not a submodule: nn.Module.__setattr__ is bypassed
 
 
 def _fuse_group(attn: nn.Module, names: tuple[str, ...], fused_name: str) -> bool:

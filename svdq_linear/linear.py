@@ -133,6 +133,25 @@ class _PackedNVFP4Linear(nn.Module):
             p = self._parameters[name]
             self._stood_in[name] = (p, fn)
             p.data = p.data.new_empty((0,) * p.dim())
+        # a fused module (svdq_linear.fuse): the layers it was built from hold row views of these tensors,
+        # which would keep the freed storage alive; they stand in too, rebuilt from this module's rows
+        for ref, row, n in self.__dict__.get("_view_parts", ()):
+            part = ref()
+            if part is not None:
+                part._drop_views_of(self, row, n, [name for name in rebuild if part._parameters.get(name) is not None])
+
+    def _drop_views_of(self, owner: _PackedNVFP4Linear, row: int, n: int, names: list[str]) -> None:
+        """``owner`` (the fused module this layer's packed rows are views of) freed its canonical ``names``:
+        free this layer's views too, rebuilt on demand from rows ``row`` to ``row + n`` of the owner."""
+
+        def rows(name: str) -> torch.Tensor:
+            stood = owner.__dict__.get("_stood_in") or {}
+            p = owner._parameters[name]
+            if name in stood and stood[name][0] is p and p.numel() == 0:
+                return stood[name][1]()[row:row + n].clone()  # just these rows, not the whole rebuilt weight
+            return p[row:row + n]
+
+        self._stand_in({name: (lambda name=name: rows(name)) for name in names})
 
     def _restore(self) -> None:
         stood, self._stood_in = self.__dict__.get("_stood_in") or {}, {}
@@ -169,6 +188,7 @@ class _PackedNVFP4Linear(nn.Module):
         self._restore()
         state = self.__dict__.copy()
         state["_dispatch_cache"], state["_declined"] = {}, {}
+        state.pop("_view_parts", None)  # weak references (svdq_linear.fuse): a copy's parts are not ours
         return state
 
     def _expected_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -216,3 +216,25 @@ def test_fused_qkv_on_cuda_matches_separate_layers():
     x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16)
     separate = torch.cat([m(x) for m in layers], dim=-1).float()
     assert _rel(fused(x), separate) < 1e-2  # the same contract; bf16 output rounding and summation order
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_fused_qkv_keeps_one_copy_of_the_weight_on_cuda(mode):
+    """``fuse_qkv_projections``' q/k/v layers hold row views of the fused packed weight; once the fused
+    module's kernel layout stands in for its canonical tensors on the GPU, they free those views too
+    (else the canonical codes stay beside the kernel's copy), and give the same rows back bit for bit."""
+    from test_conformance import random_w4a4
+
+    from svdq_linear.fuse import _share_packed_weight, concat_w4a4
+
+    parts = [random_w4a4(3072, 3072, 32, torch.bfloat16, "cuda") for _ in range(3)]
+    for p in parts[1:]:
+        p.smooth.copy_(parts[0].smooth)
+    codes = [p.qweight.clone() for p in parts]
+    fused = concat_w4a4(parts).set_mode(mode)
+    _share_packed_weight(fused, parts)
+    fused(torch.randn(256, 3072, device="cuda", dtype=torch.bfloat16))
+    if fused._parameters["qweight"].numel():
+        pytest.skip("no kernel layout stands in for the canonical codes here (quack-kernels missing)")
+    assert all(p._parameters["qweight"].numel() == 0 for p in parts), "q/k/v still hold the fused codes"
+    assert all(torch.equal(p.state_dict()["qweight"], c) for p, c in zip(parts, codes))

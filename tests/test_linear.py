@@ -258,3 +258,47 @@ def test_public_api():
 def test_empty_batch():
     m, _ = _module(k=64, n=48, rank=8)
     assert m(torch.randn(0, 64)).shape == (0, 48)
+
+
+def test_fused_layers_free_their_views_when_the_fused_weight_stands_in():
+    """After ``fuse_qkv_projections`` the q/k/v layers hold row views of the fused packed weight. When a
+    GPU backend frees the fused module's canonical tensors (its kernel layout stands in for them), the
+    views would keep that storage alive: a second copy of the weight. The layers free them too and
+    rebuild their rows, bit for bit, whenever they are read (state_dict, an attribute, a forward)."""
+    import io
+
+    from svdq_linear.fuse import _share_packed_weight, concat_w4a4
+
+    torch.manual_seed(0)
+    parts = [SVDQW4A4Linear.from_linear(torch.nn.Linear(64, n), rank=4, act_max=torch.rand(64) + 1) for n in (32, 48, 32)]
+    for p in parts[1:]:
+        p.smooth.copy_(parts[0].smooth)
+    x = torch.randn(3, 64)
+    want = {i: p(x) for i, p in enumerate(parts)}
+    saved = {i: {k: v.clone() for k, v in p.state_dict().items()} for i, p in enumerate(parts)}
+    fused = concat_w4a4(parts)
+    _share_packed_weight(fused, parts)
+    base = fused.qweight.data_ptr()
+    assert parts[1].qweight.data_ptr() == base + 32 * 32  # a view of rows 32..79 (32 bytes a row)
+
+    canon = {name: getattr(fused, name).clone() for name in ("qweight", "wscales")}
+    fused._stand_in({name: (lambda name=name: canon[name].clone()) for name in canon})  # as backends.resolve does
+    for m in [fused, *parts]:
+        assert all(m._parameters[name].numel() == 0 for name in canon), "a layer still holds the fused storage"
+    for i, p in enumerate(parts):  # the checkpoint, bit for bit, without keeping the rows
+        sd = p.state_dict()
+        assert all(torch.equal(sd[k].view(torch.uint8) if sd[k].dtype == torch.float8_e4m3fn else sd[k],
+                               saved[i][k].view(torch.uint8) if saved[i][k].dtype == torch.float8_e4m3fn else saved[i][k])
+                   for k in saved[i]), f"part {i}: state_dict changed"
+        assert p._parameters["qweight"].numel() == 0
+    buf = io.BytesIO()
+    torch.save(fused, buf)  # the weak references stay behind (a pickle of weakrefs would fail)
+    copy.deepcopy(fused)
+    for i, p in enumerate(parts):  # a forward rebuilds the rows (a copy of them: the fused canonical is gone)
+        torch.testing.assert_close(p(x), want[i], rtol=0, atol=0)
+        assert p.qweight.shape == (p.out_features, 32) and p.qweight.data_ptr() != base
+    fused._restore()  # the fused canonical back: a second stand-in frees the layers' rows again
+    fused._stand_in({name: (lambda name=name: canon[name].clone()) for name in canon})
+    assert all(p._parameters["qweight"].numel() == 0 for p in parts)
+    fused._restore()
+    assert parts[2].qweight.data_ptr() == fused.qweight.data_ptr() + 80 * 32  # views again
