@@ -41,6 +41,22 @@ def split_mm(x: torch.Tensor, pds: torch.Tensor, s: int, out_dtype=torch.float32
     return part.sum(0, dtype=out_dtype)
 
 
+def operands(m: int, k: int, r: int):
+    """x [M, K] bf16, pds [K, R] bf16 and their float64 product (the same seed for every table)."""
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    pds = (torch.randn(k, r, device="cuda") / k**0.5).bfloat16()
+    return x, pds, x.double() @ pds.double()
+
+
+def rel_err(y: torch.Tensor, want: torch.Tensor) -> float:
+    return ((y.double() - want).norm() / want.norm()).item()
+
+
+def graph_us(fn) -> float:
+    return do_bench(graphed(fn), warmup=10, rep=100, return_mode="median") * 1e3
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
@@ -52,17 +68,12 @@ def main() -> None:
              "|---|---|---|---|---|" + "---|" * len(SPLITS)]
     print("\n".join(lines), flush=True)
     for m, k, r in SHAPES:
-        torch.manual_seed(0)
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        pds = (torch.randn(k, r, device="cuda") / k**0.5).bfloat16()
-        want = x.double() @ pds.double()
+        x, pds, want = operands(m, k, r)
 
         def err(y):
-            return ((y.double() - want).norm() / want.norm()).item()
+            return rel_err(y, want)
 
-        def t(fn):
-            return do_bench(graphed(fn), warmup=10, rep=100, return_mode="median") * 1e3
-
+        t = graph_us
         cells = [f"{t(lambda: x @ pds):.1f} ({err(x @ pds):.0e})",
                  f"{t(lambda: torch.mm(x, pds, out_dtype=torch.float32)):.1f} "
                  f"({err(torch.mm(x, pds, out_dtype=torch.float32)):.0e})"]
@@ -84,14 +95,8 @@ def main() -> None:
                   "|---|---|---|---|" + "---|" * len(configs)]
         print("\n".join(lines[-4:]), flush=True)
         for m, k, r in SHAPES:
-            torch.manual_seed(0)
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            pds = (torch.randn(k, r, device="cuda") / k**0.5).bfloat16()
-            want = x.double() @ pds.double()
-
-            def t(fn):
-                return do_bench(graphed(fn), warmup=10, rep=100, return_mode="median") * 1e3
-
+            x, pds, want = operands(m, k, r)
+            t = graph_us
             cells = [f"{t(lambda: torch.mm(x, pds, out_dtype=torch.float32)):.1f}"]
             for bm, w, st in configs:
                 def run(bm=bm, w=w, st=st):
@@ -102,8 +107,7 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001 - a config Triton cannot build (shared memory)
                     cells.append(type(e).__name__)
                     continue
-                e_rel = ((y.double() - want).norm() / want.norm()).item()
-                cells.append(f"{t(run):.1f} ({e_rel:.0e})")
+                cells.append(f"{t(run):.1f} ({rel_err(y, want):.0e})")
             lines.append(f"| {m} | {k} | {r} | " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
     if args.out:
