@@ -150,7 +150,8 @@ def main() -> None:
     copy_gbs = 2 * src.numel() / (graph_time(lambda: dst.copy_(src)) * 1e-3) / 1e9
     rows = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}, "
             f"CUDA-graph replays of {CALLS} calls; device copy {copy_gbs:.0f} GB/s (read + write)", "",
-            "us; ratio = cuBLAS bf16 time / ours; 'before' = the path the small-M kernel replaced; kernel = "
+            "us; ratio = cuBLAS bf16 time / ours; linear = the module's default path (small_m_mma up to 8 tokens in "
+            "the exact mode: tuning.use_small_m_mma); 'before' = the path the small-M kernels replaced; kernel = "
             "small_m.linear alone (epilogue and low-rank term included), weight GB/s = codes + scales / its time; "
             "the fast mode runs quack's FP8 GEMM at every M (no small-M kernel)", "",
             "| layer | M | K | N | cuBLAS bf16 | mode | linear | before | kernel | kernel vs bf16 | weight GB/s | % of copy |",

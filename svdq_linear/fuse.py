@@ -106,6 +106,10 @@ def _fuse_projections(self, *args, **kwargs):
 
 @torch.no_grad()
 def _unfuse_projections(self, *args, **kwargs):
+    for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+        layer = getattr(self, name, None)
+        if isinstance(layer, SVDQW4A4Linear):
+            layer._restore()  # rows rebuilt from the fused module now, so nothing keeps it alive
     for name in ("to_qkv", "to_kv", "to_added_qkv"):
         if hasattr(self, name):
             delattr(self, name)

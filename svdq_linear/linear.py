@@ -129,27 +129,44 @@ class _PackedNVFP4Linear(nn.Module):
         layout, so the weight is not on the device twice. ``rebuild[name]()`` gives a tensor back bit for
         bit; ``_restore`` runs it before anything reads the tensor or the state goes (an attribute read,
         ``state_dict``, ``.to()``, a load, a copy or pickle, another backend or mode)."""
+        freed = {}
         for name, fn in rebuild.items():
             p = self._parameters[name]
             self._stood_in[name] = (p, fn)
+            freed[name] = p.data.untyped_storage().data_ptr()
             p.data = p.data.new_empty((0,) * p.dim())
         # a fused module (svdq_linear.fuse): the layers it was built from hold row views of these tensors,
         # which would keep the freed storage alive; they stand in too, rebuilt from this module's rows
         for ref, row, n in self.__dict__.get("_view_parts", ()):
             part = ref()
             if part is not None:
-                part._drop_views_of(self, row, n, [name for name in rebuild if part._parameters.get(name) is not None])
+                part._drop_views_of(self, row, n, freed)
 
-    def _drop_views_of(self, owner: _PackedNVFP4Linear, row: int, n: int, names: list[str]) -> None:
-        """``owner`` (the fused module this layer's packed rows are views of) freed its canonical ``names``:
-        free this layer's views too, rebuilt on demand from rows ``row`` to ``row + n`` of the owner."""
+    def _drop_views_of(self, owner: _PackedNVFP4Linear, row: int, n: int, freed: dict[str, int]) -> None:
+        """``owner`` (the fused module this layer's packed rows are views of) freed its canonical tensors
+        (``freed``: name -> storage address): free this layer's views of them too, rebuilt on demand from
+        rows ``row`` to ``row + n`` of the owner (a view of its canonical tensor, or a copy of the rows when
+        that is stood in too). A tensor of the layer's own (loaded or moved since) stays."""
+        ours = self.__dict__.setdefault("_owner_rows", {})  # name -> storage of the rows rows() last gave
+
+        def shared(name: str, ptr: int) -> bool:
+            p = self._parameters.get(name)
+            return (name in ("qweight", "wscales") and p is not None and p.numel() > 0  # what fuse shares
+                    and p.data.untyped_storage().data_ptr() in (ptr, ours.get(name)))
+
+        names = [name for name, ptr in freed.items() if shared(name, ptr)]
+        if not names:
+            return
 
         def rows(name: str) -> torch.Tensor:
             stood = owner.__dict__.get("_stood_in") or {}
             p = owner._parameters[name]
             if name in stood and stood[name][0] is p and p.numel() == 0:
-                return stood[name][1]()[row:row + n].clone()  # just these rows, not the whole rebuilt weight
-            return p[row:row + n]
+                t = stood[name][1]()[row:row + n].clone()  # just these rows, not the whole rebuilt weight
+            else:
+                t = p[row:row + n]
+            ours[name] = t.untyped_storage().data_ptr()
+            return t
 
         self._stand_in({name: (lambda name=name: rows(name)) for name in names})
 

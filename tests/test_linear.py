@@ -302,3 +302,36 @@ def test_fused_layers_free_their_views_when_the_fused_weight_stands_in():
     assert all(p._parameters["qweight"].numel() == 0 for p in parts)
     fused._restore()
     assert parts[2].qweight.data_ptr() == fused.qweight.data_ptr() + 80 * 32  # views again
+    # a tensor of the layer's own (a load with assign=True) is not a view: the fused stand-in leaves it
+    own = {k: v.clone() for k, v in saved[0].items()}
+    own["qweight"] = torch.randint(0, 256, own["qweight"].shape, dtype=torch.uint8)
+    parts[0].load_state_dict(own, assign=True)
+    fused._stand_in({name: (lambda name=name: canon[name].clone()) for name in canon})
+    assert torch.equal(parts[0].qweight, own["qweight"]), "the layer's own codes were replaced"
+    assert parts[1]._parameters["qweight"].numel() == 0
+
+
+def test_unfusing_gives_the_layers_their_rows_back():
+    """``unfuse_qkv_projections`` deletes the fused module: the q/k/v layers first take their rows back
+    (nothing of theirs keeps the fused module and its prepared state alive), bit for bit."""
+    import types
+
+    from svdq_linear.fuse import _fuse_projections, _unfuse_projections
+
+    torch.manual_seed(0)
+    attn = torch.nn.Module()
+    act_max = torch.rand(64) + 1
+    for name in ("to_q", "to_k", "to_v"):
+        setattr(attn, name, SVDQW4A4Linear.from_linear(torch.nn.Linear(64, 32), rank=4, act_max=act_max))
+        getattr(attn, name).smooth.copy_(attn.to_q.smooth)  # one input, one smoothing factor (as converted)
+    codes = {name: getattr(attn, name).qweight.clone() for name in ("to_q", "to_k", "to_v")}
+    types.MethodType(_fuse_projections, attn)()
+    fused = attn.to_qkv
+    canon = fused.qweight.clone()
+    fused._stand_in({"qweight": lambda: canon.clone()})
+    assert attn.to_k._parameters["qweight"].numel() == 0
+    types.MethodType(_unfuse_projections, attn)()
+    assert not hasattr(attn, "to_qkv") and not attn.fused_projections
+    for name, c in codes.items():
+        layer = getattr(attn, name)
+        assert not layer._stood_in and torch.equal(layer._parameters["qweight"], c)

@@ -193,9 +193,11 @@ def test_small_m_mma_routing_follows_the_measured_crossover(monkeypatch):
 
     assert sm90._route_small_m_mma("exact", _Cuda(4), 3072) and not sm90._route_small_m_mma("exact", _Cuda(16), 3072)
     assert not sm90._route_small_m_mma("exact", _Cuda(4, cuda=False), 3072)  # the Triton interpreter's CPU calls
+    assert not sm90._route_small_m_mma("exact", _Cuda(0), 3072)  # no tokens: the other paths' empty output
     monkeypatch.setenv(sm90.ENV_SMALL_M_MMA, "1")
     assert sm90._route_small_m_mma("fast", _Cuda(64), 3072) and not sm90._route_small_m_mma("fast", _Cuda(65), 3072)
     assert not sm90._route_small_m_mma("fast", _Cuda(8, cuda=False), 3072)
+    assert not sm90._route_small_m_mma("fast", _Cuda(0), 3072)
     monkeypatch.setenv(sm90.ENV_SMALL_M_MMA, "0")
     assert not sm90._route_small_m_mma("exact", _Cuda(1), 3072)
 

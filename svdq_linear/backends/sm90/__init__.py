@@ -56,7 +56,8 @@ if os.environ.get("SVDQ_SM90_SMALL_M"):
     SMALL_M = dict.fromkeys(SMALL_M, int(os.environ["SVDQ_SM90_SMALL_M"]))
 ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (the Triton GEMM for every exact call)
 # small_m_mma (warp-level tensor cores) serves the small-M calls where tuning.use_small_m_mma measured it
-# faster; "1": every call it can take (exact mode on quack's blob, fast mode, up to 64 tokens); "0": none
+# faster; "1": every call it can take (exact mode on quack's blob within SMALL_M["w4a4"], fast mode; up to
+# 64 tokens); "0": none
 ENV_SMALL_M_MMA = "SVDQ_SM90_SMALL_M_MMA"
 
 
@@ -67,7 +68,7 @@ def _route_small_m_mma(mode: str, x: torch.Tensor, n: int) -> bool:
 
     env = os.environ.get(ENV_SMALL_M_MMA)  # read per call (benchmarks toggle it)
     m, k = x.shape
-    if env == "0" or m > tuning.MMA_TOKENS or not x.is_cuda:
+    if env == "0" or not 1 <= m <= tuning.MMA_TOKENS or not x.is_cuda:  # no tokens: the other paths' empty output
         return False
     return env == "1" or tuning.use_small_m_mma(mode, m, n, k)
 

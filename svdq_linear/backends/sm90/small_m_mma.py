@@ -191,7 +191,10 @@ class SmallMMma:
 # ---- host side ------------------------------------------------------------------------------------
 
 CTAS_PER_SM = 4  # four warps a CTA: 16 warps an SM in flight
-DEPTH = 2  # k-tiles of weight bytes in flight a warp (SmallMMma's ring)
+# k-tiles of weight bytes in flight a warp (SmallMMma's ring). The ring shifts by register moves in a loop
+# that is not unrolled, so each load is waited on one iteration after it is issued whatever the depth:
+# above 2 it should gain nothing until the loop is unrolled by the depth with fixed slots.
+DEPTH = 2
 
 
 def split_for(groups: int, k_tiles: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM) -> int:
