@@ -268,12 +268,12 @@ def main() -> None:
     if args.mma_sweep:
         from svdq_linear.backends.sm90 import small_m_mma
 
-        depths, ctas = (1, 2, 3, 4), (4, 8, 16)
-        rows += ["", f"small_m_mma alone (us; weight GB/s): k-tiles of weight bytes in flight (depth) x CTAs an SM "
-                 f"(the split rule's target); today's defaults depth {small_m_mma.DEPTH}, "
-                 f"{small_m_mma.CTAS_PER_SM} CTAs", "",
-                 "| layer | mode | M | " + " | ".join(f"d{d} c{c}" for d in depths for c in ctas) + " |",
-                 "|---|---|---|" + "---|" * (len(depths) * len(ctas))]
+        loops, ctas = ((1, False), (2, False), (2, True), (3, True), (4, True)), (4, 8, 16)
+        rows += ["", f"small_m_mma alone (us; weight GB/s): k-tiles of weight bytes in flight (d), 'u' = the loop "
+                 f"unrolled by d (fixed ring slots; '-' where the split's k-tiles are not a multiple of d) x CTAs an "
+                 f"SM (c, the split rule's target); defaults d{small_m_mma.DEPTH} c{small_m_mma.CTAS_PER_SM}", "",
+                 "| layer | mode | M | " + " | ".join(f"d{d}{'u' if u else ''} c{c}" for d, u in loops for c in ctas)
+                 + " |", "|---|---|---|" + "---|" * (len(loops) * len(ctas))]
         for label, k, n in (("attn", 3072, 3072), ("ff up", 3072, 12288), ("ff down", 12288, 3072)):
             wbytes = n * k // 2 + n * k // 16
             for mode in ("exact", "fast") if have_fast else ("exact",):
@@ -282,9 +282,14 @@ def main() -> None:
                     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                     call = mma_kernel_call(q, x)
                     cells = []
-                    for d in depths:
+                    for d, u in loops:
                         for c in ctas:
-                            t = graph_time(lambda: call(depth=d, ctas_per_sm=c))
+                            try:
+                                call(depth=d, ctas_per_sm=c, unroll=u)
+                            except ValueError:  # the unrolled loop needs a multiple of d k-tiles a split
+                                cells.append("-")
+                                continue
+                            t = graph_time(lambda: call(depth=d, ctas_per_sm=c, unroll=u))
                             cells.append(f"{t * 1e3:.1f} ({wbytes / (t * 1e-3) / 1e9:.0f})")
                     rows.append(f"| {label} | {mode} | {m} | " + " | ".join(cells) + " |")
                     print(rows[-1], flush=True)

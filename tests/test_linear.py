@@ -296,7 +296,7 @@ def test_fused_layers_free_their_views_when_the_fused_weight_stands_in():
     copy.deepcopy(fused)
     for i, p in enumerate(parts):  # a forward rebuilds the rows (a copy of them: the fused canonical is gone)
         torch.testing.assert_close(p(x), want[i], rtol=0, atol=0)
-        assert p.qweight.shape == (p.out_features, 32) and p.qweight.data_ptr() != base
+        assert torch.equal(p.qweight, saved[i]["qweight"])  # (the freed address may be reused: not compared)
     fused._restore()  # the fused canonical back: a second stand-in frees the layers' rows again
     fused._stand_in({name: (lambda name=name: canon[name].clone()) for name in canon})
     assert all(p._parameters["qweight"].numel() == 0 for p in parts)

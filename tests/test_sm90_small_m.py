@@ -222,14 +222,16 @@ def test_mma_split_divides_the_k_tiles_and_leaves_a_tile_to_prefetch():
     assert mma.split_for(48, 48) == 8  # 3072 x 3072: 384 CTAs (the largest divisor of 48 up to 4 x 132 / 48), 6 k-tiles a split
 
 
-@pytest.mark.parametrize("mode,n_tiles,depth", [("exact", 1, 2), ("exact", 8, 2), ("fast", 2, 2), ("exact", 1, 4),
-                                                ("fast", 1, 1)])
-def test_mma_kernel_compiles_for_sm90_with_an_hmma_per_k16_block_and_token_tile(tmp_path, mode, n_tiles, depth):
+@pytest.mark.parametrize("mode,n_tiles,depth,unroll", [("exact", 1, 2, False), ("exact", 8, 2, False), ("fast", 2, 2, False),
+                                                       ("exact", 1, 4, False), ("fast", 1, 1, False), ("exact", 1, 3, True),
+                                                       ("fast", 1, 2, True)])
+def test_mma_kernel_compiles_for_sm90_with_an_hmma_per_k16_block_and_token_tile(tmp_path, mode, n_tiles, depth, unroll):
     """Compiled for sm_90a here (no GPU): exact, one ``HMMA.16816.F32.BF16`` per k16 block and 8 tokens,
     quack's ``prmt`` decode; fast, the E4M3 ``mma.sync`` as ptxas lowers it on Hopper (two f16
     ``HMMA.16816.F32`` per k32 block and 8 tokens) after the table decode; no local memory. The
     prefetch ring: ``depth`` k-tiles of code words loaded before the loop, one a tile in it (16-byte
-    loads: one a k-tile in the exact blob, two in the fast one)."""
+    loads: one a k-tile in the exact blob, two in the fast one); unrolled, ``depth`` k-tiles a loop trip,
+    each with its own slot (``depth`` times the MMAs and the loads in the loop)."""
     import os
     import re
     import subprocess
@@ -246,18 +248,19 @@ def test_mma_kernel_compiles_for_sm90_with_an_hmma_per_k16_block_and_token_tile(
            "CUTE_DSL_DUMP_DIR": str(tmp_path), "CUTE_DSL_CACHE_DIR": str(tmp_path / "cache"),
            "CUTE_DSL_DISABLE_FILE_CACHING": "1", "PYTHONWARNINGS": "ignore"}
     r = subprocess.run([sys.executable, "-m", "svdq_linear.backends.sm90.small_m_mma", "--n-tiles", str(n_tiles),
-                        "--mode", mode, "--depth", str(depth), "--out", str(cubin)], env=env, capture_output=True,
-                       text=True, timeout=600)
+                        "--mode", mode, "--depth", str(depth), "--out", str(cubin)] + (["--unroll"] if unroll else []),
+                       env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    trips = depth if unroll else 1  # k-tiles in the loop's body
     if mode == "exact":
-        assert len(re.findall(r"\bHMMA\.16816\.F32\.BF16\b", sass)) == 4 * n_tiles
-        assert len(re.findall(r"\bPRMT\b", sass)) >= 40  # quack's decode: 11 a k16 block
+        assert len(re.findall(r"\bHMMA\.16816\.F32\.BF16\b", sass)) == 4 * n_tiles * trips
+        assert len(re.findall(r"\bPRMT\b", sass)) >= 40 * trips  # quack's decode: 11 a k16 block
     else:
-        assert len(re.findall(r"\bHMMA\.16816\.F32\b(?!\.BF16)", sass)) == 8 * n_tiles
-        assert len(re.findall(r"\bF2FP\.SATFINITE\.E4M3\.F16\b", sass)) == 16  # the four tables
+        assert len(re.findall(r"\bHMMA\.16816\.F32\b(?!\.BF16)", sass)) == 8 * n_tiles * trips
+        assert len(re.findall(r"\bF2FP\.SATFINITE\.E4M3\.F16\b", sass)) == 16 * trips  # the four tables
     runs = 1 if mode == "exact" else 2
-    assert len(re.findall(r"\bLDG\.E\.128\b", sass)) == runs * (depth + 1)
+    assert len(re.findall(r"\bLDG\.E\.128\b", sass)) == runs * (depth + trips)
     assert not re.search(r"\b(LDL|STL)\b", sass)
 
 
@@ -287,6 +290,41 @@ def test_gpu_mma_kernel_meets_the_contract(m, monkeypatch):
     monkeypatch.setenv(ENV_SMALL_M_MMA, "1")
     backend = backends.choose(mod, x)
     _check(backend.linear(mod, x, backend.prepare(mod, x.device)), expected, bound, f"backend M={m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_gpu_mma_unrolled_loop_gives_the_same_bits(mode):
+    """The k-loop unrolled by the prefetch depth (fixed ring slots, ``--mma-sweep``'s candidate) walks the
+    same k-tiles in the same order as the default loop: the same partial sums, bit for bit."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm90 GPU")
+    mma = pytest.importorskip("svdq_linear.backends.sm90.small_m_mma")
+    quack_gemm = pytest.importorskip("svdq_linear.backends.sm90.quack_gemm")
+    from test_conformance import random_w4a4
+
+    from svdq_linear.backends.sm90 import kernels, quack_fast
+
+    torch.manual_seed(3)
+    mod = random_w4a4(3072, 3072, 32, torch.bfloat16, "cuda")
+    x = torch.randn(5, 3072, device="cuda", dtype=torch.bfloat16)
+    if mode == "exact":  # 48 k-tiles: split 4 gives 12 a split, a multiple of 2, 3 and 4
+        xq = kernels.quantize_act(x, mod.smooth)[0]
+        blob, sf = quack_gemm.repack_weight(mod.qweight), quack_gemm.repack_scales(mod.wscales)
+
+        def run(split=4, **kw):
+            return mma.linear(xq, blob, sf, mod.wcscale.float(), mod.bias, out_dtype=torch.float32, split=split, **kw)
+    else:  # 24 k-tiles: split 2 gives 12
+        fw = quack_fast.prepare(mod.qweight, mod.wscales, mod.wcscale, mod.bias)
+        a8, sa = kernels.quantize_act_fp8(x, mod.smooth, gemm_order=True)
+
+        def run(split=2, **kw):
+            return mma.linear_fast(a8, sa, fw, mod.bias, out_dtype=torch.float32, split=split, **kw)
+    want = run()
+    for depth in (2, 3, 4):
+        assert torch.equal(run(depth=depth, unroll=True), want), f"unrolled at depth {depth}"
+    with pytest.raises(ValueError, match="multiple of depth"):  # 6 (exact) or 3 (fast) k-tiles a split
+        run(depth=4 if mode == "exact" else 2, unroll=True, split=8)
 
 
 def test_splitk_epilogue_sums_in_order_and_applies_both_scales():

@@ -45,12 +45,12 @@ class SmallMMma:
     GEMM's k order, ``mma.sync m16n8k32`` E4M3. In both, a lane's Int32 word ``32 kt + 8 b + c + 4 h``
     of a token row holds the B fragment of k block ``b`` (``h``: its upper half)."""
 
-    def __init__(self, n_tiles: int, mode: str = "exact", depth: int = 2):
+    def __init__(self, n_tiles: int, mode: str = "exact", depth: int = 2, unroll: bool = False):
         if not 1 <= n_tiles <= 8:
             raise ValueError(f"n_tiles must be 1..8 (8 to 64 tokens), got {n_tiles}")
         if not 1 <= depth <= 4:
             raise ValueError(f"depth (k-tiles of weight bytes in flight) must be 1..4, got {depth}")
-        self.depth = depth
+        self.depth, self.unroll = depth, unroll
         if mode not in K_TILE:
             raise ValueError(f"mode must be 'exact' or 'fast', got {mode!r}")
         self.n_tiles, self.mode = n_tiles, mode
@@ -153,31 +153,55 @@ class SmallMMma:
             for b in cutlass.range_constexpr(4):
                 for h in cutlass.range_constexpr(2):
                     xb_n1[8 * j + 2 * b + h] = g_xs[j][32 * kt0 + 8 * b + cq + 4 * h]
-        for i in cutlass.range(kt_per_split):
-            kt = kt0 + i
-            for w in cutlass.range_constexpr(nw):
-                xw[w] = ring_x[0][w]
-                for q in cutlass.range_constexpr(shifts):
-                    ring_x[q][w] = ring_x[q + 1][w]
-            for w in cutlass.range_constexpr(nsf):
-                sfw[w] = ring_sf[0][w]
-                for q in cutlass.range_constexpr(shifts):
-                    ring_sf[q][w] = ring_sf[q + 1][w]
-            for j in cutlass.range_constexpr(nt):
-                for b in cutlass.range_constexpr(4):
-                    for h in cutlass.range_constexpr(2):
-                        frag_b[(0, h), j, b] = xb_n1[8 * j + 2 * b + h]
-            if i + depth < kt_per_split:  # the weight bytes `depth` tiles ahead
-                cute.autovec_copy(g_blob[kt + depth, None], last_x)
+        if const_expr(self.unroll):
+            # the loop unrolled by `depth`: slot d of the ring always holds tile d (mod depth) of the split,
+            # so a load is waited on `depth` tiles after it is issued; kt_per_split % depth == 0 (host), and
+            # the loads past the split's last tile re-read it (in bounds, no branch)
+            kt_last = kt0 + kt_per_split - 1
+            for g in cutlass.range(kt_per_split // depth):
+                for d in cutlass.range_constexpr(depth):
+                    kt = kt0 + g * depth + d
+                    for j in cutlass.range_constexpr(nt):
+                        for b in cutlass.range_constexpr(4):
+                            for h in cutlass.range_constexpr(2):
+                                frag_b[(0, h), j, b] = xb_n1[8 * j + 2 * b + h]
+                    kt_next = cutlass.min(kt + 1, kt_last)
+                    for j in cutlass.range_constexpr(nt):
+                        for b in cutlass.range_constexpr(4):
+                            for h in cutlass.range_constexpr(2):
+                                xb_n1[8 * j + 2 * b + h] = g_xs[j][32 * kt_next + 8 * b + cq + 4 * h]
+                    self._decode(ring_x[d], ring_sf[d], ts, frag_a)
+                    kt_ahead = cutlass.min(kt + depth, kt_last)
+                    cute.autovec_copy(g_blob[kt_ahead, None], ring_x[d])
+                    for w in cutlass.range_constexpr(nsf):
+                        ring_sf[d][w] = g_sf[kt_ahead, w]
+                    cute.gemm(tiled_mma, acc, tCrA, tCrB, acc)
+        else:
+            for i in cutlass.range(kt_per_split):
+                kt = kt0 + i
+                for w in cutlass.range_constexpr(nw):
+                    xw[w] = ring_x[0][w]
+                    for q in cutlass.range_constexpr(shifts):
+                        ring_x[q][w] = ring_x[q + 1][w]
                 for w in cutlass.range_constexpr(nsf):
-                    last_sf[w] = g_sf[kt + depth, w]
-            if i + 1 < kt_per_split:  # the next tile's token words, in flight during this tile's decode
+                    sfw[w] = ring_sf[0][w]
+                    for q in cutlass.range_constexpr(shifts):
+                        ring_sf[q][w] = ring_sf[q + 1][w]
                 for j in cutlass.range_constexpr(nt):
                     for b in cutlass.range_constexpr(4):
                         for h in cutlass.range_constexpr(2):
-                            xb_n1[8 * j + 2 * b + h] = g_xs[j][32 * (kt + 1) + 8 * b + cq + 4 * h]
-            self._decode(xw, sfw, ts, frag_a)
-            cute.gemm(tiled_mma, acc, tCrA, tCrB, acc)
+                            frag_b[(0, h), j, b] = xb_n1[8 * j + 2 * b + h]
+                if i + depth < kt_per_split:  # the weight bytes `depth` tiles ahead
+                    cute.autovec_copy(g_blob[kt + depth, None], last_x)
+                    for w in cutlass.range_constexpr(nsf):
+                        last_sf[w] = g_sf[kt + depth, w]
+                if i + 1 < kt_per_split:  # the next tile's token words, in flight during this tile's decode
+                    for j in cutlass.range_constexpr(nt):
+                        for b in cutlass.range_constexpr(4):
+                            for h in cutlass.range_constexpr(2):
+                                xb_n1[8 * j + 2 * b + h] = g_xs[j][32 * (kt + 1) + 8 * b + cq + 4 * h]
+                self._decode(xw, sfw, ts, frag_a)
+                cute.gemm(tiled_mma, acc, tCrA, tCrB, acc)
 
         # C: rows g (+ 8), tokens 8 j + 2 c (+ 1)
         row = grp * ROWS + warp_i * 16 + gq
@@ -208,22 +232,23 @@ def split_for(groups: int, k_tiles: int, sms: int = SM_COUNT, ctas_per_sm: int =
     return best
 
 
-_COMPILED: dict[tuple[int, str, int], object] = {}
+_COMPILED: dict[tuple[int, str, int, bool], object] = {}
 
 
-def _compiled(n_tiles: int, mode: str, depth: int = DEPTH):
+def _compiled(n_tiles: int, mode: str, depth: int = DEPTH, unroll: bool = False):
     """The kernel for up to ``8 * n_tiles`` tokens, compiled once per process (tvm-ffi: called with
     torch tensors on the current stream)."""
-    fn = _COMPILED.get((n_tiles, mode, depth))
+    key = (n_tiles, mode, depth, unroll)
+    fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[n_tiles, mode, depth] = compile_kernel(n_tiles, mode, depth)
+        fn = _COMPILED[key] = compile_kernel(*key)
     return fn
 
 
-def compile_kernel(n_tiles: int, mode: str = "exact", depth: int = DEPTH):
+def compile_kernel(n_tiles: int, mode: str = "exact", depth: int = DEPTH, unroll: bool = False):
     from quack.compile_utils import make_fake_tensor
 
-    kern = SmallMMma(n_tiles, mode, depth)
+    kern = SmallMMma(n_tiles, mode, depth, unroll)
     g, kt, s, m, n, kh = (cute.sym_int() for _ in range(6))
     blob = make_fake_tensor(Int32, (g, kt, 128, kern.words), divisibility=4)
     sf = make_fake_tensor(Int32, (g, kt, 32 if mode == "exact" else 128, kern.sf_words), divisibility=kern.sf_words)
@@ -234,9 +259,10 @@ def compile_kernel(n_tiles: int, mode: str = "exact", depth: int = DEPTH):
 
 
 def _run(mode, a, blob_i32, sf_i32, colscale, rowscale, bias, proj_up, lora_act, out_dtype, split,
-         depth=None, ctas_per_sm=None):
+         depth=None, ctas_per_sm=None, unroll=False):
     """Launch the kernel on the tokens, then the ordered sum and the epilogue (``depth`` / ``ctas_per_sm``
-    override ``DEPTH`` / ``CTAS_PER_SM``: for measurement)."""
+    override ``DEPTH`` / ``CTAS_PER_SM``, ``unroll`` takes the loop unrolled by the depth: for
+    measurement)."""
     import torch
 
     from .kernels import splitk_epilogue
@@ -247,8 +273,11 @@ def _run(mode, a, blob_i32, sf_i32, colscale, rowscale, bias, proj_up, lora_act,
     split = split or split_for(groups, k_tiles, ctas_per_sm=ctas_per_sm or CTAS_PER_SM)
     if k_tiles % split:
         raise ValueError(f"split {split} does not divide the {k_tiles} k-tiles")
+    depth = depth or DEPTH
+    if unroll and (k_tiles // split) % depth:
+        raise ValueError(f"the unrolled loop takes a multiple of depth {depth} k-tiles a split, got {k_tiles // split}")
     part = torch.empty(split, m, n, device=a.device, dtype=torch.float32)
-    _compiled(-(-m // 8), mode, depth or DEPTH)(blob_i32, sf_i32, a.view(torch.int32), part, k_tiles // split, m)
+    _compiled(-(-m // 8), mode, depth, unroll)(blob_i32, sf_i32, a.view(torch.int32), part, k_tiles // split, m)
     r = 0 if proj_up is None else proj_up.shape[1]
     out = torch.empty(m, n, device=a.device, dtype=out_dtype)
     return splitk_epilogue(part, out, colscale, bias, proj_up if r else None, lora_act if r else None, rowscale)
@@ -302,9 +331,10 @@ def main(argv=None) -> int:
     p.add_argument("--n-tiles", type=int, default=1)
     p.add_argument("--mode", choices=sorted(K_TILE), default="exact")
     p.add_argument("--depth", type=int, default=DEPTH, help="k-tiles of weight bytes in flight")
+    p.add_argument("--unroll", action="store_true", help="the k-loop unrolled by the depth (fixed ring slots)")
     p.add_argument("--out", required=True, help="where to write the cubin")
     args = p.parse_args(argv)
-    cubin = getattr(compile_kernel(args.n_tiles, args.mode, args.depth), "__cubin__", None)
+    cubin = getattr(compile_kernel(args.n_tiles, args.mode, args.depth, args.unroll), "__cubin__", None)
     if not cubin:
         raise SystemExit("no cubin kept: set CUTE_DSL_KEEP=cubin")
     if isinstance(cubin, str):  # a path to the dumped file
