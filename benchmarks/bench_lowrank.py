@@ -62,10 +62,26 @@ TILE_SHAPES = [("single out", 4608, 15360, 3072), ("ref 4352x3840x3072", 4352, 3
 TILES = [(128, 256), (128, 192), (128, 128), (256, 128), (64, 256)]
 
 
+def mode_gemm(mode: str, x: torch.Tensor, base):
+    """``base``'s GEMM in ``mode`` on ``x`` (its activation pass done here): ``(run, col, to_la)`` with
+    ``run(lowrank=None, lr_acc=None, tile=None)``, ``col`` the epilogue's per-column factor [N, 1] (what
+    ``proj_up`` is divided by in the accumulator path) and ``to_la(lora)`` the ``lora_act`` that path reads
+    (the fast mode's divided by the per-token scale)."""
+    if mode == "exact":
+        w = quack_gemm.prepare(base.qweight, base.wscales, base.wcscale, base.bias)
+        xq, _, _ = kernels.quantize_act(x, base.smooth, out_dtype=torch.bfloat16)
+        return ((lambda lowrank=None, lr_acc=None, tile=None: quack_gemm.gemm(xq, w, lowrank, lr_acc=lr_acc, tile=tile)),
+                w.wc.reshape(-1, 1), lambda lora: lora)
+    w = quack_fast.prepare(base.qweight, base.wscales, base.wcscale, base.bias)
+    a8, sa = kernels.quantize_act_fp8(x, base.smooth, gemm_order=True)
+    return ((lambda lowrank=None, lr_acc=None, tile=None: quack_fast.gemm(a8, sa, w, lowrank, lr_acc=lr_acc, tile=tile)),
+            w.cs.reshape(-1, 1), lambda lora: (lora.float() / sa[:, None]).bfloat16())
+
+
 def tile_sweep(log, dev, shapes=TILE_SHAPES, tiles=TILES) -> None:
-    """The R = 0 GEMM of each mode at each candidate tile: quack's persistent scheduler leaves the last
-    wave part-empty when the tile count is just above a multiple of the 132 SMs (408 tiles of 128 x 256
-    at 4352 x 3072: 3.09 waves)."""
+    """Each mode's GEMM (R = 0, and R = 32 in the accumulator) at each candidate tile: quack's persistent
+    scheduler leaves the last wave part-empty when the tile count is just above a multiple of the 132
+    SMs (408 tiles of 128 x 256 at 4352 x 3072: 3.09 waves)."""
     log("\n## GEMM tiles (CUDA-graph replays, ms; ratio = cuBLAS bf16 / GEMM; tiles = CTAs' output tiles; "
         "each cell: R = 0, then R = 32 with the low-rank MMA in the accumulator)\n")
     log("| mode | shape | M | K | N | cuBLAS bf16 | " + " | ".join(f"{a}x{b}" for a, b in tiles) + " |")
@@ -77,35 +93,19 @@ def tile_sweep(log, dev, shapes=TILE_SHAPES, tiles=TILES) -> None:
         t_bf16 = timer(lambda: x @ wb.T)
         base = random_w4a4(k, n, 0, torch.bfloat16, dev)
         for mode in ("exact", "fast"):
-            if mode == "exact":
-                w = quack_gemm.prepare(base.qweight, base.wscales, base.wcscale, base.bias)
-                xq, _, _ = kernels.quantize_act(x, base.smooth, out_dtype=torch.bfloat16)
-
-                col = w.wc.reshape(-1, 1)
-
-                def run(tile, lr_acc=None):
-                    return quack_gemm.gemm(xq, w, tile=tile, lr_acc=lr_acc)
-            else:
-                w = quack_fast.prepare(base.qweight, base.wscales, base.wcscale, base.bias)
-                a8, sa = kernels.quantize_act_fp8(x, base.smooth, gemm_order=True)
-
-                col = w.cs.reshape(-1, 1)
-
-                def run(tile, lr_acc=None):
-                    return quack_fast.gemm(a8, sa, w, tile=tile, lr_acc=lr_acc)
+            run, col, to_la = mode_gemm(mode, x, base)
             lora = torch.randn(m_tok, 32, device=dev, dtype=torch.bfloat16)
-            la = lora if mode == "exact" else (lora.float() / sa[:, None]).bfloat16()
             up = (torch.randn(n, 32, device=dev) * 1e-2 / col).bfloat16()
-            lr = (up, la, torch.zeros(n // 64, device=dev, dtype=torch.int32))
-            ref = run(tiles[0])
+            lr = (up, to_la(lora), torch.zeros(n // 64, device=dev, dtype=torch.int32))
+            ref = run(tile=tiles[0])
             cells = []
             for tile in tiles:
                 if n % tile[0]:
                     cells.append("-")
                     continue
                 try:
-                    y = run(tile)
-                    run(tile, lr)
+                    y = run(tile=tile)
+                    run(lr_acc=lr, tile=tile)
                     torch.cuda.synchronize()
                 except Exception as e:  # noqa: BLE001 - a tile quack refuses: report and go on
                     cells.append(f"error {type(e).__name__}")
@@ -114,8 +114,8 @@ def tile_sweep(log, dev, shapes=TILE_SHAPES, tiles=TILES) -> None:
                 if d > 1e-2:  # same products, same k order: at most output rounding apart
                     cells.append(f"differs ({d:.1e})")
                     continue
-                t = timer(lambda: run(tile))
-                t_lr = timer(lambda: run(tile, lr))
+                t = timer(lambda: run(tile=tile))
+                t_lr = timer(lambda: run(lr_acc=lr, tile=tile))
                 count = -(-n // tile[0]) * -(-m_tok // tile[1])
                 cells.append(f"{t:.4f} ({t_bf16 / t:.2f}x, {count} tiles); R=32 {t_lr:.4f} ({t_bf16 / t_lr:.2f}x)")
             log(f"| {mode} | {label} | {m_tok} | {k} | {n} | {t_bf16:.4f} | " + " | ".join(cells) + " |")
@@ -156,20 +156,7 @@ def main() -> None:
         x = torch.randn(m_tok, k, device=dev, dtype=torch.bfloat16)
         base = random_w4a4(k, n, 0, torch.bfloat16, dev)
         for mode in ("exact", "fast"):
-            if mode == "exact":
-                w = quack_gemm.prepare(base.qweight, base.wscales, base.wcscale, base.bias)
-                xq, _, _ = kernels.quantize_act(x, base.smooth, out_dtype=torch.bfloat16)
-                col = w.wc.reshape(-1, 1)
-
-                def run(lowrank=None, lr_acc=None):
-                    return quack_gemm.gemm(xq, w, lowrank, lr_acc=lr_acc)
-            else:
-                w = quack_fast.prepare(base.qweight, base.wscales, base.wcscale, base.bias)
-                a8, sa = kernels.quantize_act_fp8(x, base.smooth, gemm_order=True)
-                col = w.cs.reshape(-1, 1)
-
-                def run(lowrank=None, lr_acc=None):
-                    return quack_fast.gemm(a8, sa, w, lowrank, lr_acc=lr_acc)
+            run, col, to_la = mode_gemm(mode, x, base)
             t0 = timer(run)
             cells = []
             for r in RANKS:
@@ -180,9 +167,7 @@ def main() -> None:
                 up_w = torch.randn(n, width, device=dev, dtype=torch.bfloat16) * 1e-2  # each row's own window
                 up = torch.zeros(n, segments * width, device=dev, dtype=torch.bfloat16)  # the dense form, for the tile
                 up.scatter_(1, (seg.repeat_interleave(64).long() * width)[:, None] + torch.arange(width, device=dev), up_w)
-                la = lora if mode == "exact" else (lora.float() / sa[:, None]).bfloat16()
-                lu = (up_w.float() / col).bfloat16()
-                lr_acc = (lu, la, seg)
+                lr_acc = ((up_w.float() / col).bfloat16(), to_la(lora), seg)
                 y_tile = run(lowrank=lora @ up.T)
                 y_acc = run(lr_acc=lr_acc)
                 close(y_acc, y_tile, lora.float().abs() @ up.float().abs().T, f"{mode} {label} R={r}")

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import Backend, device_capability, weights_are_offloaded
+from . import tuning  # plain Python: no Triton, cutlass or quack
 
 MAX_RANK = 256
 QUACK_MIN_M = 128  # tokens from which quack's W4 GEMM serves bf16 calls (docs/perf.md)
@@ -64,8 +65,6 @@ ENV_SMALL_M_MMA = "SVDQ_SM90_SMALL_M_MMA"
 def _route_small_m_mma(mode: str, x: torch.Tensor, n: int) -> bool:
     """Whether this call of ``x [M, K]`` runs small_m_mma (a CUDA kernel: never under the Triton
     interpreter on the CPU)."""
-    from . import tuning
-
     env = os.environ.get(ENV_SMALL_M_MMA)  # read per call (benchmarks toggle it)
     m, k = x.shape
     if env == "0" or not 1 <= m <= tuning.MMA_TOKENS or not x.is_cuda:  # no tokens: the other paths' empty output
@@ -185,7 +184,7 @@ class Sm90Backend(Backend):
     kinds = frozenset({"w4a4", "w4a4_fast", "w4a16"})
 
     def __init__(self):
-        from . import kernels, tuning  # imports Triton
+        from . import kernels  # imports Triton
 
         self.kernels, self.tuning = kernels, tuning
         self.interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -328,7 +327,7 @@ class Sm90Backend(Backend):
             layout, w, s = small_m.QUACK, extra[-4], extra[-3]
         if layout == small_m.QUACK and x.dtype == torch.bfloat16 and _route_small_m_mma("exact", x, n):
             return _small_m_mma_module().linear(self.kernels.quantize_act(x, smooth)[0], w, s, wcscale.float(), bias,
-                                      proj_up if r else None, lora, out_dtype=x.dtype)
+                                                proj_up if r else None, lora, out_dtype=x.dtype)
         if small_m.use_fma(m, n, x.shape[1]):
             a, act = x, small_m.ACT_NVFP4
         else:
