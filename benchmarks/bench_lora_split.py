@@ -4,8 +4,11 @@ order.
 
     python benchmarks/bench_lora_split.py [--out FILE] [--triton]
 
-``--triton`` adds ``kernels.lora_act`` (Triton, one launch, x streamed once) over row blocks, warps
-and pipeline stages: larger row blocks re-read ``proj_down`` fewer times, at the cost of programs.
+``--triton`` adds ``kernels.lora_act`` (Triton, one launch, x streamed once) over row blocks, K splits
+(its ``[S, M, R]`` partial sums, which the fast mode's activation pass adds: the kernel is timed
+alone), warps and pipeline stages: larger row blocks re-read ``proj_down`` fewer times, splits give
+back the programs they cost. ``--best-env FILE`` writes the ``SVDQ_SM90_LORA_ACT`` value of the config
+that beat cuBLAS by the most (geometric mean over the shapes of >= 1024 tokens), or ``cublas``.
 
 The product is skinny (R = 32-128 columns): one GEMM gives few output tiles (M / 128 of them), so its
 CTAs leave SMs idle and read ``x`` at a fraction of the bandwidth; S slices give S times the CTAs.
@@ -16,6 +19,7 @@ CUDA-graph replays, ``do_bench`` medians, us.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -61,6 +65,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
     p.add_argument("--triton", action="store_true", help="also kernels.lora_act over its block / warp / stage choices")
+    p.add_argument("--best-env", default=None, help="with --triton: write the best config's SVDQ_SM90_LORA_ACT here")
     args = p.parse_args()
     lines = [f"# lora_act: one GEMM against K split — {torch.cuda.get_device_name()}", "",
              "us (relative error against float64); bf16 out = what the exact mode passes on, fp32 out = the fast mode's", "",
@@ -86,30 +91,52 @@ def main() -> None:
         lines.append(f"| {m} | {k} | {r} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     if args.triton:
-        from svdq_linear.backends.sm90 import kernels
+        from svdq_linear.backends.sm90 import kernels, tuning
 
-        configs = [(bm, w, st) for bm in (16, 32, 64, 128) for w in (4, 8) for st in (3, 4)]
-        lines += ["", "kernels.lora_act (fp32 out), us (relative error against float64); block_m x warps x stages; "
-                  "cuBLAS fp32 out repeated for reference", "",
-                  "| M | K | R | cuBLAS fp32 out | " + " | ".join(f"{bm} w{w} s{st}" for bm, w, st in configs) + " |",
-                  "|---|---|---|---|" + "---|" * len(configs)]
+        # (block_m, split (0: tuning.lora_split's rule), warps, stages); 16 rows unsplit: the first version
+        configs = [(16, 1, 4, 4)] + [(bm, sp, 4 if bm <= 64 else 8, st) for bm in (64, 128) for sp in (0, 1, 2, 4, 8)
+                                     for st in (3, 4)]
+        lines += ["", "kernels.lora_act (fp32 out; the kernel alone: the fast mode's activation pass adds a split's partial sums), us (relative error against float64); "
+                  "block_m x split (S0 = the rule) x warps x stages; cuBLAS fp32 out repeated for reference", "",
+                  "| M | K | R | cuBLAS fp32 out | " + " | ".join(f"{bm} S{sp} w{w} s{st}" for bm, sp, w, st in configs)
+                  + " |", "|---|---|---|---|" + "---|" * len(configs)]
         print("\n".join(lines[-4:]), flush=True)
+        ratios: dict[tuple, list[float]] = {c: [] for c in configs}
         for m, k, r in SHAPES:
             x, pds, want = operands(m, k, r)
             t = graph_us
-            cells = [f"{t(lambda: torch.mm(x, pds, out_dtype=torch.float32)):.1f}"]
-            for bm, w, st in configs:
-                def run(bm=bm, w=w, st=st):
-                    return kernels.lora_act(x, pds, block_m=bm, num_warps=w, num_stages=st)
+            t_cu = t(lambda: torch.mm(x, pds, out_dtype=torch.float32))
+            cells = [f"{t_cu:.1f}"]
+            for cfg in configs:
+                bm, sp, w, st = cfg
+                split = sp or tuning.lora_split(m, k, bm, 128 if r <= 64 else 64)
+
+                def run(bm=bm, w=w, st=st, split=split):  # timed alone: the fast mode's pass adds the partials
+                    return kernels.lora_act(x, pds, block_m=bm, num_warps=w, num_stages=st, split=split)
+
                 try:
                     y = run()
+                    y = y.sum(0) if y.dim() == 3 else y
                     torch.cuda.synchronize()
                 except Exception as e:  # noqa: BLE001 - a config Triton cannot build (shared memory)
                     cells.append(type(e).__name__)
                     continue
-                cells.append(f"{t(run):.1f} ({rel_err(y, want):.0e})")
+                tc = t(run)
+                if m >= 1024:
+                    ratios[cfg].append(t_cu / tc)
+                cells.append(f"{tc:.1f} ({rel_err(y, want):.0e})" + (f" S={split}" if sp == 0 else ""))
             lines.append(f"| {m} | {k} | {r} | " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
+        n_big = sum(m >= 1024 for m, _, _ in SHAPES)
+        gm = {c: math.exp(sum(map(math.log, v)) / len(v)) for c, v in ratios.items() if len(v) == n_big}
+        best = max(gm, key=gm.get) if gm else None
+        choice = "cublas" if best is None or gm[best] < 1.02 else ",".join(map(str, best))
+        lines += ["", "cuBLAS / config, geometric mean over the shapes of >= 1024 tokens: "
+                  + ", ".join(f"{','.join(map(str, c))} {v:.2f}x" for c, v in sorted(gm.items(), key=lambda kv: -kv[1])),
+                  f"SVDQ_SM90_LORA_ACT={choice}"]
+        print("\n".join(lines[-3:]), flush=True)
+        if args.best_env:
+            Path(args.best_env).write_text(choice + "\n")
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
 

@@ -183,8 +183,22 @@ def main() -> None:
         "smooth), GEMM = the quack GEMM with the low-rank MMA in its accumulator; last column: the fast "
         "activation pass computing lora_act itself (replacing quant + lora).\n")
     log("| shape | M | K | N | cuBLAS bf16 | exact | exact: quant, lora, GEMM | fast | fast: quant, lora, GEMM | "
-        "fast: quant with lora inside | lora in Triton (kernels.lora_act) |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|")
+        "fast: quant with lora inside | lora as the backend runs it (tuning.lora_act_plan) | fast, lora by cuBLAS |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    import os
+
+    from svdq_linear.backends.sm90 import tuning
+
+    def with_env(value, fn):
+        old = os.environ.get(tuning.ENV_LORA_ACT)
+        os.environ[tuning.ENV_LORA_ACT] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                os.environ.pop(tuning.ENV_LORA_ACT)
+            else:
+                os.environ[tuning.ENV_LORA_ACT] = old
     from svdq_linear.backends.sm90 import Sm90Backend, _mm_f32
     from svdq_linear.fuse import concat_w4a4
 
@@ -232,12 +246,19 @@ def main() -> None:
             cells += [f"{t:.4f} ({t_ref / t:.2f}x)", f"{t_q:.4f}, {t_l:.4f}, {t_g:.4f}"]
             if mode == "fast":
                 cells.append(f"{t_f:.4f}")
-                # the Triton lora_act against cuBLAS's: checked (fp32 sums of the same bf16 products), timed
-                lt = kernels.lora_act(x, pds_p, torch.float32)
+                # lora_act as the backend computes it (cuBLAS or kernels.lora_act's partial sums) against
+                # cuBLAS's: checked (fp32 sums of the same bf16 products), timed
+                be = Sm90Backend()
+                lt = be._lora_act(x, pds_p)
+                lt = lt.sum(0) if lt.dim() == 3 else lt
                 tol = (x.float().abs() @ pds_p.float().abs()) * 2.0**-16 + 1e-30
                 if not bool(((lt - lora).abs() <= tol).all()):
-                    raise AssertionError(f"{label}: kernels.lora_act differs from cuBLAS beyond fp32 summation")
-                cells.append(f"{timer(lambda: kernels.lora_act(x, pds_p, torch.float32)):.4f}")
+                    raise AssertionError(f"{label}: the backend's lora_act differs from cuBLAS beyond fp32 summation")
+                plan = tuning.lora_act_plan(m_tok, k, pds_p.shape[1], os.environ.get(tuning.ENV_LORA_ACT))
+                what = "cuBLAS" if plan is None else f"{plan.block_m} rows, S={plan.split}, w{plan.num_warps} s{plan.num_stages}"
+                cells.append(f"{timer(lambda: be._lora_act(x, pds_p)):.4f} ({what})")
+                mod(x)
+                cells.append(f"{with_env('cublas', lambda: timer(lambda: mod(x))):.4f}")
             del w
         log(f"| {label} | {m_tok} | {k} | {n} | {t_ref:.4f} | " + " | ".join(cells) + " |")
         del mod

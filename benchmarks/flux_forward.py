@@ -12,6 +12,7 @@ rank-32 branch (the kernels' speed does not depend on the values). Times: CUDA-e
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -208,7 +209,8 @@ def main():
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--compile-mode", default="max-autotune-no-cudagraphs",
                    help="torch.compile mode (reduce-overhead adds CUDA graphs)")
-    p.add_argument("--variants", default="bf16,fp8,exact,fast")
+    p.add_argument("--variants", default="bf16,fp8,exact,fast",
+                   help="comma-separated: bf16, fp8, exact, fast, fast-cublas (lora_act on cuBLAS)")
     p.add_argument("--graph", action="store_true", help="also time the eager forward captured in a CUDA graph")
     p.add_argument("--fuse", action="store_true",
                    help="fuse q/k/v (diffusers' fuse_qkv_projections; one quantization pass for the svdq variants)")
@@ -250,13 +252,22 @@ def main():
     print("\n".join(lines), flush=True)
     ref = {}
     profiles: list[str] = []
+    lora_env = os.environ.get("SVDQ_SM90_LORA_ACT")
     for variant in args.variants.split(","):
+        # "fast-cublas": the fast mode with lora_act on cuBLAS (SVDQ_SM90_LORA_ACT=cublas), beside "fast"
+        kind = variant.removesuffix("-cublas")
+        if variant != kind:
+            os.environ["SVDQ_SM90_LORA_ACT"] = "cublas"
+        elif lora_env is None:
+            os.environ.pop("SVDQ_SM90_LORA_ACT", None)
+        else:
+            os.environ["SVDQ_SM90_LORA_ACT"] = lora_env
         torch.cuda.synchronize()
         mem0 = torch.cuda.memory_allocated()
-        model = build_variant(base, variant, recipe)
+        model = build_variant(base, kind, recipe)
         gb = weight_bytes(model) / 1e9  # before fusing: bf16's and FP8's fused q/k/v are copies
         if args.fuse:
-            fuse_qkv(model, variant)
+            fuse_qkv(model, kind)
         with torch.inference_mode():
             t_eager = timed(lambda: model(**kw))
             torch.cuda.synchronize()

@@ -224,6 +224,31 @@ def test_quantize_act_fp8_divides_lora_act_by_the_token_scale(one_pass):
         kernels.quantize_act_fp8(x.to(dev), smooth.to(dev), lora=lora[:5].to(dev))
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_quantize_act_fp8_adds_lora_act_partials_in_order(one_pass):
+    """``lora`` as ``[S, M, R]`` fp32 partial sums (``kernels.lora_act(split=S)``): ``la`` is their sum,
+    added in split order in fp32, divided by ``sa`` and rounded once; other shapes or dtypes are refused."""
+    from svdq_linear.backends.sm90 import kernels
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(11, 256, generator=g) * 10).bfloat16()
+    smooth = torch.rand(256, generator=g) + 0.5
+    part = torch.randn(3, 11, 40, generator=g) * 1e2
+    a8, sa, la = kernels.quantize_act_fp8(x.to(dev), smooth.to(dev), lora=part.to(dev), one_pass=one_pass)
+    rsa = nvfp4.fast_act(nvfp4.smooth_input(x, smooth))[1]
+    total = (part[0] + part[1]) + part[2]  # fp32, in split order
+    want = total.double() / rsa.double()[:, None]
+    assert la.shape == (11, 40) and torch.equal(sa.cpu(), rsa)
+    if dev == "cuda":
+        assert torch.equal(la.cpu(), (total / rsa[:, None]).bfloat16())
+    else:  # the interpreter's bf16 conversion truncates: one ulp
+        assert ((la.double() - want).abs() <= want.abs() * 2.0**-7).all()
+    for bad in (part[:, :5], part.double(), part.transpose(1, 2).contiguous().transpose(1, 2)):
+        with pytest.raises(ValueError, match="lora"):
+            kernels.quantize_act_fp8(x.to(dev), smooth.to(dev), lora=bad.to(dev))
+
+
 def test_quantize_act_fp8_can_compute_lora_act_itself():
     """``proj_down_smoothed=``: the kernel's first pass also multiplies the x it reads by
     ``proj_down / smooth`` (bf16 operands, fp32 accumulation) and writes ``la = lora_act / sa``; the codes

@@ -80,3 +80,46 @@ def test_lora_act_kernel_is_x_in_bf16_times_proj_down(dtype, m, k, r):
     assert kernels.lora_act(x.to(dev), pds.to(dev), torch.bfloat16).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="pds"):
         kernels.lora_act(x.to(dev), pds.float().to(dev))
+
+
+@pytest.mark.parametrize("m,k,r,split,block_m", [(37, 768, 32, 3, 16), (70, 1024, 96, 4, 32), (9, 256, 24, 8, 16)])
+def test_lora_act_split_gives_partial_sums_over_k_ranges(m, k, r, split, block_m):
+    """``split=S``: ``[S, M, R]`` fp32, slice s the product over its range of whole k-steps (a range past
+    K is zeros), so that the slices add up to ``x @ pds``; bad splits are refused."""
+    from svdq_linear.backends.sm90 import kernels
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(m + split)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    pds = (torch.randn(k, r, generator=g) / 20).bfloat16()
+    got = kernels.lora_act(x.to(dev), pds.to(dev), block_m=block_m, block_k=64, split=split).cpu().double()
+    assert got.shape == (split, m, r)
+    step = -(-(-(-k // split)) // 64) * 64  # each range: whole 64-column steps
+    for s in range(split):
+        lo, hi = min(s * step, k), min((s + 1) * step, k)
+        want = x[:, lo:hi].double() @ pds[lo:hi].double()
+        mag = x[:, lo:hi].double().abs() @ pds[lo:hi].double().abs() + 1e-30
+        assert ((got[s] - want).abs() <= mag * 2.0**-20).all(), s
+    with pytest.raises(ValueError, match="split"):
+        kernels.lora_act(x.to(dev), pds.to(dev), torch.bfloat16, split=2)
+    with pytest.raises(ValueError, match="split"):
+        kernels.lora_act(x.to(dev), pds.to(dev), split=0)
+
+
+def test_lora_act_plan_rule_and_environment():
+    """cuBLAS below ``LORA_ACT_MIN_M`` tokens and at rank 0; above, the Triton kernel with a split that
+    gives every SM a program; the environment forces either, and a malformed value is an error."""
+    from svdq_linear.backends.sm90 import tuning
+
+    assert tuning.lora_act_plan(512, 3072, 32) is None and tuning.lora_act_plan(4096, 3072, 0) is None
+    p = tuning.lora_act_plan(4096, 3072, 96)
+    bm = tuning.LORA_ACT_CONFIG[0]
+    assert p.block_m == bm and -(-4096 // bm) * p.split >= tuning.SM_COUNT or p.split == 8
+    assert tuning.lora_split(4096, 3072, 64) == 4 and tuning.lora_split(4096, 3072, 16) == 1
+    assert tuning.lora_split(4096, 256, 128) == 1  # no range under two k-steps
+    assert tuning.lora_act_plan(4096, 3072, 32, "cublas") is None
+    assert tuning.lora_act_plan(8, 3072, 32, "64,2,4,3") == tuning.LoraActPlan(64, 2, 4, 3)
+    assert tuning.lora_act_plan(4096, 3072, 32, "64,0,4,3").split == tuning.lora_split(4096, 3072, 64)
+    for bad in ("fast", "64,2,4", "48,2,4,3"):
+        with pytest.raises(ValueError, match="SVDQ_SM90_LORA_ACT"):
+            tuning.lora_act_plan(4096, 3072, 32, bad)

@@ -349,8 +349,8 @@ class Sm90Backend(Backend):
             return out if x.dtype == out_dtype else out.to(x.dtype)
         if len(extra) == 7:  # [proj_down', proj_up', segments] + FastWeight: the low-rank MMA in the accumulator
             pds, up, seg = extra[:3]
-            a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=_mm_f32(x.to(torch.bfloat16), pds),
-                                                       inv_smooth=inv, gemm_order=True)
+            a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=self._lora_act(x, pds), inv_smooth=inv,
+                                                       gemm_order=True)
             out = quack_fast.gemm(a8, sa, fw, out_dtype=out_dtype, lr_acc=(up, la, seg))
         else:
             lowrank = None
@@ -360,6 +360,15 @@ class Sm90Backend(Backend):
             a8, sa = self.kernels.quantize_act_fp8(x, smooth, inv_smooth=inv, gemm_order=True)
             out = quack_fast.gemm(a8, sa, fw, lowrank, out_dtype=out_dtype)
         return out if x.dtype == out_dtype else out.to(x.dtype)
+
+    def _lora_act(self, x: torch.Tensor, pds: torch.Tensor) -> torch.Tensor:
+        """The fast mode's ``lora_act = x @ pds`` in fp32: cuBLAS, or ``kernels.lora_act`` where
+        ``tuning.lora_act_plan`` says (its split's partial sums, which ``quantize_act_fp8`` adds)."""
+        plan = tuning.lora_act_plan(x.shape[0], x.shape[1], pds.shape[1], os.environ.get(tuning.ENV_LORA_ACT))
+        if plan is None:
+            return _mm_f32(x.to(torch.bfloat16), pds)
+        return self.kernels.lora_act(x, pds, torch.float32, block_m=plan.block_m, split=plan.split,
+                                     num_warps=plan.num_warps, num_stages=plan.num_stages)
 
     def run_w4a16(self, x, qweight, wscales, wcscale, bias, extra):
         if x.stride(1) != 1:

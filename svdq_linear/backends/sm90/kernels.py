@@ -133,12 +133,16 @@ def _gemm_k(pos, GEMM_ORDER: tl.constexpr):
 
 
 @triton.jit
-def _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, R, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+def _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, M, R, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                NSPLIT: tl.constexpr):
     # la = lora_act / sa, rounded once to bf16: the fast mode's operand of the low-rank MMA that joins
-    # the accumulator before the epilogue multiplies it by sa (quack_lowrank)
+    # the accumulator before the epilogue multiplies it by sa (quack_lowrank). NSPLIT > 1: lora_act
+    # comes as [NSPLIT, M, R] fp32 partial sums over K (lora_act(split=)), added here in split order.
     rr = tl.arange(0, BLOCK_R)
     mask = m_ok[:, None] & (rr < R)[None, :]
     lo = tl.load(lora_ptr + rm[:, None] * R + rr[None, :], mask=mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, NSPLIT):
+        lo += tl.load(lora_ptr + s * M * R + rm[:, None] * R + rr[None, :], mask=mask, other=0.0)
     q = tl.math.div_rn(lo, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_R)))
     tl.store(la_ptr + rm[:, None] * R + rr[None, :], q.to(tl.bfloat16), mask=mask)
 
@@ -147,7 +151,7 @@ def _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, R, BLOCK_M: tl.constexpr, BLOCK_
 def _quantize_act_fp8_kernel(
     x_ptr, smooth_ptr, a8_ptr, sa_ptr, lora_ptr, pds_ptr, la_ptr, M, K, R, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
-    FUSE_LORA: tl.constexpr, DOT_F32: tl.constexpr, GEMM_ORDER: tl.constexpr,
+    FUSE_LORA: tl.constexpr, DOT_F32: tl.constexpr, GEMM_ORDER: tl.constexpr, NSPLIT: tl.constexpr,
 ):
     # The fast mode's per-token E4M3 activations: the row max first, then one more pass that
     # quantizes (the second read of a row block comes from L2). FUSE_LORA: the first pass also
@@ -183,7 +187,7 @@ def _quantize_act_fp8_kernel(
         la = tl.math.div_rn(lacc, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_R)))
         tl.store(la_ptr + rm[:, None] * R + rr[None, :], la.to(tl.bfloat16), mask=m_ok[:, None] & (rr < R)[None, :])
     elif HAS_LORA:
-        _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, R, BLOCK_M, BLOCK_R)
+        _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, M, R, BLOCK_M, BLOCK_R, NSPLIT)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
@@ -233,7 +237,7 @@ def _fp8_rows_store(a8_ptr, q, rm, m_ok, K, J: tl.constexpr, C: tl.constexpr, HW
 def _quantize_act_fp8_rows_kernel(
     x_ptr, inv_ptr, a8_ptr, sa_ptr, lora_ptr, la_ptr, M, K, R, stride_xm,
     ROWS: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
-    HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr, GEMM_ORDER: tl.constexpr,
+    HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr, GEMM_ORDER: tl.constexpr, NSPLIT: tl.constexpr,
 ):
     # One pass: ROWS whole rows a program, held in registers as NCH chunks of C columns (a power of two
     # each, so a row of 3 * 2^n columns wastes no lanes); x is read once, every load issued before the
@@ -258,7 +262,7 @@ def _quantize_act_fp8_rows_kernel(
     sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([ROWS], 448.0, tl.float32)), 1.0)
     tl.store(sa_ptr + rm, sa, mask=m_ok)
     if HAS_LORA:
-        _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, R, ROWS, BLOCK_R)
+        _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, M, R, ROWS, BLOCK_R, NSPLIT)
     r = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sa)[:, None]
     _fp8_rows_store(a8_ptr, xs0 * r, rm, m_ok, K, 0, C, HW_CVT, CANON_NAN)
     if NCH > 1:
@@ -369,18 +373,20 @@ def _splitk_epilogue_kernel(
 
 
 @triton.jit
-def _lora_act_kernel(x_ptr, pd_ptr, out_ptr, M, K, R, stride_xm,
+def _lora_act_kernel(x_ptr, pd_ptr, out_ptr, M, K, R, stride_xm, K_SPLIT,
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr,
                      DOT_F32: tl.constexpr):
     # lora_act [BLOCK_M, R] of a row block: x (rounded to bf16, as the cuBLAS path's x.to(bf16)) times
-    # proj_down / smooth (bf16), fp32 accumulation over the whole K in one program (no split: no
-    # partial sums, a fixed order)
+    # proj_down / smooth (bf16), fp32 accumulation over the columns [s K_SPLIT, (s + 1) K_SPLIT) of
+    # split s = program_id(1) (K_SPLIT a multiple of BLOCK_K), written to out[s]: a fixed order
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rr = tl.arange(0, BLOCK_R)
     m_ok = rm < M
     r_ok = rr < R
+    kb = tl.program_id(1) * K_SPLIT
+    out_ptr += tl.program_id(1).to(tl.int64) * M * R
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(kb, tl.minimum(kb + K_SPLIT, K), BLOCK_K, num_stages=NUM_STAGES):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -485,10 +491,16 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
     a8 = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
     sa = torch.empty(m, device=x.device, dtype=torch.float32)
     r, la, lora_in, pds = 0, None, sa, sa
+    nsplit = 1
     if lora is not None:
-        if lora.dim() != 2 or lora.shape[0] != m or not lora.is_contiguous():
+        if lora.dim() == 3:  # [S, M, R] fp32 partial sums over K (lora_act(split=S))
+            if lora.shape[1] != m or lora.dtype != torch.float32 or not lora.is_contiguous():
+                raise ValueError(f"lora partials must be a contiguous [S, {m}, R] float32 tensor, got "
+                                 f"{tuple(lora.shape)} {lora.dtype}")
+            nsplit = lora.shape[0]
+        elif lora.dim() != 2 or lora.shape[0] != m or not lora.is_contiguous():
             raise ValueError(f"lora must be a contiguous [{m}, R] tensor, got {tuple(lora.shape)}")
-        r, lora_in = lora.shape[1], lora
+        r, lora_in = lora.shape[-1], lora
     if proj_down_smoothed is not None:
         pds = proj_down_smoothed
         if pds.dim() != 2 or pds.shape[0] != k or pds.dtype != torch.bfloat16 or not pds.is_contiguous():
@@ -510,38 +522,45 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
         _quantize_act_fp8_rows_kernel[(triton.cdiv(m, rows),)](
             x, inv_smooth, a8, sa, lora_in, la if r else sa, m, k, r, x.stride(0),
             ROWS=rows, C=c, NCH=nch, BLOCK_R=_block_r(r), HAS_LORA=lora is not None, HW_CVT=not _INTERPRET,
-            CANON_NAN=canon_nan, GEMM_ORDER=gemm_order, num_warps=num_warps or warps_d)
+            CANON_NAN=canon_nan, GEMM_ORDER=gemm_order, NSPLIT=nsplit, num_warps=num_warps or warps_d)
     elif m:
         _quantize_act_fp8_kernel[(triton.cdiv(m, block_m),)](
             x, smooth, a8.view(torch.uint8), sa, lora_in, pds, la if r else sa, m, k, r, x.stride(0), x.stride(1),
             BLOCK_M=block_m, BLOCK_K=min(block_k, triton.next_power_of_2(k)), BLOCK_R=_block_r(r),
             HAS_LORA=lora is not None, FUSE_LORA=proj_down_smoothed is not None, DOT_F32=_INTERPRET,
-            GEMM_ORDER=gemm_order, num_warps=num_warps or 4)
+            GEMM_ORDER=gemm_order, NSPLIT=nsplit, num_warps=num_warps or 4)
     if not wants_la:
         return a8, sa
     return a8, sa, la
 
 
 def lora_act(x: torch.Tensor, pds: torch.Tensor, out_dtype: torch.dtype = torch.float32, *, block_m: int = 16,
-             block_k: int | None = None, num_stages: int = 4, num_warps: int = 4) -> torch.Tensor:
+             block_k: int | None = None, num_stages: int = 4, num_warps: int = 4, split: int = 1) -> torch.Tensor:
     """``lora_act [M, R] = x.to(bf16) @ pds`` in ``out_dtype`` (fp32 accumulation, one rounding): what
     the backend gets from cuBLAS (``x @ pds``; ``_mm_f32`` for fp32), as one Triton launch of
-    ``block_m``-row blocks streaming x once. cuBLAS reads x at ~1.5 TB/s for these 32-128-column
-    products on the H200 (docs/perf.md); this kernel is the candidate to replace it once
-    ``benchmarks/bench_lowrank.py`` has timed both. ``x [M, K]`` with unit stride along K, any float
-    dtype; ``pds [K, R]`` bf16 contiguous."""
+    ``block_m``-row blocks streaming x once. ``x [M, K]`` with unit stride along K, any float dtype;
+    ``pds [K, R]`` bf16 contiguous.
+
+    ``split = S > 1`` splits K into S ranges of whole ``block_k`` steps (S x the programs, each reading
+    ``proj_down``'s rows of its range only) and returns the fp32 partial sums ``[S, M, R]``, which
+    ``quantize_act_fp8(lora=...)`` adds in split order; an empty range writes zeros. Larger row blocks
+    re-read ``proj_down`` from L2 fewer times (M / block_m times in all); the split keeps the SMs busy."""
     m, k = x.shape
     if pds.dim() != 2 or pds.shape[0] != k or pds.dtype != torch.bfloat16 or not pds.is_contiguous():
         raise ValueError(f"pds must be a contiguous [{k}, R] bf16 tensor, got {tuple(pds.shape)} {pds.dtype}")
+    if split < 1 or (split > 1 and out_dtype != torch.float32):
+        raise ValueError(f"split must be >= 1, and partial sums (split > 1) are float32; got split={split}, "
+                         f"{out_dtype}")
     if x.stride(1) != 1:
         x = x.contiguous()
     r = pds.shape[1]
-    out = torch.empty(m, r, device=x.device, dtype=out_dtype)
+    out = torch.empty(*((split,) if split > 1 else ()), m, r, device=x.device, dtype=out_dtype)
     # 128-deep k-steps up to 64 columns; 64 above (R = 128 would otherwise spill: 4 stages of 110 KB)
     block_k = block_k or (128 if _block_r(r) <= 64 else 64)
+    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     if m and r:
-        _lora_act_kernel[(triton.cdiv(m, block_m),)](
-            x, pds, out, m, k, r, x.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r),
+        _lora_act_kernel[(triton.cdiv(m, block_m), split)](
+            x, pds, out, m, k, r, x.stride(0), k_split, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r),
             NUM_STAGES=num_stages, DOT_F32=_INTERPRET, num_warps=num_warps)
     elif m:
         out.zero_()

@@ -118,3 +118,51 @@ def _sm_count(index: int) -> int:
 def sm_count(device) -> int:
     """The SMs of a CUDA device (``SM_COUNT`` for any other)."""
     return _sm_count(device.index or 0) if getattr(device, "type", None) == "cuda" else SM_COUNT
+
+
+# lora_act = x @ (proj_down / smooth) of the fast mode's accumulator path (the second read of x): cuBLAS
+# or kernels.lora_act. The default is the Triton kernel from LORA_ACT_MIN_M tokens with LORA_ACT_CONFIG
+# (block_m, warps, stages) and the split below; SVDQ_SM90_LORA_ACT="cublas" keeps cuBLAS, "bm,S,w,st" sets
+# the Triton kernel's block rows, split (0: the rule below), warps and stages for every call.
+ENV_LORA_ACT = "SVDQ_SM90_LORA_ACT"
+LORA_ACT_MIN_M = 1024
+LORA_ACT_CONFIG = (128, 8, 3)
+
+
+@dataclass(frozen=True)
+class LoraActPlan:
+    block_m: int
+    split: int
+    num_warps: int
+    num_stages: int
+
+
+def lora_split(m: int, k: int, block_m: int, block_k: int = 128, sms: int = SM_COUNT) -> int:
+    """Splits of K for ``kernels.lora_act``: the smallest power of two (up to 8) that gives at least one
+    program an SM, keeping at least two ``block_k`` steps a split."""
+    blocks = -(-m // block_m)
+    s = 1
+    while blocks * s < sms and s < 8 and k // (2 * s) >= 2 * block_k:
+        s *= 2
+    return s
+
+
+def lora_act_plan(m: int, k: int, r: int, env: str | None = None) -> LoraActPlan | None:
+    """How the fast mode computes ``lora_act`` for ``x [M, K]`` and rank ``R``: None for cuBLAS, else the
+    Triton kernel's plan (``env``: the value of ``SVDQ_SM90_LORA_ACT``, read per call by the caller)."""
+    if env is not None and env.strip().lower() == "cublas":
+        return None
+    if env:
+        try:
+            bm, s, w, st = (int(v) for v in env.split(","))
+        except ValueError:
+            raise ValueError(f"{ENV_LORA_ACT} must be 'cublas' or 'block_m,split,warps,stages', got {env!r}") from None
+        if bm not in (16, 32, 64, 128) or s < 0 or w not in (1, 2, 4, 8, 16) or st < 1:
+            raise ValueError(f"{ENV_LORA_ACT}={env!r}: block_m in 16/32/64/128, split >= 0, warps a power of "
+                             "two up to 16, stages >= 1")
+        block_k = 128 if r <= 64 else 64
+        return LoraActPlan(bm, s or lora_split(m, k, bm, block_k), w, st)
+    if m < LORA_ACT_MIN_M or r == 0:
+        return None
+    bm, w, st = LORA_ACT_CONFIG
+    return LoraActPlan(bm, lora_split(m, k, bm, 128 if r <= 64 else 64), w, st)
