@@ -279,21 +279,53 @@ def test_sm90_leaves_the_fast_mode_to_the_reference_on_the_cpu():
     assert backends.choose(m, torch.empty(2, 256)).name == "reference"
 
 
-def test_fast_state_stands_in_for_the_canonical_codes():
-    """The fast kernel's blob is a permutation of the canonical codes: while it is cached the module
-    frees ``qweight`` and rebuilds it from the blob bit for bit (the scales stay: the strip cannot give
-    them back). The exact mode's stand-ins: ``test_sm90_host``."""
+def test_fast_state_stands_in_for_the_canonical_codes_and_scales():
+    """The fast kernel's blob is a permutation of the canonical codes, and its strip times each row's
+    ``2**e`` gives the scales (a patch keeps the scales of all-zero blocks, which the strip zeroes):
+    while the state is cached the module frees both and rebuilds them bit for bit. The exact mode's
+    stand-ins: ``test_sm90_host``."""
     qf = pytest.importorskip("svdq_linear.backends.sm90.quack_fast")
     qg = pytest.importorskip("svdq_linear.backends.sm90.quack_gemm")
     from svdq_linear.backends.sm90 import Sm90Backend, Sm90Prepared
+    from svdq_linear.backends.sm90.fast_layout import scale_patch
 
     q, s = _weight(128, 256, seed=7)
     backend = Sm90Backend()
-    rebuild = backend.replaced(Sm90Prepared(None, None, qf.prepare(q, s, torch.rand(128) + 0.5, None)))
-    assert set(rebuild) == {"qweight"} and torch.equal(rebuild["qweight"](), q)
+    fw = qf.prepare(q, s, torch.rand(128) + 0.5, None)
+    rebuild = backend.replaced(Sm90Prepared(None, None, fw, scale_patch=scale_patch(s, fw.strip, fw.nw)))
+    assert set(rebuild) == {"qweight", "wscales"} and torch.equal(rebuild["qweight"](), q)
+    got = rebuild["wscales"]()
+    assert got.dtype == torch.float8_e4m3fn and torch.equal(got.view(torch.uint8), s.view(torch.uint8))
+    # without the patch (a state built elsewhere) the scales stay
+    assert set(backend.replaced(Sm90Prepared(None, None, fw))) == {"qweight"}
     assert set(backend.replaced(Sm90Prepared(None, None, qg.prepare(q, s, torch.ones(128), None)))) == {
         "qweight", "wscales"}
     assert backend.replaced(None) == {} and backend.replaced(Sm90Prepared(None, None, None)) == {}
+
+
+def test_fast_scales_rebuild_bit_for_bit_with_the_patch_of_zero_blocks():
+    """``rebuild_scales``: the strip's block factors times ``2**e`` are the E4M3 scales; blocks of zero
+    codes lose theirs in the strip, and ``scale_patch`` lists exactly those that were not 0."""
+    from svdq_linear.backends.sm90 import fast_layout
+
+    q, s = _weight(192, 384, seed=11)
+    codes = nvfp4.unpack_e2m1(q)
+    codes[5, 32:48] = 0  # a block of zero codes whose scale is not 0
+    codes[6, 64:80] = 8  # -0 codes: zero magnitudes too
+    s = s.clone()
+    s.view(torch.uint8)[5, 2] = 0x38
+    s.view(torch.uint8)[6, 4] = 0x41
+    q = nvfp4.pack_e2m1(codes)
+    strip, nw = fast_layout.fast_scales(q, s)
+    idx, vals = fast_layout.scale_patch(s, strip, nw)
+    zero_blocks = (codes & 7).reshape(192, -1, 16).amax(2) == 0
+    want_idx = (zero_blocks & (s.view(torch.uint8) != 0)).reshape(-1).nonzero().reshape(-1)
+    assert torch.equal(idx, want_idx) and {5 * 24 + 2, 6 * 24 + 4} <= set(idx.tolist())
+    assert torch.equal(vals, s.view(torch.uint8).reshape(-1)[want_idx])
+    full = fast_layout.rebuild_scales(strip, nw, (idx, vals))
+    assert torch.equal(full.view(torch.uint8), s.view(torch.uint8))
+    bare = fast_layout.rebuild_scales(strip, nw).view(torch.uint8)
+    assert torch.equal(bare[~zero_blocks], s.view(torch.uint8)[~zero_blocks]) and (bare[zero_blocks] == 0).all()
 
 
 # ---- GPU ------------------------------------------------------------------------------------------

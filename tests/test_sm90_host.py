@@ -107,16 +107,19 @@ def test_lora_act_split_gives_partial_sums_over_k_ranges(m, k, r, split, block_m
 
 
 def test_lora_act_plan_rule_and_environment():
-    """cuBLAS below ``LORA_ACT_MIN_M`` tokens and at rank 0; above, the Triton kernel with a split that
-    gives every SM a program; the environment forces either, and a malformed value is an error."""
+    """cuBLAS below ``LORA_ACT_MIN_M`` tokens and at rank 0; above, the Triton kernel's measured config with
+    its split cut to keep two k-steps a split; the environment forces either or sets the config (split 0:
+    the occupancy rule), and a malformed value is an error."""
     from svdq_linear.backends.sm90 import tuning
 
-    assert tuning.lora_act_plan(512, 3072, 32) is None and tuning.lora_act_plan(4096, 3072, 0) is None
-    p = tuning.lora_act_plan(4096, 3072, 96)
-    bm = tuning.LORA_ACT_CONFIG[0]
-    assert p.block_m == bm and -(-4096 // bm) * p.split >= tuning.SM_COUNT or p.split == 8
+    lo = tuning.LORA_ACT_MIN_M
+    assert tuning.lora_act_plan(lo - 1, 3072, 32) is None and tuning.lora_act_plan(4096, 3072, 0) is None
+    bm, s, w, st = tuning.LORA_ACT_CONFIG
+    assert tuning.lora_act_plan(4096, 3072, 96) == tuning.LoraActPlan(bm, s, w, st)
+    assert tuning.lora_act_plan(4096, 256, 32).split == 1  # 256 columns: two 128-column steps in all
+    assert tuning.lora_act_plan(4096, 256, 96).split == min(s, 2)  # 64-column steps above rank 64
     assert tuning.lora_split(4096, 3072, 64) == 4 and tuning.lora_split(4096, 3072, 16) == 1
-    assert tuning.lora_split(4096, 256, 128) == 1  # no range under two k-steps
+    assert tuning.lora_split(4096, 256, 128) == 1
     assert tuning.lora_act_plan(4096, 3072, 32, "cublas") is None
     assert tuning.lora_act_plan(8, 3072, 32, "64,2,4,3") == tuning.LoraActPlan(64, 2, 4, 3)
     assert tuning.lora_act_plan(4096, 3072, 32, "64,0,4,3").split == tuning.lora_split(4096, 3072, 64)

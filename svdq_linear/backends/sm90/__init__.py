@@ -125,6 +125,9 @@ class Sm90Prepared:
     quack: object | None  # quack_gemm.QuackWeight or quack_fast.FastWeight: the weight repacked for quack
     lowrank_segments: torch.Tensor | None = None  # [N / 64] int32 (plan_lowrank): set in the accumulator path
     inv_smooth: torch.Tensor | None = None  # [K] float32 1 / smooth: the fast mode's one-pass activation kernel
+    # the fast mode: (flat indices, bytes) of the scales the strip cannot give back (fast_layout.scale_patch);
+    # not a kernel operand
+    scale_patch: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """[proj_down', proj_up', (segments)] + the quack weight's tensors + [inv_smooth] (fast mode)."""
@@ -238,10 +241,14 @@ class Sm90Backend(Backend):
             return None
         r = module.rank
         pds = (module.proj_down.float() / module.smooth[:, None]).to(torch.bfloat16) if r else None
+        patch = None
         if module.kind == "w4a4_fast":
             fw = _quack_fast_module().prepare(module.qweight, module.wscales, module.wcscale, module.bias)
             colscale = fw.cs.reshape(-1, 1)
             quack_up = True
+            from .fast_layout import scale_patch
+
+            patch = scale_patch(module.wscales, fw.strip, fw.nw)
         else:
             quack = _quack_module() if self._use_quack(module) else None
             fw = quack.prepare(module.qweight, module.wscales, module.wcscale, module.bias) if quack else None
@@ -260,22 +267,27 @@ class Sm90Backend(Backend):
                 up = module.proj_up.to(torch.bfloat16).contiguous()
         # IEEE division: the bits of nvfp4.smooth_input's factor
         inv = (1.0 / module.smooth.float()).contiguous() if module.kind == "w4a4_fast" else None
-        return Sm90Prepared(pds, up, fw, seg, inv)
+        return Sm90Prepared(pds, up, fw, seg, inv, patch)
 
     def extra_tensors(self, prepared):
         return [] if prepared is None else prepared.tensors()
 
     def replaced(self, prepared):
         # Both quack layouts are byte permutations of the canonical tensors, so those leave the device
-        # while the state is cached: the fast kernel's blob stands in for qweight (its strip cannot give
-        # the scales back); the exact kernel's blob and strip stand in for qweight and wscales, and the
+        # while the state is cached: the fast kernel's blob stands in for qweight, and its strip with the
+        # rows' powers of two (and a patch for the scales of all-zero blocks) for wscales; the exact
+        # kernel's blob and strip stand in for qweight and wscales, and the
         # Triton GEMM that serves the exact mode's other calls rebuilds them per call (run_w4a4).
         kind = type(getattr(prepared, "quack", None)).__name__
         if kind == "FastWeight":
-            from .fast_layout import unpack_fast_weight
+            from .fast_layout import rebuild_scales, unpack_fast_weight
 
-            blob = prepared.quack.blob
-            return {"qweight": lambda: unpack_fast_weight(blob)}
+            fw = prepared.quack
+            blob, strip, nw, patch = fw.blob, fw.strip, fw.nw, prepared.scale_patch
+            out = {"qweight": lambda: unpack_fast_weight(blob)}
+            if nw is not None and patch is not None:  # the strip and 2**e give the scales back, bit for bit
+                out["wscales"] = lambda: rebuild_scales(strip, nw, patch)
+            return out
         if kind == "QuackWeight":
             from .quack_gemm import unpack_scales, unpack_weight
 

@@ -132,6 +132,27 @@ def strip_factors(strip: torch.Tensor) -> torch.Tensor:
     return (ue.to(torch.int16) << 7).view(torch.float16)
 
 
+def rebuild_scales(strip: torch.Tensor, nw: torch.Tensor, patch: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> torch.Tensor:
+    """The canonical block scales ``[N, K/16] float8_e4m3fn`` from the strip and ``nw = 2**e`` (``fast_scales``):
+    each block factor times its row's power of two is the E4M3 scale it came from, exactly, except where
+    ``fast_scales`` wrote 0 (a block of zero codes); ``patch = (flat indices, bytes)`` (``scale_patch``)
+    puts back the scales of those blocks that were not 0."""
+    s = (strip_factors(strip).float() * nw.float()[:, None]).to(torch.float8_e4m3fn)
+    if patch is not None and patch[0].numel():
+        flat = s.view(torch.uint8).reshape(-1)
+        flat[patch[0]] = patch[1]
+    return s
+
+
+def scale_patch(wscales: torch.Tensor, strip: torch.Tensor, nw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(flat indices int64, bytes uint8)`` of the scales that ``rebuild_scales`` without a patch gets
+    wrong (blocks of zero codes with a nonzero scale; none in a converted checkpoint of real weights)."""
+    want = wscales.contiguous().view(torch.uint8).reshape(-1)
+    idx = (rebuild_scales(strip, nw).view(torch.uint8).reshape(-1) != want).nonzero().reshape(-1)
+    return idx, want[idx].clone()
+
+
 def gemm_k_order(a: torch.Tensor) -> torch.Tensor:
     """``a [M, K]`` (K % 128 == 0) with its columns in the fast GEMM's k order (module docstring):
     what ``quantize_act_fp8(gemm_order=True)`` writes."""

@@ -243,6 +243,9 @@ class FastWeight:
     strip: torch.Tensor  # [N/64, K/128, 512] uint8
     cs: torch.Tensor  # [1, N] fp32: 2**e * wcscale
     bias: torch.Tensor  # [1, N] fp32 (zeros without a bias)
+    # [N] fp32 2**e (prepare's; not a kernel operand, so not in tensors()): with the strip it gives the
+    # canonical scales back (fast_layout.rebuild_scales)
+    nw: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:  # the order FastWeight(*tensors) takes back
         return [self.blob, self.strip, self.cs, self.bias]
@@ -253,7 +256,7 @@ def prepare(qweight, wscales, wcscale, bias) -> FastWeight:
     strip, nw = fast_layout.fast_scales(qweight, wscales)
     n = qweight.shape[0]
     b = torch.zeros(n, device=qweight.device) if bias is None else bias.float()
-    return FastWeight(blob, strip, (nw * wcscale.float()).reshape(1, n).contiguous(), b.reshape(1, n).contiguous())
+    return FastWeight(blob, strip, (nw * wcscale.float()).reshape(1, n).contiguous(), b.reshape(1, n).contiguous(), nw)
 
 
 def tiles(m: int, n: int, sms: int = tuning.SM_COUNT) -> tuple[int, int]:

@@ -122,11 +122,13 @@ def sm_count(device) -> int:
 
 # lora_act = x @ (proj_down / smooth) of the fast mode's accumulator path (the second read of x): cuBLAS
 # or kernels.lora_act. The default is the Triton kernel from LORA_ACT_MIN_M tokens with LORA_ACT_CONFIG
-# (block_m, warps, stages) and the split below; SVDQ_SM90_LORA_ACT="cublas" keeps cuBLAS, "bm,S,w,st" sets
-# the Triton kernel's block rows, split (0: the rule below), warps and stages for every call.
+# (block_m, split, warps, stages): the best of 21 configs on the H200 (docs/perf.md, 2026-12-04 fifth
+# session: 1.06x cuBLAS, geometric mean over six Flux shapes; 1.3x at 512 tokens).
+# SVDQ_SM90_LORA_ACT="cublas" keeps cuBLAS, "bm,S,w,st" sets the Triton kernel's block rows, split (0: the
+# rule of lora_split), warps and stages for every call.
 ENV_LORA_ACT = "SVDQ_SM90_LORA_ACT"
-LORA_ACT_MIN_M = 1024
-LORA_ACT_CONFIG = (128, 8, 3)
+LORA_ACT_MIN_M = 128
+LORA_ACT_CONFIG = (64, 4, 4, 3)
 
 
 @dataclass(frozen=True)
@@ -147,11 +149,19 @@ def lora_split(m: int, k: int, block_m: int, block_k: int = 128, sms: int = SM_C
     return s
 
 
+def _fit_split(s: int, k: int, block_k: int) -> int:
+    """``s`` halved until each split keeps at least two ``block_k`` steps (1 at the least)."""
+    while s > 1 and k // s < 2 * block_k:
+        s //= 2
+    return max(s, 1)
+
+
 def lora_act_plan(m: int, k: int, r: int, env: str | None = None) -> LoraActPlan | None:
     """How the fast mode computes ``lora_act`` for ``x [M, K]`` and rank ``R``: None for cuBLAS, else the
     Triton kernel's plan (``env``: the value of ``SVDQ_SM90_LORA_ACT``, read per call by the caller)."""
     if env is not None and env.strip().lower() == "cublas":
         return None
+    block_k = 128 if r <= 64 else 64  # kernels.lora_act's k-step
     if env:
         try:
             bm, s, w, st = (int(v) for v in env.split(","))
@@ -160,9 +170,8 @@ def lora_act_plan(m: int, k: int, r: int, env: str | None = None) -> LoraActPlan
         if bm not in (16, 32, 64, 128) or s < 0 or w not in (1, 2, 4, 8, 16) or st < 1:
             raise ValueError(f"{ENV_LORA_ACT}={env!r}: block_m in 16/32/64/128, split >= 0, warps a power of "
                              "two up to 16, stages >= 1")
-        block_k = 128 if r <= 64 else 64
         return LoraActPlan(bm, s or lora_split(m, k, bm, block_k), w, st)
     if m < LORA_ACT_MIN_M or r == 0:
         return None
-    bm, w, st = LORA_ACT_CONFIG
-    return LoraActPlan(bm, lora_split(m, k, bm, 128 if r <= 64 else 64), w, st)
+    bm, s, w, st = LORA_ACT_CONFIG
+    return LoraActPlan(bm, _fit_split(s, k, block_k), w, st)
