@@ -66,6 +66,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--triton", action="store_true", help="also kernels.lora_act over its block / warp / stage choices")
     p.add_argument("--best-env", default=None, help="with --triton: write the best config's SVDQ_SM90_LORA_ACT here")
+    p.add_argument("--fused", action="store_true",
+                   help="the fast mode's activation pass computing lora_act itself (two-pass kernel, row blocks x "
+                        "k-chunks x pipeline stages x warps) against the pass + lora_act as the backend runs them")
     args = p.parse_args()
     lines = [f"# lora_act: one GEMM against K split — {torch.cuda.get_device_name()}", "",
              "us (relative error against float64); bf16 out = what the exact mode passes on, fp32 out = the fast mode's", "",
@@ -137,8 +140,63 @@ def main() -> None:
         print("\n".join(lines[-3:]), flush=True)
         if args.best_env:
             Path(args.best_env).write_text(choice + "\n")
+    if args.fused:
+        fused_sweep(lines)
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+FUSED_SHAPES = [(4096, 3072, 32), (4096, 3072, 96), (4608, 3072, 128), (4096, 12288, 32), (512, 3072, 32)]
+
+
+def fused_sweep(lines: list[str]) -> None:
+    """One kernel for the pass and lora_act (x read twice inside it, the second time from L2) against
+    the two launches the backend makes (lora_act by its plan or cuBLAS, then the one-pass FP8 kernel
+    adding the partials): same outputs checked, then timed as one graph each."""
+    import os
+
+    from svdq_linear.backends.sm90 import Sm90Backend, kernels, tuning
+
+    be = Sm90Backend()
+    configs = [(bm, bk, st, w) for bm in (16, 32, 64) for bk in (64, 128) for st in (1, 3) for w in (4, 8)]
+    lines += ["", "The fast mode's pass with lora_act inside (us; block_m x block_k x stages x warps) against the "
+              "pass + lora_act launches", "",
+              "| M | K | R | pass + Triton lora | pass + cuBLAS lora | " + " | ".join(
+                  f"{bm}x{bk} s{st} w{w}" for bm, bk, st, w in configs) + " |",
+              "|---|---|---|---|---|" + "---|" * len(configs)]
+    print("\n".join(lines[-4:]), flush=True)
+    for m, k, r in FUSED_SHAPES:
+        x, pds, _ = operands(m, k, r)
+        smooth = torch.rand(k, device="cuda") + 0.5
+        inv = 1.0 / smooth
+
+        def two(env):
+            def run():
+                os.environ[tuning.ENV_LORA_ACT] = env
+                return kernels.quantize_act_fp8(x, smooth, lora=be._lora_act(x, pds), inv_smooth=inv, gemm_order=True)
+            return run
+
+        a8, sa, la = two("64,4,4,3")()
+        t_tri = graph_us(two("64,4,4,3"))
+        t_cu = graph_us(two("cublas"))
+        os.environ.pop(tuning.ENV_LORA_ACT, None)
+        bound = (x.float().abs() @ pds.float().abs()) / sa[:, None] * 2.0**-7 + 1e-30
+        cells = [f"{t_tri:.1f}", f"{t_cu:.1f}"]
+        for bm, bk, st, w in configs:
+            def run(bm=bm, bk=bk, st=st, w=w):
+                return kernels.quantize_act_fp8(x, smooth, proj_down_smoothed=pds, gemm_order=True, block_m=bm,
+                                                block_k=bk, num_stages=st, num_warps=w)
+            try:
+                fa8, fsa, fla = run()
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - a config Triton cannot build
+                cells.append(type(e).__name__)
+                continue
+            ok = (torch.equal(fa8.view(torch.uint8), a8.view(torch.uint8)) and torch.equal(fsa, sa)
+                  and bool(((fla.float() - la.float()).abs() <= bound).all()))
+            cells.append(f"{graph_us(run):.1f}" + ("" if ok else " WRONG"))
+        lines.append(f"| {m} | {k} | {r} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
 
 
 if __name__ == "__main__":

@@ -249,10 +249,11 @@ def test_quantize_act_fp8_adds_lora_act_partials_in_order(one_pass):
             kernels.quantize_act_fp8(x.to(dev), smooth.to(dev), lora=bad.to(dev))
 
 
-def test_quantize_act_fp8_can_compute_lora_act_itself():
+@pytest.mark.parametrize("block_m,block_k,num_stages", [(16, 128, 1), (32, 64, 3)])
+def test_quantize_act_fp8_can_compute_lora_act_itself(block_m, block_k, num_stages):
     """``proj_down_smoothed=``: the kernel's first pass also multiplies the x it reads by
     ``proj_down / smooth`` (bf16 operands, fp32 accumulation) and writes ``la = lora_act / sa``; the codes
-    and scales stay bit-exact."""
+    and scales stay bit-exact, at any row block, k-chunk and pipeline depth."""
     from svdq_linear.backends.sm90 import kernels
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -261,7 +262,8 @@ def test_quantize_act_fp8_can_compute_lora_act_itself():
     x[5] = 0
     smooth = torch.rand(384, generator=g) + 0.5
     pds = (torch.randn(384, 24, generator=g) / 20 / smooth[:, None]).bfloat16()
-    a8, sa, la = kernels.quantize_act_fp8(x.to(dev), smooth.to(dev), proj_down_smoothed=pds.to(dev))
+    a8, sa, la = kernels.quantize_act_fp8(x.to(dev), smooth.to(dev), proj_down_smoothed=pds.to(dev), block_m=block_m,
+                                          block_k=block_k, num_stages=num_stages)
     ra8, rsa = nvfp4.fast_act(nvfp4.smooth_input(x, smooth))
     assert torch.equal(sa.cpu(), rsa) and torch.equal(a8.view(torch.uint8).cpu(), ra8.view(torch.uint8))
     want = (x.double() @ pds.double()) / rsa.double()[:, None]
@@ -422,17 +424,20 @@ def test_gpu_fast_small_m_on_warp_tensor_cores(tokens, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_fast_mode_keeps_one_copy_of_the_codes():
+def test_gpu_fast_mode_keeps_one_copy_of_the_codes_and_scales():
     _quack_fast()
     from test_conformance import random_w4a4
 
     m = random_w4a4(3072, 3072, 32, torch.bfloat16, "cuda").set_mode("fast")
-    q = m.qweight.clone()
+    q, s = m.qweight.clone(), m.wscales.clone()
     x = torch.randn(64, 3072, device="cuda", dtype=torch.bfloat16)
     y = m(x)
     assert m._parameters["qweight"].numel() == 0, "the canonical codes stay beside the kernel's blob"
+    assert m._parameters["wscales"].numel() == 0, "the canonical scales stay beside the kernel's strip"
     assert torch.equal(m(x), y)
-    assert torch.equal(m.state_dict()["qweight"], q) and m._parameters["qweight"].numel() == 0
+    sd = m.state_dict()
+    assert torch.equal(sd["qweight"], q) and torch.equal(sd["wscales"].view(torch.uint8), s.view(torch.uint8))
+    assert m._parameters["qweight"].numel() == 0 and m._parameters["wscales"].numel() == 0
     m.set_mode("exact")
     m(x)  # the exact mode's own prepared state (quack's blob and strip) stands in now; the codes rebuild exactly
     assert torch.equal(m.qweight, q), "the canonical codes did not come back bit for bit"
