@@ -79,21 +79,33 @@ def _variants_sm90(quick: bool):
                    pds_ptr="*fp32", la_ptr="*bf16", M="i32", K="i32", R="i32", stride_xm="i32", stride_xk="i32")
         out.append((kernels._quantize_act_fp8_kernel, sig,
                     dict(BLOCK_M=4, BLOCK_K=512, BLOCK_R=32, HAS_LORA=True, FUSE_LORA=False, DOT_F32=False,
-                         GEMM_ORDER=True), dict(num_warps=4),
+                         GEMM_ORDER=True, NSPLIT=1, NUM_STAGES=1), dict(num_warps=4),
                     f"quantize_act_fp8_{xdt}"))
         # the one-pass kernel (the default; the fast GEMM's k order, as the backend writes it), at the row widths of Flux.1 and SD3.5 inputs
         for k in ((3072,) if quick else (2432, 3072, 3840, 10240, 12288, 15360)):
             rows, c, nch, warps = kernels.fp8_rows_config(k)
             sig1 = dict(x_ptr=k_ptr[xdt], inv_ptr="*fp32", a8_ptr="*fp8e4nv", sa_ptr="*fp32", lora_ptr="*fp32",
                         la_ptr="*bf16", M="i32", K="i32", R="i32", stride_xm="i32")
-            out.append((kernels._quantize_act_fp8_rows_kernel, sig1,
-                        dict(ROWS=rows, C=c, NCH=nch, BLOCK_R=32, HAS_LORA=True, HW_CVT=True, CANON_NAN=True,
-                             GEMM_ORDER=True),
-                        dict(num_warps=warps), f"quantize_act_fp8_rows_k{k}_{xdt}"))
+            # lora_act's partial sums from kernels.lora_act (tuning.LORA_ACT_CONFIG's split) from 128 tokens,
+            # one cuBLAS result below
+            lora_split = tuning.lora_act_plan(4096, k, 32).split
+            for nsplit in ((lora_split,) if quick else (lora_split, 1)):
+                out.append((kernels._quantize_act_fp8_rows_kernel, sig1,
+                            dict(ROWS=rows, C=c, NCH=nch, BLOCK_R=32, HAS_LORA=True, HW_CVT=True, CANON_NAN=True,
+                                 GEMM_ORDER=True, NSPLIT=nsplit),
+                            dict(num_warps=warps), f"quantize_act_fp8_rows_k{k}_{xdt}_lora{nsplit}"))
         sig = dict(sig, pds_ptr="*bf16")  # lora_act computed in the pass (proj_down_smoothed=)
         out.append((kernels._quantize_act_fp8_kernel, sig,
-                    dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=32, HAS_LORA=False, FUSE_LORA=True, DOT_F32=False, GEMM_ORDER=True),
+                    dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=32, HAS_LORA=False, FUSE_LORA=True, DOT_F32=False, GEMM_ORDER=True,
+                         NSPLIT=1, NUM_STAGES=1),
                     dict(num_warps=4), f"quantize_act_fp8_lora_{xdt}"))
+        # kernels.lora_act as the fast mode runs it (tuning.LORA_ACT_CONFIG), rank 32
+        bm, _, warps, stages = tuning.LORA_ACT_CONFIG
+        sig = dict(x_ptr=k_ptr[xdt], pd_ptr="*bf16", out_ptr="*fp32", M="i32", K="i32", R="i32", stride_xm="i32",
+                   K_SPLIT="i32")
+        out.append((kernels._lora_act_kernel, sig,
+                    dict(BLOCK_M=bm, BLOCK_K=128, BLOCK_R=32, NUM_STAGES=stages, DOT_F32=False),
+                    dict(num_warps=warps), f"lora_act_{xdt}"))
     out += _variants_small_m(quick)
     seen = set()
     for m, k, n in (SHAPES[:2] + SHAPES[-3:] if quick else SHAPES):
