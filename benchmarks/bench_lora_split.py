@@ -68,7 +68,7 @@ def main() -> None:
     p.add_argument("--best-env", default=None, help="with --triton: write the best config's SVDQ_SM90_LORA_ACT here")
     p.add_argument("--fused", action="store_true",
                    help="the fast mode's activation pass computing lora_act itself (two-pass kernel, row blocks x "
-                        "k-chunks x pipeline stages x warps) against the pass + lora_act as the backend runs them")
+                        "k-chunks x warps) against the pass + lora_act as the backend runs them")
     args = p.parse_args()
     lines = [f"# lora_act: one GEMM against K split — {torch.cuda.get_device_name()}", "",
              "us (relative error against float64); bf16 out = what the exact mode passes on, fp32 out = the fast mode's", "",
@@ -158,11 +158,11 @@ def fused_sweep(lines: list[str]) -> None:
     from svdq_linear.backends.sm90 import Sm90Backend, kernels, tuning
 
     be = Sm90Backend()
-    configs = [(bm, bk, st, w) for bm in (16, 32, 64) for bk in (64, 128) for st in (1, 3) for w in (4, 8)]
-    lines += ["", "The fast mode's pass with lora_act inside (us; block_m x block_k x stages x warps) against the "
+    configs = [(bm, bk, w) for bm in (16, 32, 64) for bk in (64, 128) for w in (4, 8)]
+    lines += ["", "The fast mode's pass with lora_act inside (us; block_m x block_k x warps) against the "
               "pass + lora_act launches", "",
               "| M | K | R | pass + Triton lora | pass + cuBLAS lora | " + " | ".join(
-                  f"{bm}x{bk} s{st} w{w}" for bm, bk, st, w in configs) + " |",
+                  f"{bm}x{bk} w{w}" for bm, bk, w in configs) + " |",
               "|---|---|---|---|---|" + "---|" * len(configs)]
     print("\n".join(lines[-4:]), flush=True)
     for m, k, r in FUSED_SHAPES:
@@ -182,10 +182,10 @@ def fused_sweep(lines: list[str]) -> None:
         os.environ.pop(tuning.ENV_LORA_ACT, None)
         bound = (x.float().abs() @ pds.float().abs()) / sa[:, None] * 2.0**-7 + 1e-30
         cells = [f"{t_tri:.1f}", f"{t_cu:.1f}"]
-        for bm, bk, st, w in configs:
-            def run(bm=bm, bk=bk, st=st, w=w):
+        for bm, bk, w in configs:
+            def run(bm=bm, bk=bk, w=w):
                 return kernels.quantize_act_fp8(x, smooth, proj_down_smoothed=pds, gemm_order=True, block_m=bm,
-                                                block_k=bk, num_stages=st, num_warps=w)
+                                                block_k=bk, num_warps=w)
             try:
                 fa8, fsa, fla = run()
                 torch.cuda.synchronize()

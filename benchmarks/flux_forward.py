@@ -315,6 +315,13 @@ def main():
         if model is base:
             if args.fuse:
                 unfuse_qkv(base)
+            # compile_repeated_blocks compiled base's blocks in place, and the next variants are deep copies
+            # of base: without this their "eager" forwards ran the compiled blocks (eager fast 279 ms against
+            # 189 ms as a first variant, docs/perf.md 2026-12-04 fifth session)
+            for mod in base.modules():
+                if getattr(mod, "_compiled_call_impl", None) is not None:
+                    mod._compiled_call_impl = None
+            torch._dynamo.reset()
         else:
             del model
             torch._dynamo.reset()

@@ -79,7 +79,7 @@ def _variants_sm90(quick: bool):
                    pds_ptr="*fp32", la_ptr="*bf16", M="i32", K="i32", R="i32", stride_xm="i32", stride_xk="i32")
         out.append((kernels._quantize_act_fp8_kernel, sig,
                     dict(BLOCK_M=4, BLOCK_K=512, BLOCK_R=32, HAS_LORA=True, FUSE_LORA=False, DOT_F32=False,
-                         GEMM_ORDER=True, NSPLIT=1, NUM_STAGES=1), dict(num_warps=4),
+                         GEMM_ORDER=True, NSPLIT=1), dict(num_warps=4),
                     f"quantize_act_fp8_{xdt}"))
         # the one-pass kernel (the default; the fast GEMM's k order, as the backend writes it), at the row widths of Flux.1 and SD3.5 inputs
         for k in ((3072,) if quick else (2432, 3072, 3840, 10240, 12288, 15360)):
@@ -97,7 +97,7 @@ def _variants_sm90(quick: bool):
         sig = dict(sig, pds_ptr="*bf16")  # lora_act computed in the pass (proj_down_smoothed=)
         out.append((kernels._quantize_act_fp8_kernel, sig,
                     dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=32, HAS_LORA=False, FUSE_LORA=True, DOT_F32=False, GEMM_ORDER=True,
-                         NSPLIT=1, NUM_STAGES=1),
+                         NSPLIT=1),
                     dict(num_warps=4), f"quantize_act_fp8_lora_{xdt}"))
         # kernels.lora_act as the fast mode runs it (tuning.LORA_ACT_CONFIG), rank 32
         bm, _, warps, stages = tuning.LORA_ACT_CONFIG

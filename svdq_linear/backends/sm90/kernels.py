@@ -152,7 +152,6 @@ def _quantize_act_fp8_kernel(
     x_ptr, smooth_ptr, a8_ptr, sa_ptr, lora_ptr, pds_ptr, la_ptr, M, K, R, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
     FUSE_LORA: tl.constexpr, DOT_F32: tl.constexpr, GEMM_ORDER: tl.constexpr, NSPLIT: tl.constexpr,
-    NUM_STAGES: tl.constexpr = 1,
 ):
     # The fast mode's per-token E4M3 activations: the row max first, then one more pass that
     # quantizes (the second read of a row block comes from L2). FUSE_LORA: the first pass also
@@ -164,7 +163,9 @@ def _quantize_act_fp8_kernel(
     nan = tl.zeros([BLOCK_M], tl.int32)
     rr = tl.arange(0, BLOCK_R)
     lacc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    # plain loops: software-pipelined (tl.range num_stages=3) Triton 3.6 wrote wrong la / codes on the
+    # H200 at 64-row blocks (docs/perf.md, 2026-12-04 fifth session)
+    for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
@@ -189,7 +190,7 @@ def _quantize_act_fp8_kernel(
         tl.store(la_ptr + rm[:, None] * R + rr[None, :], la.to(tl.bfloat16), mask=m_ok[:, None] & (rr < R)[None, :])
     elif HAS_LORA:
         _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, M, R, BLOCK_M, BLOCK_R, NSPLIT)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         mask = m_ok[:, None] & k_ok[None, :]
@@ -458,8 +459,7 @@ def fp8_rows_config(k: int) -> tuple[int, int, int, int]:
 def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tensor | None = None,
                      proj_down_smoothed: torch.Tensor | None = None, inv_smooth: torch.Tensor | None = None,
                      one_pass: bool | None = None, rows: int | None = None, num_warps: int | None = None,
-                     canon_nan: bool = True, block_m: int = 4, block_k: int = 512, gemm_order: bool = False,
-                     num_stages: int = 1):
+                     canon_nan: bool = True, block_m: int = 4, block_k: int = 512, gemm_order: bool = False):
     """The fast mode's activations of ``x [M, K]`` (any strides): ``(a8 [M, K] float8_e4m3fn, sa [M]
     float32)``, bit-identical to ``nvfp4.fast_act(nvfp4.smooth_input(x, smooth))``. With ``lora [M, R]``
     (contiguous, any float dtype: ``lora_act``) also ``la [M, R] bf16 = lora / sa`` rounded once, as the
@@ -475,8 +475,7 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
     read from L2); it serves ``proj_down_smoothed`` and longer rows. ``canon_nan=False`` (for
     measurement) leaves NaN as the hardware convert writes it; the default writes 0x7F for every NaN.
     ``gemm_order=True`` (K % 128 == 0) writes ``a8``'s columns in the fast GEMM's k order
-    (``fast_layout.gemm_k_order`` of the above): what ``quack_fast.gemm`` reads. ``num_stages`` (the
-    two-pass kernel) software-pipelines its loops over K (1: none)."""
+    (``fast_layout.gemm_k_order`` of the above): what ``quack_fast.gemm`` reads."""
     m, k = x.shape
     if gemm_order and k % 128:
         raise ValueError(f"the fast GEMM's k order needs in_features % 128 == 0, got {k}")
@@ -511,8 +510,6 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
                              f"{tuple(pds.shape)} {pds.dtype}")
         # tl.dot takes 16 rows at least; a k-chunk of at most 128 keeps the proj_down tile in registers
         r, block_m, block_k = pds.shape[1], max(block_m, 16), min(block_k, 128)
-    if num_stages < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
     wants_la = lora is not None or proj_down_smoothed is not None
     if wants_la:
         la = torch.empty(m, r, device=x.device, dtype=torch.bfloat16)
@@ -533,7 +530,7 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
             x, smooth, a8.view(torch.uint8), sa, lora_in, pds, la if r else sa, m, k, r, x.stride(0), x.stride(1),
             BLOCK_M=block_m, BLOCK_K=min(block_k, triton.next_power_of_2(k)), BLOCK_R=_block_r(r),
             HAS_LORA=lora is not None, FUSE_LORA=proj_down_smoothed is not None, DOT_F32=_INTERPRET,
-            GEMM_ORDER=gemm_order, NSPLIT=nsplit, NUM_STAGES=num_stages, num_warps=num_warps or 4)
+            GEMM_ORDER=gemm_order, NSPLIT=nsplit, num_warps=num_warps or 4)
     if not wants_la:
         return a8, sa
     return a8, sa, la
