@@ -298,8 +298,9 @@ class _PackedNVFP4Linear(nn.Module):
             raise RuntimeError(f"input is on {x.device} but the {type(self).__name__} is on {self._device()}")
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
-        backend, prepared = backends.resolve(self, x2d)
-        y = backend.linear(self, x2d, prepared)
+        kind = self.kind  # read once a call: it consults the environment
+        backend, prepared = backends.resolve(self, x2d, kind)
+        y = backend.linear(self, x2d, prepared, kind)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

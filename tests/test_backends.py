@@ -366,3 +366,20 @@ def test_import_does_not_load_kernel_libraries():
 def test_public_api():
     assert svdq_linear.SVDQW4A4Linear is SVDQW4A4Linear
     assert {"reference", "sm90"} <= set(backends.available_backends())
+
+
+def test_candidates_are_cached_until_the_registry_changes():
+    """``candidates`` caches its list per device and kind (a dispatch cost of every call) but sees a
+    backend registered or removed at once, and hands out copies of the cached list."""
+    before = [b.name for b in backends.candidates("cpu", "w4a4")]
+    got = backends.candidates("cpu", "w4a4")
+    got.clear()  # a caller's edit does not reach the cache
+    assert [b.name for b in backends.candidates("cpu", "w4a4")] == before
+    backend = _CountingBackend()
+    backends.register_backend(backend, priority=100)
+    try:
+        assert [b.name for b in backends.candidates(torch.device("cpu"), "w4a4")] == ["counting", *before]
+        assert "counting" not in [b.name for b in backends.candidates("cpu", "w4a16")]
+    finally:
+        backends._ENTRIES.pop(backend.name)
+    assert [b.name for b in backends.candidates("cpu", "w4a4")] == before

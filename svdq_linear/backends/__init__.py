@@ -75,13 +75,15 @@ class Backend:
     def run_w4a16(self, x, qweight, wscales, wcscale, bias, extra) -> torch.Tensor:
         raise NotImplementedError(f"backend {self.name!r} has no W4A16 kernel")
 
-    def linear(self, module, x: torch.Tensor, prepared) -> torch.Tensor:
-        """``y [M, N]`` for ``x [M, K]`` through the shared custom op."""
+    def linear(self, module, x: torch.Tensor, prepared, kind: str | None = None) -> torch.Tensor:
+        """``y [M, N]`` for ``x [M, K]`` through the shared custom op (``kind``: ``module.kind``, when the
+        caller has read it already)."""
         extra = self.extra_tensors(prepared)
         t = module._parameters  # not the attributes: reading a stood-in tensor would rebuild it
-        if module.kind == "w4a16":
+        kind = kind or module.kind
+        if kind == "w4a16":
             return w4a16_linear(x, t["qweight"], t["wscales"], t["wcscale"], t["bias"], extra, self.name)
-        op = w4a4_fast_linear if module.kind == "w4a4_fast" else w4a4_linear
+        op = w4a4_fast_linear if kind == "w4a4_fast" else w4a4_linear
         return op(x, t["qweight"], t["wscales"], t["smooth"], t["proj_down"], t["proj_up"], t["wcscale"], t["bias"],
                   extra, self.name)
 
@@ -157,9 +159,23 @@ def _where(device: torch.device) -> str:
     return f"{device}" + (f" (sm_{cap[0]}{cap[1]})" if cap else "")
 
 
+_CANDIDATES: dict[tuple, tuple[tuple, list[Backend]]] = {}  # (device, kind) -> (registry snapshot, backends)
+
+
+def _registry_snapshot() -> tuple:
+    return tuple((id(e), e.backend is not None, e.failed is None) for e in _ENTRIES.values())
+
+
 def candidates(device: torch.device | str, kind: str) -> list[Backend]:
-    """The loaded backends that support ``kind`` on ``device``, highest priority first."""
-    device = torch.device(device)
+    """The loaded backends that support ``kind`` on ``device``, highest priority first (cached per
+    device and kind until the registry changes: an entry added, removed, loaded or failed)."""
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    key = (device, kind)
+    snap = _registry_snapshot()
+    hit = _CANDIDATES.get(key)
+    if hit is not None and hit[0] == snap:
+        return list(hit[1])
     out = []
     for entry in sorted(_ENTRIES.values(), key=lambda e: -e.priority):
         if not entry.may_cover(device):
@@ -167,7 +183,8 @@ def candidates(device: torch.device | str, kind: str) -> list[Backend]:
         backend = _load(entry)
         if backend is not None and backend.supports(device, kind):
             out.append(backend)
-    return out
+    _CANDIDATES[key] = (_registry_snapshot(), out)  # after the loads above
+    return list(out)
 
 
 def preferred_name(module) -> str | None:
@@ -248,22 +265,24 @@ def fast_mode_is_native(device: torch.device, preferred: str | None = None) -> b
     return _NATIVE_FAST[key]
 
 
-def choose(module, x: torch.Tensor) -> Backend:
-    """The backend that serves this call of ``module`` on ``x [M, K]`` (no preparation)."""
+def choose(module, x: torch.Tensor, kind: str | None = None) -> Backend:
+    """The backend that serves this call of ``module`` on ``x [M, K]`` (no preparation; ``kind``:
+    ``module.kind``, when the caller has read it already: it reads the environment)."""
     device = x.device
     pref = preferred_name(module)
-    cands = candidates(device, module.kind)
+    kind = kind or module.kind
+    cands = candidates(device, kind)
     if pref is not None:
         if pref not in _ENTRIES:
             raise ValueError(f"unknown backend {pref!r} ({ENV_BACKEND} or set_backend); registered: {available_backends()}")
         first = [b for b in cands if b.name == pref]
         if not first:
-            _warn_once((pref, device.type, module.kind),
-                       f"svdq-linear: backend {pref!r} does not cover {module.kind} layers on {_where(device)}; "
+            _warn_once((pref, device.type, kind),
+                       f"svdq-linear: backend {pref!r} does not cover {kind} layers on {_where(device)}; "
                        f"falling back to the next backend")
         cands = first + [b for b in cands if b.name != pref]
     for backend in cands:
-        slot = (backend.name, device, module.kind)  # a mode switch changes what a backend checks
+        slot = (backend.name, device, kind)  # a mode switch changes what a backend checks
         declined = module._declined.get(slot, False)
         if declined is False:
             declined = backend.declines(module, device)
@@ -273,18 +292,20 @@ def choose(module, x: torch.Tensor) -> Backend:
         if declined is None:
             return backend
         if backend.name == pref:
-            _warn_once((pref, device.type, module.kind, declined),
+            _warn_once((pref, device.type, kind, declined),
                        f"svdq-linear: backend {pref!r} declines {module._describe()} on {_where(device)}: "
                        f"{declined}; falling back to the next backend")
     raise RuntimeError(f"no svdq-linear backend can run {module._describe()} on {_where(device)}")
 
 
-def resolve(module, x: torch.Tensor) -> tuple[Backend, object]:
-    """The backend and its prepared state for this call of ``module`` on ``x [M, K]``."""
-    backend = choose(module, x)
+def resolve(module, x: torch.Tensor, kind: str | None = None) -> tuple[Backend, object]:
+    """The backend and its prepared state for this call of ``module`` on ``x [M, K]`` (``kind`` as in
+    ``choose``)."""
+    kind = kind or module.kind
+    backend = choose(module, x, kind)
     device = x.device
     cache = module._dispatch_cache
-    slot = (backend.name, module.kind)  # a mode switch changes the kind and what is prepared
+    slot = (backend.name, kind)  # a mode switch changes the kind and what is prepared
     entry = cache.get(slot)
     if torch.compiler.is_compiling():
         if entry is not None:
