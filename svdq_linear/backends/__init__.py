@@ -159,11 +159,13 @@ def _where(device: torch.device) -> str:
     return f"{device}" + (f" (sm_{cap[0]}{cap[1]})" if cap else "")
 
 
-_CANDIDATES: dict[tuple, tuple[tuple, list[Backend]]] = {}  # (device, kind) -> (registry snapshot, backends)
+# (device, kind) -> (registry snapshot, backends, the entries): the entries are held so that their ids in
+# the snapshot cannot be reused by new ones while the snapshot is cached
+_CANDIDATES: dict[tuple, tuple[tuple, list[Backend], tuple]] = {}
 
 
 def _registry_snapshot() -> tuple:
-    return tuple((id(e), e.backend is not None, e.failed is None) for e in _ENTRIES.values())
+    return tuple((id(e), id(e.backend), e.failed is None) for e in _ENTRIES.values())
 
 
 def candidates(device: torch.device | str, kind: str) -> list[Backend]:
@@ -183,7 +185,7 @@ def candidates(device: torch.device | str, kind: str) -> list[Backend]:
         backend = _load(entry)
         if backend is not None and backend.supports(device, kind):
             out.append(backend)
-    _CANDIDATES[key] = (_registry_snapshot(), out)  # after the loads above
+    _CANDIDATES[key] = (_registry_snapshot(), out, tuple(_ENTRIES.values()))  # after the loads above
     return list(out)
 
 
