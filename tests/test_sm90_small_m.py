@@ -264,6 +264,166 @@ def test_mma_kernel_compiles_for_sm90_with_an_hmma_per_k16_block_and_token_tile(
     assert not re.search(r"\b(LDL|STL)\b", sass)
 
 
+@pytest.mark.parametrize("mode,n_tiles", [("exact", 1), ("fast", 1), ("exact", 8)])
+def test_fused_mma_kernel_compiles_with_its_low_rank_mma_counter_and_fenced_sum(tmp_path, mode, n_tiles):
+    """``--fused`` for sm_90a here (no GPU): the main loop's MMAs plus the low-rank MMA (four bf16
+    ``HMMA.16816`` a token tile: a window of up to 64 columns), one atomic add on the group's counter at
+    GPU scope, the fence before it and after it (``MEMBAR`` at GPU scope; the acquire also invalidates
+    L1: ``CCTL.IVALL``), strong (L2) loads of the partials, CTA barriers around the flag, no local memory."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    pytest.importorskip("quack")
+    from svdq_linear.backends.sm100.precompile import find_nvdisasm
+
+    nvdisasm = find_nvdisasm()
+    if nvdisasm is None:
+        pytest.skip("nvdisasm not found")
+    cubin = tmp_path / "k.cubin"
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "QUACK_ARCH": "90", "CUTE_DSL_KEEP": "cubin",
+           "CUTE_DSL_DUMP_DIR": str(tmp_path), "CUTE_DSL_CACHE_DIR": str(tmp_path / "cache"),
+           "CUTE_DSL_DISABLE_FILE_CACHING": "1", "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([sys.executable, "-m", "svdq_linear.backends.sm90.small_m_mma", "--n-tiles", str(n_tiles),
+                        "--mode", mode, "--fused", "--out", str(cubin)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    bf16 = len(re.findall(r"\bHMMA\.16816\.F32\.BF16\b", sass))
+    if mode == "exact":
+        assert bf16 == 4 * n_tiles + 4 * n_tiles  # main loop + low-rank window
+    else:
+        assert len(re.findall(r"\bHMMA\.16816\.F32\b(?!\.BF16)", sass)) == 8 * n_tiles and bf16 == 4 * n_tiles
+    assert len(re.findall(r"\bATOMG\.E\.ADD\.STRONG\.GPU\b", sass)) == 1
+    assert len(re.findall(r"\bMEMBAR\.ALL\.GPU\b", sass)) >= 2 and re.search(r"\bCCTL\.IVALL\b", sass)
+    assert re.search(r"\bLDG\.E\.STRONG\.GPU\b", sass)
+    assert len(re.findall(r"\bBAR\.SYNC", sass)) >= 2
+    assert not re.search(r"\b(LDL|STL)\b", sass)
+
+
+def test_fused_mma_call_checks_its_operands():
+    """The fused kernel's host side refuses what it cannot run before compiling anything: a bias that is
+    not the prepared fp32 one, windows wider than 64 or not whole k16 blocks, mismatched lora', a split
+    that does not divide the k-tiles, an output dtype it does not write."""
+    mma = pytest.importorskip("svdq_linear.backends.sm90.small_m_mma")
+    m, g, kt = 3, 2, 4  # 128 rows x 256 columns
+    a = torch.zeros(m, 256, dtype=torch.bfloat16)
+    blob = torch.zeros(g, kt, 128, 4, dtype=torch.int32)
+    sf = torch.zeros(g, kt, 32, 2, dtype=torch.int32)
+    cs, bias = torch.ones(128), torch.zeros(128)
+    up, la, seg = torch.zeros(128, 32, dtype=torch.bfloat16), torch.zeros(m, 32, dtype=torch.bfloat16), torch.zeros(g, dtype=torch.int32)
+
+    def run(**kw):
+        args = dict(bias=bias, up_w=up, la=la, seg=seg, out_dtype=torch.bfloat16, split=2)
+        args.update(kw)
+        return mma._run_fused("exact", a, blob, sf, cs, None, args.pop("bias"), args.pop("up_w"), args.pop("la"),
+                              args.pop("seg"), **args)
+
+    with pytest.raises(ValueError, match="fp32 bias"):
+        run(bias=bias.bfloat16())
+    with pytest.raises(ValueError, match="16-64 columns"):
+        run(up_w=torch.zeros(128, 80, dtype=torch.bfloat16), la=torch.zeros(m, 80, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="16-64 columns"):
+        run(up_w=torch.zeros(128, 24, dtype=torch.bfloat16), la=torch.zeros(m, 24, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="16-64 columns"):
+        run(la=torch.zeros(m + 1, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bf16"):
+        run(la=torch.zeros(m, 32))
+    with pytest.raises(ValueError, match="does not divide"):
+        run(split=3)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        run(out_dtype=torch.float32)
+
+
+def _fused_case(mode, m, r, seed=0):
+    """A 3072 x 3072 layer (a fused q/k/v's three 1024-row parts with R = 32 each where ``r == "3x32"``), its
+    prepared sm90 state and x."""
+    from test_conformance import random_w4a4
+
+    from svdq_linear.backends.sm90 import Sm90Backend
+
+    torch.manual_seed(seed)
+    rank = 96 if r == "3x32" else r
+    mod = random_w4a4(3072, 3072, rank, torch.bfloat16, "cuda")
+    if r == "3x32":
+        with torch.no_grad():
+            mod.proj_up.mul_(torch.block_diag(*[torch.ones(1024, 32)] * 3).to(mod.proj_up))
+    mod.set_mode(mode)
+    x = torch.randn(m, 3072, device="cuda", dtype=torch.bfloat16) * 3
+    prep = Sm90Backend().prepare(mod, torch.device("cuda"))
+    return mod, x, prep
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+@pytest.mark.parametrize("m", [1, 7, 9, 33, 64])
+@pytest.mark.parametrize("r", [0, 32, "3x32"])
+def test_gpu_fused_mma_kernel_meets_the_contract_and_resets_its_counters(mode, m, r, monkeypatch):
+    """The fused kernel (one launch: low-rank MMA, ordered split-K sum, epilogue) against the contract
+    (exact) or the fast formula, directly and through the module (``SVDQ_SM90_MMA_FUSED=1``); its
+    counters are zero after each launch, a second call and a CUDA-graph replay give the same bits."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm90 GPU")
+    mma = pytest.importorskip("svdq_linear.backends.sm90.small_m_mma")
+    from test_conformance import _check, _expected_and_bound
+
+    from svdq_linear import backends, nvfp4
+    from svdq_linear.backends.sm90 import ENV_MMA_FUSED, ENV_SMALL_M_MMA, _mm_f32, kernels
+    from svdq_linear.backends.sm90.small_m import _counters
+
+    mod, x, prep = _fused_case(mode, m, r, seed=m)
+    lr = (prep.proj_up_bf16, None, prep.lowrank_segments) if mod.rank else (None, None, None)
+    if mode == "exact":
+        qw = prep.quack
+        la = x @ prep.proj_down_smoothed if mod.rank else None
+
+        def run():
+            xq = kernels.quantize_act(x, mod.smooth)[0]
+            return mma.linear_fused(xq, qw.blob, qw.sf, qw.wc, qw.bias, lr[0], la, lr[2], out_dtype=torch.bfloat16)
+        expected, bound = _expected_and_bound(mod, x)
+    else:
+        fw = prep.quack
+
+        def run():
+            if mod.rank:
+                a8, sa, la = kernels.quantize_act_fp8(x, mod.smooth, lora=_mm_f32(x, prep.proj_down_smoothed),
+                                                      gemm_order=True)
+            else:
+                (a8, sa), la = kernels.quantize_act_fp8(x, mod.smooth, gemm_order=True), None
+            return mma.linear_fast_fused(a8, sa, fw, lr[0], la, lr[2], out_dtype=torch.bfloat16)
+        from test_sm90_fast import _fast_bound
+
+        args = [t.cpu() if t is not None else None for t in (mod.qweight, mod.wscales, mod.smooth, mod.proj_down,
+                                                             mod.proj_up, mod.wcscale, mod.bias)]
+        expected = nvfp4.w4a8_fast_linear(x.cpu(), *args, torch.float64)
+        a8r, sar = nvfp4.fast_act(nvfp4.smooth_input(x.cpu(), mod.smooth.cpu()))
+        bound = _fast_bound(mod, x, a8r, sar) + 2.0**-8 * expected.abs() + 1e-30
+    y = run()
+    _check(y, expected, bound, f"fused {mode} M={m} R={r}")
+    torch.cuda.synchronize()
+    assert int(_counters(x.device, 48).abs().sum()) == 0, "a counter was left nonzero"
+    assert torch.equal(run(), y), "a second launch differs"
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+        with torch.cuda.graph(g, stream=s):
+            yg = run()
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg, y), "a CUDA-graph replay differs"
+    monkeypatch.setenv(ENV_SMALL_M_MMA, "1")
+    monkeypatch.setenv(ENV_MMA_FUSED, "1")
+    assert backends.choose(mod, x).name == "sm90"
+    # the module's forward: its prepared state stands in for the canonical tensors, which routes the exact
+    # mode to quack's blob (the layout small_m_mma reads)
+    _check(mod(x), expected, bound, f"module fused {mode} M={m}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 7, 9, 33, 64])
 def test_gpu_mma_kernel_meets_the_contract(m, monkeypatch):

@@ -60,6 +60,9 @@ ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (the Triton GEMM for every
 # faster; "1": every call it can take (exact mode on quack's blob within SMALL_M["w4a4"], fast mode; up to
 # 64 tokens); "0": none
 ENV_SMALL_M_MMA = "SVDQ_SM90_SMALL_M_MMA"
+# "1": small_m_mma's fused kernel (low-rank MMA, split-K sum and epilogue in one launch) where the prepared
+# state has the accumulator form; off by default until the H200 has checked and timed it
+ENV_MMA_FUSED = "SVDQ_SM90_MMA_FUSED"
 
 
 def _route_small_m_mma(mode: str, x: torch.Tensor, n: int) -> bool:
@@ -338,7 +341,14 @@ class Sm90Backend(Backend):
         if qweight.numel() == 0:  # quack's repacked tensors stand in for the canonical ones (replaced)
             layout, w, s = small_m.QUACK, extra[-4], extra[-3]
         if layout == small_m.QUACK and x.dtype == torch.bfloat16 and _route_small_m_mma("exact", x, n):
-            return _small_m_mma_module().linear(self.kernels.quantize_act(x, smooth)[0], w, s, wcscale.float(), bias,
+            xq = self.kernels.quantize_act(x, smooth)[0]
+            if os.environ.get(ENV_MMA_FUSED) == "1" and len(extra) in (4, 7):  # no branch, or its accumulator form
+                from .quack_gemm import QuackWeight
+
+                qw = QuackWeight(*extra[-4:])
+                lr = (extra[1], x @ extra[0], extra[2]) if len(extra) == 7 else (None, None, None)
+                return _small_m_mma_module().linear_fused(xq, w, s, qw.wc, qw.bias, *lr, out_dtype=x.dtype)
+            return _small_m_mma_module().linear(xq, w, s, wcscale.float(), bias,
                                                 proj_up if r else None, lora, out_dtype=x.dtype)
         if small_m.use_fma(m, n, x.shape[1]):
             a, act = x, small_m.ACT_NVFP4
@@ -353,6 +363,16 @@ class Sm90Backend(Backend):
         inv, extra = extra[-1], extra[:-1]  # Sm90Prepared.tensors(): inv_smooth comes last
         fw = quack_fast.FastWeight(*extra[-4:])
         out_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
+        if _route_small_m_mma("fast", x, fw.cs.numel()) and os.environ.get(ENV_MMA_FUSED) == "1" and len(extra) in (4, 7):
+            if len(extra) == 7:  # the accumulator form: la = lora_act / sa from the pass, proj_up / cs prepared
+                a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=_mm_f32(x.to(torch.bfloat16), extra[0]),
+                                                           inv_smooth=inv, gemm_order=True)
+                lr = (extra[1], la, extra[2])
+            else:
+                a8, sa = self.kernels.quantize_act_fp8(x, smooth, inv_smooth=inv, gemm_order=True)
+                lr = (None, None, None)
+            out = _small_m_mma_module().linear_fast_fused(a8, sa, fw, *lr, out_dtype=out_dtype)
+            return out if x.dtype == out_dtype else out.to(x.dtype)
         if _route_small_m_mma("fast", x, fw.cs.numel()):
             a8, sa = self.kernels.quantize_act_fp8(x, smooth, inv_smooth=inv, gemm_order=True)
             # the prepared proj_down / smooth: its first r columns (the accumulator path pads at the end)

@@ -21,6 +21,14 @@ with the code and scale words of the next ``DEPTH`` tiles and the token words of
 flight during the current tile's decode. Token rows past M read the last token again (no bounds test in the
 loop; their sums are never stored), so the host pads nothing. Partials go to ``part [S, M, N]`` fp32; ``kernels._splitk_epilogue_kernel`` sums them in split order
 (deterministic) and applies ``(* sa) * colscale + lora @ proj_up^T + bias``.
+
+``fused=True`` (``linear_fused`` / ``linear_fast_fused``; the backend takes it with
+``SVDQ_SM90_MMA_FUSED=1`` until the H200 has timed it): one launch instead of two. Split 0 issues the
+low-rank MMA into its accumulator (bf16 ``m16n8k16``, ``proj_up`` divided by the column factor and
+``lora_act`` by the token factor, the quack paths' fold), every CTA writes its partial, fences and
+counts itself in on its row group's counter; the last one sums the partials in split order (L2
+loads after an acquire fence) and writes ``(* sa) * colscale + bias``, then zeroes the counter for the
+next launch.
 """
 
 from __future__ import annotations
@@ -45,12 +53,16 @@ class SmallMMma:
     GEMM's k order, ``mma.sync m16n8k32`` E4M3. In both, a lane's Int32 word ``32 kt + 8 b + c + 4 h``
     of a token row holds the B fragment of k block ``b`` (``h``: its upper half)."""
 
-    def __init__(self, n_tiles: int, mode: str = "exact", depth: int = 2, unroll: bool = False):
+    def __init__(self, n_tiles: int, mode: str = "exact", depth: int = 2, unroll: bool = False,
+                 fused: bool = False, out_dtype=None, has_rs: bool = False):
         if not 1 <= n_tiles <= 8:
             raise ValueError(f"n_tiles must be 1..8 (8 to 64 tokens), got {n_tiles}")
         if not 1 <= depth <= 4:
             raise ValueError(f"depth (k-tiles of weight bytes in flight) must be 1..4, got {depth}")
         self.depth, self.unroll = depth, unroll
+        # fused: the low-rank MMA (split 0) and the ordered split-K sum with the epilogue in this kernel
+        # (the last CTA of each row group finishes it: an atomic counter a group), writing out directly
+        self.fused, self.out_dtype, self.has_rs = fused, out_dtype or BFloat16, has_rs
         if mode not in K_TILE:
             raise ValueError(f"mode must be 'exact' or 'fast', got {mode!r}")
         self.n_tiles, self.mode = n_tiles, mode
@@ -74,6 +86,27 @@ class SmallMMma:
             op = warp.MmaFP8Op(cutlass.Float8E4M3FN, Float32, (16, 8, 32))
         tiled_mma = cute.make_tiled_mma(op, cute.make_layout((1, 1, 1)))
         self.kernel(tiled_mma, mBlob, mSf, mX, mPart, kt_per_split, m_tokens).launch(
+            grid=[mBlob.shape[0], mPart.shape[0], 1], block=[128, 1, 1], stream=stream)
+
+    @cute.jit
+    def call_fused(self, mBlob: cute.Tensor, mSf: cute.Tensor, mX: cute.Tensor, mPart: cute.Tensor,
+                   kt_per_split: Int32, m_tokens: Int32, mCnt: cute.Tensor, mOut: cute.Tensor, mCs: cute.Tensor,
+                   mRs: cute.Tensor, mBias: cute.Tensor, mUp: cute.Tensor, mLa: cute.Tensor, mSeg: cute.Tensor,
+                   w_lr: Int32, stream):
+        """The fused kernel (``fused=True``): as ``__call__``, then ``mOut [M, N] = (sum_s mPart[s]) (* mRs[m])
+        * mCs[n] + mBias[n]`` written by the last CTA of each row group (``mCnt [G]`` Int32 counters, zero
+        before the launch and after it). ``w_lr`` > 0: split 0 adds the low-rank term in its accumulator,
+        ``mUp [N, W / 2]`` (``proj_up / (colscale)``, bf16 pairs as Int32) times ``mLa [M, LW / 2]``
+        (``lora_act (/ rowscale)``, bf16 pairs), row group g reading the ``W = w_lr`` columns from
+        ``mSeg[g] * W`` (``plan_lowrank``'s windows; W <= 64)."""
+        if const_expr(self.mode == "exact"):
+            op = warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
+        else:
+            op = warp.MmaFP8Op(cutlass.Float8E4M3FN, Float32, (16, 8, 32))
+        tiled_mma = cute.make_tiled_mma(op, cute.make_layout((1, 1, 1)))
+        lr_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)), cute.make_layout((1, 1, 1)))
+        self.kernel_fused(tiled_mma, lr_mma, mBlob, mSf, mX, mPart, kt_per_split, m_tokens, mCnt, mOut, mCs, mRs,
+                          mBias, mUp, mLa, mSeg, w_lr).launch(
             grid=[mBlob.shape[0], mPart.shape[0], 1], block=[128, 1, 1], stream=stream)
 
     @cute.jit
@@ -103,9 +136,10 @@ class SmallMMma:
                 frag_a[(0, 0, 1), 0, b] = r2
                 frag_a[(0, 1, 1), 0, b] = r3
 
-    @cute.kernel
-    def kernel(self, tiled_mma: cute.TiledMma, mBlob: cute.Tensor, mSf: cute.Tensor, mX: cute.Tensor,
-               mPart: cute.Tensor, kt_per_split: Int32, m_tokens: Int32):
+    @cute.jit
+    def _mainloop(self, tiled_mma: cute.TiledMma, mBlob: cute.Tensor, mSf: cute.Tensor, mX: cute.Tensor,
+                  kt_per_split: Int32, m_tokens: Int32, acc: cute.Tensor):
+        """This lane's share of its warp's 16 rows x tokens over the split's k-tiles, added into ``acc``."""
         nt = const_expr(self.n_tiles)
         nw = const_expr(self.words)
         nsf = const_expr(self.sf_words)
@@ -125,8 +159,6 @@ class SmallMMma:
         frag_a = cute.recast_tensor(tCrA, Int32)  # ((1,2,2),1,4): [(0, row +8, k upper half), 0, k block]
         tCrB = thr.make_fragment_B(thr.partition_shape_B((8 * nt, self.k_tile)))
         frag_b = cute.recast_tensor(tCrB, Int32)  # ((1,2),nt,4): [(0, k upper half), token tile, k block]
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((16, 8 * nt)), Float32)  # ((2,2),1,nt)
-        acc.fill(0.0)
 
         xw = cute.make_rmem_tensor((nw,), Int32)
         sfw = cute.make_rmem_tensor((nsf,), Int32)
@@ -203,6 +235,21 @@ class SmallMMma:
                 self._decode(xw, sfw, ts, frag_a)
                 cute.gemm(tiled_mma, acc, tCrA, tCrB, acc)
 
+
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, mBlob: cute.Tensor, mSf: cute.Tensor, mX: cute.Tensor,
+               mPart: cute.Tensor, kt_per_split: Int32, m_tokens: Int32):
+        nt = const_expr(self.n_tiles)
+        tidx, _, _ = cute.arch.thread_idx()
+        grp, split, _ = cute.arch.block_idx()
+        warp_i = tidx // 32
+        lane = tidx % 32
+        gq = lane // 4
+        cq = lane % 4
+        thr = tiled_mma.get_slice(lane)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((16, 8 * nt)), Float32)  # ((2,2),1,nt)
+        acc.fill(0.0)
+        self._mainloop(tiled_mma, mBlob, mSf, mX, kt_per_split, m_tokens, acc)
         # C: rows g (+ 8), tokens 8 j + 2 c (+ 1)
         row = grp * ROWS + warp_i * 16 + gq
         for j in cutlass.range_constexpr(nt):
@@ -210,6 +257,79 @@ class SmallMMma:
                 for v0 in cutlass.range_constexpr(2):
                     if 8 * j + 2 * cq + v0 < m_tokens:
                         mPart[split, 8 * j + 2 * cq + v0, row + 8 * v1] = acc[(v0, v1), 0, j]
+
+    @cute.kernel
+    def kernel_fused(self, tiled_mma: cute.TiledMma, lr_mma: cute.TiledMma, mBlob: cute.Tensor, mSf: cute.Tensor,
+                     mX: cute.Tensor, mPart: cute.Tensor, kt_per_split: Int32, m_tokens: Int32, mCnt: cute.Tensor,
+                     mOut: cute.Tensor, mCs: cute.Tensor, mRs: cute.Tensor, mBias: cute.Tensor, mUp: cute.Tensor,
+                     mLa: cute.Tensor, mSeg: cute.Tensor, w_lr: Int32):
+        from quack.utils import elem_pointer
+
+        nt = const_expr(self.n_tiles)
+        tidx, _, _ = cute.arch.thread_idx()
+        grp, split, _ = cute.arch.block_idx()
+        warp_i = tidx // 32
+        lane = tidx % 32
+        gq = lane // 4
+        cq = lane % 4
+        smem = cutlass.memory.SmemAllocator()
+        s_flag = smem.allocate_tensor(Int32, cute.make_layout((1,)), byte_alignment=4)
+        thr = tiled_mma.get_slice(lane)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((16, 8 * nt)), Float32)  # ((2,2),1,nt)
+        acc.fill(0.0)
+        row0 = grp * ROWS + warp_i * 16 + gq
+        if split == 0 and w_lr > 0:
+            # the low-rank term, once (split 0): proj_up' rows as A (k = the window's columns), lora' as B;
+            # the bf16 m16n8k16 accumulator fragment is laid out as the main MMA's
+            thr_l = lr_mma.get_slice(lane)
+            tA = thr_l.make_fragment_A(thr_l.partition_shape_A((16, 64)))
+            fa = cute.recast_tensor(tA, Int32)  # ((1,2,2),1,4): [(0, row +8, k upper half), 0, k block]
+            tB = thr_l.make_fragment_B(thr_l.partition_shape_B((8 * nt, 64)))
+            fb = cute.recast_tensor(tB, Int32)  # ((1,2),nt,4): [(0, k upper half), token tile, k block]
+            col0 = mSeg[grp] * (w_lr // 2)  # the window's first Int32 word in a lora' row
+            for b in cutlass.range_constexpr(4):
+                if 16 * b < w_lr:
+                    for v1 in cutlass.range_constexpr(2):
+                        for h in cutlass.range_constexpr(2):
+                            fa[(0, v1, h), 0, b] = mUp[row0 + 8 * v1, 8 * b + cq + 4 * h]
+                    for j in cutlass.range_constexpr(nt):
+                        tok = cutlass.min(8 * j + gq, m_tokens - 1)
+                        for h in cutlass.range_constexpr(2):
+                            fb[(0, h), j, b] = mLa[tok, col0 + 8 * b + cq + 4 * h]
+                else:
+                    for v1 in cutlass.range_constexpr(2):
+                        for h in cutlass.range_constexpr(2):
+                            fa[(0, v1, h), 0, b] = Int32(0)
+                    for j in cutlass.range_constexpr(nt):
+                        for h in cutlass.range_constexpr(2):
+                            fb[(0, h), j, b] = Int32(0)
+            cute.gemm(lr_mma, acc, tA, tB, acc)
+        self._mainloop(tiled_mma, mBlob, mSf, mX, kt_per_split, m_tokens, acc)
+        for j in cutlass.range_constexpr(nt):
+            for v1 in cutlass.range_constexpr(2):
+                for v0 in cutlass.range_constexpr(2):
+                    if 8 * j + 2 * cq + v0 < m_tokens:
+                        mPart[split, 8 * j + 2 * cq + v0, row0 + 8 * v1] = acc[(v0, v1), 0, j]
+        # the last CTA of this row group (every split's partial written and fenced) sums them in split order
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        if tidx == 0:
+            s_flag[0] = cute.arch.atomic_add(elem_pointer(mCnt, (grp,)), Int32(1), sem="acq_rel", scope="gpu")
+        cute.arch.sync_threads()
+        nsplit = mPart.shape[0]
+        if s_flag[0] == nsplit - 1:
+            cute.arch.fence_acq_rel_gpu()
+            for e in cutlass.range(tidx, m_tokens * ROWS, 128):
+                tok = e // ROWS
+                r = grp * ROWS + e % ROWS
+                y = Float32(0.0)
+                for s in cutlass.range(nsplit):  # L2, not L1: other SMs wrote these
+                    y = y + cute.arch.load(elem_pointer(mPart, (s, tok, r)), Float32, cop="cg")
+                if const_expr(self.has_rs):
+                    y = y * mRs[tok]
+                mOut[tok, r] = (y * mCs[r] + mBias[r]).to(self.out_dtype)
+            if tidx == 0:
+                mCnt[grp] = Int32(0)  # ready for the next launch on this stream
 
 
 # ---- host side ------------------------------------------------------------------------------------
@@ -245,17 +365,75 @@ def _compiled(n_tiles: int, mode: str, depth: int = DEPTH, unroll: bool = False)
     return fn
 
 
-def compile_kernel(n_tiles: int, mode: str = "exact", depth: int = DEPTH, unroll: bool = False):
+def compile_kernel(n_tiles: int, mode: str = "exact", depth: int = DEPTH, unroll: bool = False,
+                   fused: str | None = None, has_rs: bool = False):
+    """``fused``: None (partials only), or the output dtype of the fused kernel (``"bfloat16"`` /
+    ``"float16"``); ``has_rs``: its epilogue multiplies by a per-token scale (the fast mode's ``sa``)."""
     from quack.compile_utils import make_fake_tensor
 
-    kern = SmallMMma(n_tiles, mode, depth, unroll)
+    out_dt = {"bfloat16": BFloat16, "float16": cutlass.Float16, None: None}[fused]
+    kern = SmallMMma(n_tiles, mode, depth, unroll, fused is not None, out_dt, has_rs)
     g, kt, s, m, n, kh = (cute.sym_int() for _ in range(6))
     blob = make_fake_tensor(Int32, (g, kt, 128, kern.words), divisibility=4)
     sf = make_fake_tensor(Int32, (g, kt, 32 if mode == "exact" else 128, kern.sf_words), divisibility=kern.sf_words)
     x = make_fake_tensor(Int32, (m, kh), divisibility=4)
     part = make_fake_tensor(Float32, (s, m, n), divisibility=4)
-    return cute.compile(kern, blob, sf, x, part, Int32(1), Int32(1),
-                        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    if fused is None:
+        return cute.compile(kern, blob, sf, x, part, Int32(1), Int32(1), stream, options="--enable-tvm-ffi")
+    gs, wh, lh, ms = (cute.sym_int() for _ in range(4))
+    cnt = make_fake_tensor(Int32, (gs,))
+    out = make_fake_tensor(out_dt, (m, n), divisibility=4)
+    cs, rs, bias = (make_fake_tensor(Float32, (d,)) for d in (n, ms, n))
+    up = make_fake_tensor(Int32, (n, wh))
+    la = make_fake_tensor(Int32, (m, lh))
+    seg = make_fake_tensor(Int32, (gs,))
+    return cute.compile(kern.call_fused, blob, sf, x, part, Int32(1), Int32(1), cnt, out, cs, rs, bias, up, la, seg,
+                        Int32(0), stream, options="--enable-tvm-ffi")
+
+
+_COMPILED_FUSED: dict[tuple, object] = {}
+
+
+def _run_fused(mode, a, blob_i32, sf_i32, colscale, rowscale, bias, up_w, la, seg, out_dtype, split=None):
+    """The fused kernel: ``out = (sum_s part[s]) (* rowscale) * colscale + bias`` with the low-rank term
+    (``up_w [N, W]`` bf16 = proj_up / the epilogue's column factor, ``la [M, LW]`` bf16 = lora_act / the
+    token factor, ``seg [N / 64]`` int32 windows: ``plan_lowrank``'s accumulator form) in split 0's
+    accumulator. One launch after the activation pass and ``lora_act``."""
+    import torch
+
+    from .small_m import _counters
+
+    m = a.shape[0]
+    groups, k_tiles = blob_i32.shape[:2]
+    n = colscale.numel()
+    if bias is None or bias.dtype != torch.float32 or bias.numel() != n:
+        raise ValueError("the fused kernel takes the prepared fp32 bias (zeros without a bias)")
+    w = 0 if up_w is None else up_w.shape[1]
+    if w:
+        if up_w.dtype != torch.bfloat16 or la.dtype != torch.bfloat16 or seg is None:
+            raise ValueError("the fused kernel's low-rank operands are bf16 proj_up' and lora' with int32 segments")
+        if w % 16 or w > 64 or la.shape[0] != m or la.shape[1] % w or seg.numel() != groups:
+            raise ValueError(f"low-rank windows of 16-64 columns, [M, S * W] lora' and one segment a row group; got "
+                             f"W={w}, lora' {tuple(la.shape)}, {seg.numel()} segments for {groups} groups")
+    split = split or split_for(groups, k_tiles)
+    if k_tiles % split:
+        raise ValueError(f"split {split} does not divide the {k_tiles} k-tiles")
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the fused kernel writes bf16 or fp16, got {out_dtype}")
+    key = (-(-m // 8), mode, str(out_dtype).removeprefix("torch."), rowscale is not None)
+    fn = _COMPILED_FUSED.get(key)
+    if fn is None:
+        fn = _COMPILED_FUSED[key] = compile_kernel(key[0], mode, DEPTH, False, key[2], key[3])
+    part = torch.empty(split, m, n, device=a.device, dtype=torch.float32)
+    out = torch.empty(m, n, device=a.device, dtype=out_dtype)
+    cnt = _counters(a.device, groups)
+    dummy_i = cnt  # any Int32 tensor where the low-rank operands are absent (w = 0: never read)
+    fn(blob_i32, sf_i32, a.view(torch.int32), part, k_tiles // split, m, cnt, out, colscale.reshape(-1),
+       (rowscale if rowscale is not None else colscale).reshape(-1), bias.reshape(-1),
+       up_w.view(torch.int32) if w else dummy_i.view(1, -1), la.view(torch.int32) if w else dummy_i.view(1, -1),
+       seg if w else dummy_i, w)
+    return out
 
 
 def _run(mode, a, blob_i32, sf_i32, colscale, rowscale, bias, proj_up, lora_act, out_dtype, split,
@@ -321,6 +499,37 @@ def linear_fast(a8, sa, fw, bias=None, proj_up=None, lora_act=None, out_dtype=No
                 proj_up, lora_act, out_dtype or torch.bfloat16, split, **tune)
 
 
+def linear_fused(xq, blob, sf, wc, bias, up_w=None, la=None, seg=None, out_dtype=None, split: int | None = None):
+    """The exact mode in one launch after the activation pass and ``lora_act``: ``out [M, N] = (xq @ W^T +
+    la @ up_w^T) * wc + bias`` on quack's blob, with the accumulator path's prepared operands
+    (``QuackWeight.wc`` / ``.bias`` fp32, ``up_w = proj_up / wcscale`` per window, ``la = lora_act``
+    bf16 over the windows, ``seg``: ``plan_lowrank``)."""
+    import torch
+
+    if xq.dtype != torch.bfloat16:
+        raise ValueError(f"the mma small-M kernel takes bf16 activations, got {xq.dtype}")
+    groups, k_tiles = blob.shape[:2]
+    _check_call(xq.shape[0], xq.shape[1], wc.numel(), k_tiles, groups, "exact")
+    return _run_fused("exact", xq.contiguous(), blob.view(torch.int32),
+                      sf.reshape(groups, k_tiles, 32, 8).view(torch.int32), wc.reshape(-1), None, bias, up_w, la, seg,
+                      out_dtype or xq.dtype, split)
+
+
+def linear_fast_fused(a8, sa, fw, up_w=None, la=None, seg=None, out_dtype=None, split: int | None = None):
+    """The fast mode in one launch after its activation pass and ``lora_act``: ``out [M, N] = (a8 @ w8^T +
+    la @ up_w^T) * sa * cs + bias`` (``la = lora_act / sa`` as ``quantize_act_fp8`` writes it, ``up_w =
+    proj_up / cs`` per window: the accumulator path's operands)."""
+    import torch
+
+    if a8.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"the fast mma small-M kernel takes float8_e4m3fn activations, got {a8.dtype}")
+    groups, k_tiles = fw.blob.shape[:2]
+    _check_call(a8.shape[0], a8.shape[1], fw.cs.numel(), k_tiles, groups, "fast")
+    return _run_fused("fast", a8.contiguous().view(torch.uint8), fw.blob.view(torch.int32),
+                      fw.strip.view(torch.int32).reshape(groups, k_tiles, 128, 1), fw.cs.reshape(-1), sa.float(),
+                      fw.bias, up_w, la, seg, out_dtype or torch.bfloat16, split)
+
+
 def main(argv=None) -> int:
     """Compile for sm_90a with no GPU and write the cubin:
     ``CUTE_DSL_ARCH=sm_90a CUTE_DSL_KEEP=cubin python -m svdq_linear.backends.sm90.small_m_mma --n-tiles 1 --out F``."""
@@ -332,9 +541,13 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=sorted(K_TILE), default="exact")
     p.add_argument("--depth", type=int, default=DEPTH, help="k-tiles of weight bytes in flight")
     p.add_argument("--unroll", action="store_true", help="the k-loop unrolled by the depth (fixed ring slots)")
+    p.add_argument("--fused", action="store_true",
+                   help="the fused kernel (low-rank MMA, split-K sum and epilogue in the kernel; bf16 out)")
     p.add_argument("--out", required=True, help="where to write the cubin")
     args = p.parse_args(argv)
-    cubin = getattr(compile_kernel(args.n_tiles, args.mode, args.depth, args.unroll), "__cubin__", None)
+    kern = (compile_kernel(args.n_tiles, args.mode, args.depth, args.unroll, "bfloat16", args.mode == "fast")
+            if args.fused else compile_kernel(args.n_tiles, args.mode, args.depth, args.unroll))
+    cubin = getattr(kern, "__cubin__", None)
     if not cubin:
         raise SystemExit("no cubin kept: set CUTE_DSL_KEEP=cubin")
     if isinstance(cubin, str):  # a path to the dumped file
