@@ -243,10 +243,28 @@ def main() -> None:
                  "exact: the Triton small-M kernel; fast: quack's FP8 GEMM) and with it (=1); us, ratio = cuBLAS "
                  "bf16 / ours; kernel = small_m_mma alone (split-K sum, epilogue and low-rank term included), weight "
                  "GB/s = codes + scales / its time; 'routed' = what tuning.use_small_m_mma picks by default", "",
-                 "| layer | K | N | mode | M | cuBLAS bf16 | without | mma | mma kernel | weight GB/s | % of copy "
-                 "| routed |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        from svdq_linear.backends.sm90 import ENV_SMALL_M_MMA, tuning
+                 "| layer | K | N | mode | M | cuBLAS bf16 | without | mma | mma fused (one launch) | mma kernel | "
+                 "weight GB/s | % of copy | routed |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        from svdq_linear.backends.sm90 import ENV_MMA_FUSED, ENV_SMALL_M_MMA, tuning
+
+        def fused_time(q, x):
+            """The module with small_m_mma's fused kernel (SVDQ_SM90_MMA_FUSED=1), after checking it against
+            the two-launch path's output."""
+            os.environ[ENV_MMA_FUSED] = "1"
+            os.environ[ENV_SMALL_M_MMA] = "1"
+            try:
+                y_f = q(x).float()
+                os.environ.pop(ENV_MMA_FUSED)
+                y_2 = q(x).float()
+                os.environ[ENV_MMA_FUSED] = "1"
+                err = ((y_f - y_2).norm() / y_2.norm().clamp(min=1e-30)).item()
+                if not err < 1e-2:
+                    raise AssertionError(f"the fused kernel's output differs from the two-launch path's ({err:.3g})")
+                return env_time(lambda: q(x), ENV_SMALL_M_MMA, "1")
+            finally:
+                os.environ.pop(ENV_MMA_FUSED, None)
+                os.environ.pop(ENV_SMALL_M_MMA, None)
 
         for label, k, n in (("attn", 3072, 3072), ("ff up", 3072, 12288), ("ff down", 12288, 3072)):
             lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
@@ -258,10 +276,12 @@ def main() -> None:
                     t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
                     t_def = env_time(lambda: q(x), ENV_SMALL_M_MMA, "0")
                     t_mma = env_time(lambda: q(x), ENV_SMALL_M_MMA, "1")
+                    t_fus = fused_time(q, x)
                     t_k = graph_time(mma_kernel_call(q, x))
                     gbs = wbytes / (t_k * 1e-3) / 1e9
                     rows.append(f"| {label} | {k} | {n} | {mode} | {m} | {t_ref * 1e3:.1f} | {t_def * 1e3:.1f} "
-                                f"({t_ref / t_def:.2f}x) | {t_mma * 1e3:.1f} ({t_ref / t_mma:.2f}x) | {t_k * 1e3:.1f} "
+                                f"({t_ref / t_def:.2f}x) | {t_mma * 1e3:.1f} ({t_ref / t_mma:.2f}x) | "
+                                f"{t_fus * 1e3:.1f} ({t_ref / t_fus:.2f}x) | {t_k * 1e3:.1f} "
                                 f"| {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | "
                                 f"{'mma' if tuning.use_small_m_mma(mode, m, n, k) else '-'} |")
                     print(rows[-1], flush=True)
