@@ -222,18 +222,9 @@ def test_mma_split_divides_the_k_tiles_and_leaves_a_tile_to_prefetch():
     assert mma.split_for(48, 48) == 8  # 3072 x 3072: 384 CTAs (the largest divisor of 48 up to 4 x 132 / 48), 6 k-tiles a split
 
 
-@pytest.mark.parametrize("mode,n_tiles,depth,unroll", [("exact", 1, 2, False), ("exact", 8, 2, False), ("fast", 2, 2, False),
-                                                       ("exact", 1, 4, False), ("fast", 1, 1, False), ("exact", 1, 3, True),
-                                                       ("fast", 1, 2, True)])
-def test_mma_kernel_compiles_for_sm90_with_an_hmma_per_k16_block_and_token_tile(tmp_path, mode, n_tiles, depth, unroll):
-    """Compiled for sm_90a here (no GPU): exact, one ``HMMA.16816.F32.BF16`` per k16 block and 8 tokens,
-    quack's ``prmt`` decode; fast, the E4M3 ``mma.sync`` as ptxas lowers it on Hopper (two f16
-    ``HMMA.16816.F32`` per k32 block and 8 tokens) after the table decode; no local memory. The
-    prefetch ring: ``depth`` k-tiles of code words loaded before the loop, one a tile in it (16-byte
-    loads: one a k-tile in the exact blob, two in the fast one); unrolled, ``depth`` k-tiles a loop trip,
-    each with its own slot (``depth`` times the MMAs and the loads in the loop)."""
+def _sm90a_sass(tmp_path, *args):
+    """The SASS of ``python -m svdq_linear.backends.sm90.small_m_mma ARGS`` compiled for sm_90a here (no GPU)."""
     import os
-    import re
     import subprocess
     import sys
 
@@ -247,11 +238,26 @@ def test_mma_kernel_compiles_for_sm90_with_an_hmma_per_k16_block_and_token_tile(
     env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "QUACK_ARCH": "90", "CUTE_DSL_KEEP": "cubin",
            "CUTE_DSL_DUMP_DIR": str(tmp_path), "CUTE_DSL_CACHE_DIR": str(tmp_path / "cache"),
            "CUTE_DSL_DISABLE_FILE_CACHING": "1", "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-m", "svdq_linear.backends.sm90.small_m_mma", "--n-tiles", str(n_tiles),
-                        "--mode", mode, "--depth", str(depth), "--out", str(cubin)] + (["--unroll"] if unroll else []),
+    r = subprocess.run([sys.executable, "-m", "svdq_linear.backends.sm90.small_m_mma", *args, "--out", str(cubin)],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.parametrize("mode,n_tiles,depth,unroll", [("exact", 1, 2, False), ("exact", 8, 2, False), ("fast", 2, 2, False),
+                                                       ("exact", 1, 4, False), ("fast", 1, 1, False), ("exact", 1, 3, True),
+                                                       ("fast", 1, 2, True)])
+def test_mma_kernel_compiles_for_sm90_with_an_hmma_per_k16_block_and_token_tile(tmp_path, mode, n_tiles, depth, unroll):
+    """Compiled for sm_90a here (no GPU): exact, one ``HMMA.16816.F32.BF16`` per k16 block and 8 tokens,
+    quack's ``prmt`` decode; fast, the E4M3 ``mma.sync`` as ptxas lowers it on Hopper (two f16
+    ``HMMA.16816.F32`` per k32 block and 8 tokens) after the table decode; no local memory. The
+    prefetch ring: ``depth`` k-tiles of code words loaded before the loop, one a tile in it (16-byte
+    loads: one a k-tile in the exact blob, two in the fast one); unrolled, ``depth`` k-tiles a loop trip,
+    each with its own slot (``depth`` times the MMAs and the loads in the loop)."""
+    import re
+
+    sass = _sm90a_sass(tmp_path, "--n-tiles", str(n_tiles), "--mode", mode, "--depth", str(depth),
+                       *(["--unroll"] if unroll else []))
     trips = depth if unroll else 1  # k-tiles in the loop's body
     if mode == "exact":
         assert len(re.findall(r"\bHMMA\.16816\.F32\.BF16\b", sass)) == 4 * n_tiles * trips
@@ -270,26 +276,9 @@ def test_fused_mma_kernel_compiles_with_its_low_rank_mma_counter_and_fenced_sum(
     ``HMMA.16816`` a token tile: a window of up to 64 columns), one atomic add on the group's counter at
     GPU scope, the fence before it and after it (``MEMBAR`` at GPU scope; the acquire also invalidates
     L1: ``CCTL.IVALL``), strong (L2) loads of the partials, CTA barriers around the flag, no local memory."""
-    import os
     import re
-    import subprocess
-    import sys
 
-    pytest.importorskip("quack")
-    from svdq_linear.backends.sm100.precompile import find_nvdisasm
-
-    nvdisasm = find_nvdisasm()
-    if nvdisasm is None:
-        pytest.skip("nvdisasm not found")
-    cubin = tmp_path / "k.cubin"
-    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "QUACK_ARCH": "90", "CUTE_DSL_KEEP": "cubin",
-           "CUTE_DSL_DUMP_DIR": str(tmp_path), "CUTE_DSL_CACHE_DIR": str(tmp_path / "cache"),
-           "CUTE_DSL_DISABLE_FILE_CACHING": "1", "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-m", "svdq_linear.backends.sm90.small_m_mma", "--n-tiles", str(n_tiles),
-                        "--mode", mode, "--fused", "--out", str(cubin)], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass = _sm90a_sass(tmp_path, "--n-tiles", str(n_tiles), "--mode", mode, "--fused")
     bf16 = len(re.findall(r"\bHMMA\.16816\.F32\.BF16\b", sass))
     if mode == "exact":
         assert bf16 == 4 * n_tiles + 4 * n_tiles  # main loop + low-rank window

@@ -236,27 +236,28 @@ class SmallMMma:
                 cute.gemm(tiled_mma, acc, tCrA, tCrB, acc)
 
 
+    @cute.jit
+    def _store_partial(self, acc: cute.Tensor, mPart: cute.Tensor, m_tokens: Int32):
+        """The accumulator's C fragments (rows g (+ 8), tokens 8 j + 2 c (+ 1)) to this split's partial."""
+        tidx, _, _ = cute.arch.thread_idx()
+        grp, split, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        row = grp * ROWS + (tidx // 32) * 16 + lane // 4
+        for j in cutlass.range_constexpr(self.n_tiles):
+            for v1 in cutlass.range_constexpr(2):
+                for v0 in cutlass.range_constexpr(2):
+                    if 8 * j + 2 * (lane % 4) + v0 < m_tokens:
+                        mPart[split, 8 * j + 2 * (lane % 4) + v0, row + 8 * v1] = acc[(v0, v1), 0, j]
+
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, mBlob: cute.Tensor, mSf: cute.Tensor, mX: cute.Tensor,
                mPart: cute.Tensor, kt_per_split: Int32, m_tokens: Int32):
-        nt = const_expr(self.n_tiles)
         tidx, _, _ = cute.arch.thread_idx()
-        grp, split, _ = cute.arch.block_idx()
-        warp_i = tidx // 32
-        lane = tidx % 32
-        gq = lane // 4
-        cq = lane % 4
-        thr = tiled_mma.get_slice(lane)
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((16, 8 * nt)), Float32)  # ((2,2),1,nt)
+        thr = tiled_mma.get_slice(tidx % 32)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((16, 8 * self.n_tiles)), Float32)  # ((2,2),1,nt)
         acc.fill(0.0)
         self._mainloop(tiled_mma, mBlob, mSf, mX, kt_per_split, m_tokens, acc)
-        # C: rows g (+ 8), tokens 8 j + 2 c (+ 1)
-        row = grp * ROWS + warp_i * 16 + gq
-        for j in cutlass.range_constexpr(nt):
-            for v1 in cutlass.range_constexpr(2):
-                for v0 in cutlass.range_constexpr(2):
-                    if 8 * j + 2 * cq + v0 < m_tokens:
-                        mPart[split, 8 * j + 2 * cq + v0, row + 8 * v1] = acc[(v0, v1), 0, j]
+        self._store_partial(acc, mPart, m_tokens)
 
     @cute.kernel
     def kernel_fused(self, tiled_mma: cute.TiledMma, lr_mma: cute.TiledMma, mBlob: cute.Tensor, mSf: cute.Tensor,
@@ -268,16 +269,14 @@ class SmallMMma:
         nt = const_expr(self.n_tiles)
         tidx, _, _ = cute.arch.thread_idx()
         grp, split, _ = cute.arch.block_idx()
-        warp_i = tidx // 32
         lane = tidx % 32
-        gq = lane // 4
         cq = lane % 4
         smem = cutlass.memory.SmemAllocator()
         s_flag = smem.allocate_tensor(Int32, cute.make_layout((1,)), byte_alignment=4)
         thr = tiled_mma.get_slice(lane)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((16, 8 * nt)), Float32)  # ((2,2),1,nt)
         acc.fill(0.0)
-        row0 = grp * ROWS + warp_i * 16 + gq
+        row0 = grp * ROWS + (tidx // 32) * 16 + lane // 4
         if split == 0 and w_lr > 0:
             # the low-rank term, once (split 0): proj_up' rows as A (k = the window's columns), lora' as B;
             # the bf16 m16n8k16 accumulator fragment is laid out as the main MMA's
@@ -293,7 +292,7 @@ class SmallMMma:
                         for h in cutlass.range_constexpr(2):
                             fa[(0, v1, h), 0, b] = mUp[row0 + 8 * v1, 8 * b + cq + 4 * h]
                     for j in cutlass.range_constexpr(nt):
-                        tok = cutlass.min(8 * j + gq, m_tokens - 1)
+                        tok = cutlass.min(8 * j + lane // 4, m_tokens - 1)
                         for h in cutlass.range_constexpr(2):
                             fb[(0, h), j, b] = mLa[tok, col0 + 8 * b + cq + 4 * h]
                 else:
@@ -305,11 +304,7 @@ class SmallMMma:
                             fb[(0, h), j, b] = Int32(0)
             cute.gemm(lr_mma, acc, tA, tB, acc)
         self._mainloop(tiled_mma, mBlob, mSf, mX, kt_per_split, m_tokens, acc)
-        for j in cutlass.range_constexpr(nt):
-            for v1 in cutlass.range_constexpr(2):
-                for v0 in cutlass.range_constexpr(2):
-                    if 8 * j + 2 * cq + v0 < m_tokens:
-                        mPart[split, 8 * j + 2 * cq + v0, row0 + 8 * v1] = acc[(v0, v1), 0, j]
+        self._store_partial(acc, mPart, m_tokens)
         # the last CTA of this row group (every split's partial written and fenced) sums them in split order
         cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_threads()
