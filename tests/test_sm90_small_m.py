@@ -291,6 +291,35 @@ def test_fused_mma_kernel_compiles_with_its_low_rank_mma_counter_and_fenced_sum(
     assert not re.search(r"\b(LDL|STL)\b", sass)
 
 
+def test_fused_mma_kernel_binds_no_size_of_a_stand_in_to_the_layer_shape(tmp_path):
+    """tvm-ffi binds each symbolic size of the compiled signature once a call: the counter buffer, the
+    segments and the low-rank operands (dummies without a low-rank term) must have sizes of their own, or
+    every call is refused. Read from the signature the wrapper reports (it checks the device first, so
+    a CPU call shows it without a GPU); compiled for sm_90a in a subprocess (the DSL reads its target at
+    import)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    pytest.importorskip("quack")
+    code = ("import torch\nfrom svdq_linear.backends.sm90 import small_m_mma as s\n"
+            "fn = s.compile_kernel(1, 'exact', fused='bfloat16')\n"
+            "try:\n    fn(*[torch.zeros(1, dtype=torch.int32)] * 15)\nexcept ValueError as e:\n    print(e)\n")
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "QUACK_ARCH": "90", "CUTE_DSL_CACHE_DIR": str(tmp_path),
+           "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    sig = re.search(r"call_fused\((.*)\)`", r.stdout)
+    if sig is None:
+        pytest.skip("this tvm-ffi does not report the signature")
+    shapes = dict(re.findall(r"(m\w+): Tensor\(\[([^\]]*)\]", sig.group(1)))
+    layer = {d for name in ("mBlob", "mSf", "mX", "mPart", "mOut", "mCs", "mBias") for d in shapes[name].split(", ")}
+    for name in ("mCnt", "mSeg", "mUp", "mLa", "mRs"):
+        assert not set(shapes[name].split(", ")) & layer, f"{name} {shapes[name]} shares a size with the layer's tensors"
+    assert not set(shapes["mCnt"].split(", ")) & set(shapes["mSeg"].split(", "))
+
+
 def test_fused_mma_call_checks_its_operands():
     """The fused kernel's host side refuses what it cannot run before compiling anything: a bias that is
     not the prepared fp32 one, windows wider than 64 or not whole k16 blocks, mismatched lora', a split
@@ -401,16 +430,23 @@ def test_gpu_fused_mma_kernel_meets_the_contract_and_resets_its_counters(mode, m
         with torch.cuda.graph(g, stream=s):
             yg = run()
     torch.cuda.current_stream().wait_stream(s)
-    g.replay()
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(yg, y), "a CUDA-graph replay differs"
+    for _ in range(2):  # each replay writes every output again (a stuck counter would skip the epilogue)
+        yg.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(yg, y), "a CUDA-graph replay differs"
+    with torch.cuda.stream(s):
+        assert int(_counters(x.device, 48).abs().sum()) == 0, "a counter of the graph's stream was left nonzero"
     monkeypatch.setenv(ENV_SMALL_M_MMA, "1")
     monkeypatch.setenv(ENV_MMA_FUSED, "1")
     assert backends.choose(mod, x).name == "sm90"
+    calls = []
+    real = mma._run_fused
+    monkeypatch.setattr(mma, "_run_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
     # the module's forward: its prepared state stands in for the canonical tensors, which routes the exact
     # mode to quack's blob (the layout small_m_mma reads)
     _check(mod(x), expected, bound, f"module fused {mode} M={m}")
+    assert calls, "the module's forward did not take the fused kernel"
 
 
 @pytest.mark.gpu

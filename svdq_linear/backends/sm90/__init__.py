@@ -333,21 +333,23 @@ class Sm90Backend(Backend):
         from . import small_m
 
         m, n, r = x.shape[0], wcscale.shape[0], proj_down.shape[1]
+        layout, w, s = small_m.CANONICAL, qweight, wscales
+        if qweight.numel() == 0:  # quack's repacked tensors stand in for the canonical ones (replaced)
+            layout, w, s = small_m.QUACK, extra[-4], extra[-3]
+        mma = layout == small_m.QUACK and x.dtype == torch.bfloat16 and _route_small_m_mma("exact", x, n)
+        if mma and os.environ.get(ENV_MMA_FUSED) == "1" and len(extra) in (4, 7):  # no branch, or its accumulator form
+            from .quack_gemm import QuackWeight
+
+            qw = QuackWeight(*extra[-4:])
+            lr = (extra[1], x @ extra[0], extra[2]) if len(extra) == 7 else (None, None, None)
+            return _small_m_mma_module().linear_fused(self.kernels.quantize_act(x, smooth)[0], w, s, qw.wc, qw.bias,
+                                                      *lr, out_dtype=x.dtype)
         lora = None
         if r:
             pds = extra[0] if extra else (proj_down.float() / smooth[:, None]).to(torch.bfloat16)
             lora = x.to(torch.bfloat16) @ pds[:, :r]
-        layout, w, s = small_m.CANONICAL, qweight, wscales
-        if qweight.numel() == 0:  # quack's repacked tensors stand in for the canonical ones (replaced)
-            layout, w, s = small_m.QUACK, extra[-4], extra[-3]
-        if layout == small_m.QUACK and x.dtype == torch.bfloat16 and _route_small_m_mma("exact", x, n):
+        if mma:
             xq = self.kernels.quantize_act(x, smooth)[0]
-            if os.environ.get(ENV_MMA_FUSED) == "1" and len(extra) in (4, 7):  # no branch, or its accumulator form
-                from .quack_gemm import QuackWeight
-
-                qw = QuackWeight(*extra[-4:])
-                lr = (extra[1], x @ extra[0], extra[2]) if len(extra) == 7 else (None, None, None)
-                return _small_m_mma_module().linear_fused(xq, w, s, qw.wc, qw.bias, *lr, out_dtype=x.dtype)
             return _small_m_mma_module().linear(xq, w, s, wcscale.float(), bias,
                                                 proj_up if r else None, lora, out_dtype=x.dtype)
         if small_m.use_fma(m, n, x.shape[1]):

@@ -376,13 +376,16 @@ def compile_kernel(n_tiles: int, mode: str = "exact", depth: int = DEPTH, unroll
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     if fused is None:
         return cute.compile(kern, blob, sf, x, part, Int32(1), Int32(1), stream, options="--enable-tvm-ffi")
-    gs, wh, lh, ms = (cute.sym_int() for _ in range(4))
-    cnt = make_fake_tensor(Int32, (gs,))
+    # every size its own variable where the host may pass a stand-in of another size (tvm-ffi binds each
+    # variable once per call): the shared counter buffer, the segments, and the low-rank operands, which
+    # are small dummies without a low-rank term
+    nc, ns, ms, nu, wh, ml, lh = (cute.sym_int() for _ in range(7))
+    cnt = make_fake_tensor(Int32, (nc,))
     out = make_fake_tensor(out_dt, (m, n), divisibility=4)
     cs, rs, bias = (make_fake_tensor(Float32, (d,)) for d in (n, ms, n))
-    up = make_fake_tensor(Int32, (n, wh))
-    la = make_fake_tensor(Int32, (m, lh))
-    seg = make_fake_tensor(Int32, (gs,))
+    up = make_fake_tensor(Int32, (nu, wh))
+    la = make_fake_tensor(Int32, (ml, lh))
+    seg = make_fake_tensor(Int32, (ns,))
     return cute.compile(kern.call_fused, blob, sf, x, part, Int32(1), Int32(1), cnt, out, cs, rs, bias, up, la, seg,
                         Int32(0), stream, options="--enable-tvm-ffi")
 
