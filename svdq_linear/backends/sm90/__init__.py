@@ -365,21 +365,20 @@ class Sm90Backend(Backend):
         inv, extra = extra[-1], extra[:-1]  # Sm90Prepared.tensors(): inv_smooth comes last
         fw = quack_fast.FastWeight(*extra[-4:])
         out_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
-        if _route_small_m_mma("fast", x, fw.cs.numel()) and os.environ.get(ENV_MMA_FUSED) == "1" and len(extra) in (4, 7):
-            if len(extra) == 7:  # the accumulator form: la = lora_act / sa from the pass, proj_up / cs prepared
+        if _route_small_m_mma("fast", x, fw.cs.numel()):
+            mma = _small_m_mma_module()
+            if os.environ.get(ENV_MMA_FUSED) == "1" and len(extra) == 7:  # the accumulator form, in one launch
                 a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=_mm_f32(x.to(torch.bfloat16), extra[0]),
                                                            inv_smooth=inv, gemm_order=True)
-                lr = (extra[1], la, extra[2])
+                out = mma.linear_fast_fused(a8, sa, fw, extra[1], la, extra[2], out_dtype=out_dtype)
+            elif os.environ.get(ENV_MMA_FUSED) == "1" and len(extra) == 4:  # no low-rank branch
+                a8, sa = self.kernels.quantize_act_fp8(x, smooth, inv_smooth=inv, gemm_order=True)
+                out = mma.linear_fast_fused(a8, sa, fw, out_dtype=out_dtype)
             else:
                 a8, sa = self.kernels.quantize_act_fp8(x, smooth, inv_smooth=inv, gemm_order=True)
-                lr = (None, None, None)
-            out = _small_m_mma_module().linear_fast_fused(a8, sa, fw, *lr, out_dtype=out_dtype)
-            return out if x.dtype == out_dtype else out.to(x.dtype)
-        if _route_small_m_mma("fast", x, fw.cs.numel()):
-            a8, sa = self.kernels.quantize_act_fp8(x, smooth, inv_smooth=inv, gemm_order=True)
-            # the prepared proj_down / smooth: its first r columns (the accumulator path pads at the end)
-            lora = _mm_f32(x.to(torch.bfloat16), extra[0][:, :r]) if r else None
-            out = _small_m_mma_module().linear_fast(a8, sa, fw, bias, proj_up if r else None, lora, out_dtype)
+                # the prepared proj_down / smooth: its first r columns (the accumulator path pads at the end)
+                lora = _mm_f32(x.to(torch.bfloat16), extra[0][:, :r]) if r else None
+                out = mma.linear_fast(a8, sa, fw, bias, proj_up if r else None, lora, out_dtype)
             return out if x.dtype == out_dtype else out.to(x.dtype)
         if len(extra) == 7:  # [proj_down', proj_up', segments] + FastWeight: the low-rank MMA in the accumulator
             pds, up, seg = extra[:3]

@@ -347,13 +347,14 @@ def split_for(groups: int, k_tiles: int, sms: int = SM_COUNT, ctas_per_sm: int =
     return best
 
 
-_COMPILED: dict[tuple[int, str, int, bool], object] = {}
+_COMPILED: dict[tuple, object] = {}
 
 
-def _compiled(n_tiles: int, mode: str, depth: int = DEPTH, unroll: bool = False):
-    """The kernel for up to ``8 * n_tiles`` tokens, compiled once per process (tvm-ffi: called with
-    torch tensors on the current stream)."""
-    key = (n_tiles, mode, depth, unroll)
+def _compiled(n_tiles: int, mode: str, depth: int = DEPTH, unroll: bool = False, fused: str | None = None,
+              has_rs: bool = False):
+    """The kernel for up to ``8 * n_tiles`` tokens (``fused``, ``has_rs``: as ``compile_kernel``), compiled
+    once per process (tvm-ffi: called with torch tensors on the current stream)."""
+    key = (n_tiles, mode, depth, unroll, fused, has_rs)
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = compile_kernel(*key)
@@ -390,9 +391,6 @@ def compile_kernel(n_tiles: int, mode: str = "exact", depth: int = DEPTH, unroll
                         Int32(0), stream, options="--enable-tvm-ffi")
 
 
-_COMPILED_FUSED: dict[tuple, object] = {}
-
-
 def _run_fused(mode, a, blob_i32, sf_i32, colscale, rowscale, bias, up_w, la, seg, out_dtype, split=None):
     """The fused kernel: ``out = (sum_s part[s]) (* rowscale) * colscale + bias`` with the low-rank term
     (``up_w [N, W]`` bf16 = proj_up / the epilogue's column factor, ``la [M, LW]`` bf16 = lora_act / the
@@ -419,10 +417,7 @@ def _run_fused(mode, a, blob_i32, sf_i32, colscale, rowscale, bias, up_w, la, se
         raise ValueError(f"split {split} does not divide the {k_tiles} k-tiles")
     if out_dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"the fused kernel writes bf16 or fp16, got {out_dtype}")
-    key = (-(-m // 8), mode, str(out_dtype).removeprefix("torch."), rowscale is not None)
-    fn = _COMPILED_FUSED.get(key)
-    if fn is None:
-        fn = _COMPILED_FUSED[key] = compile_kernel(key[0], mode, DEPTH, False, key[2], key[3])
+    fn = _compiled(-(-m // 8), mode, DEPTH, False, str(out_dtype).removeprefix("torch."), rowscale is not None)
     part = torch.empty(split, m, n, device=a.device, dtype=torch.float32)
     out = torch.empty(m, n, device=a.device, dtype=out_dtype)
     cnt = _counters(a.device, groups)
