@@ -197,6 +197,28 @@ def kernel_breakdown(fn, runs: int = 3) -> tuple[list[tuple[str, float, int]], l
     return sorted(((c, v[0], v[1]) for c, v in cats.items()), key=lambda c: -c[1]), kernels[:25]
 
 
+def host_profile(variant: str, mode: str, fn, top: int = 30) -> list[str]:
+    """cProfile's top functions by own time over one forward (host wall ms beside it)."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    t = time.perf_counter()
+    pr.enable()
+    fn()
+    pr.disable()
+    host = time.perf_counter() - t
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    return [f"\n### {variant}: host profile of one {mode} forward (cProfile: host {host * 1e3:.0f} ms until "
+            f"the call returned, {total * 1e3:.0f} ms until the GPU finished)\n", "```", buf.getvalue(), "```"]
+
+
 def weight_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
@@ -216,6 +238,8 @@ def main():
                    help="fuse q/k/v (diffusers' fuse_qkv_projections; one quantization pass for the svdq variants)")
     p.add_argument("--profile", action="store_true",
                    help="the compiled forward's GPU time by kernel category and its top kernels (torch.profiler)")
+    p.add_argument("--cprofile", action="store_true",
+                   help="the host: cProfile's top functions (own time) of one eager and one compiled forward")
     p.add_argument("--whole-model-compile", action="store_true",
                    help="torch.compile the whole model instead of diffusers' regional compilation "
                         "(compile_repeated_blocks: one compile per block class, minutes less)")
@@ -291,6 +315,11 @@ def main():
                         t_comp_graph = graph_replay_time(lambda: cm(**kw))
                     except Exception as e:  # noqa: BLE001
                         print(f"{variant}: capturing the compiled forward failed: {type(e).__name__}: {e}", flush=True)
+            if args.cprofile:
+                profiles.extend(host_profile(variant, "eager", lambda: model(**kw)))
+                if not args.no_compile:
+                    profiles.extend(host_profile(variant, "compiled", lambda: cm(**kw)))
+                print("\n".join(profiles[-8:]), flush=True)
             if args.profile:
                 cats, top = kernel_breakdown(lambda: (cm if not args.no_compile else model)(**kw))
                 total = sum(c[1] for c in cats)

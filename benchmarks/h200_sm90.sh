@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call for the sm90 backend: GPU conformance + seam tests, the config sweep, the benchmark.
 # Through the device tool with carry [".devcarry/wheels"]:  bash benchmarks/h200_sm90.sh [--sweep]
-# STEPS (default "tests bench"; also lora, lowrank, fast, flux, small, act, cachehit, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
+# STEPS (default "tests bench"; also lora, lowrank, fast, flux, small, act, cachehit, host, ncu, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
 # spaces: select tests by node id (file::test), not with a quoted -k expression.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -34,6 +34,14 @@ for step in ${STEPS:-tests bench}; do
     act) timeout "${ACT_LIMIT:-200}" python3 benchmarks/bench_act.py --out "$OUT/bench_act.md" ${ACT_ARGS:-} > "$OUT/act.log" 2>&1; tail -60 "$OUT/act.log" ;;
     cachehit) timeout "${CACHE_LIMIT:-200}" python3 benchmarks/check_precompiled.py --cache .devcarry/precompiled/quack-cache \
                 > "$OUT/cachehit.log" 2>&1; tail -6 "$OUT/cachehit.log" ;;
+    host) timeout "${HOST_LIMIT:-200}" python3 benchmarks/host_overhead.py --out "$OUT/host_overhead.md" ${HOST_ARGS:-} \
+            > "$OUT/host.log" 2>&1; tail -40 "$OUT/host.log" ;;
+    ncu) NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)"
+         timeout "${NCU_LIMIT:-240}" "$NCU" --profile-from-start off --nvtx --clock-control none --target-processes all \
+           --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section Occupancy \
+           --section LaunchStats --section WarpStateStats --section SchedulerStats \
+           python3 benchmarks/ncu_cases.py ${NCU_ARGS:-} > "$OUT/ncu.log" 2>&1
+         echo "ncu rc=$?"; grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Compute \(SM\)|^case" "$OUT/ncu.log" | head -60 ;;
     suite) timeout "${TEST_LIMIT:-400}" python3 -m pytest -q -p no:cacheprovider -W ignore tests/ > "$OUT/suite.log" 2>&1; rc=$?; tail -15 "$OUT/suite.log" ;;
   esac
 done

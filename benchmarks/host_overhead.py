@@ -1,0 +1,128 @@
+"""Host (CPU) time of one linear call on the GPU: what a forward that is not captured in a CUDA graph
+pays per layer, eager and ``torch.compile``d, against ``F.linear`` bf16 measured in the same run.
+
+    python benchmarks/host_overhead.py [--out FILE] [--profile]
+
+Host time of a call = wall time from entering the call to its return, with the GPU idle before it
+(the launches are asynchronous: the call returns once its kernels are queued). The median of 50
+calls, each after a synchronize. ``--profile`` adds cProfile's top functions (by own time) of the eager
+fast-mode call, the compiled call and the GPU kernels' launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_conformance import random_w4a4  # noqa: E402
+
+CALLS = 50
+
+
+def host_us(fn, calls: int = CALLS) -> float:
+    """Median host microseconds of one call of ``fn`` issued onto an idle GPU."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2] * 1e6
+
+
+class Wrap(nn.Module):
+    """One layer as a compiled region sees it (a block of one linear)."""
+
+    def __init__(self, lin):
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def profile_text(fn, calls: int = 20, top: int = 22) -> str:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+@torch.no_grad()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench_out/host_overhead.md")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--shapes", default="4096x3072x9216,4096x3072x3072,512x3072x3072,1x3072x3072")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (reference backend)")
+    args = p.parse_args()
+    import svdq_linear  # noqa: F401
+
+    dev = torch.device(args.device)
+    if dev.type != "cuda":
+        torch.cuda.synchronize = lambda: None  # a smoke run: no GPU to wait for
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    lines = [f"# Host time of one linear call — {name}, torch {torch.__version__}, "
+             f"{time.strftime('%Y-%m-%d %H:%M')}", "",
+             "us of host time a call (median of 50, GPU idle before each); eager under torch.no_grad (as "
+             "diffusers runs) and torch.inference_mode; compiled = the layer in a torch.compile(fullgraph=True) "
+             "region, under no_grad; ratio = ours / F.linear bf16 in the same setting", "",
+             "| M x K x N | variant | eager no_grad | eager inference_mode | compiled | compiled / F.linear |",
+             "|---|---|---|---|---|---|"]
+    profiles = []
+    for shape in args.shapes.split(","):
+        m, k, n = (int(v) for v in shape.split("x"))
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        ref = {}
+        for variant in ("bf16", "exact", "fast"):
+            if variant == "bf16":
+                lin = nn.Linear(k, n, device=dev, dtype=torch.bfloat16)
+            else:
+                lin = random_w4a4(k, n, 32, torch.bfloat16, dev).set_mode(variant)
+            lin(x)
+            eager = host_us(lambda: lin(x))
+            with torch.inference_mode():
+                eager_im = host_us(lambda: lin(x))
+            comp = torch.compile(Wrap(lin), fullgraph=True)
+            comp(x)
+            compiled = host_us(lambda: comp(x))
+            ref.setdefault("c", compiled)
+            lines.append(f"| {shape} | {variant} | {eager:.0f} | {eager_im:.0f} | {compiled:.0f} | "
+                         f"{compiled / ref['c']:.1f}x |")
+            print(lines[-1], flush=True)
+            if args.profile and variant == "fast" and shape == args.shapes.split(",")[0]:
+                profiles += [f"\n## cProfile, eager {variant} {shape}, 20 calls\n", "```",
+                             profile_text(lambda: lin(x)), "```",
+                             f"\n## cProfile, compiled {variant} {shape}, 20 calls\n", "```",
+                             profile_text(lambda: comp(x)), "```"]
+            torch._dynamo.reset()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines + profiles) + "\n")
+    print("\n".join(profiles))
+
+
+if __name__ == "__main__":
+    main()

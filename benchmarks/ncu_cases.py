@@ -1,0 +1,68 @@
+"""The kernels of a few linears, one forward each, for Nsight Compute to read counters on:
+
+    ncu --profile-from-start off --nvtx --clock-control none --section SpeedOfLight ... \\
+        python3 benchmarks/ncu_cases.py [--cases NAME,...]
+
+Each case warms its layer up (compiles, prepares), then runs one forward between
+cudaProfilerStart/Stop inside an NVTX range named after the case, so ncu's report names the case of
+every kernel it profiled. ``benchmarks/h200_sm90.sh`` step ``ncu`` runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_conformance import random_w4a4  # noqa: E402
+
+# name -> (M, K, N, variant): variant "bf16" is F.linear, "exact"/"fast" the W4A4 module in that mode
+CASES = {
+    "small-attn-exact-m1": (1, 3072, 3072, "exact"),
+    "small-attn-bf16-m1": (1, 3072, 3072, "bf16"),
+    "small-ffdown-fast-m1": (1, 12288, 3072, "fast"),
+    "single-out-exact-4608": (4608, 15360, 3072, "exact"),
+    "single-out-bf16-4608": (4608, 15360, 3072, "bf16"),
+    "qkv-fast-4096": (4096, 3072, 9216, "fast"),
+    "qkv-bf16-4096": (4096, 3072, 9216, "bf16"),
+}
+
+
+@torch.no_grad()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default=",".join(CASES))
+    args = p.parse_args()
+    import svdq_linear  # noqa: F401
+
+    dev = torch.device("cuda")
+    for name in args.cases.split(","):
+        if name not in CASES:
+            raise SystemExit(f"unknown case {name!r}; known: {', '.join(CASES)}")
+        m, k, n, variant = CASES[name]
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        if variant == "bf16":
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
+            b = torch.randn(n, device=dev, dtype=torch.bfloat16)
+            fn = lambda: F.linear(x, w, b)  # noqa: E731
+        else:
+            lin = random_w4a4(k, n, 32, torch.bfloat16, dev).set_mode(variant)
+            fn = lambda: lin(x)  # noqa: E731
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        torch.cuda.nvtx.range_push(name)
+        fn()
+        torch.cuda.nvtx.range_pop()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        print(f"case {name}: M={m} K={k} N={n} {variant}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
