@@ -70,12 +70,58 @@ def profile_text(fn, calls: int = 20, top: int = 22) -> str:
     return buf.getvalue()
 
 
+@torch.library.custom_op("svdq_bench::noop_linear", mutates_args=())
+def _noop_linear(x: torch.Tensor, qweight: torch.Tensor, wscales: torch.Tensor, smooth: torch.Tensor,
+                 proj_down: torch.Tensor, proj_up: torch.Tensor, wcscale: torch.Tensor, bias: torch.Tensor | None,
+                 extra: list[torch.Tensor], backend: str) -> torch.Tensor:
+    return x.new_empty(x.shape[0], wcscale.shape[0])
+
+
+def breakdown(dev, shapes) -> list[str]:
+    """Host us of each layer of the fast-mode call, outermost first (each row includes the rows below)."""
+    from svdq_linear import backends
+
+    rows = ["", "### Host time of the pieces of one fast-mode call (us, median of 50)", "",
+            "| M x K x N | module forward | resolve (dispatch) | custom op | run_w4a4_fast | quantize_act_fp8 | "
+            "lora_act | quack GEMM | a no-op custom op, same schema |", "|---|---|---|---|---|---|---|---|---|"]
+    for m, k, n in shapes:
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        lin = random_w4a4(k, n, 32, torch.bfloat16, dev).set_mode("fast")
+        lin(x)
+        be, prep = backends.resolve(lin, x)
+        extra = be.extra_tensors(prep)
+        t = lin._parameters
+        args = (x, t["qweight"], t["wscales"], t["smooth"], t["proj_down"], t["proj_up"], t["wcscale"], t["bias"], extra)
+        cells = [host_us(lambda: lin(x)), host_us(lambda: backends.resolve(lin, x)),
+                 host_us(lambda: backends.w4a4_fast_linear(*args, be.name)),
+                 host_us(lambda: be.run_w4a4_fast(*args))]
+        if len(extra) == 8 and m > 64:  # the accumulator path: time its three launches alone
+            from svdq_linear.backends.sm90 import quack_fast
+
+            inv, ex = extra[-1], extra[:-1]
+            fw = quack_fast.FastWeight(*ex[-4:])
+            pds, up, seg = ex[:3]
+            la = be._lora_act(x, pds)
+            a8, sa, la2 = be.kernels.quantize_act_fp8(x, t["smooth"], lora=la, inv_smooth=inv, gemm_order=True)
+            cells += [host_us(lambda: be.kernels.quantize_act_fp8(x, t["smooth"], lora=la, inv_smooth=inv,
+                                                                  gemm_order=True)),
+                      host_us(lambda: be._lora_act(x, pds)),
+                      host_us(lambda: quack_fast.gemm(a8, sa, fw, out_dtype=torch.bfloat16, lr_acc=(up, la2, seg)))]
+        else:
+            cells += [float("nan")] * 3
+        cells.append(host_us(lambda: _noop_linear(*args, be.name)))
+        rows.append(f"| {m}x{k}x{n} | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
+    return rows
+
+
 @torch.no_grad()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench_out/host_overhead.md")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--shapes", default="4096x3072x9216,4096x3072x3072,512x3072x3072,1x3072x3072")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also the host time of each piece of the fast-mode call (dispatch, op, kernels' launches)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (reference backend)")
     args = p.parse_args()
     import svdq_linear  # noqa: F401
@@ -118,6 +164,9 @@ def main() -> None:
                              f"\n## cProfile, compiled {variant} {shape}, 20 calls\n", "```",
                              profile_text(lambda: comp(x)), "```"]
             torch._dynamo.reset()
+    if args.breakdown:
+        lines += breakdown(dev, [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")])
+        print("\n".join(lines[-12:]), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines + profiles) + "\n")

@@ -383,3 +383,41 @@ def test_candidates_are_cached_until_the_registry_changes():
     finally:
         backends._ENTRIES.pop(backend.name)
     assert [b.name for b in backends.candidates("cpu", "w4a4")] == before
+
+
+_LAZY_SOURCE = '''
+from svdq_linear import nvfp4
+from svdq_linear.backends import Backend
+
+class LazyProbe(Backend):
+    name = "lazy_probe"
+    calls = 0
+
+    def run_w4a4(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
+        LazyProbe.calls += 1
+        return nvfp4.w4a4_linear(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias).to(x.dtype)
+
+def make_backend():
+    return LazyProbe()
+'''
+
+
+def test_a_compiled_first_call_loads_a_lazy_backend_outside_the_trace(tmp_path, monkeypatch):
+    # A model compiled before any eager call: the lazy backend's import (and the registry lock) must not
+    # be traced; fullgraph=True turns such a graph break into an error.
+    (tmp_path / "svdq_lazy_probe.py").write_text(_LAZY_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    backends.register_lazy("lazy_probe", 100, "svdq_lazy_probe", lambda d: d.type == "cpu")
+    try:
+        torch._dynamo.reset()
+        m = _module()
+        x = torch.randn(5, m.in_features)
+        assert backends._ENTRIES["lazy_probe"].backend is None
+        y = torch.compile(m, fullgraph=True)(x)
+        probe = backends._ENTRIES["lazy_probe"].backend
+        assert probe is not None and type(probe).calls == 1  # loaded, and it served the compiled call
+        ref = nvfp4.w4a4_linear(x, m.qweight, m.wscales, m.smooth, m.proj_down, m.proj_up, m.wcscale, m.bias)
+        torch.testing.assert_close(y, ref.to(x.dtype), rtol=0, atol=0)
+    finally:
+        backends._ENTRIES.pop("lazy_probe")
+        torch._dynamo.reset()

@@ -173,6 +173,12 @@ def candidates(device: torch.device | str, kind: str) -> list[Backend]:
     device and kind until the registry changes: an entry added, removed, loaded or failed)."""
     if not isinstance(device, torch.device):
         device = torch.device(device)
+    if torch.compiler.is_compiling():  # loading imports and takes a lock: done outside the trace
+        return [_ENTRIES[name].backend for name in _candidate_names(device.type, device.index, kind)]
+    return _candidates_eager(device, kind)
+
+
+def _candidates_eager(device: torch.device, kind: str) -> list[Backend]:
     key = (device, kind)
     snap = _registry_snapshot()
     hit = _CANDIDATES.get(key)
@@ -187,6 +193,14 @@ def candidates(device: torch.device | str, kind: str) -> list[Backend]:
             out.append(backend)
     _CANDIDATES[key] = (_registry_snapshot(), out, tuple(_ENTRIES.values()))  # after the loads above
     return list(out)
+
+
+@torch._dynamo.assume_constant_result
+def _candidate_names(device_type: str, index: int | None, kind: str) -> tuple[str, ...]:
+    """``candidates`` by name, run eagerly when torch.compile traces a call (a first call may be a
+    compiled one: the lazy backends load here, not inside the trace)."""
+    device = torch.device(device_type) if index is None else torch.device(device_type, index)
+    return tuple(b.name for b in _candidates_eager(device, kind))
 
 
 def preferred_name(module) -> str | None:
