@@ -302,6 +302,9 @@ def main():
                     t_graph = graph_replay_time(lambda: model(**kw))
                 except Exception as e:  # a host sync inside the forward cannot be captured
                     print(f"{variant}: CUDA-graph capture failed: {type(e).__name__}: {e}", flush=True)
+            if args.cprofile:  # before compile_repeated_blocks compiles the blocks in place
+                profiles.extend(host_profile(variant, "eager", lambda: model(**kw)))
+                print("\n".join(profiles[-4:]), flush=True)
             t_comp = t_comp_graph = float("nan")
             if not args.no_compile:
                 if args.whole_model_compile:
@@ -315,11 +318,9 @@ def main():
                         t_comp_graph = graph_replay_time(lambda: cm(**kw))
                     except Exception as e:  # noqa: BLE001
                         print(f"{variant}: capturing the compiled forward failed: {type(e).__name__}: {e}", flush=True)
-            if args.cprofile:
-                profiles.extend(host_profile(variant, "eager", lambda: model(**kw)))
-                if not args.no_compile:
-                    profiles.extend(host_profile(variant, "compiled", lambda: cm(**kw)))
-                print("\n".join(profiles[-8:]), flush=True)
+            if args.cprofile and not args.no_compile:
+                profiles.extend(host_profile(variant, "compiled", lambda: cm(**kw)))
+                print("\n".join(profiles[-4:]), flush=True)
             if args.profile:
                 cats, top = kernel_breakdown(lambda: (cm if not args.no_compile else model)(**kw))
                 total = sum(c[1] for c in cats)

@@ -111,6 +111,7 @@ class _PackedNVFP4Linear(nn.Module):
         self._set("bias", torch.zeros(n, dtype=dtype, device=device) if bias else None)
         self._backend_pref: str | None = None
         self._reset_dispatch()
+        backends.LIVE_LAYERS.add(self)
         self._register_load_state_dict_pre_hook(self._check_state_dict)
         self.register_load_state_dict_post_hook(type(self)._after_load)
 
@@ -208,6 +209,18 @@ class _PackedNVFP4Linear(nn.Module):
         state.pop("_view_parts", None)  # weak references (svdq_linear.fuse): a copy's parts are not ours
         return state
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        backends.LIVE_LAYERS.add(self)  # a copy or an unpickled layer
+
+    def call_dtype(self) -> torch.dtype:
+        """The float dtype of the module (its bias's or low-rank branch's; bf16 without either)."""
+        for name in ("bias", "proj_down"):
+            t = self._parameters.get(name)
+            if t is not None:
+                return t.dtype
+        return torch.bfloat16
+
     def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
         n, k = self.out_features, self.in_features
         return {"qweight": (n, k // 2), "wscales": (n, k // nvfp4.BLOCK_SIZE), "wcscale": (n,), "bias": (n,)}
@@ -291,6 +304,9 @@ class _PackedNVFP4Linear(nn.Module):
     # ---- forward --------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if backends.tracing() and x.device.type != "meta":
+            # before the trace reads this layer's tensors: the preparation (and its stand-ins) runs eagerly
+            backends.prepare_before_trace(x.device.type, x.device.index)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}")
         nvfp4.check_act_dtype(x)

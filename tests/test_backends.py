@@ -145,7 +145,7 @@ def test_modules_made_under_inference_mode_dispatch(counting):
     """A model loaded (or fused) inside ``torch.inference_mode()`` holds inference tensors, which keep no
     version counter: the prepared-state key must not read it, and a weight loaded anew (a new tensor)
     still rebuilds the prepared state."""
-    from svdq_linear.fuse import concat_w4a4
+    from svdq_linear.fuse import _share_packed_weight, concat_w4a4
 
     with torch.inference_mode():
         m = _module()
@@ -280,16 +280,17 @@ def test_stood_in_state_compiles_fullgraph(standing):
     assert m._parameters["qweight"].numel() == 0 and standing.prepares == 1
 
 
-def test_compiled_before_any_eager_call_traces_the_preparation(counting):
-    """torch.compile on a fresh module: the preparation is traced into the graph, nothing from the
-    trace's fake tensors is cached, and the first eager call prepares and caches as usual."""
+def test_compiled_before_any_eager_call_prepares_eagerly_and_caches(counting):
+    """torch.compile on a fresh module: the preparation runs eagerly at trace time (not in the graph)
+    and is cached; a later eager call reuses it."""
     m = _module()
     x = torch.randn(3, 64)
     compiled = torch.compile(torch.nn.Sequential(m, torch.nn.GELU()), fullgraph=True, backend="aot_eager")
     y = compiled(x)
-    assert not m._dispatch_cache, "a state prepared under tracing was cached"
+    assert m._dispatch_cache and counting.prepares == 1
+    compiled(x)
     assert torch.equal(y, torch.nn.functional.gelu(m(x)))
-    assert m._dispatch_cache and counting.calls >= 2
+    assert counting.prepares == 1 and counting.calls == 3
 
 
 def test_sequential_offload_moves_the_packed_tensors():
@@ -319,6 +320,7 @@ def test_prepared_state_is_not_pickled_or_copied(counting, tmp_path):
     torch.save(m, tmp_path / "m.pt")  # no lambdas or backend objects in the module's state
     again = torch.load(tmp_path / "m.pt", weights_only=False)
     assert torch.equal(again(x), y)
+    assert clone in backends.LIVE_LAYERS and again in backends.LIVE_LAYERS  # prepare_before_trace sees copies
     m.set_backend("reference")
     torch.save(m, tmp_path / "m.pt")
     assert torch.load(tmp_path / "m.pt", weights_only=False)._backend_pref == "reference"
@@ -421,3 +423,61 @@ def test_a_compiled_first_call_loads_a_lazy_backend_outside_the_trace(tmp_path, 
     finally:
         backends._ENTRIES.pop("lazy_probe")
         torch._dynamo.reset()
+
+
+def test_a_model_compiled_before_any_eager_call_prepares_its_layers_eagerly_once(standing):
+    # Compiled first, the layers' preparation must not be traced into the graph (it would repack the
+    # weights on every call): it runs eagerly at trace time, with its stand-ins, for every block at once,
+    # so repeated blocks share one graph.
+    import gc
+
+    from torch._dynamo.utils import counters
+
+    gc.collect()
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(_module(64, 64), torch.nn.SiLU(), _module(64, 64)) for _ in range(4))
+        layers = [b[i] for b in blocks for i in (0, 2)]
+        canonical = [m.qweight.clone() for m in layers]
+        for b in blocks:
+            b.compile(fullgraph=True)
+        x = torch.randn(5, 64)
+        for call in range(3):
+            y = x
+            for b in blocks:
+                y = b(y)
+            if call == 0:
+                prepares = standing.prepares
+        assert standing.prepares == prepares >= len(layers)  # nothing prepared again after the first call
+        assert standing.calls == 3 * len(layers)  # the compiled graphs call the backend's op
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # one graph for the 4 blocks
+        for m, q in zip(layers, canonical):
+            assert m._parameters["qweight"].numel() == 0  # stood in: prepared eagerly, not in the graph
+            assert torch.equal(m.qweight, q)  # and rebuilt bit for bit on a read
+        want = x
+        for b in blocks:
+            a, c = b[0], b[2]
+            h = nvfp4.w4a4_linear(want, a.qweight, a.wscales, a.smooth, a.proj_down, a.proj_up, a.wcscale, a.bias)
+            h = torch.nn.functional.silu(h)
+            want = nvfp4.w4a4_linear(h, c.qweight, c.wscales, c.smooth, c.proj_down, c.proj_up, c.wcscale, c.bias)
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_prepare_before_trace_leaves_fused_parts_and_other_devices_alone(standing):
+    from svdq_linear.fuse import _share_packed_weight, concat_w4a4
+
+    parts = [_module(64, 16) for _ in range(3)]
+    for p in parts[1:]:
+        p.smooth.copy_(parts[0].smooth)  # one smoothing factor: fusable
+    fused = concat_w4a4(parts)
+    _share_packed_weight(fused, parts)  # what fuse_qkv_projections does: the parts hold rows of the fused
+    lone = _module(64, 48)
+    meta = SVDQW4A4Linear(64, 48, rank=8, device="meta")
+    backends.prepare_before_trace("cpu", None)
+    assert fused._dispatch_cache and lone._dispatch_cache  # prepared, as their first calls would
+    assert not any(p._dispatch_cache for p in parts)  # the fused layer serves their rows
+    assert not meta._dispatch_cache

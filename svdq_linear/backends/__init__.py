@@ -27,6 +27,7 @@ import importlib
 import os
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -173,7 +174,7 @@ def candidates(device: torch.device | str, kind: str) -> list[Backend]:
     device and kind until the registry changes: an entry added, removed, loaded or failed)."""
     if not isinstance(device, torch.device):
         device = torch.device(device)
-    if torch.compiler.is_compiling():  # loading imports and takes a lock: done outside the trace
+    if tracing():  # loading imports and takes a lock: done outside the trace
         return [_ENTRIES[name].backend for name in _candidate_names(device.type, device.index, kind)]
     return _candidates_eager(device, kind)
 
@@ -323,12 +324,12 @@ def resolve(module, x: torch.Tensor, kind: str | None = None) -> tuple[Backend, 
     cache = module._dispatch_cache
     slot = (backend.name, kind)  # a mode switch changes the kind and what is prepared
     entry = cache.get(slot)
-    if torch.compiler.is_compiling():
+    if tracing():
         if entry is not None:
-            return backend, entry[1]  # prepared before tracing; the guard below runs in eager mode
-        # Compiled before any eager call: the preparation is traced into the graph (it holds no
-        # data-dependent choices then, see sm90.plan_lowrank) and nothing is cached from fake tensors;
-        # the first eager call prepares and caches, and a recompile picks that up.
+            return backend, entry[1]  # prepared before tracing (an eager call, or prepare_before_trace)
+        # Not prepared by prepare_before_trace (this call's input takes another backend than its
+        # stand-in did, or an offloader moves the weights): the preparation is traced into the graph (it
+        # holds no data-dependent choices then, see sm90.plan_lowrank) and runs on every call.
         return backend, backend.prepare(module, device)
     if weights_are_offloaded(module):
         module._restore()
@@ -350,6 +351,49 @@ def resolve(module, x: torch.Tensor, kind: str | None = None) -> tuple[Backend, 
         entry = (_state_key(module, device), prepared)
         cache[slot] = entry
     return backend, entry[1]
+
+
+# ---- a first call that torch.compile traces ------------------------------------------------------
+
+# Every packed layer (svdq_linear.linear adds itself when built, copied or unpickled).
+LIVE_LAYERS: weakref.WeakSet = weakref.WeakSet()
+_EAGER_IN_TRACE = False  # a plain global: dynamo reads it as a constant (compiles are serialized)
+
+
+def tracing() -> bool:
+    """Whether torch.compile is tracing this code (False in ``prepare_before_trace``'s eager work,
+    which runs while dynamo traces)."""
+    return torch.compiler.is_compiling() and not _EAGER_IN_TRACE
+
+
+@torch._dynamo.assume_constant_result
+def prepare_before_trace(device_type: str, index: int | None) -> bool:
+    """Prepare, eagerly, every live layer on this device that has no prepared state yet, as its first
+    eager call would (repacked weights cached, canonical tensors stood in for). A layer's forward calls
+    this first thing when torch.compile traces it (dynamo runs it once, at trace time, and keeps the
+    constant result), before the trace reads any of the layer's tensors. Without it a model compiled
+    before any eager call would trace the preparation into its graph and repack the weights on every
+    call. All layers on the device, not only the traced one: repeated blocks compiled once
+    (``compile_repeated_blocks``) then find every block's state in the same form and do not recompile
+    per block. Layers whose rows a fused layer serves (``svdq_linear.fuse``) and offloaded ones are
+    left alone; any layer still unprepared traces its preparation as before."""
+    device = torch.device(device_type) if index is None else torch.device(device_type, index)
+    layers = list(LIVE_LAYERS)
+    parts = {id(ref()) for m in layers for ref, *_ in m.__dict__.get("_view_parts", ())}
+    global _EAGER_IN_TRACE
+    _EAGER_IN_TRACE = True
+    try:
+        for m in layers:
+            if id(m) in parts or m._dispatch_cache or m._device() != device or weights_are_offloaded(m):
+                continue
+            try:
+                resolve(m, torch.zeros(1, m.in_features, dtype=m.call_dtype(), device=device))
+            except Exception:  # noqa: BLE001  (that layer's own call prepares it, or raises, as before)
+                m._restore()
+                m._dispatch_cache.clear()
+    finally:
+        _EAGER_IN_TRACE = False
+    return True
 
 
 # ---- the shared custom ops -----------------------------------------------------------------------

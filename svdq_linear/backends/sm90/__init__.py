@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import Backend, device_capability, weights_are_offloaded
+from .. import Backend, device_capability, tracing, weights_are_offloaded
 from . import tuning  # plain Python: no Triton, cutlass or quack
 
 MAX_RANK = 256
@@ -94,7 +94,7 @@ def plan_lowrank(proj_up: torch.Tensor) -> tuple[int, torch.Tensor] | None:
     128-row tile: a dense rank up to 64 (one window), and the block-diagonal ``proj_up`` of fused
     linears (q/k/v, the single blocks' inputs), whose segments each read their own rank's window."""
     n, r = proj_up.shape
-    if r == 0 or n % 64 or torch.compiler.is_compiling():  # traced: no data-dependent choice, the tile path
+    if r == 0 or n % 64 or tracing():  # traced: no data-dependent choice, the tile path
         return None
     nz = (proj_up != 0).reshape(n // 64, 64, r).any(1)  # [G, R]: the columns each 64 rows use
     used = nz.any(1)
