@@ -112,7 +112,9 @@ class _PackedNVFP4Linear(nn.Module):
         self._backend_pref: str | None = None
         self._reset_dispatch()
         backends.LIVE_LAYERS.add(self)
-        self._register_load_state_dict_pre_hook(self._check_state_dict)
+        # the class function with the module passed in: a bound method would make a reference cycle, and a
+        # dropped layer would stay alive (and in backends.LIVE_LAYERS) until the garbage collector ran
+        self._register_load_state_dict_pre_hook(type(self)._check_state_dict, with_module=True)
         self.register_load_state_dict_post_hook(type(self)._after_load)
 
     def _set(self, name: str, t: torch.Tensor | None) -> None:
@@ -192,14 +194,22 @@ class _PackedNVFP4Linear(nn.Module):
     def _device(self) -> torch.device:
         return self._parameters["wcscale"].device
 
-    def _reset_dispatch(self) -> None:
+    def _reset_dispatch(self, reprepare: bool = False) -> None:
+        """Drop the prepared state (the tensors changed). With ``reprepare``, a layer that had one gets a
+        new one now, for the input dtype it was prepared for: a graph compiled after its first call
+        reads the prepared state, and would otherwise recompile after every ``.to()`` or load (each
+        trace prepares again, at trace time, with new objects)."""
+        cache = self.__dict__.get("_dispatch_cache") or {}
+        dtypes = [entry[2] for entry in cache.values() if len(entry) > 2] if reprepare else []
         self._restore()
-        self._dispatch_cache: dict[tuple, tuple] = {}  # (backend, kind) -> (tensor key, prepared state)
+        self._dispatch_cache: dict[tuple, tuple] = {}  # (backend, kind) -> (tensor key, prepared state, dtype)
         self._declined: dict[tuple, str | None] = {}  # (backend name, device, kind) -> reason or None
         self._svdq_moved_each_call = False  # set by backends.resolve when an unknown offloader moves the weights
+        if dtypes:
+            backends.prepare_layer(self, dtypes[0])
 
     def _after_load(self, incompatible_keys) -> None:
-        self._reset_dispatch()
+        self._reset_dispatch(reprepare=True)
 
     def __getstate__(self):
         # Prepared states are derived data: deepcopy and pickle rebuild them on the next call.
@@ -238,7 +248,7 @@ class _PackedNVFP4Linear(nn.Module):
         for name, dtype in self._fixed_dtypes.items():
             if self._parameters[name].dtype != dtype:
                 self._set(name, before[name].to(device))
-        self._reset_dispatch()
+        self._reset_dispatch(reprepare=True)
         return self
 
     def checked_tensor(self, name: str, t: torch.Tensor, key: str | None = None) -> torch.Tensor:
@@ -306,7 +316,7 @@ class _PackedNVFP4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if backends.tracing() and x.device.type != "meta":
             # before the trace reads this layer's tensors: the preparation (and its stand-ins) runs eagerly
-            backends.prepare_before_trace(x.device.type, x.device.index)
+            backends.prepare_before_trace(x.device.type, x.device.index, str(x.dtype))
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}")
         nvfp4.check_act_dtype(x)

@@ -257,9 +257,10 @@ def test_prepared_state_stands_in_for_the_canonical_weight(standing, tmp_path):
     assert torch.equal(m(x), y) and standing.prepares == 3  # the copy prepared once, m once more
     m.load_state_dict(sd)  # a load while the state stands in copies into the canonical tensor
     assert torch.equal(m(x), y) and standing.prepares == 4
-    m.to(torch.float32)  # .to() carries the canonical tensors
-    assert torch.equal(m._parameters["qweight"], q)
-    assert torch.equal(m(x), y)
+    m.to(torch.float32)  # .to() carries the canonical tensors; a layer that was prepared is prepared again
+    assert m._parameters["qweight"].numel() == 0 and standing.prepares == 5
+    assert torch.equal(m(x), y) and standing.prepares == 5
+    assert torch.equal(m.qweight, q)
     m.set_backend("reference")  # another backend reads the canonical tensors: they come back
     assert torch.equal(m(x), y) and torch.equal(m._parameters["qweight"], q)
     from safetensors.torch import load_file, save_file
@@ -477,7 +478,81 @@ def test_prepare_before_trace_leaves_fused_parts_and_other_devices_alone(standin
     _share_packed_weight(fused, parts)  # what fuse_qkv_projections does: the parts hold rows of the fused
     lone = _module(64, 48)
     meta = SVDQW4A4Linear(64, 48, rank=8, device="meta")
-    backends.prepare_before_trace("cpu", None)
+    backends.prepare_before_trace("cpu", None, "torch.float32")
     assert fused._dispatch_cache and lone._dispatch_cache  # prepared, as their first calls would
     assert not any(p._dispatch_cache for p in parts)  # the fused layer serves their rows
     assert not meta._dispatch_cache
+
+
+def test_a_compiled_model_moved_or_reloaded_keeps_its_graph(standing):
+    # .to() and load_state_dict drop the prepared state; a layer that had one is prepared again at once,
+    # so the compiled graph (which reads the prepared state) keeps matching instead of recompiling after
+    # every move until fullgraph's recompile limit fails the call.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        model = torch.nn.Sequential(_module(), torch.nn.GELU(), _module(48, 32))
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        x = torch.randn(3, 64)
+        y = compiled(x)
+        sd = model.state_dict()
+        for i in range(10):
+            model.to("cpu") if i % 2 else model.load_state_dict(sd)
+            assert torch.equal(compiled(x), y)
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_traced_call_prepares_for_its_own_input_dtype(standing):
+    # The backend prepared at trace time is the one that serves the traced call's dtype: the standing
+    # backend declines fp16 calls, so an fp16 call of an fp32 layer is the reference's (no stand-in).
+    torch._dynamo.reset()
+    try:
+        m = _module()
+        x = torch.randn(3, 64).half()
+        y = torch.compile(m, fullgraph=True, backend="aot_eager")(x)
+        assert m._parameters["qweight"].numel() > 0 and standing.calls == 0
+        ref = nvfp4.w4a4_linear(x, m.qweight, m.wscales, m.smooth, m.proj_down, m.proj_up, m.wcscale, m.bias)
+        torch.testing.assert_close(y, ref.to(x.dtype), rtol=0, atol=0)
+        # prepared eagerly for fp32 (stood in), then traced with fp16, which another backend serves: the
+        # trace cannot bring the canonical tensors back, so it says what to do instead of reading them
+        m2 = _module()
+        m2(torch.randn(3, 64))
+        assert m2._parameters["qweight"].numel() == 0
+        with pytest.raises(Exception, match="once eagerly with such inputs"):
+            torch.compile(m2, fullgraph=True, backend="aot_eager")(x)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_backend_registered_after_a_compile_recompiles_the_graph():
+    torch._dynamo.reset()
+    m = _module()
+    x = torch.randn(3, 64)
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    compiled(x)
+    backend = _CountingBackend()
+    backends.register_backend(backend, priority=100)
+    try:
+        compiled(x)
+        assert backend.calls == 1  # the graph was traced again and takes the new backend
+    finally:
+        backends._ENTRIES.pop(backend.name)
+        torch._dynamo.reset()
+
+
+def test_a_dropped_layer_is_freed_without_the_garbage_collector():
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        m = _module()
+        ref = weakref.ref(m)
+        del m
+        assert ref() is None  # no reference cycle: it leaves backends.LIVE_LAYERS at once
+    finally:
+        gc.enable()

@@ -176,3 +176,20 @@ def test_lowrank_gemms_compile_for_sm90_with_bf16_wgmma(tmp_path):
             assert st["qgmma"] > 0 and st["hgmma"] >= rec["r"] // 16, rec
         else:  # bf16 throughout: more HGMMA than the main loop's alone
             assert st["hgmma"] > 0, rec
+
+
+def test_plan_lowrank_plans_in_the_eager_preparation_that_runs_at_trace_time(monkeypatch):
+    # Traced, the plan declines (no data-dependent choice in a graph); the preparation that
+    # backends.prepare_before_trace runs eagerly at trace time plans as an eager call does.
+    pytest.importorskip("triton")
+    import torch
+
+    from svdq_linear import backends
+    from svdq_linear.backends import sm90
+
+    up = torch.randn(256, 32)
+    assert sm90.plan_lowrank(up) is not None
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert sm90.plan_lowrank(up) is None
+    monkeypatch.setattr(backends, "_EAGER_IN_TRACE", True)
+    assert sm90.plan_lowrank(up) is not None

@@ -103,13 +103,16 @@ class _Entry:
 
 
 _ENTRIES: dict[str, _Entry] = {}
+_GENERATION = 0  # bumped by each registration: a traced call reads it, so a compiled graph recompiles
 _LOCK = threading.Lock()
 _WARNED: set[tuple] = set()
 
 
 def register_backend(backend: Backend, priority: int) -> None:
     """Add (or replace) a ready backend; a higher priority wins where several serve a call."""
+    global _GENERATION
     _ENTRIES[backend.name] = _Entry(backend.name, priority, None, lambda d: True, backend)
+    _GENERATION += 1
 
 
 def register_lazy(name: str, priority: int, module: str, may_cover: Callable[[torch.device], bool]) -> None:
@@ -118,7 +121,9 @@ def register_lazy(name: str, priority: int, module: str, may_cover: Callable[[to
     def load():
         return importlib.import_module(module).make_backend()
 
+    global _GENERATION
     _ENTRIES[name] = _Entry(name, priority, load, may_cover)
+    _GENERATION += 1
 
 
 def _load(entry: _Entry) -> Backend | None:
@@ -175,7 +180,8 @@ def candidates(device: torch.device | str, kind: str) -> list[Backend]:
     if not isinstance(device, torch.device):
         device = torch.device(device)
     if tracing():  # loading imports and takes a lock: done outside the trace
-        return [_ENTRIES[name].backend for name in _candidate_names(device.type, device.index, kind)]
+        names = _candidate_names(device.type, device.index, kind, _GENERATION)
+        return [_ENTRIES[name].backend for name in names]
     return _candidates_eager(device, kind)
 
 
@@ -197,9 +203,10 @@ def _candidates_eager(device: torch.device, kind: str) -> list[Backend]:
 
 
 @torch._dynamo.assume_constant_result
-def _candidate_names(device_type: str, index: int | None, kind: str) -> tuple[str, ...]:
+def _candidate_names(device_type: str, index: int | None, kind: str, generation: int) -> tuple[str, ...]:
     """``candidates`` by name, run eagerly when torch.compile traces a call (a first call may be a
-    compiled one: the lazy backends load here, not inside the trace)."""
+    compiled one: the lazy backends load here, not inside the trace). ``generation``: the registry's,
+    read by the traced code, so that a graph compiled before a registration is recompiled."""
     device = torch.device(device_type) if index is None else torch.device(device_type, index)
     return tuple(b.name for b in _candidates_eager(device, kind))
 
@@ -327,9 +334,17 @@ def resolve(module, x: torch.Tensor, kind: str | None = None) -> tuple[Backend, 
     if tracing():
         if entry is not None:
             return backend, entry[1]  # prepared before tracing (an eager call, or prepare_before_trace)
-        # Not prepared by prepare_before_trace (this call's input takes another backend than its
-        # stand-in did, or an offloader moves the weights): the preparation is traced into the graph (it
-        # holds no data-dependent choices then, see sm90.plan_lowrank) and runs on every call.
+        # Not prepared before tracing (an offloader moves the weights, or this call takes another
+        # backend than the one prepared at trace time): the preparation is traced into the graph (it
+        # holds no data-dependent choices then, see sm90.plan_lowrank) and runs on every call. It reads
+        # the canonical tensors, which the trace cannot bring back if another backend's state stands in.
+        stood = module.__dict__.get("_stood_in")
+        if stood:
+            owner = next(iter(cache), ("?",))[0]
+            raise RuntimeError(
+                f"svdq-linear: {module._describe()} holds backend {owner!r}'s prepared weights in place of "
+                f"{sorted(stood)}, but this traced call ({x.dtype}, {tuple(x.shape)}) takes backend "
+                f"{backend.name!r}; call the model once eagerly with such inputs before compiling it")
         return backend, backend.prepare(module, device)
     if weights_are_offloaded(module):
         module._restore()
@@ -348,7 +363,7 @@ def resolve(module, x: torch.Tensor, kind: str | None = None) -> tuple[Backend, 
         rebuild = backend.replaced(prepared)
         if rebuild:
             module._stand_in(rebuild)
-        entry = (_state_key(module, device), prepared)
+        entry = (_state_key(module, device), prepared, x.dtype)  # the dtype: to prepare again after a move
         cache[slot] = entry
     return backend, entry[1]
 
@@ -366,33 +381,46 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() and not _EAGER_IN_TRACE
 
 
+def prepare_layer(m, dtype: torch.dtype) -> None:
+    """Prepare ``m`` now, eagerly, for inputs of ``dtype`` on its device, as its first call would;
+    nothing for a layer on the meta device or with offloaded weights. A failure warns (naming the
+    layer) and leaves the layer to prepare at its own call, which raises it again or traces it."""
+    global _EAGER_IN_TRACE
+    device = m._device()
+    if device.type == "meta" or weights_are_offloaded(m):
+        return
+    outer, _EAGER_IN_TRACE = _EAGER_IN_TRACE, True
+    try:
+        resolve(m, torch.zeros(1, m.in_features, dtype=dtype, device=device))
+    except Exception as e:  # noqa: BLE001
+        m._restore()
+        m._dispatch_cache.clear()
+        _warn_once(("prepare", id(m), type(e)), f"svdq-linear: preparing {m._describe()} ahead of its call "
+                   f"failed ({type(e).__name__}: {e}); it prepares at its own call instead")
+    finally:
+        _EAGER_IN_TRACE = outer
+
+
 @torch._dynamo.assume_constant_result
-def prepare_before_trace(device_type: str, index: int | None) -> bool:
-    """Prepare, eagerly, every live layer on this device that has no prepared state yet, as its first
-    eager call would (repacked weights cached, canonical tensors stood in for). A layer's forward calls
-    this first thing when torch.compile traces it (dynamo runs it once, at trace time, and keeps the
-    constant result), before the trace reads any of the layer's tensors. Without it a model compiled
-    before any eager call would trace the preparation into its graph and repack the weights on every
-    call. All layers on the device, not only the traced one: repeated blocks compiled once
-    (``compile_repeated_blocks``) then find every block's state in the same form and do not recompile
-    per block. Layers whose rows a fused layer serves (``svdq_linear.fuse``) and offloaded ones are
-    left alone; any layer still unprepared traces its preparation as before."""
+def prepare_before_trace(device_type: str, index: int | None, dtype: str) -> bool:
+    """Prepare, eagerly, every live layer on this device that has no prepared state yet, for inputs of
+    ``dtype`` (``str(torch.dtype)``), as its first eager call would (repacked weights cached,
+    canonical tensors stood in for). A layer's forward calls this first thing when torch.compile
+    traces it (dynamo runs it once, at trace time, and keeps the constant result), before the trace
+    reads any of the layer's tensors. Without it a model compiled before any eager call would trace
+    the preparation into its graph and repack the weights on every call. All layers on the device,
+    not only the traced one: repeated blocks compiled once (``compile_repeated_blocks``) then find
+    every block's state in the same form and do not recompile per block. Left alone: layers whose
+    rows a fused layer serves (``svdq_linear.fuse``), offloaded ones, other devices. A trace that reads
+    a layer's packed tensors before any layer's forward (model code reading ``qweight``) would see
+    them change under it: call such a model once eagerly before compiling it."""
     device = torch.device(device_type) if index is None else torch.device(device_type, index)
+    dt = getattr(torch, dtype.removeprefix("torch."))
     layers = list(LIVE_LAYERS)
     parts = {id(ref()) for m in layers for ref, *_ in m.__dict__.get("_view_parts", ())}
-    global _EAGER_IN_TRACE
-    _EAGER_IN_TRACE = True
-    try:
-        for m in layers:
-            if id(m) in parts or m._dispatch_cache or m._device() != device or weights_are_offloaded(m):
-                continue
-            try:
-                resolve(m, torch.zeros(1, m.in_features, dtype=m.call_dtype(), device=device))
-            except Exception:  # noqa: BLE001  (that layer's own call prepares it, or raises, as before)
-                m._restore()
-                m._dispatch_cache.clear()
-    finally:
-        _EAGER_IN_TRACE = False
+    for m in layers:
+        if id(m) not in parts and not m._dispatch_cache and m._device() == device:
+            prepare_layer(m, dt)
     return True
 
 
