@@ -238,12 +238,17 @@ def main():
                    help="fuse q/k/v (diffusers' fuse_qkv_projections; one quantization pass for the svdq variants)")
     p.add_argument("--profile", action="store_true",
                    help="the compiled forward's GPU time by kernel category and its top kernels (torch.profiler)")
+    p.add_argument("--compile-first", action="store_true",
+                   help="compile each variant before any eager call (what pipe.transformer.compile() then a "
+                        "call does); eager columns empty, held GB after the first compiled call")
     p.add_argument("--cprofile", action="store_true",
                    help="the host: cProfile's top functions (own time) of one eager and one compiled forward")
     p.add_argument("--whole-model-compile", action="store_true",
                    help="torch.compile the whole model instead of diffusers' regional compilation "
                         "(compile_repeated_blocks: one compile per block class, minutes less)")
     args = p.parse_args()
+    if args.compile_first and (args.no_compile or args.whole_model_compile):
+        p.error("--compile-first compiles the blocks in place: not with --no-compile or --whole-model-compile")
     from diffusers import FluxTransformer2DModel
 
     import svdq_linear
@@ -293,16 +298,20 @@ def main():
         if args.fuse:
             fuse_qkv(model, kind)
         with torch.inference_mode():
-            t_eager = timed(lambda: model(**kw))
+            t_eager = t_graph = float("nan")
+            if args.compile_first:  # no eager call before the compile: the layers prepare at trace time
+                model.compile_repeated_blocks(fullgraph=True, mode=args.compile_mode)
+                model(**kw)
+            else:
+                t_eager = timed(lambda: model(**kw))
             torch.cuda.synchronize()
             held = (torch.cuda.memory_allocated() - mem0) / 1e9
-            t_graph = float("nan")
-            if args.graph:
+            if args.graph and not args.compile_first:
                 try:
                     t_graph = graph_replay_time(lambda: model(**kw))
                 except Exception as e:  # a host sync inside the forward cannot be captured
                     print(f"{variant}: CUDA-graph capture failed: {type(e).__name__}: {e}", flush=True)
-            if args.cprofile:  # before compile_repeated_blocks compiles the blocks in place
+            if args.cprofile and not args.compile_first:  # before compile_repeated_blocks compiles in place
                 profiles.extend(host_profile(variant, "eager", lambda: model(**kw)))
                 print("\n".join(profiles[-4:]), flush=True)
             t_comp = t_comp_graph = float("nan")
@@ -310,7 +319,8 @@ def main():
                 if args.whole_model_compile:
                     cm = torch.compile(model, mode=args.compile_mode)
                 else:  # in place: the 19 + 38 blocks share two compiled graphs
-                    model.compile_repeated_blocks(fullgraph=True, mode=args.compile_mode)
+                    if not args.compile_first:  # (compiled above)
+                        model.compile_repeated_blocks(fullgraph=True, mode=args.compile_mode)
                     cm = model
                 t_comp = timed(lambda: cm(**kw), iters=10)
                 if args.graph and "cudagraphs" not in args.compile_mode and args.compile_mode != "reduce-overhead":
