@@ -200,9 +200,9 @@ class _PackedNVFP4Linear(nn.Module):
         reads the prepared state, and would otherwise recompile after every ``.to()`` or load (each
         trace prepares again, at trace time, with new objects)."""
         cache = self.__dict__.get("_dispatch_cache") or {}
-        dtypes = [entry[2] for entry in cache.values() if len(entry) > 2] if reprepare else []
+        dtypes = [entry.dtype for entry in cache.values()] if reprepare else []
         self._restore()
-        self._dispatch_cache: dict[tuple, tuple] = {}  # (backend, kind) -> (tensor key, prepared state, dtype)
+        self._dispatch_cache: dict[tuple, backends.PreparedEntry] = {}  # (backend, kind) -> its prepared state
         self._declined: dict[tuple, str | None] = {}  # (backend name, device, kind) -> reason or None
         self._svdq_moved_each_call = False  # set by backends.resolve when an unknown offloader moves the weights
         if dtypes:

@@ -556,3 +556,76 @@ def test_a_dropped_layer_is_freed_without_the_garbage_collector():
         assert ref() is None  # no reference cycle: it leaves backends.LIVE_LAYERS at once
     finally:
         gc.enable()
+
+
+def test_a_pipeline_compiled_before_its_first_call_matches_eager(standing):
+    # What a user does: quantize (or load), fuse q/k/v, compile the repeated blocks, generate. The
+    # layers prepare at trace time (stand-ins included), each block class compiles once, and the
+    # image is the eager one.
+    import numpy as np
+    from torch._dynamo.utils import counters
+
+    from svdq_linear.convert.tiny import TINY_CALL_KWARGS, build_tiny_pipeline
+
+    def generate(p):
+        p.set_progress_bar_config(disable=True)
+        return p("a cat", generator=torch.Generator().manual_seed(0), output_type="np",
+                 **TINY_CALL_KWARGS["flux"]).images[0]
+
+    pipe = build_tiny_pipeline("flux")
+    svdq_linear.quantize_pipeline(pipe, rank=8, calib=False, progress=False)
+    pipe.transformer.fuse_qkv_projections()
+    fresh = copy.deepcopy(pipe.transformer)  # no prepared state: compiled before any call
+    eager = generate(pipe)
+    pipe.transformer = fresh
+    layers = [m for m in fresh.modules() if isinstance(m, SVDQW4A4Linear)]
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        fresh.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+        assert np.array_equal(generate(pipe), eager)
+        served = [m for m in layers if m._dispatch_cache]
+        assert served and all(m._parameters["qweight"].numel() == 0 for m in served)  # prepared eagerly
+        parts = [m for m in layers if not m._dispatch_cache]
+        assert all(m._parameters["qweight"].numel() == 0 for m in parts)  # fused parts: views dropped too
+        # one graph per block class, and one more for the single blocks: diffusers hands the first one
+        # its input with other strides; no recompile per block for the layers' prepared states
+        assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+    finally:
+        torch._dynamo.reset()
+
+
+def test_repeated_blocks_with_an_unprepared_layer_share_one_graph():
+    # A layer whose backend prepares nothing (the weight-only product, on every backend) used to cache
+    # a tuple of constants (its tensors' addresses, None), which dynamo guarded by value: every block
+    # recompiled, until fullgraph's recompile limit failed the call (or, without fullgraph, the rest
+    # ran eagerly). Compiled after an eager call, as the Flux benchmark does.
+    from torch._dynamo.utils import counters
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mod = NVFP4W4A16Linear.from_linear(torch.nn.Linear(64, 64))
+            self.lin = _module(64, 64)
+
+        def forward(self, x):
+            return self.lin(self.mod(torch.nn.functional.silu(x))) + x
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        blocks = torch.nn.ModuleList(Block() for _ in range(12))
+        x = torch.randn(4, 64)
+        want = x
+        for b in blocks:
+            want = b(want)
+        for b in blocks:
+            b.compile(fullgraph=True, backend="aot_eager")
+        for _ in range(2):
+            y = x
+            for b in blocks:
+                y = b(y)
+            assert torch.equal(y, want)
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    finally:
+        torch._dynamo.reset()

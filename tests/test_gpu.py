@@ -179,7 +179,7 @@ def test_offload_moves_the_4bit_tensors_on_and_off_the_gpu(offload, monkeypatch)
     for m in layers:
         on_gpu += sum(t.numel() * t.element_size() for t in m.packed_tensors() if t.device.type == "cuda")
         for (name, _), entry in m._dispatch_cache.items():
-            extra = backends.get_backend(name).extra_tensors(entry[1])
+            extra = backends.get_backend(name).extra_tensors(entry.state)
             on_gpu += sum(t.numel() * t.element_size() for t in extra if t.device.type == "cuda")
     assert on_gpu == 0, f"{on_gpu} bytes of the quantized layers stay on the GPU after the step (4-bit tensors: {packed})"
     assert _psnr(image, expected) > 60.0

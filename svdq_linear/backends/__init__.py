@@ -322,6 +322,19 @@ def choose(module, x: torch.Tensor, kind: str | None = None) -> Backend:
     raise RuntimeError(f"no svdq-linear backend can run {module._describe()} on {_where(device)}")
 
 
+class PreparedEntry:
+    """A module's cached prepared state: ``key`` (its tensors' devices, addresses and versions when it
+    was made), ``state`` (the backend's object) and ``dtype`` (the input dtype it was made for, to make
+    it again after a move). An object, not a tuple: a traced call reads only ``state``, and dynamo
+    would guard a tuple of constants (a ``None`` state) by value, addresses included, and recompile
+    for every layer."""
+
+    __slots__ = ("key", "state", "dtype")
+
+    def __init__(self, key: tuple, state, dtype: torch.dtype):
+        self.key, self.state, self.dtype = key, state, dtype
+
+
 def resolve(module, x: torch.Tensor, kind: str | None = None) -> tuple[Backend, object]:
     """The backend and its prepared state for this call of ``module`` on ``x [M, K]`` (``kind`` as in
     ``choose``)."""
@@ -333,7 +346,7 @@ def resolve(module, x: torch.Tensor, kind: str | None = None) -> tuple[Backend, 
     entry = cache.get(slot)
     if tracing():
         if entry is not None:
-            return backend, entry[1]  # prepared before tracing (an eager call, or prepare_before_trace)
+            return backend, entry.state  # prepared before tracing (an eager call, or prepare_before_trace)
         # Not prepared before tracing (an offloader moves the weights, or this call takes another
         # backend than the one prepared at trace time): the preparation is traced into the graph (it
         # holds no data-dependent choices then, see sm90.plan_lowrank) and runs on every call. It reads
@@ -351,21 +364,21 @@ def resolve(module, x: torch.Tensor, kind: str | None = None) -> tuple[Backend, 
         cache.clear()
         return backend, backend.prepare(module, device)
     key = _state_key(module, device)
-    if entry is not None and entry[0] != key and _moved_since(entry[0], key):
+    if entry is not None and entry.key != key and _moved_since(entry.key, key):
         module._svdq_moved_each_call = True  # an offloader we do not know moves the weights per call
         module._restore()
         cache.clear()
         return backend, backend.prepare(module, device)
-    if entry is None or entry[0] != key:
+    if entry is None or entry.key != key:
         module._restore()  # prepare reads the canonical tensors; the old state's stand-ins come back first
         cache.clear()  # one prepared state a module: another backend's or mode's would hold a second copy
         prepared = backend.prepare(module, device)
         rebuild = backend.replaced(prepared)
         if rebuild:
             module._stand_in(rebuild)
-        entry = (_state_key(module, device), prepared, x.dtype)  # the dtype: to prepare again after a move
+        entry = PreparedEntry(_state_key(module, device), prepared, x.dtype)
         cache[slot] = entry
-    return backend, entry[1]
+    return backend, entry.state
 
 
 # ---- a first call that torch.compile traces ------------------------------------------------------
