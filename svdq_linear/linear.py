@@ -199,14 +199,14 @@ class _PackedNVFP4Linear(nn.Module):
         new one now, for the input dtype it was prepared for: a graph compiled after its first call
         reads the prepared state, and would otherwise recompile after every ``.to()`` or load (each
         trace prepares again, at trace time, with new objects)."""
-        cache = self.__dict__.get("_dispatch_cache") or {}
-        dtypes = [entry.dtype for entry in cache.values()] if reprepare else []
+        # one entry at most (resolve keeps one prepared state a module)
+        had = next(iter((self.__dict__.get("_dispatch_cache") or {}).values()), None) if reprepare else None
         self._restore()
         self._dispatch_cache: dict[tuple, backends.PreparedEntry] = {}  # (backend, kind) -> its prepared state
         self._declined: dict[tuple, str | None] = {}  # (backend name, device, kind) -> reason or None
         self._svdq_moved_each_call = False  # set by backends.resolve when an unknown offloader moves the weights
-        if dtypes:
-            backends.prepare_layer(self, dtypes[0])
+        if had is not None:
+            backends.prepare_layer(self, had.dtype)
 
     def _after_load(self, incompatible_keys) -> None:
         self._reset_dispatch(reprepare=True)
@@ -222,14 +222,6 @@ class _PackedNVFP4Linear(nn.Module):
     def __setstate__(self, state):
         super().__setstate__(state)
         backends.LIVE_LAYERS.add(self)  # a copy or an unpickled layer
-
-    def call_dtype(self) -> torch.dtype:
-        """The float dtype of the module (its bias's or low-rank branch's; bf16 without either)."""
-        for name in ("bias", "proj_down"):
-            t = self._parameters.get(name)
-            if t is not None:
-                return t.dtype
-        return torch.bfloat16
 
     def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
         n, k = self.out_features, self.in_features
