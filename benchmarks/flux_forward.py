@@ -232,7 +232,8 @@ def main():
     p.add_argument("--compile-mode", default="max-autotune-no-cudagraphs",
                    help="torch.compile mode (reduce-overhead adds CUDA graphs)")
     p.add_argument("--variants", default="bf16,fp8,exact,fast",
-                   help="comma-separated: bf16, fp8, exact, fast, fast-cublas (lora_act on cuBLAS)")
+                   help="comma-separated: bf16, fp8, exact, fast, fast-cublas (lora_act on cuBLAS), fast-cp (compiled "
+                        "calls leave the activation pass to the compiler: SVDQ_SM90_COMPILER_PASS=1)")
     p.add_argument("--graph", action="store_true", help="also time the eager forward captured in a CUDA graph")
     p.add_argument("--fuse", action="store_true",
                    help="fuse q/k/v (diffusers' fuse_qkv_projections; one quantization pass for the svdq variants)")
@@ -282,10 +283,13 @@ def main():
     ref = {}
     profiles: list[str] = []
     lora_env = os.environ.get("SVDQ_SM90_LORA_ACT")
+    cp_env = os.environ.get("SVDQ_SM90_COMPILER_PASS", "0")
     for variant in args.variants.split(","):
+        # "fast-cp": compiled calls leave the activation pass to the compiler (SVDQ_SM90_COMPILER_PASS=1)
+        os.environ["SVDQ_SM90_COMPILER_PASS"] = "1" if variant.endswith("-cp") else cp_env
         # "fast-cublas": the fast mode with lora_act on cuBLAS (SVDQ_SM90_LORA_ACT=cublas), beside "fast"
-        kind = variant.removesuffix("-cublas")
-        if variant != kind:
+        kind = variant.removesuffix("-cp").removesuffix("-cublas")
+        if variant.removesuffix("-cp") != kind:
             os.environ["SVDQ_SM90_LORA_ACT"] = "cublas"
         elif lora_env is None:
             os.environ.pop("SVDQ_SM90_LORA_ACT", None)

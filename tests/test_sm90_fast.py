@@ -275,6 +275,106 @@ def test_quantize_act_fp8_can_compute_lora_act_itself(block_m, block_k):
                                  proj_down_smoothed=pds.to(dev))
 
 
+def test_float64_division_rounds_to_the_float32_quotient():
+    """``fast_layout.fast_act_ops`` divides in float64 and rounds to float32, which must equal one
+    IEEE float32 division (what the Triton pass's ``div_rn`` does) for every pair it meets: random
+    float32 bit patterns across the whole range, subnormals and the overflow edge included."""
+    g = torch.Generator().manual_seed(9)
+    bits = torch.randint(1, 0x7F800000, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32)
+    a = bits.view(torch.float32)
+    b = torch.randint(1, 0x7F800000, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    edge = torch.tensor([1.0, 448.0, 2.0**-149, 2.0**-126, 3.4028235e38, 1.1754942e-38 / 3, 2.0**-127 * 3])
+    for num, den in [(a, torch.full_like(a, 448.0)), (torch.ones_like(a), a), (a, b),
+                     (edge, torch.full_like(edge, 448.0)), (torch.ones_like(edge), edge)]:
+        want = num / den  # one IEEE division on the CPU
+        got = (num.double() / den.double()).float()
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fast_act_ops_is_the_contract_bit_for_bit(dtype, compiled):
+    """The activation pass in PyTorch ops (what a compiled fast-mode call traces, for the compiler to
+    fuse into the ops producing x) writes the contract's bytes at the fast GEMM's positions, the row
+    scales, and ``la = lora / sa`` rounded once to bf16, eager and compiled (inductor on the CPU):
+    zero rows, +-Inf, NaN of either sign, -0.0, tiny and huge rows."""
+    from svdq_linear.backends.sm90 import fast_layout
+
+    x, smooth = _fp8_input(14, 384, dtype, seed=12)
+    x[11] = 1e-30 if dtype == torch.float32 else 1e-20  # a row max far below E4M3's range
+    x[12] = 3e38 if dtype == torch.float32 else 3e38  # near float32's top: sa is large, 1 / sa tiny
+    x[13, ::7] = 2.0**-133 if dtype == torch.float32 else 2.0**-126  # subnormal sa
+    g = torch.Generator().manual_seed(13)
+    lora = torch.randn(14, 24, generator=g) * torch.logspace(-3, 4, 24)
+    inv = 1.0 / smooth
+    fn = torch.compile(fast_layout.fast_act_ops, fullgraph=True) if compiled else fast_layout.fast_act_ops
+    a8, sa, la = fn(x, inv, lora)
+    ra8, rsa = nvfp4.fast_act(nvfp4.smooth_input(x, smooth))
+    order = [128 * (p // 128) + _logical_k(p % 128) for p in range(384)]
+    assert torch.equal(sa.view(torch.int32), rsa.view(torch.int32))
+    diff = (a8.view(torch.uint8) != ra8.view(torch.uint8)[:, order]).nonzero()
+    assert diff.numel() == 0, f"{len(diff)} bytes differ, first at {diff[:3].tolist()}"
+    assert la.dtype == torch.bfloat16 and torch.equal(la, (lora / rsa[:, None]).bfloat16())
+    a8n, san = fn(x, inv)
+    assert torch.equal(a8n.view(torch.uint8), a8.view(torch.uint8)) and torch.equal(san, sa)
+
+
+@pytest.mark.parametrize("r", [32, 0])
+def test_compiled_fast_call_hands_the_gemm_op_the_contract_operands(r, monkeypatch):
+    """``SVDQ_SM90_COMPILER_PASS=1``, on the CPU with the GEMM stubbed: a traced sm90 fast-mode call
+    compiles in one graph (fullgraph) around the ``w4a8_fast_gemm`` op, whose operands are the
+    contract's ``a8`` (the GEMM's k order) and ``sa``, ``la = (x @ proj_down') / sa`` in bf16 and the
+    prepared tensors; at 64 tokens (small_m_mma's), eagerly, or with the setting off, the whole op runs."""
+    pytest.importorskip("quack")
+    from test_conformance import random_w4a4
+
+    from svdq_linear.backends import sm90
+
+    m = random_w4a4(384, 256, r, torch.bfloat16, "cpu").set_mode("fast")
+    be = sm90.Sm90Backend()
+    be.interpret = False
+    prepared = be.prepare(m, torch.device("cpu"))
+    seen, whole = [], []
+
+    def gemm(self, a8, sa, la, extra, out_dtype):
+        seen.append((a8, sa, la, extra))
+        return torch.full((a8.shape[0], extra[-2].shape[-1]), 2.0, dtype=out_dtype)
+
+    monkeypatch.setattr(sm90.Sm90Backend, "run_fast_gemm", gemm)
+    monkeypatch.setattr(sm90.Sm90Backend, "run_w4a4_fast", lambda self, x, *a: whole.append(1) or x.new_ones(x.shape[0], 256))
+    monkeypatch.setenv(sm90.ENV_COMPILER_PASS, "1")
+    x = (torch.randn(96, 384) * 4).bfloat16()
+    torch._dynamo.reset()
+    y = torch.compile(lambda t: be.linear(m, t, prepared, "w4a4_fast") * 1, fullgraph=True)(x)
+    assert len(seen) == 1 and not whole and (y == 2).all() and y.dtype == torch.bfloat16
+    a8, sa, la, extra = seen[0]
+    ra8, rsa = nvfp4.fast_act(nvfp4.smooth_input(x, m.smooth))
+    order = [128 * (p // 128) + _logical_k(p % 128) for p in range(384)]
+    assert torch.equal(sa, rsa) and torch.equal(a8.view(torch.uint8), ra8.view(torch.uint8)[:, order])
+    fw = [t for t in prepared.quack.tensors()]
+    assert all(a is b or torch.equal(a, b) for a, b in zip(extra[-4:], fw))
+    if r:
+        pds = prepared.proj_down_smoothed
+        want = ((x.float() @ pds.float()) / rsa[:, None]).bfloat16()
+        assert la.shape == want.shape and ((la.float() - want.float()).abs() <= want.float().abs() * 2.0**-7).all()
+        assert torch.equal(extra[0], prepared.proj_up_bf16) and torch.equal(extra[1], prepared.lowrank_segments)
+    else:
+        assert la is None and len(extra) == 4
+    torch.library.opcheck(backends.w4a8_fast_gemm, (a8, sa, la, extra, torch.bfloat16, "sm90"),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    seen.clear()
+    be.linear(m, x, prepared, "w4a4_fast")  # eager: the whole op
+    assert len(whole) == 1 and not seen
+    torch._dynamo.reset()
+    torch.compile(lambda t: be.linear(m, t, prepared, "w4a4_fast"), fullgraph=True)(x[:64])
+    assert len(whole) == 2 and not seen
+    monkeypatch.setenv(sm90.ENV_COMPILER_PASS, "0")
+    torch._dynamo.reset()
+    torch.compile(lambda t: be.linear(m, t, prepared, "w4a4_fast"), fullgraph=True)(x)
+    assert len(whole) == 3 and not seen
+    torch._dynamo.reset()
+
+
 def test_sm90_leaves_the_fast_mode_to_the_reference_on_the_cpu():
     m = SVDQW4A4Linear(256, 128, rank=8)
     m.set_mode("fast")
@@ -390,7 +490,11 @@ def test_gpu_fast_linear_matches_the_fast_formula(tokens, k, n, r, dtype):
     x = torch.randn(tokens, k, device="cuda", dtype=dtype)
     backend = backends.choose(m, x)
     assert backend.name == "sm90"
-    y = backend.linear(m, x, backend.prepare(m, x.device)).double().cpu()
+    _assert_fast_formula(m, x, backend.linear(m, x, backend.prepare(m, x.device)))
+
+
+def _assert_fast_formula(m, x, y):
+    y, dtype = y.double().cpu(), x.dtype
     args = (m.qweight, m.wscales, m.smooth, m.proj_down, m.proj_up, m.wcscale, m.bias)
     want = nvfp4.w4a8_fast_linear(x.cpu(), *[t.cpu() if t is not None else None for t in args], torch.float64)
     a8, sa = nvfp4.fast_act(nvfp4.smooth_input(x.cpu(), m.smooth.cpu()))
@@ -399,6 +503,55 @@ def test_gpu_fast_linear_matches_the_fast_formula(tokens, k, n, r, dtype):
     assert y.isfinite().all()
     err = (y - want).abs()
     assert (err <= bound).all(), f"max err/bound {(err / bound).max().item():.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,r", [(256, 32), (4096, 32), (1000, 0), (4608, 96)])
+def test_gpu_compiled_fast_mode_fuses_its_pass_with_the_same_bits(tokens, r, monkeypatch):
+    """``SVDQ_SM90_COMPILER_PASS=1``: a compiled fast-mode call traces its activation pass as PyTorch
+    ops (fused by inductor into the layer norm before it) and calls only the GEMM op. The compiled
+    pass writes the Triton pass's bytes; the layer meets the fast formula; eager calls are unchanged."""
+    _quack_fast()
+    from test_conformance import random_w4a4
+
+    from svdq_linear.backends import sm90
+    from svdq_linear.backends.sm90 import fast_layout, kernels
+
+    torch.manual_seed(tokens + r)
+    m = random_w4a4(3072, 3072, r, torch.bfloat16, "cuda")
+    if r == 96:  # a fused q/k/v
+        with torch.no_grad():
+            m.proj_up.mul_(torch.block_diag(*[torch.ones(1024, 32)] * 3).to(m.proj_up))
+    m.set_mode("fast")
+    x = torch.randn(tokens, 3072, device="cuda", dtype=torch.bfloat16) * 3
+    inv = (1.0 / m.smooth.float()).contiguous()
+    xn = torch.nn.functional.layer_norm(x, (3072,))
+    a8, sa = kernels.quantize_act_fp8(xn, m.smooth, inv_smooth=inv, gemm_order=True)
+    ca8, csa = torch.compile(lambda t: fast_layout.fast_act_ops(torch.nn.functional.layer_norm(t, (3072,)), inv),
+                             fullgraph=True)(x)
+    assert torch.equal(csa, sa) and torch.equal(ca8.view(torch.uint8), a8.view(torch.uint8))
+
+    calls = []
+    run = sm90.Sm90Backend.run_fast_gemm
+    monkeypatch.setattr(sm90.Sm90Backend, "run_fast_gemm", lambda self, *a: calls.append(1) or run(self, *a))
+    monkeypatch.setenv(sm90.ENV_COMPILER_PASS, "1")
+    y_eager = m(xn)
+    assert not calls, "an eager call left the Triton pass"
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: m(torch.nn.functional.layer_norm(t, (3072,))), fullgraph=True)
+    y = f(x)
+    assert calls, "the compiled call did not take the GEMM entry point"
+    _assert_fast_formula(m, xn, y)
+    _assert_fast_formula(m, xn, y_eager)
+    torch._dynamo.reset()
+    be = backends.get_backend("sm90")
+    p = be.prepare(m, x.device)
+    extra, la = p.quack.tensors(), None
+    if r:
+        extra = [p.proj_up_bf16, p.lowrank_segments, *extra]
+        la = kernels.quantize_act_fp8(xn, m.smooth, lora=xn @ p.proj_down_smoothed, gemm_order=True)[2]
+    torch.library.opcheck(backends.w4a8_fast_gemm, (a8, sa, la, extra, torch.bfloat16, "sm90"),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
 @pytest.mark.gpu

@@ -76,6 +76,9 @@ class Backend:
     def run_w4a16(self, x, qweight, wscales, wcscale, bias, extra) -> torch.Tensor:
         raise NotImplementedError(f"backend {self.name!r} has no W4A16 kernel")
 
+    def run_fast_gemm(self, a8, sa, la, extra, out_dtype) -> torch.Tensor:
+        raise NotImplementedError(f"backend {self.name!r} has no fast-mode GEMM entry point")
+
     def linear(self, module, x: torch.Tensor, prepared, kind: str | None = None) -> torch.Tensor:
         """``y [M, N]`` for ``x [M, K]`` through the shared custom op (``kind``: ``module.kind``, when the
         caller has read it already)."""
@@ -485,6 +488,28 @@ def _(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra, bac
     return x.new_empty(x.shape[0], wcscale.shape[0])  # qweight may be a stood-in (empty)
 
 
+@torch.library.custom_op("svdq_linear::w4a8_fast_gemm", mutates_args=())
+def w4a8_fast_gemm(
+    a8: torch.Tensor,
+    sa: torch.Tensor,
+    la: torch.Tensor | None,
+    extra: list[torch.Tensor],
+    out_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    """The fast mode's GEMM from activations quantized outside the op (a backend that lets the compiler
+    fuse the activation pass into the ops producing x): ``y [M, N]`` in ``out_dtype`` from ``a8 [M, K]``
+    E4M3 and ``sa [M]`` (``nvfp4.fast_act``, in the backend's k order), ``la [M, R']`` (the low-rank
+    operand the backend defines, or None) and the backend's prepared tensors ``extra``, whose
+    second-to-last is ``[1, N]``."""
+    return get_backend(backend).run_fast_gemm(a8, sa, la, extra, out_dtype)
+
+
+@w4a8_fast_gemm.register_fake
+def _(a8, sa, la, extra, out_dtype, backend):
+    return a8.new_empty(a8.shape[0], extra[-2].shape[-1], dtype=out_dtype)
+
+
 @torch.library.custom_op("svdq_linear::w4a16_linear", mutates_args=())
 def w4a16_linear(
     x: torch.Tensor,
@@ -530,5 +555,6 @@ __all__ = [
     "select_backend",
     "w4a4_fast_linear",
     "w4a4_linear",
+    "w4a8_fast_gemm",
     "w4a16_linear",
 ]

@@ -45,8 +45,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import Backend, device_capability, tracing, weights_are_offloaded
+from .. import Backend, device_capability, tracing, w4a8_fast_gemm, weights_are_offloaded
 from . import tuning  # plain Python: no Triton, cutlass or quack
+from .fast_layout import fast_act_ops  # plain torch
 
 MAX_RANK = 256
 QUACK_MIN_M = 128  # tokens from which quack's W4 GEMM serves bf16 calls (docs/perf.md)
@@ -63,6 +64,11 @@ ENV_SMALL_M_MMA = "SVDQ_SM90_SMALL_M_MMA"
 # "1": small_m_mma's fused kernel (low-rank MMA, split-K sum and epilogue in one launch) where the prepared
 # state has the accumulator form; off by default until the H200 has checked and timed it
 ENV_MMA_FUSED = "SVDQ_SM90_MMA_FUSED"
+# "1": under torch.compile, the fast mode's activation pass of a call above MMA_TOKENS tokens is traced
+# as PyTorch ops (fast_layout.fast_act_ops) that the compiler fuses into the kernels producing the
+# input, and only the GEMM is an opaque op (w4a8_fast_gemm); "0": the Triton pass inside the op.
+# Same bits either way.
+ENV_COMPILER_PASS = "SVDQ_SM90_COMPILER_PASS"
 
 
 def _route_small_m_mma(mode: str, x: torch.Tensor, n: int) -> bool:
@@ -274,6 +280,45 @@ class Sm90Backend(Backend):
 
     def extra_tensors(self, prepared):
         return [] if prepared is None else prepared.tensors()
+
+    def linear(self, module, x, prepared, kind=None):
+        kind = kind or module.kind
+        if kind == "w4a4_fast" and self._compiler_pass(module, x, prepared):
+            return self._fast_traced(module, x, prepared)
+        return super().linear(module, x, prepared, kind)
+
+    def _compiler_pass(self, module, x, prepared) -> bool:
+        """Whether this traced fast-mode call leaves its activation pass to the compiler: the quack GEMM
+        with the low-rank branch in its accumulator (or none), and more tokens than small_m_mma takes
+        (a static count: a dynamic one keeps the whole op)."""
+        if not tracing() or os.environ.get(ENV_COMPILER_PASS, "0") != "1" or self.interpret:
+            return False
+        if type(getattr(prepared, "quack", None)).__name__ != "FastWeight":
+            return False
+        m = x.shape[0]
+        return (isinstance(m, int) and m > tuning.MMA_TOKENS
+                and (module.rank == 0 or prepared.lowrank_segments is not None))
+
+    def _fast_traced(self, module, x, prepared):
+        out_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
+        fw = prepared.quack.tensors()
+        if module.rank:
+            pds = prepared.proj_down_smoothed
+            xb = x.to(torch.bfloat16)
+            # inductor lowers mm's out_dtype on CUDA only (the CPU branch is for tests)
+            lora = torch.mm(xb, pds, out_dtype=torch.float32) if x.is_cuda else xb.float() @ pds.float()
+            a8, sa, la = fast_act_ops(x, prepared.inv_smooth, lora)
+            extra = [prepared.proj_up_bf16, prepared.lowrank_segments, *fw]
+        else:
+            (a8, sa), la, extra = fast_act_ops(x, prepared.inv_smooth), None, fw
+        y = w4a8_fast_gemm(a8, sa, la, extra, out_dtype, self.name)
+        return y if x.dtype == out_dtype else y.to(x.dtype)
+
+    def run_fast_gemm(self, a8, sa, la, extra, out_dtype):
+        quack_fast = _quack_fast_module()
+        fw = quack_fast.FastWeight(*extra[-4:])
+        lr_acc = None if la is None else (extra[0], la, extra[1])
+        return quack_fast.gemm(a8, sa, fw, out_dtype=out_dtype, lr_acc=lr_acc)
 
     def replaced(self, prepared):
         # Both quack layouts are byte permutations of the canonical tensors, so those leave the device

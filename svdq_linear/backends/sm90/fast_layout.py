@@ -216,3 +216,24 @@ def emulate_decode(blob: torch.Tensor, strip: torch.Tensor) -> torch.Tensor:
     inv = sorted(range(10), key=_W_PERM.__getitem__)
     w8 = v.permute(inv).reshape(64 * g, TILE_K * kt).to(torch.uint8)
     return w8.view(torch.float8_e4m3fn)
+
+
+def fast_act_ops(x: torch.Tensor, inv_smooth: torch.Tensor, lora: torch.Tensor | None = None):
+    """The fast mode's activation pass in PyTorch ops, for torch.compile to fuse into the kernels that
+    produce ``x [M, K]`` (a norm, a modulation, an activation function): ``(a8 [M, K] in the GEMM's k
+    order, sa [M])`` and, with ``lora [M, R]`` fp32, ``la = lora / sa`` in bf16. Bit for bit what
+    ``kernels.quantize_act_fp8(gemm_order=True)`` writes, on any device and compiled or not: the two
+    divisions run in float64 and round once to float32, which is the correctly rounded float32
+    quotient (an exact quotient of two floats never lies within 2**-49 of a float32 rounding
+    boundary, and float64 division is exact to 2**-53; a compiler may lower a float32 division to an
+    approximate one)."""
+    xs = x.float() * inv_smooth
+    amax = xs.abs().amax(dim=-1)  # NaN propagates: such a row gets sa = 1, its NaN codes 0x7F
+    sa = torch.where(amax > 0, (amax.double() / 448.0).float(), 1.0)
+    r = (1.0 / sa.double()).float()
+    q = xs * r[:, None]
+    a8 = torch.where(torch.isfinite(q), q.clamp(-448.0, 448.0), float("nan")).to(torch.float8_e4m3fn)
+    a8 = gemm_k_order(a8)
+    if lora is None:
+        return a8, sa
+    return a8, sa, (lora.double() / sa.double()[:, None]).float().to(torch.bfloat16)
