@@ -509,8 +509,9 @@ def _assert_fast_formula(m, x, y):
 @pytest.mark.parametrize("tokens,r", [(256, 32), (4096, 32), (1000, 0), (4608, 96)])
 def test_gpu_compiled_fast_mode_fuses_its_pass_with_the_same_bits(tokens, r, monkeypatch):
     """``SVDQ_SM90_COMPILER_PASS=1``: a compiled fast-mode call traces its activation pass as PyTorch
-    ops (fused by inductor into the layer norm before it) and calls only the GEMM op. The compiled
-    pass writes the Triton pass's bytes; the layer meets the fast formula; eager calls are unchanged."""
+    ops and calls only the GEMM op. Compiled, the pass writes the Triton pass's bytes; the layer meets
+    the fast formula; with a layer norm before it (fused by inductor) it stays close to the eager
+    layer on the eager norm's output (the compiled norm rounds differently); eager calls are unchanged."""
     _quack_fast()
     from test_conformance import random_w4a4
 
@@ -527,8 +528,7 @@ def test_gpu_compiled_fast_mode_fuses_its_pass_with_the_same_bits(tokens, r, mon
     inv = (1.0 / m.smooth.float()).contiguous()
     xn = torch.nn.functional.layer_norm(x, (3072,))
     a8, sa = kernels.quantize_act_fp8(xn, m.smooth, inv_smooth=inv, gemm_order=True)
-    ca8, csa = torch.compile(lambda t: fast_layout.fast_act_ops(torch.nn.functional.layer_norm(t, (3072,)), inv),
-                             fullgraph=True)(x)
+    ca8, csa = torch.compile(lambda t: fast_layout.fast_act_ops(t, inv), fullgraph=True)(xn)
     assert torch.equal(csa, sa) and torch.equal(ca8.view(torch.uint8), a8.view(torch.uint8))
 
     calls = []
@@ -537,12 +537,15 @@ def test_gpu_compiled_fast_mode_fuses_its_pass_with_the_same_bits(tokens, r, mon
     monkeypatch.setenv(sm90.ENV_COMPILER_PASS, "1")
     y_eager = m(xn)
     assert not calls, "an eager call left the Triton pass"
+    _assert_fast_formula(m, xn, y_eager)
     torch._dynamo.reset()
-    f = torch.compile(lambda t: m(torch.nn.functional.layer_norm(t, (3072,))), fullgraph=True)
-    y = f(x)
+    y = torch.compile(m, fullgraph=True)(xn)
     assert calls, "the compiled call did not take the GEMM entry point"
     _assert_fast_formula(m, xn, y)
-    _assert_fast_formula(m, xn, y_eager)
+    torch._dynamo.reset()
+    y_ln = torch.compile(lambda t: m(torch.nn.functional.layer_norm(t, (3072,))), fullgraph=True)(x)
+    rel = ((y_ln.float() - y_eager.float()).norm() / y_eager.float().norm()).item()
+    assert rel < 2e-2, rel
     torch._dynamo.reset()
     be = backends.get_backend("sm90")
     p = be.prepare(m, x.device)
