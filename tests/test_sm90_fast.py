@@ -633,8 +633,19 @@ def test_prepared_state_hands_the_kernels_back_what_they_were_given():
     inv = 1.0 / (torch.rand(256) + 0.5)
     extra = Sm90Prepared(pds, up, fw, None, inv).tensors()
     assert extra[-1] is inv  # run_w4a4_fast takes inv_smooth from the end, then the weight before it
-    back = qf.FastWeight(*extra[-5:-1])
+    back = qf.weight(extra[-5:-1])
     assert extra[0] is pds and extra[1] is up
-    assert all(a is b for a, b in zip(back.tensors(), fw.tensors()))
+    assert back is fw, "the op's tensors did not find the prepared weight (and its launch cache) again"
+    other = qf.weight([t.clone() for t in extra[-5:-1]])  # equal tensors, other objects: a fresh weight
+    assert other is not fw and other.warm == {} and torch.equal(other.blob, fw.blob)
+    fw_id = id(fw.blob)
+    del fw, back, extra
+    import gc
+
+    gc.collect()
+    from svdq_linear.backends.sm90 import quack_launch
+
+    assert fw_id not in quack_launch._WEIGHTS, "the registry kept a dropped weight alive"
+    back = qf.prepare(q, s, torch.rand(128) + 0.5, torch.randn(128))
     w8, nw = nvfp4.fast_weight(q, s)
     assert torch.equal(fast_layout.emulate_decode(back.blob, back.strip).view(torch.uint8), w8.view(torch.uint8))

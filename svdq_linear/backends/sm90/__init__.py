@@ -316,7 +316,7 @@ class Sm90Backend(Backend):
 
     def run_fast_gemm(self, a8, sa, la, extra, out_dtype):
         quack_fast = _quack_fast_module()
-        fw = quack_fast.FastWeight(*extra[-4:])
+        fw = quack_fast.weight(extra[-4:])
         lr_acc = None if la is None else (extra[0], la, extra[1])
         return quack_fast.gemm(a8, sa, fw, out_dtype=out_dtype, lr_acc=lr_acc)
 
@@ -357,9 +357,9 @@ class Sm90Backend(Backend):
         xq, _, _ = self.kernels.quantize_act(x, smooth, out_dtype=torch.bfloat16 if use_quack else None)
         if use_quack:
             from . import quack_gemm
-            from .quack_gemm import QuackWeight
+            from .quack_gemm import weight as quack_gemm_weight
 
-            qw = QuackWeight(*extra[-4:])
+            qw = quack_gemm_weight(extra[-4:])
             if len(extra) == 7:  # the low-rank MMA in the accumulator
                 return quack_gemm.gemm(xq, qw, lr_acc=(extra[1], lora, extra[2]))
             return quack_gemm.gemm(xq, qw, lora @ extra[1].T if r else None)
@@ -383,9 +383,9 @@ class Sm90Backend(Backend):
             layout, w, s = small_m.QUACK, extra[-4], extra[-3]
         mma = layout == small_m.QUACK and x.dtype == torch.bfloat16 and _route_small_m_mma("exact", x, n)
         if mma and os.environ.get(ENV_MMA_FUSED) == "1" and len(extra) in (4, 7):  # no branch, or its accumulator form
-            from .quack_gemm import QuackWeight
+            from .quack_gemm import weight as quack_gemm_weight
 
-            qw = QuackWeight(*extra[-4:])
+            qw = quack_gemm_weight(extra[-4:])
             lr = (extra[1], x @ extra[0], extra[2]) if len(extra) == 7 else (None, None, None)
             return _small_m_mma_module().linear_fused(self.kernels.quantize_act(x, smooth)[0], w, s, qw.wc, qw.bias,
                                                       *lr, out_dtype=x.dtype)
@@ -408,7 +408,7 @@ class Sm90Backend(Backend):
         quack_fast = _quack_fast_module()
         r = proj_down.shape[1]
         inv, extra = extra[-1], extra[:-1]  # Sm90Prepared.tensors(): inv_smooth comes last
-        fw = quack_fast.FastWeight(*extra[-4:])
+        fw = quack_fast.weight(extra[-4:])
         out_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
         if _route_small_m_mma("fast", x, fw.cs.numel()):
             mma = _small_m_mma_module()

@@ -26,7 +26,7 @@ tile of one cuBLAS GEMM, stays for ranks whose operands do not fit the shared me
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import cutlass
@@ -43,7 +43,7 @@ from quack.operand_transform.formats import DecodeFormat
 from quack.operand_transform.frontend import PackedFormatMod
 from quack.operand_transform.transform import AuxOperandA, TransformAW4
 
-from . import fast_layout, quack_lowrank, tuning
+from . import fast_layout, quack_launch, quack_lowrank, tuning
 from .fast_layout import STRIP_BYTES, TILE_K
 
 # the E2M1 magnitudes as fp16 pairs (low half first): (0, 0.5), (1, 1.5), (2, 3), (4, 6)
@@ -246,9 +246,15 @@ class FastWeight:
     # [N] fp32 2**e (prepare's; not a kernel operand, so not in tensors()): with the strip it gives the
     # canonical scales back (fast_layout.rebuild_scales)
     nw: torch.Tensor | None = None
+    warm: dict = field(default_factory=dict, repr=False, compare=False)  # quack_launch's plans and views
 
     def tensors(self) -> list[torch.Tensor]:  # the order FastWeight(*tensors) takes back
         return [self.blob, self.strip, self.cs, self.bias]
+
+
+def weight(tensors: list[torch.Tensor]) -> FastWeight:
+    """The prepared ``FastWeight`` these ``tensors()`` came from (its launch cache with it), or a new one."""
+    return quack_launch.weight(FastWeight, tensors)
 
 
 def prepare(qweight, wscales, wcscale, bias) -> FastWeight:
@@ -256,7 +262,8 @@ def prepare(qweight, wscales, wcscale, bias) -> FastWeight:
     strip, nw = fast_layout.fast_scales(qweight, wscales)
     n = qweight.shape[0]
     b = torch.zeros(n, device=qweight.device) if bias is None else bias.float()
-    return FastWeight(blob, strip, (nw * wcscale.float()).reshape(1, n).contiguous(), b.reshape(1, n).contiguous(), nw)
+    return quack_launch.register(FastWeight(blob, strip, (nw * wcscale.float()).reshape(1, n).contiguous(),
+                                            b.reshape(1, n).contiguous(), nw))
 
 
 def tiles(m: int, n: int, sms: int = tuning.SM_COUNT) -> tuple[int, int]:
@@ -291,6 +298,5 @@ def gemm(a8: torch.Tensor, sa: torch.Tensor, w: FastWeight, lowrank: torch.Tenso
         args["lr"], mod = lowrank, _epi_fast_lowrank
     elif lr_acc is not None:
         args.update(zip(("lu", "la", "ls"), lr_acc))
-    mod.gemm(a8, w.blob, out, epi_args=args, transform_a=FAST_MOD, transform_sf=w.strip, tile_M=tm, tile_N=tn,
-             tile_K=TILE_K, cluster_M=1, cluster_N=1, max_swizzle_size=8, split_k=1, _launch=launch)
+    quack_launch.launch(mod, w, w.strip, a8, out, args, FAST_MOD, tile_m=tm, tile_n=tn, tile_k=TILE_K, launch=launch)
     return out

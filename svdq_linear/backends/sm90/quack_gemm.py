@@ -14,7 +14,7 @@ Imported only when the sm90 backend first serves a large-M call on a GPU (quack 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from quack.epilogue.frontend import gemm_epilogue
@@ -23,7 +23,7 @@ from quack.gemm_runtime.identity import TORCH_OP_TRANSFORM_MODS
 from quack.operand_transform.frontend import PackedFormatMod
 from quack.operand_transform.transform import TransformAW4
 
-from . import quack_lowrank, tuning
+from . import quack_launch, quack_lowrank, tuning
 
 TILE_K = 64  # the k-tile quack requires for nvfp4
 
@@ -69,9 +69,15 @@ class QuackWeight:
     sf: torch.Tensor
     wc: torch.Tensor  # [1, N] fp32
     bias: torch.Tensor  # [1, N] fp32 (zeros without a bias)
+    warm: dict = field(default_factory=dict, repr=False, compare=False)  # quack_launch's plans and views
 
     def tensors(self) -> list[torch.Tensor]:  # the order QuackWeight(*tensors) takes back
         return [self.blob, self.sf, self.wc, self.bias]
+
+
+def weight(tensors: list[torch.Tensor]) -> QuackWeight:
+    """The prepared ``QuackWeight`` these ``tensors()`` came from (its launch cache with it), or a new one."""
+    return quack_launch.weight(QuackWeight, tensors)
 
 
 # quack's nvfp4 repack is a pure byte permutation. For the weight, canonical row r = 64 g + 16 t2 + 8 p0
@@ -118,7 +124,8 @@ def prepare(qweight: torch.Tensor, wscales: torch.Tensor, wcscale: torch.Tensor,
     blob, sf = repack_weight(qweight), repack_scales(wscales)
     n = qweight.shape[0]
     b = torch.zeros(n, device=qweight.device) if bias is None else bias.float()
-    return QuackWeight(blob, sf, wcscale.float().reshape(1, n).contiguous(), b.reshape(1, n).contiguous())
+    return quack_launch.register(QuackWeight(blob, sf, wcscale.float().reshape(1, n).contiguous(),
+                                             b.reshape(1, n).contiguous()))
 
 
 def tiles(m: int, n: int, sms: int = tuning.SM_COUNT) -> tuple[int, int]:
@@ -139,13 +146,11 @@ def gemm(xq: torch.Tensor, w: QuackWeight, lowrank: torch.Tensor | None = None, 
     n = w.wc.shape[1]
     out = torch.empty(m, n, device=xq.device, dtype=torch.bfloat16)
     tm, tn = tile or tiles(m, n, tuning.sm_count(xq.device))
-    common = dict(transform_a=EXACT_MOD, transform_sf=w.sf, tile_M=tm, tile_N=tn, tile_K=TILE_K, cluster_M=1,
-                  cluster_N=1, max_swizzle_size=8, split_k=1, _launch=launch)
     args = {"wc": w.wc, "bias": w.bias}
+    mod = _epi_bias
     if lowrank is not None:
-        _epi_bias_lowrank.gemm(xq, w.blob, out, epi_args={**args, "lr": lowrank}, **common)
-        return out
-    if lr_acc is not None:
+        args["lr"], mod = lowrank, _epi_bias_lowrank
+    elif lr_acc is not None:
         args.update(zip(("lu", "la", "ls"), lr_acc))
-    _epi_bias.gemm(xq, w.blob, out, epi_args=args, **common)
+    quack_launch.launch(mod, w, w.sf, xq, out, args, EXACT_MOD, tile_m=tm, tile_n=tn, tile_k=TILE_K, launch=launch)
     return out

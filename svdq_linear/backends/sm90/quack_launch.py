@@ -1,0 +1,68 @@
+"""Warm launches of our quack GEMMs with the host work of a call done once per layer.
+
+quack's epilogue frontend (``EpiMod.gemm``) spends ~55 us of host time a call before its launch (the
+CI CPU; docs/perf.md, sixth session): the weight operand's views (``resolve_operands``), a plan key
+over every tensor's shape, strides and dtype, its checks, then a plan-cache lookup. For a layer's
+prepared weight all of that is the same on every call with the same token count. ``launch`` runs
+the frontend once per (weight, token count, tile, output dtype, epilogue, per-call operand widths),
+keeps the plan it returns and the weight's operand views, and afterwards calls
+``run_gemm_epi_plan`` with them: what the frontend's own warm path calls, minus the key and views.
+
+A prepared weight (``QuackWeight``, ``FastWeight``) is found again from the tensors a custom op
+hands the backend (``weight``): the op passes the prepared tensors themselves, so the object that
+holds them, and its cache, comes back by identity. The cache lives on that object, so it goes when
+the layer's prepared state goes; a tensor list that is not a registered weight's gets a fresh object
+and the frontend's path.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+from quack.gemm_runtime.host import run_gemm_epi_plan
+from quack.operand_transform.host import as_transform_mod
+
+_WEIGHTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(blob) -> prepared weight
+# "0": every call through the frontend (for measuring the difference; read per call)
+ENV_WARM = "SVDQ_SM90_QUACK_WARM"
+
+
+def register(w):
+    """Make ``w`` (a prepared weight with ``tensors()``, ``blob`` and a ``warm`` dict) findable by
+    ``weight``; returns it."""
+    _WEIGHTS[id(w.blob)] = w
+    return w
+
+
+def weight(cls, tensors):
+    """The registered weight whose ``tensors()`` are exactly these objects, or ``cls(*tensors)``."""
+    w = _WEIGHTS.get(id(tensors[0]))
+    if w is not None and all(a is b for a, b in zip(w.tensors(), tensors)):
+        return w
+    return cls(*tensors)
+
+
+def launch(mod, w, sf, a, out, epi_args: dict, transform, *, tile_m: int, tile_n: int, tile_k: int,
+           max_swizzle_size: int = 8, launch: bool = True) -> None:
+    """``mod.gemm(a, w.blob, out, ...)`` (cluster 1 x 1, no split-K) with the weight-side work cached on
+    ``w.warm``. Calls whose per-call tensors (``a``, ``out`` and the epilogue operands that are not the
+    weight's) are not contiguous, and compile-only calls, take the frontend's path."""
+    own = {id(t) for t in w.tensors()}
+    per_call = [t for t in epi_args.values() if isinstance(t, torch.Tensor) and id(t) not in own]
+    ok = launch and os.environ.get(ENV_WARM) != "0" and a.is_contiguous() and out.is_contiguous() and all(t.is_contiguous() for t in per_call)
+    key = None
+    if ok:
+        key = (id(mod), a.shape[0], a.shape[1], a.dtype, out.dtype, tile_m, tile_n, a.device.index,
+               tuple((name, tuple(t.shape), t.dtype) for name, t in epi_args.items() if id(t) not in own))
+        hit = w.warm.get(key)
+        if hit is not None:
+            run_gemm_epi_plan(hit[0], hit[1], a, out, None, epi_args)
+            return
+    plan = mod.gemm(a, w.blob, out, epi_args=epi_args, transform_a=transform, transform_sf=sf, tile_M=tile_m,
+                    tile_N=tile_n, tile_K=tile_k, cluster_M=1, cluster_N=1, max_swizzle_size=max_swizzle_size,
+                    split_k=1, _launch=launch)
+    if key is not None:
+        views = as_transform_mod(transform).resolve_operands(a, w.blob, sf, tile_m, tile_k).a_slot
+        w.warm[key] = (plan, views)
