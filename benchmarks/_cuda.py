@@ -1,4 +1,9 @@
-"""Shared GPU timing for the benchmarks: a callable captured in a CUDA graph."""
+"""Shared GPU timing for the benchmarks: a callable captured in a CUDA graph; a host profile."""
+
+import cProfile
+import io
+import pstats
+import time
 
 import torch
 
@@ -15,3 +20,23 @@ def graphed(fn):
     with torch.cuda.graph(g):
         fn()
     return g.replay
+
+
+def host_profile(fn, calls: int = 1, top: int = 30, warmup: int = 1) -> tuple[str, float, float]:
+    """cProfile's top functions by own time over ``calls`` calls of ``fn`` (after ``warmup`` calls and a
+    sync), with the host seconds until the last call returned and until the GPU finished."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    t = time.perf_counter()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    host = time.perf_counter() - t
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue(), host, total

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _cuda  # noqa: E402
 from _cuda import graphed  # noqa: E402
 
 
@@ -199,24 +200,9 @@ def kernel_breakdown(fn, runs: int = 3) -> tuple[list[tuple[str, float, int]], l
 
 def host_profile(variant: str, mode: str, fn, top: int = 30) -> list[str]:
     """cProfile's top functions by own time over one forward (host wall ms beside it)."""
-    import cProfile
-    import io
-    import pstats
-
-    fn()
-    torch.cuda.synchronize()
-    pr = cProfile.Profile()
-    t = time.perf_counter()
-    pr.enable()
-    fn()
-    pr.disable()
-    host = time.perf_counter() - t
-    torch.cuda.synchronize()
-    total = time.perf_counter() - t
-    buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    text, host, total = _cuda.host_profile(fn, top=top)
     return [f"\n### {variant}: host profile of one {mode} forward (cProfile: host {host * 1e3:.0f} ms until "
-            f"the call returned, {total * 1e3:.0f} ms until the GPU finished)\n", "```", buf.getvalue(), "```"]
+            f"the call returned, {total * 1e3:.0f} ms until the GPU finished)\n", "```", text, "```"]
 
 
 def weight_bytes(model) -> int:

@@ -12,10 +12,7 @@ fast-mode call, the compiled call and the GPU kernels' launches.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import os
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -26,6 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _cuda import host_profile  # noqa: E402
 from test_conformance import random_w4a4  # noqa: E402
 
 CALLS = 50
@@ -57,18 +55,7 @@ class Wrap(nn.Module):
 
 
 def profile_text(fn, calls: int = 20, top: int = 22) -> str:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(calls):
-        fn()
-    pr.disable()
-    torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
-    return buf.getvalue()
+    return host_profile(fn, calls=calls, top=top, warmup=3)[0]
 
 
 @torch.library.custom_op("svdq_bench::noop_linear", mutates_args=())

@@ -346,6 +346,44 @@ def test_meta_modules_dispatch_to_the_fake():
     assert meta(torch.empty(3, 64, device="meta")).shape == (3, 48)
 
 
+def test_eager_calls_skip_the_custom_op_only_where_nothing_needs_it(monkeypatch):
+    """A plain eager call without gradients (how diffusers pipelines run) calls the backend directly:
+    the op's dispatch is host time a call. Grad mode, a dispatch mode (here FlopCounterMode), vmap,
+    meta tensors and compile keep the op; every path gives the same output."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    m = _module(rank=8)
+    w = NVFP4W4A16Linear.from_linear(torch.nn.Linear(64, 32))
+    x = torch.randn(5, 64)
+    seen = []
+    for name in ("w4a4_linear", "w4a16_linear"):
+        op = getattr(backends, name)
+        monkeypatch.setattr(backends, name, lambda *a, _op=op, _n=name: seen.append(_n) or _op(*a))
+    y = m(x)  # grad mode: the op
+    yw = w(x)
+    assert seen == ["w4a4_linear", "w4a16_linear"]
+    seen.clear()
+    with torch.no_grad():
+        assert torch.equal(m(x), y) and torch.equal(w(x), yw)
+    with torch.inference_mode():
+        assert torch.equal(m(x), y) and torch.equal(w(x), yw)
+    assert seen == []
+    with torch.no_grad(), FlopCounterMode(display=False):
+        assert torch.equal(m(x), y)
+    assert seen == ["w4a4_linear"]
+    seen.clear()
+    with torch.no_grad():
+        meta = SVDQW4A4Linear(64, 48, rank=8, device="meta")
+        assert meta(torch.empty(3, 64, device="meta")).shape == (3, 48)
+        assert seen == ["w4a4_linear"]
+        assert not backends.plain_eager_call(torch.empty(2, device="meta"))
+        assert torch.func.vmap(lambda t: backends.plain_eager_call(t) * t)(torch.ones(3, 2)).sum() == 0
+        assert backends.plain_eager_call(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not backends.plain_eager_call(x)
+    assert not backends.plain_eager_call(x)  # grad mode
+
+
 def test_ops_pass_opcheck():
     m = _module()
     x = torch.randn(5, 64)

@@ -86,10 +86,24 @@ class Backend:
         t = module._parameters  # not the attributes: reading a stood-in tensor would rebuild it
         kind = kind or module.kind
         if kind == "w4a16":
-            return w4a16_linear(x, t["qweight"], t["wscales"], t["wcscale"], t["bias"], extra, self.name)
-        op = w4a4_fast_linear if kind == "w4a4_fast" else w4a4_linear
-        return op(x, t["qweight"], t["wscales"], t["smooth"], t["proj_down"], t["proj_up"], t["wcscale"], t["bias"],
-                  extra, self.name)
+            args = (x, t["qweight"], t["wscales"], t["wcscale"], t["bias"], extra)
+            return self.run_w4a16(*args) if plain_eager_call(x) else w4a16_linear(*args, self.name)
+        args = (x, t["qweight"], t["wscales"], t["smooth"], t["proj_down"], t["proj_up"], t["wcscale"], t["bias"], extra)
+        if plain_eager_call(x):
+            return self.run_w4a4_fast(*args) if kind == "w4a4_fast" else self.run_w4a4(*args)
+        return (w4a4_fast_linear if kind == "w4a4_fast" else w4a4_linear)(*args, self.name)
+
+
+def plain_eager_call(x: torch.Tensor) -> bool:
+    """Whether a call may run the backend's function directly instead of through its custom op (whose
+    dispatch costs 10-100 us of host time a call, docs/perf.md): not traced by torch.compile, no
+    gradient recorded (the ops define none), a plain tensor on a real device, and no dispatch mode
+    or functorch transform that expects to see the op, no autocast (which the op's dispatch passes
+    before the backend's own torch ops run). The op stays for everything else: compile, fake and meta
+    tensors, modes (FakeTensorMode, FlopCounterMode, ...), vmap, autograd, autocast."""
+    return (not torch.compiler.is_compiling() and not torch.is_grad_enabled() and type(x) is torch.Tensor
+            and x.device.type != "meta" and torch._C._len_torch_dispatch_stack() == 0
+            and torch._C._functorch.peek_interpreter_stack() is None and not torch._C._is_any_autocast_enabled())
 
 
 # ---- the registry --------------------------------------------------------------------------------
@@ -260,13 +274,16 @@ def weights_are_offloaded(module) -> bool:
     (diffusers' block-level groups, whose hook sits on an ancestor) shows as tensors that came back at
     new addresses on the same device between two calls (``resolve`` marks the module then).
     """
-    if getattr(module, "_svdq_moved_each_call", False):
+    # plain attributes (in __dict__): a missing one read through nn.Module.__getattr__ raises and costs
+    # microseconds a call
+    attrs = module.__dict__
+    if attrs.get("_svdq_moved_each_call", False):
         return True
-    hook = getattr(module, "_hf_hook", None)
+    hook = attrs.get("_hf_hook")
     hooks = getattr(hook, "hooks", None) or ([hook] if hook is not None else [])
     if any(getattr(h, "offload", False) for h in hooks):
         return True
-    registry = getattr(module, "_diffusers_hook", None)
+    registry = attrs.get("_diffusers_hook")
     get_hook = getattr(registry, "get_hook", None)
     return get_hook is not None and any(get_hook(name) is not None for name in _GROUP_OFFLOAD_HOOKS)
 
