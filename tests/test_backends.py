@@ -381,6 +381,11 @@ def test_eager_calls_skip_the_custom_op_only_where_nothing_needs_it(monkeypatch)
         assert backends.plain_eager_call(x)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert not backends.plain_eager_call(x)
+        with torch.device("cpu"):  # a torch-function mode
+            assert not backends.plain_eager_call(x)
+        traced = torch.jit.trace(m, x, check_trace=False)  # records the op, not the backend's internals
+        assert "svdq_linear::w4a4_linear" in str(traced.graph)
+        assert torch.equal(traced(x), y)
     assert not backends.plain_eager_call(x)  # grad mode
 
 

@@ -6,8 +6,8 @@ GEMMs (fast and exact, low-rank in the accumulator) are called twice; ``run_gemm
 replaced by a recorder in the frontend and in ``quack_launch``. The first call goes through the
 frontend (compile, plan); the second must take the warm path with the same plan object, weight views
 over the same bytes with the same shapes and strides, and this call's activations, output and
-epilogue operands. A call with a different token count or a non-contiguous operand goes back to the
-frontend.
+epilogue operands. A call with a different token count (once), a non-contiguous operand or a weight
+that is not the registered prepared one goes through the frontend.
 """
 
 import json
@@ -56,7 +56,16 @@ for mode in ("fast", "exact"):
     a2, la2 = act(4096), torch.ones(4096, r, dtype=torch.bfloat16)
     y2 = run(4096, a2, la2)
     run(4096, a2, torch.ones(4096, 2 * r, dtype=torch.bfloat16)[:, :r])  # la not contiguous: the frontend
+    plans = len(quack_launch._PLANS)
     run(300, act(300), torch.zeros(300, r, dtype=torch.bfloat16))  # another token count: the frontend first
+    run(300, act(300), torch.zeros(300, r, dtype=torch.bfloat16))  # then warm
+    new_plans = len(quack_launch._PLANS) - plans
+    copy = (quack_fast if mode == "fast" else quack_gemm).weight([t.clone() for t in w.tensors()])
+    unregistered = copy.warm is None
+    w_saved, w = w, copy  # the lambdas read w: two calls through a weight that is not the prepared one
+    run(4096, a2, la2)
+    run(4096, a2, la2)
+    w = w_saved
     (w1, p1, A1, B1, D1, C1, e1), (w2, p2, A2, B2, D2, C2, e2) = calls[:2]
     out[mode] = {
         "where": [c[0] for c in calls],
@@ -66,7 +75,9 @@ for mode in ("fast", "exact"):
         "d_is_out": D2 is y2 and C2 is None,
         "epi_keys": sorted(e1) == sorted(e2),
         "la_is_call": e2["la"] is la2,
-        "warm_entries": len(w.warm),
+        "tiles": sorted(w.warm),
+        "new_plans": new_plans,
+        "unregistered": unregistered,
     }
 print(json.dumps(out))
 """
@@ -80,7 +91,27 @@ def test_warm_launch_hands_quack_what_the_frontend_does(tmp_path):
     res = json.loads(r.stdout.strip().splitlines()[-1])
     for mode in ("fast", "exact"):
         got = res[mode]
-        assert got["where"] == ["frontend", "warm", "frontend", "frontend"], (mode, got)
+        assert got["where"] == ["frontend", "warm", "frontend", "frontend", "warm", "frontend", "frontend"], (mode, got)
         assert got["same_plan"] and got["same_views"] and got["b_is_call"] and got["d_is_out"], (mode, got)
         assert got["epi_keys"] and got["la_is_call"], (mode, got)
-        assert got["warm_entries"] == 2, (mode, got)  # 4096 and 300 tokens; the strided call is not kept
+        assert got["new_plans"] == 1 and got["unregistered"], (mode, got)
+        assert got["tiles"] and all(isinstance(t, int) for t in got["tiles"]), (mode, got)  # views per tile
+
+
+def test_preparation_traced_into_a_graph_compiles():
+    """A preparation that torch.compile traces (a layer not prepared before the trace) builds its weight
+    object without the launch registry, which dynamo cannot trace."""
+    pytest.importorskip("quack")
+    import torch
+
+    from svdq_linear.backends.sm90 import quack_gemm, quack_launch
+
+    # (the fast mode's preparation checks an invariant on the data, which a full graph cannot hold)
+    q = torch.randint(0, 256, (128, 128), dtype=torch.uint8)
+    s = torch.ones(128, 16).to(torch.float8_e4m3fn)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, s, wc: quack_gemm.prepare(q, s, wc, None).blob.float().sum(), fullgraph=True)
+    want = quack_gemm.prepare(q, s, torch.ones(128), None)
+    assert f(q, s, torch.ones(128)) == want.blob.float().sum()
+    assert quack_launch._WEIGHTS.get(id(want.blob)) is want  # eager preparations still register
+    torch._dynamo.reset()

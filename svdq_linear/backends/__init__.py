@@ -98,12 +98,15 @@ def plain_eager_call(x: torch.Tensor) -> bool:
     """Whether a call may run the backend's function directly instead of through its custom op (whose
     dispatch costs 10-100 us of host time a call, docs/perf.md): not traced by torch.compile, no
     gradient recorded (the ops define none), a plain tensor on a real device, and no dispatch mode
-    or functorch transform that expects to see the op, no autocast (which the op's dispatch passes
-    before the backend's own torch ops run). The op stays for everything else: compile, fake and meta
-    tensors, modes (FakeTensorMode, FlopCounterMode, ...), vmap, autograd, autocast."""
+    or torch-function mode or functorch transform that expects to see the op, no autocast (which the
+    op's dispatch passes before the backend's own torch ops run), no ``torch.jit.trace``. The op stays
+    for everything else: compile, fake and meta tensors, modes (FakeTensorMode, FlopCounterMode, a
+    ``with torch.device(...)`` block, ...), vmap, autograd, autocast, jit tracing."""
     return (not torch.compiler.is_compiling() and not torch.is_grad_enabled() and type(x) is torch.Tensor
             and x.device.type != "meta" and torch._C._len_torch_dispatch_stack() == 0
-            and torch._C._functorch.peek_interpreter_stack() is None and not torch._C._is_any_autocast_enabled())
+            and not torch._C._is_torch_function_mode_enabled()
+            and torch._C._functorch.peek_interpreter_stack() is None and not torch._C._is_any_autocast_enabled()
+            and torch._C._get_tracing_state() is None)
 
 
 # ---- the registry --------------------------------------------------------------------------------

@@ -66,8 +66,10 @@ ENV_SMALL_M_MMA = "SVDQ_SM90_SMALL_M_MMA"
 ENV_MMA_FUSED = "SVDQ_SM90_MMA_FUSED"
 # "1": under torch.compile, the fast mode's activation pass of a call above MMA_TOKENS tokens is traced
 # as PyTorch ops (fast_layout.fast_act_ops) that the compiler fuses into the kernels producing the
-# input, and only the GEMM is an opaque op (w4a8_fast_gemm); "0": the Triton pass inside the op.
-# Same bits either way.
+# input, and only the GEMM is an opaque op (w4a8_fast_gemm); "0" (default; measured faster): the Triton
+# pass inside the op. a8 and sa have the same bits either way; lora_act comes from the compiler's
+# matmul instead of the Triton kernel (another fp32 summation order, within the contract). Read when a
+# call is traced: changing it for a compiled model needs torch._dynamo.reset().
 ENV_COMPILER_PASS = "SVDQ_SM90_COMPILER_PASS"
 
 

@@ -10,9 +10,10 @@ keeps the plan it returns and the weight's operand views, and afterwards calls
 
 A prepared weight (``QuackWeight``, ``FastWeight``) is found again from the tensors a custom op
 hands the backend (``weight``): the op passes the prepared tensors themselves, so the object that
-holds them, and its cache, comes back by identity. The cache lives on that object, so it goes when
-the layer's prepared state goes; a tensor list that is not a registered weight's gets a fresh object
-and the frontend's path.
+holds them comes back by identity. Its operand views (one set per tile over its rows) live on it and
+go when the layer's prepared state goes; plans hold no tensors and are kept per shape for all
+layers (as quack's own plan cache does). A tensor list that is not a registered weight's gets a
+fresh object and the frontend's path.
 """
 
 from __future__ import annotations
@@ -29,40 +30,50 @@ _WEIGHTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(blob
 ENV_WARM = "SVDQ_SM90_QUACK_WARM"
 
 
+_PLANS: dict[tuple, object] = {}  # shape key -> quack's plan (no tensors: shared by every layer of a shape)
+
+
 def register(w):
     """Make ``w`` (a prepared weight with ``tensors()``, ``blob`` and a ``warm`` dict) findable by
-    ``weight``; returns it."""
-    _WEIGHTS[id(w.blob)] = w
+    ``weight``; returns it. Not while torch.compile traces (a preparation traced into a graph: its
+    weight is a new object on every call, and dynamo cannot trace the weak registry)."""
+    if not torch.compiler.is_compiling():
+        _WEIGHTS[id(w.blob)] = w
     return w
 
 
 def weight(cls, tensors):
-    """The registered weight whose ``tensors()`` are exactly these objects, or ``cls(*tensors)``."""
+    """The registered weight whose ``tensors()`` are exactly these objects, or a ``cls(*tensors)`` that
+    caches nothing (``warm = None``: other tensors each call, e.g. copies a graph capture made)."""
     w = _WEIGHTS.get(id(tensors[0]))
     if w is not None and all(a is b for a, b in zip(w.tensors(), tensors)):
         return w
-    return cls(*tensors)
+    w = cls(*tensors)
+    w.warm = None
+    return w
 
 
 def launch(mod, w, sf, a, out, epi_args: dict, transform, *, tile_m: int, tile_n: int, tile_k: int,
            max_swizzle_size: int = 8, launch: bool = True) -> None:
-    """``mod.gemm(a, w.blob, out, ...)`` (cluster 1 x 1, no split-K) with the weight-side work cached on
-    ``w.warm``. Calls whose per-call tensors (``a``, ``out`` and the epilogue operands that are not the
-    weight's) are not contiguous, and compile-only calls, take the frontend's path."""
-    own = {id(t) for t in w.tensors()}
-    per_call = [t for t in epi_args.values() if isinstance(t, torch.Tensor) and id(t) not in own]
-    ok = launch and os.environ.get(ENV_WARM) != "0" and a.is_contiguous() and out.is_contiguous() and all(t.is_contiguous() for t in per_call)
+    """``mod.gemm(a, w.blob, out, ...)`` (cluster 1 x 1, no split-K) with the host work cached: the plan
+    per shape (``_PLANS``), the weight's operand views per tile on ``w.warm``. Calls whose per-call
+    tensors (``a``, ``out`` and the epilogue operands that are not the weight's) are not contiguous,
+    unregistered weights and compile-only calls take the frontend's path."""
     key = None
-    if ok:
-        key = (id(mod), a.shape[0], a.shape[1], a.dtype, out.dtype, tile_m, tile_n, a.device.index,
-               tuple((name, tuple(t.shape), t.dtype) for name, t in epi_args.items() if id(t) not in own))
-        hit = w.warm.get(key)
-        if hit is not None:
-            run_gemm_epi_plan(hit[0], hit[1], a, out, None, epi_args)
-            return
+    if launch and w.warm is not None and os.environ.get(ENV_WARM) != "0":
+        own = {id(t) for t in w.tensors()}
+        per_call = [(name, t) for name, t in epi_args.items() if id(t) not in own]
+        if a.is_contiguous() and out.is_contiguous() and all(t.is_contiguous() for _, t in per_call):
+            key = (id(mod), tuple(w.blob.shape), tuple(a.shape), a.dtype, out.dtype, tile_m, tile_n, a.device,
+                   tuple((name, tuple(t.shape), t.dtype) for name, t in per_call))
+            plan, views = _PLANS.get(key), w.warm.get(tile_m)
+            if plan is not None and views is not None:
+                run_gemm_epi_plan(plan, views, a, out, None, epi_args)
+                return
     plan = mod.gemm(a, w.blob, out, epi_args=epi_args, transform_a=transform, transform_sf=sf, tile_M=tile_m,
                     tile_N=tile_n, tile_K=tile_k, cluster_M=1, cluster_N=1, max_swizzle_size=max_swizzle_size,
                     split_k=1, _launch=launch)
     if key is not None:
-        views = as_transform_mod(transform).resolve_operands(a, w.blob, sf, tile_m, tile_k).a_slot
-        w.warm[key] = (plan, views)
+        _PLANS[key] = plan
+        if tile_m not in w.warm:
+            w.warm[tile_m] = as_transform_mod(transform).resolve_operands(a, w.blob, sf, tile_m, tile_k).a_slot
