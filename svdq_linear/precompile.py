@@ -99,6 +99,19 @@ def _variants_sm90(quick: bool):
                     dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=32, HAS_LORA=False, FUSE_LORA=True, DOT_F32=False, GEMM_ORDER=True,
                          NSPLIT=1),
                     dict(num_warps=4), f"quantize_act_fp8_lora_{xdt}"))
+        # the pass and lora_act in one launch (kernels.fast_act_lora), rank 32 and 96 (fused q/k/v)
+        for k in ((3072,) if quick else (3072, 3840, 12288, 15360)):
+            rows, c, nch, warps = kernels.fp8_rows_config(k)
+            sig2 = dict(x_ptr=k_ptr[xdt], inv_ptr="*fp32", a8_ptr="*fp8e4nv", sa_ptr="*fp32", pd_ptr="*bf16",
+                        part_ptr="*fp32", la_ptr="*bf16", cnt_ptr="*i32", M="i32", K="i32", R="i32",
+                        stride_xm="i32", K_SPLIT="i32")
+            bm, split, _, stages = tuning.LORA_ACT_CONFIG
+            for r in ((32,) if quick else (32, 96)):
+                out.append((kernels._fast_act_lora_kernel, sig2,
+                            dict(ROWS=rows, C=c, NCH=nch, HW_CVT=True, CANON_NAN=True, GEMM_ORDER=True, BLOCK_M=bm,
+                                 BLOCK_K=128 if r <= 64 else 64, BLOCK_R=kernels._block_r(r), NSPLIT=split,
+                                 NUM_STAGES=stages, DOT_F32=False, ROLES=0),
+                            dict(num_warps=warps), f"fast_act_lora_k{k}_r{r}_{xdt}"))
         # kernels.lora_act as the fast mode runs it (tuning.LORA_ACT_CONFIG), rank 32
         bm, _, warps, stages = tuning.LORA_ACT_CONFIG
         sig = dict(x_ptr=k_ptr[xdt], pd_ptr="*bf16", out_ptr="*fp32", M="i32", K="i32", R="i32", stride_xm="i32",

@@ -134,15 +134,18 @@ def _gemm_k(pos, GEMM_ORDER: tl.constexpr):
 
 @triton.jit
 def _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, M, R, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                NSPLIT: tl.constexpr):
+                NSPLIT: tl.constexpr, CG: tl.constexpr = False):
     # la = lora_act / sa, rounded once to bf16: the fast mode's operand of the low-rank MMA that joins
     # the accumulator before the epilogue multiplies it by sa (quack_lowrank). NSPLIT > 1: lora_act
     # comes as [NSPLIT, M, R] fp32 partial sums over K (lora_act(split=)), added here in split order.
+    # CG: the partials were written by other programs of this launch: read them from L2, not L1.
     rr = tl.arange(0, BLOCK_R)
     mask = m_ok[:, None] & (rr < R)[None, :]
-    lo = tl.load(lora_ptr + rm[:, None] * R + rr[None, :], mask=mask, other=0.0).to(tl.float32)
+    cache: tl.constexpr = ".cg" if CG else ""
+    lo = tl.load(lora_ptr + rm[:, None] * R + rr[None, :], mask=mask, other=0.0, cache_modifier=cache).to(tl.float32)
     for s in tl.static_range(1, NSPLIT):
-        lo += tl.load(lora_ptr + s * M * R + rm[:, None] * R + rr[None, :], mask=mask, other=0.0)
+        lo += tl.load(lora_ptr + s * M * R + rm[:, None] * R + rr[None, :], mask=mask, other=0.0,
+                      cache_modifier=cache)
     q = tl.math.div_rn(lo, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_R)))
     tl.store(la_ptr + rm[:, None] * R + rr[None, :], q.to(tl.bfloat16), mask=mask)
 
@@ -236,17 +239,13 @@ def _fp8_rows_store(a8_ptr, q, rm, m_ok, K, J: tl.constexpr, C: tl.constexpr, HW
 
 
 @triton.jit
-def _quantize_act_fp8_rows_kernel(
-    x_ptr, inv_ptr, a8_ptr, sa_ptr, lora_ptr, la_ptr, M, K, R, stride_xm,
-    ROWS: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
-    HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr, GEMM_ORDER: tl.constexpr, NSPLIT: tl.constexpr,
-):
-    # One pass: ROWS whole rows a program, held in registers as NCH chunks of C columns (a power of two
-    # each, so a row of 3 * 2^n columns wastes no lanes); x is read once, every load issued before the
-    # row max. The max runs on the magnitudes' bits: for non-negative floats integer order is float
-    # order and every NaN lies above +Inf, so one integer max gives both the row max and "a NaN is here".
-    rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    m_ok = rm < M
+def _fp8_rows(x_ptr, inv_ptr, a8_ptr, sa_ptr, rm, m_ok, K, stride_xm, C: tl.constexpr, NCH: tl.constexpr,
+              HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr, GEMM_ORDER: tl.constexpr):
+    # One pass over the rows rm, held in registers as NCH chunks of C columns (a power of two each, so
+    # a row of 3 * 2^n columns wastes no lanes); x is read once, every load issued before the row max.
+    # The max runs on the magnitudes' bits: for non-negative floats integer order is float order and
+    # every NaN lies above +Inf, so one integer max gives both the row max and "a NaN is here".
+    # Writes a8 and sa; returns sa.
     xs0 = _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, 0, C, GEMM_ORDER)
     mb = xs0.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     if NCH > 1:
@@ -261,11 +260,9 @@ def _quantize_act_fp8_rows_kernel(
     mx = tl.max(mb, axis=1)
     # as nvfp4.fast_act: 1 for an all-zero row and where a NaN is in the row
     ok = (mx > 0) & (mx <= 0x7F800000)
-    sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([ROWS], 448.0, tl.float32)), 1.0)
+    sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full(mx.shape, 448.0, tl.float32)), 1.0)
     tl.store(sa_ptr + rm, sa, mask=m_ok)
-    if HAS_LORA:
-        _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, M, R, ROWS, BLOCK_R, NSPLIT)
-    r = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sa)[:, None]
+    r = tl.math.div_rn(tl.full(mx.shape, 1.0, tl.float32), sa)[:, None]
     _fp8_rows_store(a8_ptr, xs0 * r, rm, m_ok, K, 0, C, HW_CVT, CANON_NAN)
     if NCH > 1:
         _fp8_rows_store(a8_ptr, xs1 * r, rm, m_ok, K, 1, C, HW_CVT, CANON_NAN)
@@ -273,6 +270,66 @@ def _quantize_act_fp8_rows_kernel(
         _fp8_rows_store(a8_ptr, xs2 * r, rm, m_ok, K, 2, C, HW_CVT, CANON_NAN)
     if NCH > 3:
         _fp8_rows_store(a8_ptr, xs3 * r, rm, m_ok, K, 3, C, HW_CVT, CANON_NAN)
+    return sa
+
+
+@triton.jit
+def _quantize_act_fp8_rows_kernel(
+    x_ptr, inv_ptr, a8_ptr, sa_ptr, lora_ptr, la_ptr, M, K, R, stride_xm,
+    ROWS: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
+    HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr, GEMM_ORDER: tl.constexpr, NSPLIT: tl.constexpr,
+):
+    # ROWS whole rows a program (_fp8_rows); with HAS_LORA also la = lora_act / sa of those rows
+    rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    m_ok = rm < M
+    sa = _fp8_rows(x_ptr, inv_ptr, a8_ptr, sa_ptr, rm, m_ok, K, stride_xm, C, NCH, HW_CVT, CANON_NAN, GEMM_ORDER)
+    if HAS_LORA:
+        _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, M, R, ROWS, BLOCK_R, NSPLIT)
+
+
+@triton.jit
+def _fast_act_lora_kernel(
+    x_ptr, inv_ptr, a8_ptr, sa_ptr, pd_ptr, part_ptr, la_ptr, cnt_ptr, M, K, R, stride_xm, K_SPLIT,
+    ROWS: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr,
+    GEMM_ORDER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    NSPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr, ROLES: tl.constexpr,
+):
+    # The fast mode's activation pass and lora_act, so that x comes from HBM about once: each block of
+    # BLOCK_M rows has NSPLIT lora_act programs (split s: the fp32 partial sums over its K range, as
+    # _lora_act_kernel) and BLOCK_M / ROWS pass programs (_fp8_rows). ROLES 0: both in one launch,
+    # next to each other, so one role's reads of a row find it in L2 after the other's; ROLES 1 (the
+    # lora_act programs) and 2 (the pass programs): two launches on two streams, concurrent, each
+    # compiled for its own registers. Whichever program of a row block arrives last (a counter a
+    # block, zeroed by the caller; no program waits for another) adds the partials in split order and
+    # writes la = lora_act / sa, as the pass would.
+    per: tl.constexpr = NSPLIT + BLOCK_M // ROWS
+    pid = tl.program_id(0)
+    if ROLES == 0:
+        rb = pid // per
+        j = pid % per
+    elif ROLES == 1:
+        rb = pid // NSPLIT
+        j = pid % NSPLIT
+    else:
+        rb = pid // (BLOCK_M // ROWS)
+        j = NSPLIT + pid % (BLOCK_M // ROWS)
+    if j < NSPLIT:
+        rml = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+        _lora_act_block(x_ptr, pd_ptr, part_ptr + j.to(tl.int64) * M * R, rml, rml < M, K, R, stride_xm,
+                        j * K_SPLIT, K_SPLIT, BLOCK_K, BLOCK_R, NUM_STAGES, DOT_F32)
+    else:
+        rmp = rb * BLOCK_M + (j - NSPLIT) * ROWS + tl.arange(0, ROWS)
+        _fp8_rows(x_ptr, inv_ptr, a8_ptr, sa_ptr, rmp, rmp < M, K, stride_xm, C, NCH, HW_CVT, CANON_NAN, GEMM_ORDER)
+    # every thread's stores before the arrival (bar.sync), then one release/acquire atomic a program
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + rb, 1, sem="acq_rel", scope="gpu")
+    if arrived == per - 1:
+        tl.debug_barrier()
+        for h in tl.static_range(BLOCK_M // 16):  # 16 rows at a time: few registers for the partials
+            rm = rb * BLOCK_M + h * 16 + tl.arange(0, 16)
+            m_ok = rm < M
+            sa = tl.load(sa_ptr + rm, mask=m_ok, other=1.0, cache_modifier=".cg")
+            _scale_lora(part_ptr, la_ptr, rm, m_ok, sa, M, R, 16, BLOCK_R, NSPLIT, True)
 
 
 @triton.jit
@@ -375,19 +432,14 @@ def _splitk_epilogue_kernel(
 
 
 @triton.jit
-def _lora_act_kernel(x_ptr, pd_ptr, out_ptr, M, K, R, stride_xm, K_SPLIT,
-                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr,
-                     DOT_F32: tl.constexpr):
-    # lora_act [BLOCK_M, R] of a row block: x (rounded to bf16, as the cuBLAS path's x.to(bf16)) times
-    # proj_down / smooth (bf16), fp32 accumulation over the columns [s K_SPLIT, (s + 1) K_SPLIT) of
-    # split s = program_id(1) (K_SPLIT a multiple of BLOCK_K), written to out[s]: a fixed order
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+def _lora_act_block(x_ptr, pd_ptr, out_ptr, rm, m_ok, K, R, stride_xm, kb, K_SPLIT, BLOCK_K: tl.constexpr,
+                    BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr):
+    # lora_act of the rows rm: x (rounded to bf16, as the cuBLAS path's x.to(bf16)) times proj_down /
+    # smooth (bf16), fp32 accumulation over the columns [kb, kb + K_SPLIT) (K_SPLIT a multiple of
+    # BLOCK_K), written to out [M, R] fp32 or bf16: a fixed order
     rr = tl.arange(0, BLOCK_R)
-    m_ok = rm < M
     r_ok = rr < R
-    kb = tl.program_id(1) * K_SPLIT
-    out_ptr += tl.program_id(1).to(tl.int64) * M * R
-    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    acc = tl.zeros([rm.shape[0], BLOCK_R], tl.float32)
     for k0 in tl.range(kb, tl.minimum(kb + K_SPLIT, K), BLOCK_K, num_stages=NUM_STAGES):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
@@ -398,6 +450,16 @@ def _lora_act_kernel(x_ptr, pd_ptr, out_ptr, M, K, R, stride_xm, K_SPLIT,
         else:
             acc = tl.dot(x.to(tl.bfloat16), w, acc)
     tl.store(out_ptr + rm[:, None] * R + rr[None, :], acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _lora_act_kernel(x_ptr, pd_ptr, out_ptr, M, K, R, stride_xm, K_SPLIT,
+                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr,
+                     DOT_F32: tl.constexpr):
+    # a row block's lora_act over split s = program_id(1)'s columns, written to out[s]
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    _lora_act_block(x_ptr, pd_ptr, out_ptr + tl.program_id(1).to(tl.int64) * M * R, rm, rm < M, K, R, stride_xm,
+                    tl.program_id(1) * K_SPLIT, K_SPLIT, BLOCK_K, BLOCK_R, NUM_STAGES, DOT_F32)
 
 
 # ---- launchers -----------------------------------------------------------------------------------
@@ -533,6 +595,87 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
             GEMM_ORDER=gemm_order, NSPLIT=nsplit, num_warps=num_warps or 4)
     if not wants_la:
         return a8, sa
+    return a8, sa, la
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    s = _SIDE_STREAMS.get(device.index)
+    if s is None:
+        s = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
+    return s
+
+
+def fast_act_lora(x: torch.Tensor, pds: torch.Tensor, inv_smooth: torch.Tensor, *, block_m: int = 64,
+                  split: int = 4, num_warps: int | None = None, num_stages: int = 3, rows: int | None = None,
+                  canon_nan: bool = True, gemm_order: bool = True, streams: bool = False,
+                  lora_warps: int | None = None, maxnreg: int | None = None):
+    """The fast mode's activations and ``la`` in one launch: ``(a8 [M, K] float8_e4m3fn, sa [M] float32,
+    la [M, R] bf16)``, the same bits as ``quantize_act_fp8(x, smooth, lora=lora_act(x, pds, split=split,
+    block_m=block_m), inv_smooth=inv_smooth, gemm_order=gemm_order)``: the same pass (whole rows in
+    registers, ``fp8_rows_config``) and the same ``lora_act`` partial sums, added in split order.
+
+    Each ``block_m`` row block gets ``split`` ``lora_act`` programs and ``block_m / rows`` pass programs,
+    adjacent in one launch (``streams=False``) or in two launches on two streams that run concurrently
+    (``streams=True``, CUDA only; ``lora_warps`` the second's warps), so that x mostly comes from HBM
+    once (the second role's reads of a row hit L2); the last program of a row block to finish writes
+    its ``la`` (a counter a row block, zeroed here; no program waits). ``x [M, K]`` with unit stride
+    along K; ``pds [K, R]`` bf16 contiguous; ``inv_smooth [K]`` float32 (``1 / smooth``); K up to
+    ``ROW_MAX_K``. ``maxnreg`` caps the one launch's registers (its lora_act programs need more than the
+    pass's)."""
+    m, k = x.shape
+    if k > ROW_MAX_K:
+        raise ValueError(f"fast_act_lora holds whole rows in registers: K <= {ROW_MAX_K}, got {k}")
+    if gemm_order and k % 128:
+        raise ValueError(f"the fast GEMM's k order needs in_features % 128 == 0, got {k}")
+    if pds.dim() != 2 or pds.shape[0] != k or pds.dtype != torch.bfloat16 or not pds.is_contiguous():
+        raise ValueError(f"pds must be a contiguous [{k}, R] bf16 tensor, got {tuple(pds.shape)} {pds.dtype}")
+    if inv_smooth.shape != (k,) or inv_smooth.dtype != torch.float32 or not inv_smooth.is_contiguous():
+        raise ValueError(f"inv_smooth must be a contiguous [{k}] float32 tensor, got "
+                         f"{tuple(inv_smooth.shape)} {inv_smooth.dtype}")
+    rows_d, c, nch, warps_d = fp8_rows_config(k)
+    rows = rows or rows_d
+    if block_m % rows or block_m & (block_m - 1) or block_m < 16 or split < 1:
+        raise ValueError(f"block_m must be a power of two >= 16 and a multiple of rows ({rows}), split >= 1; "
+                         f"got block_m={block_m}, split={split}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    r = pds.shape[1]
+    a8 = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
+    sa = torch.empty(m, device=x.device, dtype=torch.float32)
+    la = torch.empty(m, r, device=x.device, dtype=torch.bfloat16)
+    if not m:
+        return a8, sa, la
+    block_k = 128 if _block_r(r) <= 64 else 64  # as lora_act
+    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    part = torch.empty(split, m, r, device=x.device, dtype=torch.float32)
+    nrb = triton.cdiv(m, block_m)
+    cnt = torch.zeros(nrb, device=x.device, dtype=torch.int32)
+    args = (x, inv_smooth, a8, sa, pds, part, la, cnt, m, k, r, x.stride(0), k_split)
+    cx = dict(ROWS=rows, C=c, NCH=nch, HW_CVT=not _INTERPRET, CANON_NAN=canon_nan, GEMM_ORDER=gemm_order,
+              BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r), NSPLIT=split, NUM_STAGES=num_stages,
+              DOT_F32=_INTERPRET)
+    if not streams:
+        opts = {} if maxnreg is None else {"maxnreg": maxnreg}
+        _fast_act_lora_kernel[(nrb * (split + block_m // rows),)](*args, **cx, ROLES=0,
+                                                                   num_warps=num_warps or warps_d, **opts)
+        return a8, sa, la
+    def lora_programs():
+        _fast_act_lora_kernel[(nrb * split,)](*args, **cx, ROLES=1, num_warps=lora_warps or 4)
+
+    if x.device.type != "cuda":  # Triton's interpreter: one launch after the other
+        lora_programs()
+    else:
+        main = torch.cuda.current_stream(x.device)
+        side = _side_stream(x.device)
+        side.wait_stream(main)  # the inputs and the buffers above are ready
+        with torch.cuda.stream(side):
+            lora_programs()
+    _fast_act_lora_kernel[(nrb * (block_m // rows),)](*args, **cx, ROLES=2, num_warps=num_warps or warps_d)
+    if x.device.type == "cuda":
+        main.wait_stream(side)  # before the main stream reads la, or frees what the side stream read
     return a8, sa, la
 
 
