@@ -69,9 +69,6 @@ def main() -> None:
     p.add_argument("--fused", action="store_true",
                    help="the fast mode's activation pass computing lora_act itself (two-pass kernel, row blocks x "
                         "k-chunks x warps) against the pass + lora_act as the backend runs them")
-    p.add_argument("--one-read", action="store_true",
-                   help="kernels.fast_act_lora (the pass and lora_act with x from HBM about once: one launch, or two "
-                        "concurrent launches on two streams) against the two launches one after the other")
     args = p.parse_args()
     lines = [f"# lora_act: one GEMM against K split — {torch.cuda.get_device_name()}", "",
              "us (relative error against float64); bf16 out = what the exact mode passes on, fp32 out = the fast mode's", "",
@@ -145,8 +142,6 @@ def main() -> None:
             Path(args.best_env).write_text(choice + "\n")
     if args.fused:
         fused_sweep(lines)
-    if args.one_read:
-        one_read_sweep(lines)
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
 
@@ -207,59 +202,3 @@ def fused_sweep(lines: list[str]) -> None:
 if __name__ == "__main__":
     main()
 
-
-ONE_READ_SHAPES = [(4096, 3072, 96), (4096, 3072, 32), (4608, 3072, 128), (4096, 12288, 32), (4608, 15360, 32),
-                   (4352, 3840, 32), (512, 3072, 32)]
-
-
-def one_read_sweep(lines: list[str]) -> None:
-    """The fast mode's pass + lora_act as the backend runs them (two launches, one after the other)
-    against ``kernels.fast_act_lora``: one launch holding both roles (warps x register cap), and the two
-    roles as concurrent launches on two streams; with the pass alone and lora_act alone for scale. Every
-    variant's a8 / sa compared bit for bit and its la against the two launches' (bits, else a bound),
-    then timed as one CUDA graph each."""
-    from svdq_linear.backends.sm90 import kernels, tuning
-
-    bm, split0, lw, st = tuning.LORA_ACT_CONFIG
-    variants = [("one w4", dict(num_warps=4)), ("one w8", dict(num_warps=8)), ("one w8 r128", dict(num_warps=8, maxnreg=128)),
-                ("one w4 r128", dict(num_warps=4, maxnreg=128)), ("streams", dict(streams=True, lora_warps=lw)),
-                ("streams lw8", dict(streams=True, lora_warps=8))]
-    lines += ["", "The fast mode's pass + lora_act, us (kernels.fast_act_lora: one launch or two streams; x = wrong bytes)",
-              "", "| M | K | R | pass alone | lora_act alone | two launches (backend) | "
-              + " | ".join(v for v, _ in variants) + " |", "|---|---|---|---|---|---|" + "---|" * len(variants)]
-    print("\n".join(lines[-4:]), flush=True)
-    for m, k, r in ONE_READ_SHAPES:
-        x, pds, _ = operands(m, k, r)
-        smooth = torch.rand(k, device="cuda") + 0.5
-        inv = 1.0 / smooth
-        split = tuning.lora_act_plan(m, k, r).split
-
-        def two():
-            lora = kernels.lora_act(x, pds, block_m=bm, split=split, num_warps=lw, num_stages=st)
-            return kernels.quantize_act_fp8(x, smooth, lora=lora, inv_smooth=inv, gemm_order=True)
-
-        a8, sa, la = two()
-        bound = (x.float().abs() @ pds.float().abs()) / sa[:, None] * 2.0**-7 + 1e-30
-        cells = [f"{graph_us(lambda: kernels.quantize_act_fp8(x, smooth, inv_smooth=inv, gemm_order=True)):.1f}",
-                 f"{graph_us(lambda: kernels.lora_act(x, pds, block_m=bm, split=split, num_warps=lw, num_stages=st)):.1f}",
-                 f"{graph_us(two):.1f}"]
-        for _, kw in variants:
-            def run(kw=kw):
-                return kernels.fast_act_lora(x, pds, inv, block_m=bm, split=split, num_stages=st, **kw)
-            try:
-                fa8, fsa, fla = run()
-                torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001 - a config Triton cannot build
-                cells.append(type(e).__name__)
-                continue
-            same = torch.equal(fa8.view(torch.uint8), a8.view(torch.uint8)) and torch.equal(fsa, sa)
-            bits = torch.equal(fla.view(torch.int16), la.view(torch.int16))
-            near = bool(((fla.float() - la.float()).abs() <= bound).all())
-            # a second call: the counters start from zero again and la is written again
-            fla.fill_(float("nan"))
-            fa8b, _, fla2 = run()
-            again = torch.equal(fla2.view(torch.int16), la.view(torch.int16)) or bool(((fla2.float() - la.float()).abs() <= bound).all())
-            mark = "" if same and (bits or near) and again else " x"
-            cells.append(f"{graph_us(run):.1f}" + ("" if bits else " (la ~)") + mark)
-        lines.append(f"| {m} | {k} | {r} | " + " | ".join(cells) + " |")
-        print(lines[-1], flush=True)

@@ -106,6 +106,55 @@ def breakdown(dev, shapes) -> list[str]:
     return rows
 
 
+def triton_launch(dev) -> list[str]:
+    """Host us of one Triton launch three ways, for the fast mode's two Triton kernels at 16 tokens:
+    the library call (allocations and argument checks included), the bare ``kernel[grid](...)`` (Triton's
+    JIT: argument binding, specialization key, cache lookup) and the compiled kernel launched directly
+    (``CompiledKernel[grid](...)``, what a launch cache keyed by our own arguments would call)."""
+    from svdq_linear.backends.sm90 import kernels, tuning
+
+    m, k, r = 16, 3072, 32
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    pds = torch.randn(k, r, device=dev, dtype=torch.bfloat16)
+    smooth = torch.rand(k, device=dev) + 0.5
+    inv = 1.0 / smooth
+    bm, split, w, st = tuning.LORA_ACT_CONFIG
+    part = kernels.lora_act(x, pds, block_m=bm, split=split, num_warps=w, num_stages=st)
+    a8, sa, la = kernels.quantize_act_fp8(x, smooth, lora=part, inv_smooth=inv, gemm_order=True)
+    rows_, c, nch, warps = kernels.fp8_rows_config(k)
+    k_split = -(-(-(-k // split)) // 128) * 128
+    lora_args = (x, pds, part, m, k, r, x.stride(0), k_split)
+    lora_cx = dict(BLOCK_M=bm, BLOCK_K=128, BLOCK_R=32, NUM_STAGES=st, DOT_F32=False)
+    pass_args = (x, inv, a8, sa, part, la, m, k, r, x.stride(0))
+    pass_cx = dict(ROWS=rows_, C=c, NCH=nch, BLOCK_R=32, HAS_LORA=True, HW_CVT=True, CANON_NAN=True, GEMM_ORDER=True,
+                   NSPLIT=split)
+    grid_l, grid_p = (-(-m // bm), split), (-(-m // rows_),)
+    ck_l = kernels._lora_act_kernel[grid_l](*lora_args, **lora_cx, num_warps=w)
+    ck_p = kernels._quantize_act_fp8_rows_kernel[grid_p](*pass_args, **pass_cx, num_warps=warps)
+    full_l = lambda: kernels.lora_act(x, pds, block_m=bm, split=split, num_warps=w, num_stages=st)  # noqa: E731
+    full_p = lambda: kernels.quantize_act_fp8(x, smooth, lora=part, inv_smooth=inv, gemm_order=True)  # noqa: E731
+    jit_l = lambda: kernels._lora_act_kernel[grid_l](*lora_args, **lora_cx, num_warps=w)  # noqa: E731
+    jit_p = lambda: kernels._quantize_act_fp8_rows_kernel[grid_p](*pass_args, **pass_cx, num_warps=warps)  # noqa: E731
+    rows = ["", "### Host time of one Triton launch (us, median of 50; 16 tokens, K = 3072, R = 32)", "",
+            "| kernel | library call | kernel[grid](...) (JIT) | compiled kernel launched directly | all args | "
+            "runtime args only |", "|---|---|---|---|---|---|"]
+    for name, full, jit, ck, args, cx, grid in (("lora_act", full_l, jit_l, ck_l, lora_args, lora_cx, grid_l),
+                                               ("quantize_act_fp8 (one pass)", full_p, jit_p, ck_p, pass_args, pass_cx,
+                                                grid_p)):
+        g3 = tuple(grid) + (1,) * (3 - len(grid))
+        cells = [host_us(full), host_us(jit)]
+        for variant in (tuple(args) + tuple(cx.values()), tuple(args)):
+            try:
+                ck[g3](*variant)
+                torch.cuda.synchronize()
+                cells.append(host_us(lambda v=variant: ck[g3](*v)))
+            except Exception as e:  # noqa: BLE001 - which argument list this Triton's launcher takes
+                cells.append(type(e).__name__)
+        rows.append(f"| {name} | {cells[0]:.0f} | {cells[1]:.0f} | " + " | ".join(
+            c if isinstance(c, str) else f"{c:.0f}" for c in cells[2:]) + " |")
+    return rows
+
+
 @torch.no_grad()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -115,6 +164,8 @@ def main() -> None:
     p.add_argument("--breakdown", action="store_true",
                    help="also the host time of each piece of the fast-mode call (dispatch, op, kernels' launches)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (reference backend)")
+    p.add_argument("--triton-launch", action="store_true",
+                   help="only the host time of one Triton launch: library call, JIT launch, compiled kernel launched directly")
     args = p.parse_args()
     import svdq_linear  # noqa: F401
 
@@ -130,7 +181,11 @@ def main() -> None:
              "| M x K x N | variant | eager no_grad | eager inference_mode | compiled | compiled / F.linear |",
              "|---|---|---|---|---|---|"]
     profiles = []
-    for shape in args.shapes.split(","):
+    if args.triton_launch:
+        lines = triton_launch(dev)
+        print("\n".join(lines), flush=True)
+        args.shapes, args.breakdown = "", False
+    for shape in filter(None, args.shapes.split(",")):
         m, k, n = (int(v) for v in shape.split("x"))
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         ref = {}

@@ -99,19 +99,6 @@ def _variants_sm90(quick: bool):
                     dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=32, HAS_LORA=False, FUSE_LORA=True, DOT_F32=False, GEMM_ORDER=True,
                          NSPLIT=1),
                     dict(num_warps=4), f"quantize_act_fp8_lora_{xdt}"))
-        # the pass and lora_act in one launch (kernels.fast_act_lora), rank 32 and 96 (fused q/k/v)
-        for k in ((3072,) if quick else (3072, 3840, 12288, 15360)):
-            rows, c, nch, warps = kernels.fp8_rows_config(k)
-            sig2 = dict(x_ptr=k_ptr[xdt], inv_ptr="*fp32", a8_ptr="*fp8e4nv", sa_ptr="*fp32", pd_ptr="*bf16",
-                        part_ptr="*fp32", la_ptr="*bf16", cnt_ptr="*i32", M="i32", K="i32", R="i32",
-                        stride_xm="i32", K_SPLIT="i32")
-            bm, split, _, stages = tuning.LORA_ACT_CONFIG
-            for r in ((32,) if quick else (32, 96)):
-                out.append((kernels._fast_act_lora_kernel, sig2,
-                            dict(ROWS=rows, C=c, NCH=nch, HW_CVT=True, CANON_NAN=True, GEMM_ORDER=True, BLOCK_M=bm,
-                                 BLOCK_K=128 if r <= 64 else 64, BLOCK_R=kernels._block_r(r), NSPLIT=split,
-                                 NUM_STAGES=stages, DOT_F32=False, ROLES=0),
-                            dict(num_warps=warps), f"fast_act_lora_k{k}_r{r}_{xdt}"))
         # kernels.lora_act as the fast mode runs it (tuning.LORA_ACT_CONFIG), rank 32
         bm, _, warps, stages = tuning.LORA_ACT_CONFIG
         sig = dict(x_ptr=k_ptr[xdt], pd_ptr="*bf16", out_ptr="*fp32", M="i32", K="i32", R="i32", stride_xm="i32",
@@ -169,8 +156,10 @@ def _variants_small_m(quick: bool):
                        up_ptr="*bf16", lora_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", M="i32",
                        N="i32", K="i32", R="i32", stride_xm="i32", stride_lm="i32", stride_om="i32", stride_w="i32",
                        stride_s="i32", k_per_split="i32", SPLIT_K="i32")
-            cx = dict(LAYOUT=layout, ACT=act, BLOCK_N=64, BLOCK_M=bm, BLOCK_K=128 if dot else 64, RC=32, EVEN_K=True,
-                      NUM_STAGES=3, IS_SPLIT=split > 1, HAS_BIAS=True, HAS_LORA=lora, USE_DOT=dot, DOT_F32=False)
+            words = layout == sm.CANONICAL and not dot  # the word decode at its k-step (Flux widths divide it)
+            cx = dict(LAYOUT=layout, ACT=act, BLOCK_N=64, BLOCK_M=bm, BLOCK_K=128 if dot else sm.WORDS_BLOCK_K if words else 64,
+                      RC=32, EVEN_K=True, NUM_STAGES=3, IS_SPLIT=split > 1, HAS_BIAS=True, HAS_LORA=lora, USE_DOT=dot,
+                      DOT_F32=False, WORDS=words, ASM=words)
             out.append((sm._small_m_kernel, sig, cx, dict(num_warps=4),
                         f"small_m_{label}_s{split}{'_lora' if lora else ''}"))
     return out

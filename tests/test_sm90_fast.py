@@ -275,62 +275,6 @@ def test_quantize_act_fp8_can_compute_lora_act_itself(block_m, block_k):
                                  proj_down_smoothed=pds.to(dev))
 
 
-@pytest.mark.parametrize("m,k,r,block_m,split,streams", [(70, 256, 32, 16, 2, False), (33, 384, 96, 32, 3, True),
-                                                          (16, 128, 16, 16, 1, False), (0, 128, 16, 16, 1, True)])
-def test_fast_act_lora_is_the_two_launches_bit_for_bit(m, k, r, block_m, split, streams):
-    """``kernels.fast_act_lora`` (the pass and ``lora_act`` in one launch, or two concurrent ones): ``a8``
-    and ``sa`` are the contract's bytes, and ``la`` is ``lora_act``'s partial sums added in split order,
-    divided by ``sa`` and rounded once, for every row block, the last one partial; whatever program of
-    a row block finishes last writes it."""
-    from svdq_linear.backends.sm90 import kernels
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator().manual_seed(m + k + r)
-    x = (torch.randn(m, k, generator=g) * torch.logspace(-3, 3, max(m, 1))[:m].unsqueeze(1)).bfloat16()
-    if m > 5:
-        x[3] = 0  # sa = 1
-        x[5, 7] = float("inf")
-    smooth = torch.rand(k, generator=g) + 0.5
-    pds = (torch.randn(k, r, generator=g) / k**0.5 / smooth[:, None]).bfloat16()
-    x, smooth, pds = x.to(dev), smooth.to(dev), pds.to(dev)
-    inv = 1.0 / smooth
-    a8, sa, la = kernels.fast_act_lora(x, pds, inv, block_m=block_m, split=split, streams=streams)
-    ra8, rsa = nvfp4.fast_act(nvfp4.smooth_input(x.cpu(), smooth.cpu()))
-    order = [128 * (p // 128) + _logical_k(p % 128) for p in range(k)]
-    assert torch.equal(sa.cpu(), rsa) and torch.equal(a8.view(torch.uint8).cpu(), ra8.view(torch.uint8)[:, order])
-    part = kernels.lora_act(x, pds, block_m=block_m, split=split)
-    _, sa2, la2 = kernels.quantize_act_fp8(x, smooth, lora=part, inv_smooth=inv, gemm_order=True)
-    assert la.shape == (m, r) and torch.equal(la.view(torch.int16), la2.view(torch.int16))
-    want = (x.double() @ pds.double()) / rsa.double().to(dev)[:, None]
-    bound = (x.double().abs() @ pds.double().abs()) / rsa.double().to(dev)[:, None] * 2.0**-7 + 1e-30
-    fin = x.isfinite().all(1)  # a row holding Inf: sa = Inf as the contract says, la NaN as in the two launches
-    assert ((la.double() - want).abs() <= bound)[fin].all()
-
-
-def test_fast_act_lora_refuses_what_it_cannot_hold():
-    from svdq_linear.backends.sm90 import kernels
-
-    x, pds, inv = torch.zeros(4, 256, dtype=torch.bfloat16), torch.zeros(256, 16, dtype=torch.bfloat16), torch.ones(256)
-    with pytest.raises(ValueError, match="pds"):
-        kernels.fast_act_lora(x, pds.float(), inv)
-    with pytest.raises(ValueError, match="inv_smooth"):
-        kernels.fast_act_lora(x, pds, inv[:128])
-    with pytest.raises(ValueError, match="block_m"):
-        kernels.fast_act_lora(x, pds, inv, block_m=24)
-    with pytest.raises(ValueError, match="K <="):
-        kernels.fast_act_lora(torch.zeros(1, kernels.ROW_MAX_K + 128), torch.zeros(kernels.ROW_MAX_K + 128, 16,
-                              dtype=torch.bfloat16), torch.ones(kernels.ROW_MAX_K + 128))
-
-
-def test_act_lora_mode_is_checked():
-    from svdq_linear.backends.sm90 import tuning
-
-    assert tuning.act_lora_mode(None) == tuning.ACT_LORA_DEFAULT
-    assert tuning.act_lora_mode(" Streams ") == "streams"
-    with pytest.raises(ValueError, match=tuning.ENV_ACT_LORA):
-        tuning.act_lora_mode("three")
-
-
 def test_float64_division_rounds_to_the_float32_quotient():
     """``fast_layout.fast_act_ops`` divides in float64 and rounds to float32, which must equal one
     IEEE float32 division (what the Triton pass's ``div_rn`` does) for every pair it meets: random
@@ -547,34 +491,6 @@ def test_gpu_fast_linear_matches_the_fast_formula(tokens, k, n, r, dtype):
     backend = backends.choose(m, x)
     assert backend.name == "sm90"
     _assert_fast_formula(m, x, backend.linear(m, x, backend.prepare(m, x.device)))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["one", "streams"])
-@pytest.mark.parametrize("tokens,k,n,r", [(1000, 3072, 3072, 32), (4096, 1024, 3072, 96), (200, 512, 256, 48)])
-def test_gpu_fast_linear_with_the_pass_and_lora_act_together(mode, tokens, k, n, r, monkeypatch):
-    """``SVDQ_SM90_ACT_LORA=one|streams``: the fast linear with ``kernels.fast_act_lora`` still meets the
-    fast formula, and equals the two launches' output bit for bit (same a8, sa, la)."""
-    _quack_fast()
-    from test_conformance import random_w4a4
-
-    from svdq_linear.backends.sm90 import tuning
-
-    torch.manual_seed(tokens + k + r)
-    m = random_w4a4(k, n, r, torch.bfloat16, "cuda")
-    if r == 96:
-        with torch.no_grad():
-            m.proj_up.mul_(torch.block_diag(*[torch.ones(n // 3, 32)] * 3).to(m.proj_up))
-    m.set_mode("fast")
-    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
-    backend = backends.choose(m, x)
-    prepared = backend.prepare(m, x.device)
-    monkeypatch.setenv(tuning.ENV_ACT_LORA, "two")
-    y2 = backend.linear(m, x, prepared)
-    monkeypatch.setenv(tuning.ENV_ACT_LORA, mode)
-    y = backend.linear(m, x, prepared)
-    _assert_fast_formula(m, x, y)
-    assert torch.equal(y, y2)
 
 
 def _assert_fast_formula(m, x, y):

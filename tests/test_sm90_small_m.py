@@ -3,6 +3,8 @@ against the contract's formulas (float64 oracles from ``svdq_linear.nvfp4``), sp
 the kernel, its host rules and its errors. On the CPU through Triton's interpreter (conftest); on the
 H200 compiled, against the same oracles."""
 
+import subprocess
+
 import pytest
 import torch
 
@@ -46,6 +48,98 @@ def test_w4a16_canonical_any_k(m, split):
     y = sm.linear(x.to(**to), sm.CANONICAL, q.to(**to), ws.to(**to), wc.to(**to), n, act=sm.ACT_X,
                   out_dtype=torch.float32, bias=bias.to(**to), proj_up=up.to(**to), lora_act=lora.to(**to), split_k=split)
     _close(y, ref, f"W4A16 m={m} split={split}")
+
+
+@pytest.mark.parametrize("m,act,k_step", [(1, "x", 64), (1, "x", 128), (2, "x", 256), (1, "nvfp4", 128)])
+def test_word_decode_is_the_byte_decode(m, act, k_step):
+    """The multiply-add form's 32-bit word decode (each nibble made an E4M3 byte of value E2M1 x 2**-6,
+    four at a time, the activations gathered in the word's order): every code of either sign, zero and
+    subnormal block scales, split K; the same sums as the per-byte decode up to fp32 order, and the
+    contract's value in float64."""
+    gen = torch.Generator().manual_seed(20 + m + k_step)
+    n, k = 64, 512
+    q, ws = _weight(n, k, gen)
+    q[0, :8] = torch.arange(0, 256, 32, dtype=torch.uint8) | torch.arange(8, dtype=torch.uint8)  # codes 0-15
+    ws[1, 2] = torch.tensor(2.0**-9).to(torch.float8_e4m3fn)  # the smallest subnormal scale
+    wc = torch.rand(n, generator=gen) + 0.5
+    x = torch.randn(m, k, generator=gen).bfloat16() * 3
+    x[0, 5] = 0
+    smooth = torch.exp(torch.randn(k, generator=gen) * 0.3)
+    to = dict(device=DEV)
+    kw = dict(act=sm.ACT_X if act == "x" else sm.ACT_NVFP4, smooth=smooth.to(**to), out_dtype=torch.float32,
+              split_k=2, block_k=k_step)
+    args = (x.to(**to), sm.CANONICAL, q.to(**to), ws.to(**to), wc.to(**to), n)
+    y_w = sm.linear(*args, words=True, **kw)
+    y_b = sm.linear(*args, words=False, **kw)
+    a = x.double() if act == "x" else nvfp4.dequantize_nvfp4(*nvfp4.quantize_nvfp4(nvfp4.smooth_input(x, smooth))).double()
+    ref = (a @ nvfp4.dequantize_nvfp4(q, ws).double().T) * wc.double()
+    _close(y_w, ref, f"words m={m} act={act} k_step={k_step}")
+    assert torch.allclose(y_w.cpu(), y_b.cpu(), rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+
+
+def test_word_decode_takes_what_it_can_read():
+    gen = torch.Generator().manual_seed(3)
+    q, ws = _weight(64, 208, gen)  # K not a multiple of the k-step
+    x = torch.randn(1, 208, generator=gen).bfloat16()
+    with pytest.raises(ValueError, match="word decode"):
+        sm.linear(x.to(DEV), sm.CANONICAL, q.to(DEV), ws.to(DEV), torch.ones(64, device=DEV), 64, act=sm.ACT_X,
+                  out_dtype=torch.float32, words=True)
+
+
+_WORDS_SASS = """
+import json, re, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from svdq_linear.backends.sm90 import small_m as sm
+from svdq_linear.precompile import _nvidia_bin
+
+sig = dict(x_ptr="*bf16", smooth_ptr="*fp32", w_ptr="*u8", s_ptr="*u8", cs_ptr="*fp32", bias_ptr="*bf16",
+           up_ptr="*bf16", lora_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32",
+           K="i32", R="i32", stride_xm="i32", stride_lm="i32", stride_om="i32", stride_w="i32", stride_s="i32",
+           k_per_split="i32", SPLIT_K="i32")
+out = {}
+for words in (True, False):
+    cx = dict(LAYOUT=sm.CANONICAL, ACT=sm.ACT_X, BLOCK_N=64, BLOCK_M=1, BLOCK_K=128, RC=16, EVEN_K=True, NUM_STAGES=3,
+              IS_SPLIT=True, HAS_BIAS=False, HAS_LORA=False, USE_DOT=False, DOT_F32=False, WORDS=words, ASM=words)
+    fn = sm._small_m_kernel
+    full = {a: ("constexpr" if a in cx else sig[a]) for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a not in cx and a not in ("M", "R")}
+    ck = triton.compile(ASTSource(fn, full, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=4))
+    cub = sys.argv[1] + f"/k{words}.cubin"
+    open(cub, "wb").write(ck.asm["cubin"])
+    sass = subprocess.run([_nvidia_bin("cuobjdump"), "--dump-sass", cub], capture_output=True, text=True,
+                          check=True).stdout
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\\*([0-9a-f]{4,})\\*/\\s+([^;]*);", sass)]
+    loops = [(lo, addr) for addr, t in ins if (b := re.search(r"BRA\\s+(?:\\S+\\s+)?0x([0-9a-f]+)", t))
+             and (lo := int(b.group(1), 16)) < addr]
+    body = max(([t for a, t in ins if lo <= a <= hi] for lo, hi in loops
+                if any("LDGSTS" in t for a, t in ins if lo <= a <= hi)), key=len)
+    out[str(words)] = dict(n=len(body), unpack=sum("F2FP.F16.E4M3.UNPACK_B" in t for t in body))
+print(json.dumps(out))
+"""
+
+
+def test_word_decode_compiles_to_hardware_e4m3_converts_and_fewer_instructions(tmp_path):
+    """Compiled for sm_90a here (no GPU; the real compiler, in a child process): the word decode's main
+    loop converts through ``F2FP.F16.E4M3.UNPACK_B`` (two E4M3 bytes an instruction) and issues at most
+    6 instructions per weight value a thread handles (64 x 128 tile on 4 warps: 64 values a thread a
+    trip), at most 0.7x the per-byte decode's (about 10)."""
+    import json
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _WORDS_SASS, str(tmp_path)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    words, byte = res["True"], res["False"]
+    assert 64 // 2 <= words["unpack"] <= 64 // 2 + 2  # the values', and the block scales' (8 a thread a trip)
+    per_value, per_value_bytes = words["n"] / 64, byte["n"] / 64
+    assert per_value <= 6, per_value
+    assert per_value <= 0.7 * per_value_bytes, (per_value, per_value_bytes)
 
 
 @pytest.mark.parametrize("m", [1, 8, 12, 64])

@@ -429,7 +429,8 @@ class Sm90Backend(Backend):
             return out if x.dtype == out_dtype else out.to(x.dtype)
         if len(extra) == 7:  # [proj_down', proj_up', segments] + FastWeight: the low-rank MMA in the accumulator
             pds, up, seg = extra[:3]
-            a8, sa, la = self._act_lora(x, smooth, pds, inv)
+            a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=self._lora_act(x, pds), inv_smooth=inv,
+                                                       gemm_order=True)
             out = quack_fast.gemm(a8, sa, fw, out_dtype=out_dtype, lr_acc=(up, la, seg))
         else:
             lowrank = None
@@ -439,19 +440,6 @@ class Sm90Backend(Backend):
             a8, sa = self.kernels.quantize_act_fp8(x, smooth, inv_smooth=inv, gemm_order=True)
             out = quack_fast.gemm(a8, sa, fw, lowrank, out_dtype=out_dtype)
         return out if x.dtype == out_dtype else out.to(x.dtype)
-
-    def _act_lora(self, x, smooth, pds, inv):
-        """The fast mode's ``(a8, sa, la)`` for the accumulator path: the activation pass and ``lora_act``
-        as ``tuning.ENV_ACT_LORA`` says (``kernels.fast_act_lora`` where the Triton ``lora_act`` serves
-        the call and whole rows fit the pass), else the pass adding ``_lora_act``'s result."""
-        mode = tuning.act_lora_mode(os.environ.get(tuning.ENV_ACT_LORA))
-        if mode != "two" and x.shape[1] <= self.kernels.ROW_MAX_K:
-            plan = tuning.lora_act_plan(x.shape[0], x.shape[1], pds.shape[1], os.environ.get(tuning.ENV_LORA_ACT))
-            if plan is not None:
-                return self.kernels.fast_act_lora(x, pds, inv, block_m=plan.block_m, split=plan.split,
-                                                  num_stages=plan.num_stages, streams=mode == "streams",
-                                                  lora_warps=plan.num_warps)
-        return self.kernels.quantize_act_fp8(x, smooth, lora=self._lora_act(x, pds), inv_smooth=inv, gemm_order=True)
 
     def _lora_act(self, x: torch.Tensor, pds: torch.Tensor) -> torch.Tensor:
         """The fast mode's ``lora_act = x @ pds`` in fp32: cuBLAS, or ``kernels.lora_act`` where

@@ -24,6 +24,7 @@ times 2**126 is exactly the E2M1 value (code 1, the subnormal, included).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -134,18 +135,15 @@ def _gemm_k(pos, GEMM_ORDER: tl.constexpr):
 
 @triton.jit
 def _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, M, R, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                NSPLIT: tl.constexpr, CG: tl.constexpr = False):
+                NSPLIT: tl.constexpr):
     # la = lora_act / sa, rounded once to bf16: the fast mode's operand of the low-rank MMA that joins
     # the accumulator before the epilogue multiplies it by sa (quack_lowrank). NSPLIT > 1: lora_act
     # comes as [NSPLIT, M, R] fp32 partial sums over K (lora_act(split=)), added here in split order.
-    # CG: the partials were written by other programs of this launch: read them from L2, not L1.
     rr = tl.arange(0, BLOCK_R)
     mask = m_ok[:, None] & (rr < R)[None, :]
-    cache: tl.constexpr = ".cg" if CG else ""
-    lo = tl.load(lora_ptr + rm[:, None] * R + rr[None, :], mask=mask, other=0.0, cache_modifier=cache).to(tl.float32)
+    lo = tl.load(lora_ptr + rm[:, None] * R + rr[None, :], mask=mask, other=0.0).to(tl.float32)
     for s in tl.static_range(1, NSPLIT):
-        lo += tl.load(lora_ptr + s * M * R + rm[:, None] * R + rr[None, :], mask=mask, other=0.0,
-                      cache_modifier=cache)
+        lo += tl.load(lora_ptr + s * M * R + rm[:, None] * R + rr[None, :], mask=mask, other=0.0)
     q = tl.math.div_rn(lo, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_R)))
     tl.store(la_ptr + rm[:, None] * R + rr[None, :], q.to(tl.bfloat16), mask=mask)
 
@@ -288,51 +286,6 @@ def _quantize_act_fp8_rows_kernel(
 
 
 @triton.jit
-def _fast_act_lora_kernel(
-    x_ptr, inv_ptr, a8_ptr, sa_ptr, pd_ptr, part_ptr, la_ptr, cnt_ptr, M, K, R, stride_xm, K_SPLIT,
-    ROWS: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr,
-    GEMM_ORDER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    NSPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr, ROLES: tl.constexpr,
-):
-    # The fast mode's activation pass and lora_act, so that x comes from HBM about once: each block of
-    # BLOCK_M rows has NSPLIT lora_act programs (split s: the fp32 partial sums over its K range, as
-    # _lora_act_kernel) and BLOCK_M / ROWS pass programs (_fp8_rows). ROLES 0: both in one launch,
-    # next to each other, so one role's reads of a row find it in L2 after the other's; ROLES 1 (the
-    # lora_act programs) and 2 (the pass programs): two launches on two streams, concurrent, each
-    # compiled for its own registers. Whichever program of a row block arrives last (a counter a
-    # block, zeroed by the caller; no program waits for another) adds the partials in split order and
-    # writes la = lora_act / sa, as the pass would.
-    per: tl.constexpr = NSPLIT + BLOCK_M // ROWS
-    pid = tl.program_id(0)
-    if ROLES == 0:
-        rb = pid // per
-        j = pid % per
-    elif ROLES == 1:
-        rb = pid // NSPLIT
-        j = pid % NSPLIT
-    else:
-        rb = pid // (BLOCK_M // ROWS)
-        j = NSPLIT + pid % (BLOCK_M // ROWS)
-    if j < NSPLIT:
-        rml = rb * BLOCK_M + tl.arange(0, BLOCK_M)
-        _lora_act_block(x_ptr, pd_ptr, part_ptr + j.to(tl.int64) * M * R, rml, rml < M, K, R, stride_xm,
-                        j * K_SPLIT, K_SPLIT, BLOCK_K, BLOCK_R, NUM_STAGES, DOT_F32)
-    else:
-        rmp = rb * BLOCK_M + (j - NSPLIT) * ROWS + tl.arange(0, ROWS)
-        _fp8_rows(x_ptr, inv_ptr, a8_ptr, sa_ptr, rmp, rmp < M, K, stride_xm, C, NCH, HW_CVT, CANON_NAN, GEMM_ORDER)
-    # every thread's stores before the arrival (bar.sync), then one release/acquire atomic a program
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr + rb, 1, sem="acq_rel", scope="gpu")
-    if arrived == per - 1:
-        tl.debug_barrier()
-        for h in tl.static_range(BLOCK_M // 16):  # 16 rows at a time: few registers for the partials
-            rm = rb * BLOCK_M + h * 16 + tl.arange(0, 16)
-            m_ok = rm < M
-            sa = tl.load(sa_ptr + rm, mask=m_ok, other=1.0, cache_modifier=".cg")
-            _scale_lora(part_ptr, la_ptr, rm, m_ok, sa, M, R, 16, BLOCK_R, NSPLIT, True)
-
-
-@triton.jit
 def _epilogue(acc, rn, rm, N, M, R, wc_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_om,
               BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, DOT_F32: tl.constexpr):
     """``acc [BLOCK_N, BLOCK_M]`` -> ``out[rm, rn] = acc * wcscale + lora @ proj_up^T + bias``."""
@@ -463,10 +416,21 @@ def _lora_act_kernel(x_ptr, pd_ptr, out_ptr, M, K, R, stride_xm, K_SPLIT,
 
 
 # ---- launchers -----------------------------------------------------------------------------------
+# Host arithmetic in plain Python: triton.cdiv / next_power_of_2 are constexpr functions whose wrapper
+# costs ~4 us a call on the host (three of them doubled the fast pass's host time, docs/perf.md).
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
 
 
 def _block_r(r: int) -> int:
-    return max(16, triton.next_power_of_2(r)) if r else 16
+    return max(16, next_pow2(r)) if r else 16
 
 
 def quantize_act(
@@ -495,8 +459,8 @@ def quantize_act(
     codes = torch.empty(m, k // 2, device=x.device, dtype=torch.uint8) if packed else None
     scales = torch.empty(m, k // 16, device=x.device, dtype=torch.uint8) if packed else None
     if m:
-        block_k = min(block_k, triton.next_power_of_2(k))
-        _quantize_act_kernel[(triton.cdiv(m, block_m), triton.cdiv(k, block_k))](
+        block_k = min(block_k, next_pow2(k))
+        _quantize_act_kernel[(cdiv(m, block_m), cdiv(k, block_k))](
             x, smooth, smooth if xq is None else xq, smooth if codes is None else codes,
             smooth if scales is None else scales, m, k, x.stride(0), x.stride(1),
             BLOCK_M=block_m, BLOCK_K=block_k, WRITE_XQ=not packed, WRITE_CODES=packed, num_warps=num_warps,
@@ -506,13 +470,14 @@ def quantize_act(
 
 
 
+@functools.lru_cache(maxsize=64)
 def fp8_rows_config(k: int) -> tuple[int, int, int, int]:
     """``(rows, C, NCH, num_warps)`` of the one-pass FP8 kernel for rows of ``k`` columns: a row in at
     most 4 power-of-two chunks; the blocks measured fastest on the H200 (docs/perf.md, 2026-12-04):
     2 rows on 8 warps up to 3072 columns (24 values a thread), 1 row on 4 warps up to 4096, 1 row on 8
     warps above (48-64 values a thread)."""
-    c = triton.next_power_of_2(triton.cdiv(k, 4))
-    nch = triton.cdiv(k, c)
+    c = next_pow2(cdiv(k, 4))
+    nch = cdiv(k, c)
     if k <= 3072:
         return 2, c, nch, 8
     return 1, c, nch, 4 if k <= 4096 else 8
@@ -583,99 +548,18 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
                              f"{tuple(inv_smooth.shape)} {inv_smooth.dtype}")
         rows_d, c, nch, warps_d = fp8_rows_config(k)
         rows = rows or rows_d
-        _quantize_act_fp8_rows_kernel[(triton.cdiv(m, rows),)](
+        _quantize_act_fp8_rows_kernel[(cdiv(m, rows),)](
             x, inv_smooth, a8, sa, lora_in, la if r else sa, m, k, r, x.stride(0),
             ROWS=rows, C=c, NCH=nch, BLOCK_R=_block_r(r), HAS_LORA=lora is not None, HW_CVT=not _INTERPRET,
             CANON_NAN=canon_nan, GEMM_ORDER=gemm_order, NSPLIT=nsplit, num_warps=num_warps or warps_d)
     elif m:
-        _quantize_act_fp8_kernel[(triton.cdiv(m, block_m),)](
+        _quantize_act_fp8_kernel[(cdiv(m, block_m),)](
             x, smooth, a8.view(torch.uint8), sa, lora_in, pds, la if r else sa, m, k, r, x.stride(0), x.stride(1),
-            BLOCK_M=block_m, BLOCK_K=min(block_k, triton.next_power_of_2(k)), BLOCK_R=_block_r(r),
+            BLOCK_M=block_m, BLOCK_K=min(block_k, next_pow2(k)), BLOCK_R=_block_r(r),
             HAS_LORA=lora is not None, FUSE_LORA=proj_down_smoothed is not None, DOT_F32=_INTERPRET,
             GEMM_ORDER=gemm_order, NSPLIT=nsplit, num_warps=num_warps or 4)
     if not wants_la:
         return a8, sa
-    return a8, sa, la
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device):
-    s = _SIDE_STREAMS.get(device.index)
-    if s is None:
-        s = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
-    return s
-
-
-def fast_act_lora(x: torch.Tensor, pds: torch.Tensor, inv_smooth: torch.Tensor, *, block_m: int = 64,
-                  split: int = 4, num_warps: int | None = None, num_stages: int = 3, rows: int | None = None,
-                  canon_nan: bool = True, gemm_order: bool = True, streams: bool = False,
-                  lora_warps: int | None = None, maxnreg: int | None = None):
-    """The fast mode's activations and ``la`` in one launch: ``(a8 [M, K] float8_e4m3fn, sa [M] float32,
-    la [M, R] bf16)``, the same bits as ``quantize_act_fp8(x, smooth, lora=lora_act(x, pds, split=split,
-    block_m=block_m), inv_smooth=inv_smooth, gemm_order=gemm_order)``: the same pass (whole rows in
-    registers, ``fp8_rows_config``) and the same ``lora_act`` partial sums, added in split order.
-
-    Each ``block_m`` row block gets ``split`` ``lora_act`` programs and ``block_m / rows`` pass programs,
-    adjacent in one launch (``streams=False``) or in two launches on two streams that run concurrently
-    (``streams=True``, CUDA only; ``lora_warps`` the second's warps), so that x mostly comes from HBM
-    once (the second role's reads of a row hit L2); the last program of a row block to finish writes
-    its ``la`` (a counter a row block, zeroed here; no program waits). ``x [M, K]`` with unit stride
-    along K; ``pds [K, R]`` bf16 contiguous; ``inv_smooth [K]`` float32 (``1 / smooth``); K up to
-    ``ROW_MAX_K``. ``maxnreg`` caps the one launch's registers (its lora_act programs need more than the
-    pass's)."""
-    m, k = x.shape
-    if k > ROW_MAX_K:
-        raise ValueError(f"fast_act_lora holds whole rows in registers: K <= {ROW_MAX_K}, got {k}")
-    if gemm_order and k % 128:
-        raise ValueError(f"the fast GEMM's k order needs in_features % 128 == 0, got {k}")
-    if pds.dim() != 2 or pds.shape[0] != k or pds.dtype != torch.bfloat16 or not pds.is_contiguous():
-        raise ValueError(f"pds must be a contiguous [{k}, R] bf16 tensor, got {tuple(pds.shape)} {pds.dtype}")
-    if inv_smooth.shape != (k,) or inv_smooth.dtype != torch.float32 or not inv_smooth.is_contiguous():
-        raise ValueError(f"inv_smooth must be a contiguous [{k}] float32 tensor, got "
-                         f"{tuple(inv_smooth.shape)} {inv_smooth.dtype}")
-    rows_d, c, nch, warps_d = fp8_rows_config(k)
-    rows = rows or rows_d
-    if block_m % rows or block_m & (block_m - 1) or block_m < 16 or split < 1:
-        raise ValueError(f"block_m must be a power of two >= 16 and a multiple of rows ({rows}), split >= 1; "
-                         f"got block_m={block_m}, split={split}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    r = pds.shape[1]
-    a8 = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
-    sa = torch.empty(m, device=x.device, dtype=torch.float32)
-    la = torch.empty(m, r, device=x.device, dtype=torch.bfloat16)
-    if not m:
-        return a8, sa, la
-    block_k = 128 if _block_r(r) <= 64 else 64  # as lora_act
-    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    part = torch.empty(split, m, r, device=x.device, dtype=torch.float32)
-    nrb = triton.cdiv(m, block_m)
-    cnt = torch.zeros(nrb, device=x.device, dtype=torch.int32)
-    args = (x, inv_smooth, a8, sa, pds, part, la, cnt, m, k, r, x.stride(0), k_split)
-    cx = dict(ROWS=rows, C=c, NCH=nch, HW_CVT=not _INTERPRET, CANON_NAN=canon_nan, GEMM_ORDER=gemm_order,
-              BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r), NSPLIT=split, NUM_STAGES=num_stages,
-              DOT_F32=_INTERPRET)
-    if not streams:
-        opts = {} if maxnreg is None else {"maxnreg": maxnreg}
-        _fast_act_lora_kernel[(nrb * (split + block_m // rows),)](*args, **cx, ROLES=0,
-                                                                   num_warps=num_warps or warps_d, **opts)
-        return a8, sa, la
-    def lora_programs():
-        _fast_act_lora_kernel[(nrb * split,)](*args, **cx, ROLES=1, num_warps=lora_warps or 4)
-
-    if x.device.type != "cuda":  # Triton's interpreter: one launch after the other
-        lora_programs()
-    else:
-        main = torch.cuda.current_stream(x.device)
-        side = _side_stream(x.device)
-        side.wait_stream(main)  # the inputs and the buffers above are ready
-        with torch.cuda.stream(side):
-            lora_programs()
-    _fast_act_lora_kernel[(nrb * (block_m // rows),)](*args, **cx, ROLES=2, num_warps=num_warps or warps_d)
-    if x.device.type == "cuda":
-        main.wait_stream(side)  # before the main stream reads la, or frees what the side stream read
     return a8, sa, la
 
 
@@ -702,9 +586,9 @@ def lora_act(x: torch.Tensor, pds: torch.Tensor, out_dtype: torch.dtype = torch.
     out = torch.empty(*((split,) if split > 1 else ()), m, r, device=x.device, dtype=out_dtype)
     # 128-deep k-steps up to 64 columns; 64 above (R = 128 would otherwise spill: 4 stages of 110 KB)
     block_k = block_k or (128 if _block_r(r) <= 64 else 64)
-    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    k_split = cdiv(cdiv(k, split), block_k) * block_k
     if m and r:
-        _lora_act_kernel[(triton.cdiv(m, block_m), split)](
+        _lora_act_kernel[(cdiv(m, block_m), split)](
             x, pds, out, m, k, r, x.stride(0), k_split, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r),
             NUM_STAGES=num_stages, DOT_F32=_INTERPRET, num_warps=num_warps)
     elif m:
@@ -740,10 +624,10 @@ def w4_gemm(
     has_bias = bias is not None
     dummy = wcscale
     split = cfg.split_k
-    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)
+    k_per_split = cdiv(cdiv(k, split), cfg.block_k) * cfg.block_k
+    split = cdiv(k, k_per_split)
     part = torch.empty(split, m, n, device=a.device, dtype=torch.float32) if split > 1 else dummy
-    grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m), split)
+    grid = (cdiv(n, cfg.block_n) * cdiv(m, cfg.block_m), split)
     even_k = k % cfg.block_k == 0 and k_per_split * split == k
     _w4_gemm_kernel[grid](
         a, qweight, wscales.view(torch.uint8), wcscale, bias if has_bias else dummy,
@@ -764,8 +648,8 @@ def splitk_epilogue(part: torch.Tensor, out: torch.Tensor, colscale: torch.Tenso
     partials ``part [S, M, N]`` fp32 summed in split order (the result does not depend on scheduling)."""
     split, m, n = part.shape
     r = 0 if proj_up is None else proj_up.shape[1]
-    bn, bm = 64, min(64, max(16, triton.next_power_of_2(m)))
-    _splitk_epilogue_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+    bn, bm = 64, min(64, max(16, next_pow2(m)))
+    _splitk_epilogue_kernel[(cdiv(n, bn), cdiv(m, bm))](
         part, colscale, part if bias is None else bias, proj_up if r else part, lora_act if r else part,
         out, m, n, r, out.stride(0),
         SPLIT_K=split, BLOCK_N=bn, BLOCK_M=bm, BLOCK_R=_block_r(r), HAS_BIAS=bias is not None, HAS_LORA=bool(r),

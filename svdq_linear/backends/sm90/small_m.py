@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import _round_e4m3
+from .kernels import _round_e4m3, next_pow2
 from .tuning import SM_COUNT
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -54,6 +54,7 @@ MAX_M = 64  # tokens this kernel serves
 FMA_MAX_M = 2  # up to this many tokens: multiply-adds instead of a 16-wide dot (docs/perf.md) ...
 FMA_MAX_WEIGHT = 1 << 24  # ... past one token only for weights up to this many elements (use_fma)
 CTAS_PER_SM = 8  # the grid the split-K aims at (docs/perf.md: 8 beat 4 at every measured shape but one)
+WORDS_BLOCK_K = 128  # the multiply-adds' k-step with the word decode (docs/perf.md, 2026-12-04 eighth session)
 
 
 def use_fma(m: int, n: int, k: int) -> bool:
@@ -188,13 +189,74 @@ def _decode_tile(wb, sc, k0, LAYOUT: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _e4m3x4_to_f32(word, ASM: tl.constexpr):
+    """The four E4M3 bytes of each int32 ``word`` (byte t at bits 8t..8t+7) as four fp32 tensors.
+    ``ASM``: two hardware converts (``cvt.rn.f16x2.e4m3x2``, sm_89+) and four f16 widenings a word;
+    else (Triton's interpreter) each byte through Triton's own fp8 conversion: the same values."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi, a0, a1, a2, a3;
+            .reg .b32 h01, h23;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 h01, lo;
+            cvt.rn.f16x2.e4m3x2 h23, hi;
+            mov.b32 {a0, a1}, h01;
+            mov.b32 {a2, a3}, h23;
+            cvt.f32.f16 $0, a0;
+            cvt.f32.f16 $1, a1;
+            cvt.f32.f16 $2, a2;
+            cvt.f32.f16 $3, a3;
+            }""",
+            constraints="=r,=r,=r,=r,r", args=[word], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True, pack=1)
+    f0 = (word & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    f1 = ((word >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    f2 = ((word >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    f3 = ((word >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return f0, f1, f2, f3
+
+
+@triton.jit
+def _split8(a, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``a [ROWS, BLOCK_K]`` -> eight ``[ROWS, BLOCK_K / 8]`` tensors, ``a[:, 8 j + i]`` for i = 0..7."""
+    c0, c1 = tl.split(tl.reshape(a, (ROWS, BLOCK_K // 8, 2, 2, 2)))  # k = 8 j + 4 u + 2 v + c
+    c0v0, c0v1 = tl.split(c0)
+    c1v0, c1v1 = tl.split(c1)
+    a0, a4 = tl.split(c0v0)
+    a2, a6 = tl.split(c0v1)
+    a1, a5 = tl.split(c1v0)
+    a3, a7 = tl.split(c1v1)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _words_dot(word, a, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """Per word (8 consecutive k of a weight row): sum over its 8 columns of E2M1 value x 2**-6 times
+    the activation, fp32 ``[BLOCK_N, BLOCK_K / 8]``; ``word [BLOCK_N, BLOCK_K / 8]`` int32 of the
+    canonical codes (byte t: k = 8 j + 2 t in the low nibble, 8 j + 2 t + 1 in the high one), ``a [1,
+    BLOCK_K]`` fp32. Each nibble becomes an E4M3 byte of the same sign whose exponent and mantissa
+    fields hold the code's (an E4M3 number of value E2M1 x 2**-6, subnormals included), four at a time
+    in a 32-bit register: three logic ops a word a half instead of several a value."""
+    ev = ((word & 0x08080808) << 4) | ((word & 0x07070707) << 2)  # even k: low nibbles
+    od = (word & -0x7F7F7F80) | ((word >> 2) & 0x1C1C1C1C)  # odd k: high nibbles (-0x7F7F7F80: 0x80808080)
+    e0, e2, e4, e6 = _e4m3x4_to_f32(ev, ASM)
+    o1, o3, o5, o7 = _e4m3x4_to_f32(od, ASM)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _split8(a, ROWS, BLOCK_K)
+    return (e0 * a0 + e2 * a2 + e4 * a4 + e6 * a6) + (o1 * a1 + o3 * a3 + o5 * a5 + o7 * a7)
+
+
+@triton.jit
 def _small_m_kernel(
     x_ptr, smooth_ptr, w_ptr, s_ptr, cs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, R, stride_xm, stride_lm, stride_om, stride_w, stride_s, k_per_split, SPLIT_K,
     LAYOUT: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, RC: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, IS_SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+    WORDS: tl.constexpr = False, ASM: tl.constexpr = False,
 ):
+    # WORDS (canonical layout, multiply-adds, K % BLOCK_K == 0): the codes read and decoded a 32-bit
+    # word at a time (_words_dot), the activations gathered to match, block scales x 64
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     ri = tl.arange(0, BLOCK_N)
@@ -211,26 +273,43 @@ def _small_m_kernel(
     # A few tokens make this loop bound by the weight bytes in flight: Triton's pipeliner keeps
     # NUM_STAGES - 1 tiles of them coming (asynchronous copies to shared memory) while one is decoded.
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
-        wb, sc = _load_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT, BLOCK_K, EVEN_K)
-        w, sf, rk = _decode_tile(wb, sc, k0, LAYOUT, BLOCK_K)
-        if USE_DOT:
-            w = tl.reshape(tl.reshape(w, (BLOCK_N, BLOCK_K // 16, 16)) * sf[:, :, None], (BLOCK_N, BLOCK_K))
-            a = _acts(x_ptr, smooth_ptr, rm, rk, M, K, stride_xm, BLOCK_M, BLOCK_K, ACT, EVEN_K)
-            if DOT_F32:  # the CPU interpreter: exact fp32 values
-                acc = tl.dot(w, tl.trans(a), acc, input_precision="ieee")
-            elif ACT == 0:
-                acc = tl.dot(w.to(x_ptr.dtype.element_ty), tl.trans(a).to(x_ptr.dtype.element_ty), acc)
-            else:  # NVFP4 values are exact in bf16
-                acc = tl.dot(w.to(tl.bfloat16), tl.trans(a).to(tl.bfloat16), acc)
-        else:
+        if WORDS:
+            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+            word = tl.load(w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rn_l[:, None] * (stride_w // 4)
+                           + kw[None, :])
+            sc = tl.load(s_ptr + rn_l[:, None] * stride_s + ks[None, :])
+            sf64 = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0  # the decode's 2**-6 back
+            rk = k0 + tl.arange(0, BLOCK_K)
             for mi in tl.static_range(BLOCK_M):
-                if mi < M or mi == 0:  # the padded tokens cost nothing
+                if mi < M or mi == 0:
                     a = _acts(x_ptr, smooth_ptr, tl.full([1], mi, tl.int32), rk, M, K, stride_xm, 1, BLOCK_K, ACT,
-                              EVEN_K)
-                    # block sums of exact products, then the block scale: one multiply a block, not a value
-                    blk = tl.sum(tl.reshape(w * a, (BLOCK_N, BLOCK_K // 16, 16)), axis=2)
-                    s = tl.sum(blk * sf, axis=1)
+                              True)
+                    pw = _words_dot(word, a, 1, BLOCK_K, ASM)
+                    blk = tl.sum(tl.reshape(pw, (BLOCK_N, BLOCK_K // 16, 2)), axis=2)
+                    s = tl.sum(blk * sf64, axis=1)
                     acc = tl.where(rm[None, :] == mi, acc + s[:, None], acc)
+        else:
+            wb, sc = _load_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT, BLOCK_K, EVEN_K)
+            w, sf, rk = _decode_tile(wb, sc, k0, LAYOUT, BLOCK_K)
+            if USE_DOT:
+                w = tl.reshape(tl.reshape(w, (BLOCK_N, BLOCK_K // 16, 16)) * sf[:, :, None], (BLOCK_N, BLOCK_K))
+                a = _acts(x_ptr, smooth_ptr, rm, rk, M, K, stride_xm, BLOCK_M, BLOCK_K, ACT, EVEN_K)
+                if DOT_F32:  # the CPU interpreter: exact fp32 values
+                    acc = tl.dot(w, tl.trans(a), acc, input_precision="ieee")
+                elif ACT == 0:
+                    acc = tl.dot(w.to(x_ptr.dtype.element_ty), tl.trans(a).to(x_ptr.dtype.element_ty), acc)
+                else:  # NVFP4 values are exact in bf16
+                    acc = tl.dot(w.to(tl.bfloat16), tl.trans(a).to(tl.bfloat16), acc)
+            else:
+                for mi in tl.static_range(BLOCK_M):
+                    if mi < M or mi == 0:  # the padded tokens cost nothing
+                        a = _acts(x_ptr, smooth_ptr, tl.full([1], mi, tl.int32), rk, M, K, stride_xm, 1, BLOCK_K, ACT,
+                                  EVEN_K)
+                        # block sums of exact products, then the block scale: one multiply a block, not a value
+                        blk = tl.sum(tl.reshape(w * a, (BLOCK_N, BLOCK_K // 16, 16)), axis=2)
+                        s = tl.sum(blk * sf, axis=1)
+                        acc = tl.where(rm[None, :] == mi, acc + s[:, None], acc)
 
     if not IS_SPLIT:
         _epilogue(acc, rn, rm, M, N, R, cs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_lm, stride_om,
@@ -278,7 +357,7 @@ def block_k_for(layout: int, k: int, block_k: int = 128) -> int:
         while k % bk:
             bk //= 2
         return max(bk, 64)
-    return min(block_k, max(16, triton.next_power_of_2(k)))
+    return min(block_k, max(16, next_pow2(k)))
 
 
 def split_for(block_m: int, n: int, k: int, block_n: int, block_k: int, sms: int = SM_COUNT) -> int:
@@ -297,13 +376,15 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
            act: int, out_dtype: torch.dtype, smooth: torch.Tensor | None = None, bias: torch.Tensor | None = None,
            proj_up: torch.Tensor | None = None, lora_act: torch.Tensor | None = None,
            block_n: int = 64, block_k: int | None = None, split_k: int | None = None,
-           num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
+           num_warps: int | None = None, num_stages: int = 3, words: bool | None = None) -> torch.Tensor:
     """``out [M, N] = (A(x) @ W^T) * colscale + lora_act @ proj_up^T + bias`` for M <= 64.
 
     ``x [M, K]`` with unit stride along K (16-bit for ``ACT_X``; any float for ``ACT_NVFP4``, which
     needs ``smooth``); ``w``/``s`` the weight in ``layout`` (``CANONICAL`` or ``QUACK``);
     ``colscale [N]`` fp32 (``wcscale``); ``bias [N]``; ``proj_up [N, R]`` contiguous with
-    ``lora_act [M, R]`` (unit stride along R)."""
+    ``lora_act [M, R]`` (unit stride along R). ``words`` (default: on where it applies: the
+    canonical layout, multiply-adds, K a multiple of the k-step) decodes the codes a 32-bit word at a
+    time."""
     m, k = x.shape
     if m > MAX_M:
         raise ValueError(f"the small-M kernel serves at most {MAX_M} tokens, got {m}")
@@ -331,14 +412,20 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         raise ValueError(f"the repacked layout is read a 64-row group a tile, got block_n={block_n}")
     # measured on the H200 (docs/perf.md, "Small M"): 64 x 64 over 4 warps for the multiply-adds,
     # 64 x 128 over 4 warps for the dot; three pipeline stages
-    bk = block_k_for(layout, k, block_k or (128 if use_dot else 64))
+    if block_k is None:  # the word decode where it applies, at its k-step; else the per-byte one's 64
+        block_k = 128 if use_dot else WORDS_BLOCK_K if layout == CANONICAL and k % WORDS_BLOCK_K == 0 else 64
+    bk = block_k_for(layout, k, block_k)
     num_warps = num_warps or 4
-    bm = max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
+    bm = max(16, next_pow2(m)) if use_dot else next_pow2(m)
     split = split_k or split_for(bm, n, k, block_n, bk)
     steps = -(-k // bk)
     per = -(-steps // split)
     split = -(-steps // per)
     tiles = -(-n // block_n)
+    fits = layout == CANONICAL and not use_dot and k % bk == 0 and w.data_ptr() % 4 == 0
+    if words and not fits:
+        raise ValueError("the word decode takes the canonical layout, multiply-adds and K a multiple of the k-step")
+    words = fits if words is None else words
     dummy = colscale
     part = torch.empty(split * tiles * block_n * bm, device=x.device, dtype=torch.float32) if split > 1 else dummy
     cnt = _counters(x.device, tiles) if split > 1 else dummy
@@ -347,8 +434,8 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         bias if bias is not None else dummy, proj_up if r else dummy, lora_act if r else dummy, out, part, cnt,
         m, n, k, r, x.stride(0), lora_act.stride(0) if r else 0, out.stride(0), k // 2, k // 16, per * bk, split,
         LAYOUT=layout, ACT=act, BLOCK_N=block_n, BLOCK_M=bm, BLOCK_K=bk,
-        RC=min(64, max(16, triton.next_power_of_2(r or 16))), EVEN_K=k % bk == 0, NUM_STAGES=num_stages,
+        RC=min(64, max(16, next_pow2(r or 16))), EVEN_K=k % bk == 0, NUM_STAGES=num_stages,
         IS_SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=bool(r),
-        USE_DOT=use_dot, DOT_F32=_INTERPRET, num_warps=num_warps,
+        USE_DOT=use_dot, DOT_F32=_INTERPRET, WORDS=bool(words), ASM=not _INTERPRET, num_warps=num_warps,
     )
     return out

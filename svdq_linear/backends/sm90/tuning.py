@@ -131,21 +131,6 @@ LORA_ACT_MIN_M = 128
 LORA_ACT_CONFIG = (64, 4, 4, 3)
 
 
-# How the Triton lora_act meets the fast mode's activation pass (kernels.fast_act_lora): "two" launches
-# one after the other (lora_act, then the pass adding its partials), "one" launch holding both roles,
-# or "streams": the two roles as two concurrent launches on two streams (x from HBM about once).
-ENV_ACT_LORA = "SVDQ_SM90_ACT_LORA"
-ACT_LORA_MODES = ("two", "one", "streams")
-ACT_LORA_DEFAULT = "two"
-
-
-def act_lora_mode(env: str | None) -> str:
-    mode = (env or ACT_LORA_DEFAULT).strip().lower()
-    if mode not in ACT_LORA_MODES:
-        raise ValueError(f"{ENV_ACT_LORA} must be one of {', '.join(ACT_LORA_MODES)}; got {env!r}")
-    return mode
-
-
 @dataclass(frozen=True)
 class LoraActPlan:
     block_m: int
