@@ -135,7 +135,7 @@ SWEEP_DOT = [(64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3)]
 WORDS_CASES = [("attn 3072x3072", 1, 3072, 3072, "w4a16"), ("adaLN 3072x18432", 1, 3072, 18432, "w4a16"),
                ("adaLN single 3072x9216", 1, 3072, 9216, "w4a16"), ("attn 3072x3072", 2, 3072, 3072, "w4a16"),
                ("ff down 12288x3072", 1, 12288, 3072, "w4a16"), ("attn 3072x3072", 1, 3072, 3072, "exact-canonical")]
-WORDS_CONFIGS = [(64, 4), (128, 4), (128, 8), (256, 4), (256, 8)]
+WORDS_CONFIGS = [(128, 4, None), (128, 4, 1), (128, 4, 2), (256, 4, None), (256, 4, 1), (256, 4, 2), (128, 8, 2), (64, 4, 2)]
 
 
 def words_table(copy_gbs: float) -> list[str]:
@@ -143,8 +143,8 @@ def words_table(copy_gbs: float) -> list[str]:
     included), each output compared with the per-byte one (fp32 summation order only) before it is
     timed; cuBLAS bf16 beside it, same run."""
     rows = ["", "The small-M kernel's multiply-add form, kernel alone (us; weight GB/s = codes + scales / time); "
-            "bytes = per-byte decode (the default before), words = 32-bit word decode, k-step x warps", "",
-            "| layer | M | mode | cuBLAS bf16 | bytes (default) | " + " | ".join(f"words k{bk} w{nw}" for bk, nw in WORDS_CONFIGS)
+            "bytes = per-byte decode (the default before), words = 32-bit word decode, k-step x warps x split", "",
+            "| layer | M | mode | cuBLAS bf16 | bytes (default) | " + " | ".join(f"words k{bk} w{nw} s{sp or 'auto'}" for bk, nw, sp in WORDS_CONFIGS)
             + " | best words vs bf16 | best GB/s (% of copy) |", "|---|---|---|---|---|" + "---|" * len(WORDS_CONFIGS) + "---|---|"]
     print("\n".join(rows), flush=True)
     for label, m, k, n, mode in WORDS_CASES:
@@ -153,13 +153,13 @@ def words_table(copy_gbs: float) -> list[str]:
         t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
         q = NVFP4W4A16Linear.from_linear(lin) if mode == "w4a16" else random_w4a4(k, n, 32, torch.bfloat16, "cuda")
         call = kernel_call(q, x, mode)
-        base = call(words=False)
-        t_b = graph_time(lambda: call(words=False))
+        base = call(words=False, block_k=64)  # the per-byte decode at its own k-step
+        t_b = graph_time(lambda: call(words=False, block_k=64))
         cells, best = [], None
-        for bk, nw in WORDS_CONFIGS:
-            y = call(words=True, block_k=bk, num_warps=nw)
+        for bk, nw, sp in WORDS_CONFIGS:
+            y = call(words=True, block_k=bk, num_warps=nw, split_k=sp)
             ok = torch.allclose(y.float(), base.float(), rtol=2e-2, atol=1e-3 * base.float().abs().max().item())
-            t = graph_time(lambda bk=bk, nw=nw: call(words=True, block_k=bk, num_warps=nw))
+            t = graph_time(lambda bk=bk, nw=nw, sp=sp: call(words=True, block_k=bk, num_warps=nw, split_k=sp))
             best = t if ok and (best is None or t < best) else best
             cells.append(f"{t * 1e3:.1f}" + ("" if ok else " WRONG"))
         wbytes = n * k // 2 + n * k // 16
