@@ -218,100 +218,32 @@ def _e4m3x4_to_f32(word, ASM: tl.constexpr):
 
 
 @triton.jit
-def _word_sum(word, a0, a1, a2, a3, a4, a5, a6, a7, ASM: tl.constexpr):
-    """Sum over the 8 values of each code word of E2M1 value x 2**-6 times its activation, fp32, in the
-    word's shape; ``word`` int32 of canonical codes (byte t: column 2 t in the low nibble, 2 t + 1 in
-    the high one), ``a0..a7`` the activations of columns 0..7 of the words (one a word along the last
-    dimension). Each nibble becomes an E4M3 byte of the same sign whose exponent and mantissa fields
-    hold the code's (an E4M3 number of value E2M1 x 2**-6, subnormals included), four at a time in a
-    32-bit register: three logic ops a word a half instead of several a value."""
-    ev = ((word & 0x08080808) << 4) | ((word & 0x07070707) << 2)  # columns 0, 2, 4, 6: low nibbles
-    od = (word & -0x7F7F7F80) | ((word >> 2) & 0x1C1C1C1C)  # 1, 3, 5, 7: high nibbles (-0x7F7F7F80: 0x80808080)
+def _split8(a, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``a [ROWS, BLOCK_K]`` -> eight ``[ROWS, BLOCK_K / 8]`` tensors, ``a[:, 8 j + i]`` for i = 0..7."""
+    c0, c1 = tl.split(tl.reshape(a, (ROWS, BLOCK_K // 8, 2, 2, 2)))  # k = 8 j + 4 u + 2 v + c
+    c0v0, c0v1 = tl.split(c0)
+    c1v0, c1v1 = tl.split(c1)
+    a0, a4 = tl.split(c0v0)
+    a2, a6 = tl.split(c0v1)
+    a1, a5 = tl.split(c1v0)
+    a3, a7 = tl.split(c1v1)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _words_dot(word, a, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """Per word (8 consecutive k of a weight row): sum over its 8 columns of E2M1 value x 2**-6 times
+    the activation, fp32 ``[BLOCK_N, BLOCK_K / 8]``; ``word [BLOCK_N, BLOCK_K / 8]`` int32 of the
+    canonical codes (byte t: k = 8 j + 2 t in the low nibble, 8 j + 2 t + 1 in the high one), ``a [1,
+    BLOCK_K]`` fp32. Each nibble becomes an E4M3 byte of the same sign whose exponent and mantissa
+    fields hold the code's (an E4M3 number of value E2M1 x 2**-6, subnormals included), four at a time
+    in a 32-bit register: three logic ops a word a half instead of several a value."""
+    ev = ((word & 0x08080808) << 4) | ((word & 0x07070707) << 2)  # even k: low nibbles
+    od = (word & -0x7F7F7F80) | ((word >> 2) & 0x1C1C1C1C)  # odd k: high nibbles (-0x7F7F7F80: 0x80808080)
     e0, e2, e4, e6 = _e4m3x4_to_f32(ev, ASM)
     o1, o3, o5, o7 = _e4m3x4_to_f32(od, ASM)
-    return ((e0 * a0[None, :] + e2 * a2[None, :] + e4 * a4[None, :] + e6 * a6[None, :])
-            + (o1 * a1[None, :] + o3 * a3[None, :] + o5 * a5[None, :] + o7 * a7[None, :]))
-
-
-@triton.jit
-def _e2m1_value(xs, sf, r, finite):
-    """One column of a block: ``xs`` smoothed, its block's E4M3 scale ``sf`` and ``1 / sf`` (``r``) ->
-    the NVFP4 value (nearest-even E2M1 code times the scale; NaN where the block holds a NaN or Inf),
-    as ``_nvfp4_values``."""
-    q = xs * r
-    a = tl.abs(q)
-    v = 0.5 * ((a > 0.25).to(tl.float32) + (a >= 0.75).to(tl.float32) + (a > 1.25).to(tl.float32)
-               + (a >= 1.75).to(tl.float32))
-    v += (a > 2.5).to(tl.float32) + (a >= 3.5).to(tl.float32) + 2.0 * (a > 5.0).to(tl.float32)
-    v = tl.where(q < 0, -v, v) * sf
-    return tl.where(finite, v, float("nan"))
-
-
-@triton.jit
-def _acts16(x_ptr, smooth_ptr, row, k0, M, stride_xm, BLOCK_K: tl.constexpr, ACT: tl.constexpr):
-    """Token ``row``'s activations of the k-step at ``k0`` as 16 fp32 ``[BLOCK_K / 16]`` vectors: column
-    p of each 16-column block in the p-th, loaded straight into the layout the word sums broadcast
-    them in; with ACT_NVFP4 quantized as ``_nvfp4_values`` does (a block's max across the 16)."""
-    jb = tl.arange(0, BLOCK_K // 16)
-    col = k0 + 16 * jb
-    ok = (jb * 0 + row) < M
-    xp = x_ptr + row * stride_xm + col
-    a0 = tl.load(xp + 0, mask=ok, other=0.0).to(tl.float32)
-    a1 = tl.load(xp + 1, mask=ok, other=0.0).to(tl.float32)
-    a2 = tl.load(xp + 2, mask=ok, other=0.0).to(tl.float32)
-    a3 = tl.load(xp + 3, mask=ok, other=0.0).to(tl.float32)
-    a4 = tl.load(xp + 4, mask=ok, other=0.0).to(tl.float32)
-    a5 = tl.load(xp + 5, mask=ok, other=0.0).to(tl.float32)
-    a6 = tl.load(xp + 6, mask=ok, other=0.0).to(tl.float32)
-    a7 = tl.load(xp + 7, mask=ok, other=0.0).to(tl.float32)
-    a8 = tl.load(xp + 8, mask=ok, other=0.0).to(tl.float32)
-    a9 = tl.load(xp + 9, mask=ok, other=0.0).to(tl.float32)
-    a10 = tl.load(xp + 10, mask=ok, other=0.0).to(tl.float32)
-    a11 = tl.load(xp + 11, mask=ok, other=0.0).to(tl.float32)
-    a12 = tl.load(xp + 12, mask=ok, other=0.0).to(tl.float32)
-    a13 = tl.load(xp + 13, mask=ok, other=0.0).to(tl.float32)
-    a14 = tl.load(xp + 14, mask=ok, other=0.0).to(tl.float32)
-    a15 = tl.load(xp + 15, mask=ok, other=0.0).to(tl.float32)
-    if ACT == 1:
-        one = tl.full([BLOCK_K // 16], 1.0, tl.float32)
-        a0 *= tl.math.div_rn(one, tl.load(smooth_ptr + col + 0))
-        a1 *= tl.math.div_rn(one, tl.load(smooth_ptr + col + 1))
-        a2 *= tl.math.div_rn(one, tl.load(smooth_ptr + col + 2))
-        a3 *= tl.math.div_rn(one, tl.load(smooth_ptr + col + 3))
-        a4 *= tl.math.div_rn(one, tl.load(smooth_ptr + col + 4))
-        a5 *= tl.math.div_rn(one, tl.load(smooth_ptr + col + 5))
-        a6 *= tl.math.div_rn(one, tl.load(smooth_ptr + col + 6))
-        a7 *= tl.math.div_rn(one, tl.load(smooth_ptr + col + 7))
-        a8 *= tl.math.div_rn(one, tl.load(smooth_ptr + col + 8))
-        a9 *= tl.math.div_rn(one, tl.load(smooth_ptr + col + 9))
-        a10 *= tl.math.div_rn(one, tl.load(smooth_ptr + col + 10))
-        a11 *= tl.math.div_rn(one, tl.load(smooth_ptr + col + 11))
-        a12 *= tl.math.div_rn(one, tl.load(smooth_ptr + col + 12))
-        a13 *= tl.math.div_rn(one, tl.load(smooth_ptr + col + 13))
-        a14 *= tl.math.div_rn(one, tl.load(smooth_ptr + col + 14))
-        a15 *= tl.math.div_rn(one, tl.load(smooth_ptr + col + 15))
-        amax = tl.maximum(tl.maximum(tl.maximum(tl.maximum(tl.maximum(tl.maximum(tl.maximum(tl.maximum(tl.maximum(tl.maximum(tl.maximum(tl.maximum(tl.maximum(tl.maximum(tl.maximum(tl.abs(a0), tl.abs(a1)), tl.abs(a2)), tl.abs(a3)), tl.abs(a4)), tl.abs(a5)), tl.abs(a6)), tl.abs(a7)), tl.abs(a8)), tl.abs(a9)), tl.abs(a10)), tl.abs(a11)), tl.abs(a12)), tl.abs(a13)), tl.abs(a14)), tl.abs(a15))
-        # a NaN or an Inf anywhere in the block (NaN < inf is false): the block's values are NaN
-        fin = (tl.abs(a0) < float("inf")) & (tl.abs(a1) < float("inf")) & (tl.abs(a2) < float("inf")) & (tl.abs(a3) < float("inf")) & (tl.abs(a4) < float("inf")) & (tl.abs(a5) < float("inf")) & (tl.abs(a6) < float("inf")) & (tl.abs(a7) < float("inf")) & (tl.abs(a8) < float("inf")) & (tl.abs(a9) < float("inf")) & (tl.abs(a10) < float("inf")) & (tl.abs(a11) < float("inf")) & (tl.abs(a12) < float("inf")) & (tl.abs(a13) < float("inf")) & (tl.abs(a14) < float("inf")) & (tl.abs(a15) < float("inf"))
-        sf = tl.where(fin, _round_e4m3(tl.math.div_rn(amax, tl.full([BLOCK_K // 16], 6.0, tl.float32))), 0.0)
-        r = tl.where(sf > 0, tl.math.div_rn(one, sf), 0.0)
-        a0 = tl.where(ok, _e2m1_value(a0, sf, r, fin), 0.0)
-        a1 = tl.where(ok, _e2m1_value(a1, sf, r, fin), 0.0)
-        a2 = tl.where(ok, _e2m1_value(a2, sf, r, fin), 0.0)
-        a3 = tl.where(ok, _e2m1_value(a3, sf, r, fin), 0.0)
-        a4 = tl.where(ok, _e2m1_value(a4, sf, r, fin), 0.0)
-        a5 = tl.where(ok, _e2m1_value(a5, sf, r, fin), 0.0)
-        a6 = tl.where(ok, _e2m1_value(a6, sf, r, fin), 0.0)
-        a7 = tl.where(ok, _e2m1_value(a7, sf, r, fin), 0.0)
-        a8 = tl.where(ok, _e2m1_value(a8, sf, r, fin), 0.0)
-        a9 = tl.where(ok, _e2m1_value(a9, sf, r, fin), 0.0)
-        a10 = tl.where(ok, _e2m1_value(a10, sf, r, fin), 0.0)
-        a11 = tl.where(ok, _e2m1_value(a11, sf, r, fin), 0.0)
-        a12 = tl.where(ok, _e2m1_value(a12, sf, r, fin), 0.0)
-        a13 = tl.where(ok, _e2m1_value(a13, sf, r, fin), 0.0)
-        a14 = tl.where(ok, _e2m1_value(a14, sf, r, fin), 0.0)
-        a15 = tl.where(ok, _e2m1_value(a15, sf, r, fin), 0.0)
-    return a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15
+    a0, a1, a2, a3, a4, a5, a6, a7 = _split8(a, ROWS, BLOCK_K)
+    return (e0 * a0 + e2 * a2 + e4 * a4 + e6 * a6) + (o1 * a1 + o3 * a3 + o5 * a5 + o7 * a7)
 
 
 @triton.jit
@@ -323,8 +255,8 @@ def _small_m_kernel(
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
     WORDS: tl.constexpr = False, ASM: tl.constexpr = False,
 ):
-    # WORDS (canonical layout, multiply-adds, up to 2 tokens, K % BLOCK_K == 0): the codes read and
-    # decoded a 32-bit word at a time (_word_sum), the activations loaded a block column at a time
+    # WORDS (canonical layout, multiply-adds, K % BLOCK_K == 0): the codes read and decoded a 32-bit
+    # word at a time (_words_dot), the activations gathered to match, block scales x 64
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     ri = tl.arange(0, BLOCK_N)
@@ -336,33 +268,27 @@ def _small_m_kernel(
     rm = tl.arange(0, BLOCK_M)
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    # WORDS: per-block sums of tokens 0 and 1 (the word decode serves up to FMA_MAX_M = 2 tokens)
-    bacc0 = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
-    bacc1 = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     # A few tokens make this loop bound by the weight bytes in flight: Triton's pipeliner keeps
     # NUM_STAGES - 1 tiles of them coming (asynchronous copies to shared memory) while one is decoded.
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         if WORDS:
-            jb = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-            # the two code words of each 16-column block side by side, split in registers
-            word = tl.load(w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rn_l[:, None, None] * (stride_w // 4)
-                           + 2 * jb[None, :, None] + tl.arange(0, 2)[None, None, :])
-            w_lo, w_hi = tl.split(word)
-            sc = tl.load(s_ptr + rn_l[:, None] * stride_s + jb[None, :])
+            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+            word = tl.load(w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rn_l[:, None] * (stride_w // 4)
+                           + kw[None, :])
+            sc = tl.load(s_ptr + rn_l[:, None] * stride_s + ks[None, :])
             sf64 = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0  # the decode's 2**-6 back
+            rk = k0 + tl.arange(0, BLOCK_K)
             for mi in tl.static_range(BLOCK_M):
                 if mi < M or mi == 0:
-                    a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15 = _acts16(
-                        x_ptr, smooth_ptr, mi, k0, M, stride_xm, BLOCK_K, ACT)
-                    blk = (_word_sum(w_lo, a0, a1, a2, a3, a4, a5, a6, a7, ASM)
-                           + _word_sum(w_hi, a8, a9, a10, a11, a12, a13, a14, a15, ASM))
-                    # each block's scaled sum kept apart: the reduction across k waits for the loop's end
-                    if mi == 0:
-                        bacc0 += blk * sf64
-                    else:
-                        bacc1 += blk * sf64
+                    a = _acts(x_ptr, smooth_ptr, tl.full([1], mi, tl.int32), rk, M, K, stride_xm, 1, BLOCK_K, ACT,
+                              True)
+                    pw = _words_dot(word, a, 1, BLOCK_K, ASM)
+                    blk = tl.sum(tl.reshape(pw, (BLOCK_N, BLOCK_K // 16, 2)), axis=2)
+                    s = tl.sum(blk * sf64, axis=1)
+                    acc = tl.where(rm[None, :] == mi, acc + s[:, None], acc)
         else:
             wb, sc = _load_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT, BLOCK_K, EVEN_K)
             w, sf, rk = _decode_tile(wb, sc, k0, LAYOUT, BLOCK_K)
@@ -385,10 +311,6 @@ def _small_m_kernel(
                         s = tl.sum(blk * sf, axis=1)
                         acc = tl.where(rm[None, :] == mi, acc + s[:, None], acc)
 
-    if WORDS:
-        acc = tl.where(rm[None, :] == 0, acc + tl.sum(bacc0, axis=1)[:, None], acc)
-        if BLOCK_M > 1:
-            acc = tl.where(rm[None, :] == 1, acc + tl.sum(bacc1, axis=1)[:, None], acc)
     if not IS_SPLIT:
         _epilogue(acc, rn, rm, M, N, R, cs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_lm, stride_om,
                   BLOCK_N, BLOCK_M, RC, HAS_BIAS, HAS_LORA, USE_DOT, DOT_F32)
@@ -500,7 +422,7 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
     per = -(-steps // split)
     split = -(-steps // per)
     tiles = -(-n // block_n)
-    fits = layout == CANONICAL and not use_dot and m <= 2 and k % bk == 0 and w.data_ptr() % 4 == 0
+    fits = layout == CANONICAL and not use_dot and k % bk == 0 and w.data_ptr() % 4 == 0
     if words and not fits:
         raise ValueError("the word decode takes the canonical layout, multiply-adds and K a multiple of the k-step")
     words = fits if words is None else words
