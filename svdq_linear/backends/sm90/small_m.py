@@ -376,7 +376,8 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
            act: int, out_dtype: torch.dtype, smooth: torch.Tensor | None = None, bias: torch.Tensor | None = None,
            proj_up: torch.Tensor | None = None, lora_act: torch.Tensor | None = None,
            block_n: int = 64, block_k: int | None = None, split_k: int | None = None,
-           num_warps: int | None = None, num_stages: int = 3, words: bool | None = None) -> torch.Tensor:
+           num_warps: int | None = None, num_stages: int = 3, words: bool | None = None,
+           maxnreg: int | None = None) -> torch.Tensor:
     """``out [M, N] = (A(x) @ W^T) * colscale + lora_act @ proj_up^T + bias`` for M <= 64.
 
     ``x [M, K]`` with unit stride along K (16-bit for ``ACT_X``; any float for ``ACT_NVFP4``, which
@@ -384,7 +385,7 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
     ``colscale [N]`` fp32 (``wcscale``); ``bias [N]``; ``proj_up [N, R]`` contiguous with
     ``lora_act [M, R]`` (unit stride along R). ``words`` (default: on where it applies: the
     canonical layout, multiply-adds, K a multiple of the k-step) decodes the codes a 32-bit word at a
-    time."""
+    time. ``maxnreg`` caps the kernel's registers (measurement)."""
     m, k = x.shape
     if m > MAX_M:
         raise ValueError(f"the small-M kernel serves at most {MAX_M} tokens, got {m}")
@@ -437,5 +438,6 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         RC=min(64, max(16, next_pow2(r or 16))), EVEN_K=k % bk == 0, NUM_STAGES=num_stages,
         IS_SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=bool(r),
         USE_DOT=use_dot, DOT_F32=_INTERPRET, WORDS=bool(words), ASM=not _INTERPRET, num_warps=num_warps,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     return out
