@@ -20,8 +20,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_conformance import random_w4a4  # noqa: E402
 
-# name -> (M, K, N, variant): variant "bf16" is F.linear, "exact"/"fast" the W4A4 module in that mode
+# name -> (M, K, N, variant): variant "bf16" is F.linear, "exact"/"fast" the W4A4 module in that mode,
+# "w4a16" NVFP4W4A16Linear (the adaLN modulation)
 CASES = {
+    "adaln-w4a16-m1": (1, 3072, 18432, "w4a16"),
+    "adaln-bf16-m1": (1, 3072, 18432, "bf16"),
     "small-attn-exact-m1": (1, 3072, 3072, "exact"),
     "small-attn-bf16-m1": (1, 3072, 3072, "bf16"),
     "small-ffdown-fast-m1": (1, 12288, 3072, "fast"),
@@ -49,6 +52,11 @@ def main() -> None:
             w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
             b = torch.randn(n, device=dev, dtype=torch.bfloat16)
             fn = lambda: F.linear(x, w, b)  # noqa: E731
+        elif variant == "w4a16":
+            from svdq_linear import NVFP4W4A16Linear
+
+            lin = NVFP4W4A16Linear.from_linear(torch.nn.Linear(k, n, device=dev, dtype=torch.bfloat16))
+            fn = lambda: lin(x)  # noqa: E731
         else:
             lin = random_w4a4(k, n, 32, torch.bfloat16, dev).set_mode(variant)
             fn = lambda: lin(x)  # noqa: E731
