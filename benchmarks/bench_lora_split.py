@@ -201,4 +201,3 @@ def fused_sweep(lines: list[str]) -> None:
 
 if __name__ == "__main__":
     main()
-

@@ -136,8 +136,8 @@ def triton_launch(dev) -> list[str]:
     jit_l = lambda: kernels._lora_act_kernel[grid_l](*lora_args, **lora_cx, num_warps=w)  # noqa: E731
     jit_p = lambda: kernels._quantize_act_fp8_rows_kernel[grid_p](*pass_args, **pass_cx, num_warps=warps)  # noqa: E731
     rows = ["", "### Host time of one Triton launch (us, median of 50; 16 tokens, K = 3072, R = 32)", "",
-            "| kernel | library call | kernel[grid](...) (JIT) | compiled kernel launched directly | all args | "
-            "runtime args only |", "|---|---|---|---|---|---|"]
+            "| kernel | library call | kernel[grid](...) (JIT) | compiled kernel, all args | "
+            "compiled kernel, runtime args only |", "|---|---|---|---|---|"]
     for name, full, jit, ck, args, cx, grid in (("lora_act", full_l, jit_l, ck_l, lora_args, lora_cx, grid_l),
                                                ("quantize_act_fp8 (one pass)", full_p, jit_p, ck_p, pass_args, pass_cx,
                                                 grid_p)):

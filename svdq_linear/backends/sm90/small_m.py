@@ -397,7 +397,7 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         # The CPU interpreter's fp32 -> 16-bit conversion does not round to nearest: cast outside.
         return linear(x, layout, w, s, colscale, n, act=act, out_dtype=torch.float32, smooth=smooth, bias=bias,
                       proj_up=proj_up, lora_act=lora_act, block_n=block_n, block_k=block_k, split_k=split_k,
-                      num_warps=num_warps, num_stages=num_stages).to(out_dtype)
+                      num_warps=num_warps, num_stages=num_stages, words=words, maxnreg=maxnreg).to(out_dtype)
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
     if m == 0:
         return out
@@ -413,8 +413,11 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         raise ValueError(f"the repacked layout is read a 64-row group a tile, got block_n={block_n}")
     # measured on the H200 (docs/perf.md, "Small M"): 64 x 64 over 4 warps for the multiply-adds,
     # 64 x 128 over 4 warps for the dot; three pipeline stages
+    # the word decode reads the canonical codes as int32 words: multiply-adds, K a multiple of the k-step
+    word_ok = layout == CANONICAL and not use_dot and w.data_ptr() % 4 == 0
     if block_k is None:  # the word decode where it applies, at its k-step; else the per-byte one's 64
-        block_k = 128 if use_dot else WORDS_BLOCK_K if layout == CANONICAL and k % WORDS_BLOCK_K == 0 else 64
+        wants = word_ok and k % WORDS_BLOCK_K == 0 if words is None else words
+        block_k = 128 if use_dot else WORDS_BLOCK_K if wants else 64
     bk = block_k_for(layout, k, block_k)
     num_warps = num_warps or 4
     bm = max(16, next_pow2(m)) if use_dot else next_pow2(m)
@@ -423,9 +426,10 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
     per = -(-steps // split)
     split = -(-steps // per)
     tiles = -(-n // block_n)
-    fits = layout == CANONICAL and not use_dot and k % bk == 0 and w.data_ptr() % 4 == 0
+    fits = word_ok and k % bk == 0
     if words and not fits:
-        raise ValueError("the word decode takes the canonical layout, multiply-adds and K a multiple of the k-step")
+        raise ValueError(f"the word decode takes the canonical layout, multiply-adds (1 token, or 2 on small "
+                         f"weights), a 4-byte aligned qweight and K a multiple of the k-step ({bk}); got K={k}")
     words = fits if words is None else words
     dummy = colscale
     part = torch.empty(split * tiles * block_n * bm, device=x.device, dtype=torch.float32) if split > 1 else dummy
@@ -437,7 +441,7 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         LAYOUT=layout, ACT=act, BLOCK_N=block_n, BLOCK_M=bm, BLOCK_K=bk,
         RC=min(64, max(16, next_pow2(r or 16))), EVEN_K=k % bk == 0, NUM_STAGES=num_stages,
         IS_SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=bool(r),
-        USE_DOT=use_dot, DOT_F32=_INTERPRET, WORDS=bool(words), ASM=not _INTERPRET, num_warps=num_warps,
+        USE_DOT=use_dot, DOT_F32=_INTERPRET, WORDS=bool(words), ASM=bool(words) and not _INTERPRET, num_warps=num_warps,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     return out
