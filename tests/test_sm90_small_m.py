@@ -71,6 +71,8 @@ def test_word_decode_is_the_byte_decode(m, act, k_step):
     args = (x.to(**to), sm.CANONICAL, q.to(**to), ws.to(**to), wc.to(**to), n)
     y_w = sm.linear(*args, words=True, **kw)
     y_b = sm.linear(*args, words=False, **kw)
+    y_p = sm.linear(*args, words=True, prefetch=True, **kw)  # each step's activations and scales one step ahead
+    assert torch.equal(y_p.cpu(), y_w.cpu())
     a = x.double() if act == "x" else nvfp4.dequantize_nvfp4(*nvfp4.quantize_nvfp4(nvfp4.smooth_input(x, smooth))).double()
     ref = (a @ nvfp4.dequantize_nvfp4(q, ws).double().T) * wc.double()
     _close(y_w, ref, f"words m={m} act={act} k_step={k_step}")
@@ -102,7 +104,8 @@ sig = dict(x_ptr="*bf16", smooth_ptr="*fp32", w_ptr="*u8", s_ptr="*u8", cs_ptr="
 out = {}
 for words, block_k in ((True, 128), (False, 64)):  # each decode at the k-step the backend runs it with
     cx = dict(LAYOUT=sm.CANONICAL, ACT=sm.ACT_X, BLOCK_N=64, BLOCK_M=1, BLOCK_K=block_k, RC=16, EVEN_K=True, NUM_STAGES=3,
-              IS_SPLIT=True, HAS_BIAS=False, HAS_LORA=False, USE_DOT=False, DOT_F32=False, WORDS=words, ASM=words)
+              IS_SPLIT=True, HAS_BIAS=False, HAS_LORA=False, USE_DOT=False, DOT_F32=False, WORDS=words, ASM=words,
+              PREFETCH=False)
     fn = sm._small_m_kernel
     full = {a: ("constexpr" if a in cx else sig[a]) for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a not in cx and a not in ("M", "R")}

@@ -253,10 +253,12 @@ def _small_m_kernel(
     LAYOUT: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, RC: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, IS_SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
-    WORDS: tl.constexpr = False, ASM: tl.constexpr = False,
+    WORDS: tl.constexpr = False, ASM: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     # WORDS (canonical layout, multiply-adds, K % BLOCK_K == 0): the codes read and decoded a 32-bit
-    # word at a time (_words_dot), the activations gathered to match, block scales x 64
+    # word at a time (_words_dot), the activations gathered to match, block scales x 64. PREFETCH
+    # (with WORDS): each k-step's activations and block scales loaded one step ahead, in registers
+    # (ncu: a third of the word loop's stalls wait on those loads, issued and consumed in the step)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     ri = tl.arange(0, BLOCK_N)
@@ -270,6 +272,14 @@ def _small_m_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
+    if PREFETCH:  # the first k-step's scales and activations (tokens 0 and 1), ahead of the loop
+        ks_nx = k_lo // 16 + tl.arange(0, BLOCK_K // 16)
+        sc_nx = tl.load(s_ptr + rn_l[:, None] * stride_s + ks_nx[None, :], mask=(ks_nx < K // 16)[None, :], other=0)
+        rk_nx = k_lo + tl.arange(0, BLOCK_K)
+        a0_nx = _acts(x_ptr, smooth_ptr, tl.full([1], 0, tl.int32), rk_nx, M, K, stride_xm, 1, BLOCK_K, ACT, False)
+        a1_nx = a0_nx
+        if BLOCK_M > 1:
+            a1_nx = _acts(x_ptr, smooth_ptr, tl.full([1], 1, tl.int32), rk_nx, M, K, stride_xm, 1, BLOCK_K, ACT, False)
     # A few tokens make this loop bound by the weight bytes in flight: Triton's pipeliner keeps
     # NUM_STAGES - 1 tiles of them coming (asynchronous copies to shared memory) while one is decoded.
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
@@ -278,13 +288,33 @@ def _small_m_kernel(
             ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
             word = tl.load(w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rn_l[:, None] * (stride_w // 4)
                            + kw[None, :])
-            sc = tl.load(s_ptr + rn_l[:, None] * stride_s + ks[None, :])
+            if PREFETCH:  # this step's, loaded during the last one; then the next step's (masked past K)
+                sc = sc_nx
+                a0 = a0_nx
+                a1 = a1_nx
+                ks_nx = (k0 + BLOCK_K) // 16 + tl.arange(0, BLOCK_K // 16)
+                sc_nx = tl.load(s_ptr + rn_l[:, None] * stride_s + ks_nx[None, :], mask=(ks_nx < K // 16)[None, :],
+                                other=0)
+                rk_nx = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
+                a0_nx = _acts(x_ptr, smooth_ptr, tl.full([1], 0, tl.int32), rk_nx, M, K, stride_xm, 1, BLOCK_K, ACT,
+                              False)
+                if BLOCK_M > 1:
+                    a1_nx = _acts(x_ptr, smooth_ptr, tl.full([1], 1, tl.int32), rk_nx, M, K, stride_xm, 1, BLOCK_K,
+                                  ACT, False)
+            else:
+                sc = tl.load(s_ptr + rn_l[:, None] * stride_s + ks[None, :])
             sf64 = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0  # the decode's 2**-6 back
             rk = k0 + tl.arange(0, BLOCK_K)
             for mi in tl.static_range(BLOCK_M):
                 if mi < M or mi == 0:
-                    a = _acts(x_ptr, smooth_ptr, tl.full([1], mi, tl.int32), rk, M, K, stride_xm, 1, BLOCK_K, ACT,
-                              True)
+                    if PREFETCH:
+                        if mi == 0:
+                            a = a0
+                        else:
+                            a = a1
+                    else:
+                        a = _acts(x_ptr, smooth_ptr, tl.full([1], mi, tl.int32), rk, M, K, stride_xm, 1, BLOCK_K, ACT,
+                                  True)
                     pw = _words_dot(word, a, 1, BLOCK_K, ASM)
                     blk = tl.sum(tl.reshape(pw, (BLOCK_N, BLOCK_K // 16, 2)), axis=2)
                     s = tl.sum(blk * sf64, axis=1)
@@ -377,7 +407,7 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
            proj_up: torch.Tensor | None = None, lora_act: torch.Tensor | None = None,
            block_n: int = 64, block_k: int | None = None, split_k: int | None = None,
            num_warps: int | None = None, num_stages: int = 3, words: bool | None = None,
-           maxnreg: int | None = None) -> torch.Tensor:
+           maxnreg: int | None = None, prefetch: bool = False) -> torch.Tensor:
     """``out [M, N] = (A(x) @ W^T) * colscale + lora_act @ proj_up^T + bias`` for M <= 64.
 
     ``x [M, K]`` with unit stride along K (16-bit for ``ACT_X``; any float for ``ACT_NVFP4``, which
@@ -385,7 +415,8 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
     ``colscale [N]`` fp32 (``wcscale``); ``bias [N]``; ``proj_up [N, R]`` contiguous with
     ``lora_act [M, R]`` (unit stride along R). ``words`` (default: on where it applies: the
     canonical layout, multiply-adds, K a multiple of the k-step) decodes the codes a 32-bit word at a
-    time. ``maxnreg`` caps the kernel's registers (measurement)."""
+    time. ``maxnreg`` caps the kernel's registers, ``prefetch`` (with the word decode) loads each k-step's
+    activations and scales one step ahead: both for measurement (``prefetch`` not yet timed)."""
     m, k = x.shape
     if m > MAX_M:
         raise ValueError(f"the small-M kernel serves at most {MAX_M} tokens, got {m}")
@@ -397,7 +428,8 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         # The CPU interpreter's fp32 -> 16-bit conversion does not round to nearest: cast outside.
         return linear(x, layout, w, s, colscale, n, act=act, out_dtype=torch.float32, smooth=smooth, bias=bias,
                       proj_up=proj_up, lora_act=lora_act, block_n=block_n, block_k=block_k, split_k=split_k,
-                      num_warps=num_warps, num_stages=num_stages, words=words, maxnreg=maxnreg).to(out_dtype)
+                      num_warps=num_warps, num_stages=num_stages, words=words, maxnreg=maxnreg,
+                      prefetch=prefetch).to(out_dtype)
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
     if m == 0:
         return out
@@ -431,6 +463,8 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         raise ValueError(f"the word decode takes the canonical layout, multiply-adds (1 token, or 2 on small "
                          f"weights), a 4-byte aligned qweight and K a multiple of the k-step ({bk}); got K={k}")
     words = fits if words is None else words
+    if prefetch and not words:
+        raise ValueError("prefetch goes with the word decode (words=True where it applies)")
     dummy = colscale
     part = torch.empty(split * tiles * block_n * bm, device=x.device, dtype=torch.float32) if split > 1 else dummy
     cnt = _counters(x.device, tiles) if split > 1 else dummy
@@ -441,7 +475,8 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         LAYOUT=layout, ACT=act, BLOCK_N=block_n, BLOCK_M=bm, BLOCK_K=bk,
         RC=min(64, max(16, next_pow2(r or 16))), EVEN_K=k % bk == 0, NUM_STAGES=num_stages,
         IS_SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=bool(r),
-        USE_DOT=use_dot, DOT_F32=_INTERPRET, WORDS=bool(words), ASM=bool(words) and not _INTERPRET, num_warps=num_warps,
+        USE_DOT=use_dot, DOT_F32=_INTERPRET, WORDS=bool(words), ASM=bool(words) and not _INTERPRET,
+        PREFETCH=bool(prefetch), num_warps=num_warps,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     return out
