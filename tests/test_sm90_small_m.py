@@ -59,7 +59,8 @@ def test_word_decode_is_the_byte_decode(m, act, k_step):
     gen = torch.Generator().manual_seed(20 + m + k_step)
     n, k = 64, 512
     q, ws = _weight(n, k, gen)
-    q[0, :8] = torch.arange(0, 256, 32, dtype=torch.uint8) | torch.arange(8, dtype=torch.uint8)  # codes 0-15
+    codes = torch.arange(16, dtype=torch.uint8)
+    q[0, :16] = codes | ((15 - codes) << 4)  # all 16 codes (both signs) in either nibble
     ws[1, 2] = torch.tensor(2.0**-9).to(torch.float8_e4m3fn)  # the smallest subnormal scale
     wc = torch.rand(n, generator=gen) + 0.5
     x = torch.randn(m, k, generator=gen).bfloat16() * 3

@@ -237,13 +237,17 @@ def _fp8_rows_store(a8_ptr, q, rm, m_ok, K, J: tl.constexpr, C: tl.constexpr, HW
 
 
 @triton.jit
-def _fp8_rows(x_ptr, inv_ptr, a8_ptr, sa_ptr, rm, m_ok, K, stride_xm, C: tl.constexpr, NCH: tl.constexpr,
-              HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr, GEMM_ORDER: tl.constexpr):
-    # One pass over the rows rm, held in registers as NCH chunks of C columns (a power of two each, so
-    # a row of 3 * 2^n columns wastes no lanes); x is read once, every load issued before the row max.
-    # The max runs on the magnitudes' bits: for non-negative floats integer order is float order and
-    # every NaN lies above +Inf, so one integer max gives both the row max and "a NaN is here".
-    # Writes a8 and sa; returns sa.
+def _quantize_act_fp8_rows_kernel(
+    x_ptr, inv_ptr, a8_ptr, sa_ptr, lora_ptr, la_ptr, M, K, R, stride_xm,
+    ROWS: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
+    HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr, GEMM_ORDER: tl.constexpr, NSPLIT: tl.constexpr,
+):
+    # One pass: ROWS whole rows a program, held in registers as NCH chunks of C columns (a power of two
+    # each, so a row of 3 * 2^n columns wastes no lanes); x is read once, every load issued before the
+    # row max. The max runs on the magnitudes' bits: for non-negative floats integer order is float
+    # order and every NaN lies above +Inf, so one integer max gives both the row max and "a NaN is here".
+    rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    m_ok = rm < M
     xs0 = _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, 0, C, GEMM_ORDER)
     mb = xs0.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     if NCH > 1:
@@ -258,9 +262,11 @@ def _fp8_rows(x_ptr, inv_ptr, a8_ptr, sa_ptr, rm, m_ok, K, stride_xm, C: tl.cons
     mx = tl.max(mb, axis=1)
     # as nvfp4.fast_act: 1 for an all-zero row and where a NaN is in the row
     ok = (mx > 0) & (mx <= 0x7F800000)
-    sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full(mx.shape, 448.0, tl.float32)), 1.0)
+    sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([ROWS], 448.0, tl.float32)), 1.0)
     tl.store(sa_ptr + rm, sa, mask=m_ok)
-    r = tl.math.div_rn(tl.full(mx.shape, 1.0, tl.float32), sa)[:, None]
+    if HAS_LORA:
+        _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, M, R, ROWS, BLOCK_R, NSPLIT)
+    r = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sa)[:, None]
     _fp8_rows_store(a8_ptr, xs0 * r, rm, m_ok, K, 0, C, HW_CVT, CANON_NAN)
     if NCH > 1:
         _fp8_rows_store(a8_ptr, xs1 * r, rm, m_ok, K, 1, C, HW_CVT, CANON_NAN)
@@ -268,21 +274,6 @@ def _fp8_rows(x_ptr, inv_ptr, a8_ptr, sa_ptr, rm, m_ok, K, stride_xm, C: tl.cons
         _fp8_rows_store(a8_ptr, xs2 * r, rm, m_ok, K, 2, C, HW_CVT, CANON_NAN)
     if NCH > 3:
         _fp8_rows_store(a8_ptr, xs3 * r, rm, m_ok, K, 3, C, HW_CVT, CANON_NAN)
-    return sa
-
-
-@triton.jit
-def _quantize_act_fp8_rows_kernel(
-    x_ptr, inv_ptr, a8_ptr, sa_ptr, lora_ptr, la_ptr, M, K, R, stride_xm,
-    ROWS: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
-    HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr, GEMM_ORDER: tl.constexpr, NSPLIT: tl.constexpr,
-):
-    # ROWS whole rows a program (_fp8_rows); with HAS_LORA also la = lora_act / sa of those rows
-    rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    m_ok = rm < M
-    sa = _fp8_rows(x_ptr, inv_ptr, a8_ptr, sa_ptr, rm, m_ok, K, stride_xm, C, NCH, HW_CVT, CANON_NAN, GEMM_ORDER)
-    if HAS_LORA:
-        _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, M, R, ROWS, BLOCK_R, NSPLIT)
 
 
 @triton.jit
@@ -385,14 +376,19 @@ def _splitk_epilogue_kernel(
 
 
 @triton.jit
-def _lora_act_block(x_ptr, pd_ptr, out_ptr, rm, m_ok, K, R, stride_xm, kb, K_SPLIT, BLOCK_K: tl.constexpr,
-                    BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr):
-    # lora_act of the rows rm: x (rounded to bf16, as the cuBLAS path's x.to(bf16)) times proj_down /
-    # smooth (bf16), fp32 accumulation over the columns [kb, kb + K_SPLIT) (K_SPLIT a multiple of
-    # BLOCK_K), written to out [M, R] fp32 or bf16: a fixed order
+def _lora_act_kernel(x_ptr, pd_ptr, out_ptr, M, K, R, stride_xm, K_SPLIT,
+                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr,
+                     DOT_F32: tl.constexpr):
+    # lora_act [BLOCK_M, R] of a row block: x (rounded to bf16, as the cuBLAS path's x.to(bf16)) times
+    # proj_down / smooth (bf16), fp32 accumulation over the columns [s K_SPLIT, (s + 1) K_SPLIT) of
+    # split s = program_id(1) (K_SPLIT a multiple of BLOCK_K), written to out[s]: a fixed order
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rr = tl.arange(0, BLOCK_R)
+    m_ok = rm < M
     r_ok = rr < R
-    acc = tl.zeros([rm.shape[0], BLOCK_R], tl.float32)
+    kb = tl.program_id(1) * K_SPLIT
+    out_ptr += tl.program_id(1).to(tl.int64) * M * R
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     for k0 in tl.range(kb, tl.minimum(kb + K_SPLIT, K), BLOCK_K, num_stages=NUM_STAGES):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
@@ -403,16 +399,6 @@ def _lora_act_block(x_ptr, pd_ptr, out_ptr, rm, m_ok, K, R, stride_xm, kb, K_SPL
         else:
             acc = tl.dot(x.to(tl.bfloat16), w, acc)
     tl.store(out_ptr + rm[:, None] * R + rr[None, :], acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
-
-
-@triton.jit
-def _lora_act_kernel(x_ptr, pd_ptr, out_ptr, M, K, R, stride_xm, K_SPLIT,
-                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr,
-                     DOT_F32: tl.constexpr):
-    # a row block's lora_act over split s = program_id(1)'s columns, written to out[s]
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    _lora_act_block(x_ptr, pd_ptr, out_ptr + tl.program_id(1).to(tl.int64) * M * R, rm, rm < M, K, R, stride_xm,
-                    tl.program_id(1) * K_SPLIT, K_SPLIT, BLOCK_K, BLOCK_R, NUM_STAGES, DOT_F32)
 
 
 # ---- launchers -----------------------------------------------------------------------------------
@@ -426,7 +412,6 @@ def cdiv(a: int, b: int) -> int:
 
 def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
-
 
 
 def _block_r(r: int) -> int:

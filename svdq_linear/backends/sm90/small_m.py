@@ -247,6 +247,21 @@ def _words_dot(word, a, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.const
 
 
 @triton.jit
+def _word_step_inputs(x_ptr, smooth_ptr, s_ptr, rn_l, k0, M, K, stride_xm, stride_s, BLOCK_K: tl.constexpr,
+                      BLOCK_M: tl.constexpr, ACT: tl.constexpr):
+    """The block scales and the activations of tokens 0 and 1 (token 0's again for one token) of the
+    k-step at ``k0``, masked past K: what ``PREFETCH`` loads a step ahead."""
+    ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    sc = tl.load(s_ptr + rn_l[:, None] * stride_s + ks[None, :], mask=(ks < K // 16)[None, :], other=0)
+    rk = k0 + tl.arange(0, BLOCK_K)
+    a0 = _acts(x_ptr, smooth_ptr, tl.full([1], 0, tl.int32), rk, M, K, stride_xm, 1, BLOCK_K, ACT, False)
+    a1 = a0
+    if BLOCK_M > 1:
+        a1 = _acts(x_ptr, smooth_ptr, tl.full([1], 1, tl.int32), rk, M, K, stride_xm, 1, BLOCK_K, ACT, False)
+    return sc, a0, a1
+
+
+@triton.jit
 def _small_m_kernel(
     x_ptr, smooth_ptr, w_ptr, s_ptr, cs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, R, stride_xm, stride_lm, stride_om, stride_w, stride_s, k_per_split, SPLIT_K,
@@ -272,14 +287,9 @@ def _small_m_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
-    if PREFETCH:  # the first k-step's scales and activations (tokens 0 and 1), ahead of the loop
-        ks_nx = k_lo // 16 + tl.arange(0, BLOCK_K // 16)
-        sc_nx = tl.load(s_ptr + rn_l[:, None] * stride_s + ks_nx[None, :], mask=(ks_nx < K // 16)[None, :], other=0)
-        rk_nx = k_lo + tl.arange(0, BLOCK_K)
-        a0_nx = _acts(x_ptr, smooth_ptr, tl.full([1], 0, tl.int32), rk_nx, M, K, stride_xm, 1, BLOCK_K, ACT, False)
-        a1_nx = a0_nx
-        if BLOCK_M > 1:
-            a1_nx = _acts(x_ptr, smooth_ptr, tl.full([1], 1, tl.int32), rk_nx, M, K, stride_xm, 1, BLOCK_K, ACT, False)
+    if PREFETCH:  # the first k-step's scales and activations, ahead of the loop
+        sc_nx, a0_nx, a1_nx = _word_step_inputs(x_ptr, smooth_ptr, s_ptr, rn_l, k_lo, M, K, stride_xm, stride_s,
+                                                BLOCK_K, BLOCK_M, ACT)
     # A few tokens make this loop bound by the weight bytes in flight: Triton's pipeliner keeps
     # NUM_STAGES - 1 tiles of them coming (asynchronous copies to shared memory) while one is decoded.
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
@@ -292,15 +302,8 @@ def _small_m_kernel(
                 sc = sc_nx
                 a0 = a0_nx
                 a1 = a1_nx
-                ks_nx = (k0 + BLOCK_K) // 16 + tl.arange(0, BLOCK_K // 16)
-                sc_nx = tl.load(s_ptr + rn_l[:, None] * stride_s + ks_nx[None, :], mask=(ks_nx < K // 16)[None, :],
-                                other=0)
-                rk_nx = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
-                a0_nx = _acts(x_ptr, smooth_ptr, tl.full([1], 0, tl.int32), rk_nx, M, K, stride_xm, 1, BLOCK_K, ACT,
-                              False)
-                if BLOCK_M > 1:
-                    a1_nx = _acts(x_ptr, smooth_ptr, tl.full([1], 1, tl.int32), rk_nx, M, K, stride_xm, 1, BLOCK_K,
-                                  ACT, False)
+                sc_nx, a0_nx, a1_nx = _word_step_inputs(x_ptr, smooth_ptr, s_ptr, rn_l, k0 + BLOCK_K, M, K, stride_xm,
+                                                        stride_s, BLOCK_K, BLOCK_M, ACT)
             else:
                 sc = tl.load(s_ptr + rn_l[:, None] * stride_s + ks[None, :])
             sf64 = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0  # the decode's 2**-6 back
@@ -443,8 +446,9 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
     use_dot = not use_fma(m, n, k)
     if layout == QUACK and block_n != 64:
         raise ValueError(f"the repacked layout is read a 64-row group a tile, got block_n={block_n}")
-    # measured on the H200 (docs/perf.md, "Small M"): 64 x 64 over 4 warps for the multiply-adds,
-    # 64 x 128 over 4 warps for the dot; three pipeline stages
+    # measured on the H200 (docs/perf.md, "Small M" and 2026-12-04 eighth session): 64 x 128 over 4
+    # warps for the multiply-adds with the word decode (64 x 64 with the per-byte one) and for the dot;
+    # three pipeline stages
     # the word decode reads the canonical codes as int32 words: multiply-adds, K a multiple of the k-step
     word_ok = layout == CANONICAL and not use_dot and w.data_ptr() % 4 == 0
     if block_k is None:  # the word decode where it applies, at its k-step; else the per-byte one's 64
