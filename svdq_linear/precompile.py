@@ -159,7 +159,7 @@ def _variants_small_m(quick: bool):
             words = layout == sm.CANONICAL and not dot  # the word decode at its k-step (Flux widths divide it)
             cx = dict(LAYOUT=layout, ACT=act, BLOCK_N=64, BLOCK_M=bm, BLOCK_K=128 if dot else sm.WORDS_BLOCK_K if words else 64,
                       RC=32, EVEN_K=True, NUM_STAGES=3, IS_SPLIT=split > 1, HAS_BIAS=True, HAS_LORA=lora, USE_DOT=dot,
-                      DOT_F32=False, WORDS=words, ASM=words, PREFETCH=False)
+                      DOT_F32=False, WORDS=words, ASM=words, PREFETCH=False, CHAIN=words and sm.WORDS_CHAIN)
             out.append((sm._small_m_kernel, sig, cx, dict(num_warps=4),
                         f"small_m_{label}_s{split}{'_lora' if lora else ''}"))
     return out

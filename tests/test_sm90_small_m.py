@@ -70,14 +70,18 @@ def test_word_decode_is_the_byte_decode(m, act, k_step):
     kw = dict(act=sm.ACT_X if act == "x" else sm.ACT_NVFP4, smooth=smooth.to(**to), out_dtype=torch.float32,
               split_k=2, block_k=k_step)
     args = (x.to(**to), sm.CANONICAL, q.to(**to), ws.to(**to), wc.to(**to), n)
-    y_w = sm.linear(*args, words=True, **kw)
+    y_w = sm.linear(*args, words=True, chain=True, **kw)  # each block's 16 products chained, k reduced at the end
     y_b = sm.linear(*args, words=False, **kw)
-    y_p = sm.linear(*args, words=True, prefetch=True, **kw)  # each step's activations and scales one step ahead
-    assert torch.equal(y_p.cpu(), y_w.cpu())
+    y_c = sm.linear(*args, words=True, chain=False, **kw)  # per-word sums, a cross-thread sum every trip
+    # each step's activations and scales one step ahead: the same sums in the same order
+    assert torch.equal(sm.linear(*args, words=True, chain=False, prefetch=True, **kw).cpu(), y_c.cpu())
+    assert torch.equal(sm.linear(*args, words=True, chain=True, prefetch=True, **kw).cpu(), y_w.cpu())
     a = x.double() if act == "x" else nvfp4.dequantize_nvfp4(*nvfp4.quantize_nvfp4(nvfp4.smooth_input(x, smooth))).double()
     ref = (a @ nvfp4.dequantize_nvfp4(q, ws).double().T) * wc.double()
     _close(y_w, ref, f"words m={m} act={act} k_step={k_step}")
-    assert torch.allclose(y_w.cpu(), y_b.cpu(), rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+    for y, what in ((y_w, "block chain"), (y_c, "per-word sums")):
+        _close(y, ref, f"words ({what}) m={m} act={act} k_step={k_step}")
+        assert torch.allclose(y.cpu(), y_b.cpu(), rtol=1e-5, atol=1e-6 * ref.abs().max().item())
 
 
 def test_word_decode_takes_what_it_can_read():
@@ -106,7 +110,7 @@ out = {}
 for words, block_k in ((True, 128), (False, 64)):  # each decode at the k-step the backend runs it with
     cx = dict(LAYOUT=sm.CANONICAL, ACT=sm.ACT_X, BLOCK_N=64, BLOCK_M=1, BLOCK_K=block_k, RC=16, EVEN_K=True, NUM_STAGES=3,
               IS_SPLIT=True, HAS_BIAS=False, HAS_LORA=False, USE_DOT=False, DOT_F32=False, WORDS=words, ASM=words,
-              PREFETCH=False)
+              PREFETCH=False, CHAIN=words and sm.WORDS_CHAIN)
     fn = sm._small_m_kernel
     full = {a: ("constexpr" if a in cx else sig[a]) for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a not in cx and a not in ("M", "R")}

@@ -55,6 +55,7 @@ FMA_MAX_M = 2  # up to this many tokens: multiply-adds instead of a 16-wide dot 
 FMA_MAX_WEIGHT = 1 << 24  # ... past one token only for weights up to this many elements (use_fma)
 CTAS_PER_SM = 8  # the grid the split-K aims at (docs/perf.md: 8 beat 4 at every measured shape but one)
 WORDS_BLOCK_K = 128  # the multiply-adds' k-step with the word decode (docs/perf.md, 2026-12-04 eighth session)
+WORDS_CHAIN = False  # the word decode's block chain with the reduction after the loop (CHAIN); not yet timed
 
 
 def use_fma(m: int, n: int, k: int) -> bool:
@@ -247,6 +248,38 @@ def _words_dot(word, a, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.const
 
 
 @triton.jit
+def _words_block_dot(word, a, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """``_words_dot`` a NVFP4 block at a time: per 16-k block (two words) the sum of its 16 products in
+    one chain of multiply-adds (one multiply, fifteen fused), fp32 ``[BLOCK_N, BLOCK_K / 16]``; no
+    separate word and pair sums."""
+    w_lo, w_hi = tl.split(tl.reshape(word, (word.shape[0], BLOCK_K // 16, 2)))  # k 16 j + [0, 8) / + [8, 16)
+    a_lo, a_hi = tl.split(tl.permute(tl.reshape(a, (ROWS, BLOCK_K // 16, 2, 8)), (0, 1, 3, 2)))
+    a0, a1, a2, a3, a4, a5, a6, a7 = _split8(tl.reshape(a_lo, (ROWS, BLOCK_K // 2)), ROWS, BLOCK_K // 2)
+    b0, b1, b2, b3, b4, b5, b6, b7 = _split8(tl.reshape(a_hi, (ROWS, BLOCK_K // 2)), ROWS, BLOCK_K // 2)
+    e0, e2, e4, e6 = _e4m3x4_to_f32(((w_lo & 0x08080808) << 4) | ((w_lo & 0x07070707) << 2), ASM)
+    o1, o3, o5, o7 = _e4m3x4_to_f32((w_lo & -0x7F7F7F80) | ((w_lo >> 2) & 0x1C1C1C1C), ASM)
+    f0, f2, f4, f6 = _e4m3x4_to_f32(((w_hi & 0x08080808) << 4) | ((w_hi & 0x07070707) << 2), ASM)
+    p1, p3, p5, p7 = _e4m3x4_to_f32((w_hi & -0x7F7F7F80) | ((w_hi >> 2) & 0x1C1C1C1C), ASM)
+    s = e0 * a0
+    s = s + o1 * a1
+    s = s + e2 * a2
+    s = s + o3 * a3
+    s = s + e4 * a4
+    s = s + o5 * a5
+    s = s + e6 * a6
+    s = s + o7 * a7
+    s = s + f0 * b0
+    s = s + p1 * b1
+    s = s + f2 * b2
+    s = s + p3 * b3
+    s = s + f4 * b4
+    s = s + p5 * b5
+    s = s + f6 * b6
+    s = s + p7 * b7
+    return s
+
+
+@triton.jit
 def _word_step_inputs(x_ptr, smooth_ptr, s_ptr, rn_l, k0, M, K, stride_xm, stride_s, BLOCK_K: tl.constexpr,
                       BLOCK_M: tl.constexpr, ACT: tl.constexpr):
     """The block scales and the activations of tokens 0 and 1 (token 0's again for one token) of the
@@ -269,11 +302,15 @@ def _small_m_kernel(
     BLOCK_K: tl.constexpr, RC: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, IS_SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
     WORDS: tl.constexpr = False, ASM: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    CHAIN: tl.constexpr = False,
 ):
     # WORDS (canonical layout, multiply-adds, K % BLOCK_K == 0): the codes read and decoded a 32-bit
     # word at a time (_words_dot), the activations gathered to match, block scales x 64. PREFETCH
     # (with WORDS): each k-step's activations and block scales loaded one step ahead, in registers
-    # (ncu: a third of the word loop's stalls wait on those loads, issued and consumed in the step)
+    # (ncu: a third of the word loop's stalls wait on those loads, issued and consumed in the step).
+    # CHAIN (with WORDS): a block's 16 products in one multiply-add chain (_words_block_dot), times the
+    # block scale into per-thread [BLOCK_N, BLOCK_K / 16] sums per token, reduced across k once after
+    # the loop instead of a cross-thread sum every trip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     ri = tl.arange(0, BLOCK_N)
@@ -285,6 +322,8 @@ def _small_m_kernel(
     rm = tl.arange(0, BLOCK_M)
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    accb0 = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)  # CHAIN's per-block sums, token 0 ...
+    accb1 = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)  # ... and token 1
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     if PREFETCH:  # the first k-step's scales and activations, ahead of the loop
@@ -318,10 +357,16 @@ def _small_m_kernel(
                     else:
                         a = _acts(x_ptr, smooth_ptr, tl.full([1], mi, tl.int32), rk, M, K, stride_xm, 1, BLOCK_K, ACT,
                                   True)
-                    pw = _words_dot(word, a, 1, BLOCK_K, ASM)
-                    blk = tl.sum(tl.reshape(pw, (BLOCK_N, BLOCK_K // 16, 2)), axis=2)
-                    s = tl.sum(blk * sf64, axis=1)
-                    acc = tl.where(rm[None, :] == mi, acc + s[:, None], acc)
+                    if CHAIN:
+                        if mi == 0:
+                            accb0 = _words_block_dot(word, a, 1, BLOCK_K, ASM) * sf64 + accb0
+                        else:
+                            accb1 = _words_block_dot(word, a, 1, BLOCK_K, ASM) * sf64 + accb1
+                    else:
+                        pw = _words_dot(word, a, 1, BLOCK_K, ASM)
+                        blk = tl.sum(tl.reshape(pw, (BLOCK_N, BLOCK_K // 16, 2)), axis=2)
+                        s = tl.sum(blk * sf64, axis=1)
+                        acc = tl.where(rm[None, :] == mi, acc + s[:, None], acc)
         else:
             wb, sc = _load_tile(w_ptr, s_ptr, pid_n, rn_l, k0, K, stride_w, stride_s, LAYOUT, BLOCK_K, EVEN_K)
             w, sf, rk = _decode_tile(wb, sc, k0, LAYOUT, BLOCK_K)
@@ -344,6 +389,10 @@ def _small_m_kernel(
                         s = tl.sum(blk * sf, axis=1)
                         acc = tl.where(rm[None, :] == mi, acc + s[:, None], acc)
 
+    if CHAIN:
+        acc = tl.where(rm[None, :] == 0, acc + tl.sum(accb0, axis=1)[:, None], acc)
+        if BLOCK_M > 1:
+            acc = tl.where(rm[None, :] == 1, acc + tl.sum(accb1, axis=1)[:, None], acc)
     if not IS_SPLIT:
         _epilogue(acc, rn, rm, M, N, R, cs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_lm, stride_om,
                   BLOCK_N, BLOCK_M, RC, HAS_BIAS, HAS_LORA, USE_DOT, DOT_F32)
@@ -410,7 +459,7 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
            proj_up: torch.Tensor | None = None, lora_act: torch.Tensor | None = None,
            block_n: int = 64, block_k: int | None = None, split_k: int | None = None,
            num_warps: int | None = None, num_stages: int = 3, words: bool | None = None,
-           maxnreg: int | None = None, prefetch: bool = False) -> torch.Tensor:
+           maxnreg: int | None = None, prefetch: bool = False, chain: bool | None = None) -> torch.Tensor:
     """``out [M, N] = (A(x) @ W^T) * colscale + lora_act @ proj_up^T + bias`` for M <= 64.
 
     ``x [M, K]`` with unit stride along K (16-bit for ``ACT_X``; any float for ``ACT_NVFP4``, which
@@ -419,7 +468,9 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
     ``lora_act [M, R]`` (unit stride along R). ``words`` (default: on where it applies: the
     canonical layout, multiply-adds, K a multiple of the k-step) decodes the codes a 32-bit word at a
     time. ``maxnreg`` caps the kernel's registers, ``prefetch`` (with the word decode) loads each k-step's
-    activations and scales one step ahead: both for measurement (``prefetch`` not yet timed)."""
+    activations and scales one step ahead: both for measurement. ``chain`` (with the word decode; default
+    ``WORDS_CHAIN``) sums each block's products in one multiply-add chain and reduces across k once after
+    the loop."""
     m, k = x.shape
     if m > MAX_M:
         raise ValueError(f"the small-M kernel serves at most {MAX_M} tokens, got {m}")
@@ -432,7 +483,7 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         return linear(x, layout, w, s, colscale, n, act=act, out_dtype=torch.float32, smooth=smooth, bias=bias,
                       proj_up=proj_up, lora_act=lora_act, block_n=block_n, block_k=block_k, split_k=split_k,
                       num_warps=num_warps, num_stages=num_stages, words=words, maxnreg=maxnreg,
-                      prefetch=prefetch).to(out_dtype)
+                      prefetch=prefetch, chain=chain).to(out_dtype)
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
     if m == 0:
         return out
@@ -469,6 +520,9 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
     words = fits if words is None else words
     if prefetch and not words:
         raise ValueError("prefetch goes with the word decode (words=True where it applies)")
+    if chain and not words:
+        raise ValueError("chain goes with the word decode (words=True where it applies)")
+    chain = bool(words) and (WORDS_CHAIN if chain is None else chain)
     dummy = colscale
     part = torch.empty(split * tiles * block_n * bm, device=x.device, dtype=torch.float32) if split > 1 else dummy
     cnt = _counters(x.device, tiles) if split > 1 else dummy
@@ -480,7 +534,7 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         RC=min(64, max(16, next_pow2(r or 16))), EVEN_K=k % bk == 0, NUM_STAGES=num_stages,
         IS_SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=bool(r),
         USE_DOT=use_dot, DOT_F32=_INTERPRET, WORDS=bool(words), ASM=bool(words) and not _INTERPRET,
-        PREFETCH=bool(prefetch), num_warps=num_warps,
+        PREFETCH=bool(prefetch), CHAIN=chain, num_warps=num_warps,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     return out
