@@ -135,14 +135,21 @@ SWEEP_DOT = [(64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3)]
 WORDS_CASES = [("attn 3072x3072", 1, 3072, 3072, "w4a16"), ("adaLN 3072x18432", 1, 3072, 18432, "w4a16"),
                ("adaLN single 3072x9216", 1, 3072, 9216, "w4a16"), ("attn 3072x3072", 2, 3072, 3072, "w4a16"),
                ("ff down 12288x3072", 1, 12288, 3072, "w4a16"), ("attn 3072x3072", 1, 3072, 3072, "exact-canonical")]
-# (k-step, warps, split: None = small_m.split_for, pipeline stages, register cap, prefetch, block chain);
-# 2026-12-04h-11: a decode that loaded the block columns one by one lost 1.4-2.5x at the rule's split;
-# h-13: none of the stage / split / register variants beat the default at the adaLN shape; i-1: the
-# prefetch 0-4 % (1.88x at adaLN)
-WORDS_CONFIGS = [(128, 4, None, 3, None, False, False), (128, 4, None, 3, None, True, False),
-                 (128, 4, None, 3, None, False, True), (128, 4, None, 3, None, True, True),
-                 (128, 4, None, 2, None, False, True), (256, 4, None, 3, None, False, True),
-                 (128, 4, 8, 3, None, True, True), (128, 8, None, 3, None, False, True)]
+# small_m.linear keywords tried by --words (with words=True); 2026-12-04h-11: a decode that loaded the
+# block columns one by one lost 1.4-2.5x at the rule's split; h-13: no stage / split / register variant
+# beat the default at the adaLN shape; i-1: the prefetch 0-4 %; i-2: the block chain 2-10 %, k-step 256
+# with it 1.97x at adaLN
+WORDS_CONFIGS = [dict(block_k=128, chain=False), dict(block_k=128, chain=True), dict(block_k=256, chain=True),
+                 dict(block_k=256, chain=True, prefetch=True), dict(block_k=256, chain=True, num_stages=2),
+                 dict(block_k=256, chain=True, num_stages=4), dict(block_k=512, chain=True),
+                 dict(block_k=256, chain=True, block_n=32), dict(block_k=256, chain=True, block_n=128)]
+
+
+def _words_label(cfg: dict) -> str:
+    """A config's column title: ``words k256 chain st2 ...`` (defaults: 4 warps, split by the rule, 3 stages)."""
+    short = dict(block_k="k", num_warps="w", split_k="s", num_stages="st", maxnreg="r", block_n="bn")
+    return " ".join(["words"] + [f"{short[key]}{v}" for key, v in cfg.items() if key in short]
+                    + [key for key in ("prefetch", "chain") if cfg.get(key)])
 
 
 def words_table(copy_gbs: float) -> list[str]:
@@ -151,8 +158,7 @@ def words_table(copy_gbs: float) -> list[str]:
     timed; cuBLAS bf16 beside it, same run."""
     rows = ["", "The small-M kernel's multiply-add form, kernel alone (us; weight GB/s = codes + scales / time); "
             "bytes = per-byte decode (the default before), words = 32-bit word decode, k-step, warps, split, stages, register cap, activations and scales prefetched a step ahead, chain = each block's products in one multiply-add chain, k reduced after the loop", "",
-            "| layer | M | mode | cuBLAS bf16 | bytes (default) | " + " | ".join(f"words k{bk} w{nw} s{sp or 'auto'} st{st}" + (f" r{mr}" if mr else "") + (" prefetch" if pf else "")
-                         + (" chain" if ch else "") for bk, nw, sp, st, mr, pf, ch in WORDS_CONFIGS)
+            "| layer | M | mode | cuBLAS bf16 | bytes (default) | " + " | ".join(_words_label(c) for c in WORDS_CONFIGS)
             + " | best words vs bf16 | best GB/s (% of copy) |", "|---|---|---|---|---|" + "---|" * len(WORDS_CONFIGS) + "---|---|"]
     print("\n".join(rows), flush=True)
     for label, m, k, n, mode in WORDS_CASES:
@@ -164,9 +170,8 @@ def words_table(copy_gbs: float) -> list[str]:
         base = call(words=False, block_k=64)  # the per-byte decode at its own k-step
         t_b = graph_time(lambda: call(words=False, block_k=64))
         cells, best = [], None
-        for bk, nw, sp, st, mr, pf, ch in WORDS_CONFIGS:
-            kw = dict(words=True, block_k=bk, num_warps=nw, split_k=sp, num_stages=st, maxnreg=mr, prefetch=pf,
-                      chain=ch)
+        for cfg in WORDS_CONFIGS:
+            kw = dict(words=True, **cfg)
             y = call(**kw)
             ok = torch.allclose(y.float(), base.float(), rtol=2e-2, atol=1e-3 * base.float().abs().max().item())
             t = graph_time(lambda kw=kw: call(**kw))

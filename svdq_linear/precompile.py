@@ -156,8 +156,9 @@ def _variants_small_m(quick: bool):
                        up_ptr="*bf16", lora_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", M="i32",
                        N="i32", K="i32", R="i32", stride_xm="i32", stride_lm="i32", stride_om="i32", stride_w="i32",
                        stride_s="i32", k_per_split="i32", SPLIT_K="i32")
-            words = layout == sm.CANONICAL and not dot  # the word decode at its k-step (Flux widths divide it)
-            cx = dict(LAYOUT=layout, ACT=act, BLOCK_N=64, BLOCK_M=bm, BLOCK_K=128 if dot else sm.WORDS_BLOCK_K if words else 64,
+            words = layout == sm.CANONICAL and not dot  # the word decode at its tile (Flux widths divide it)
+            bn, bk = sm.WORDS_TILE[act] if words else (64, 128 if dot else 64)
+            cx = dict(LAYOUT=layout, ACT=act, BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk,
                       RC=32, EVEN_K=True, NUM_STAGES=3, IS_SPLIT=split > 1, HAS_BIAS=True, HAS_LORA=lora, USE_DOT=dot,
                       DOT_F32=False, WORDS=words, ASM=words, PREFETCH=False, CHAIN=words and sm.WORDS_CHAIN)
             out.append((sm._small_m_kernel, sig, cx, dict(num_warps=4),

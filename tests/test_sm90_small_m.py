@@ -107,8 +107,8 @@ sig = dict(x_ptr="*bf16", smooth_ptr="*fp32", w_ptr="*u8", s_ptr="*u8", cs_ptr="
            K="i32", R="i32", stride_xm="i32", stride_lm="i32", stride_om="i32", stride_w="i32", stride_s="i32",
            k_per_split="i32", SPLIT_K="i32")
 out = {}
-for words, block_k in ((True, 128), (False, 64)):  # each decode at the k-step the backend runs it with
-    cx = dict(LAYOUT=sm.CANONICAL, ACT=sm.ACT_X, BLOCK_N=64, BLOCK_M=1, BLOCK_K=block_k, RC=16, EVEN_K=True, NUM_STAGES=3,
+for words, (block_n, block_k) in ((True, sm.WORDS_TILE[sm.ACT_X]), (False, (64, 64))):  # each at the backend's tile
+    cx = dict(LAYOUT=sm.CANONICAL, ACT=sm.ACT_X, BLOCK_N=block_n, BLOCK_M=1, BLOCK_K=block_k, RC=16, EVEN_K=True, NUM_STAGES=3,
               IS_SPLIT=True, HAS_BIAS=False, HAS_LORA=False, USE_DOT=False, DOT_F32=False, WORDS=words, ASM=words,
               PREFETCH=False, CHAIN=words and sm.WORDS_CHAIN)
     fn = sm._small_m_kernel
@@ -127,17 +127,19 @@ for words, block_k in ((True, 128), (False, 64)):  # each decode at the k-step t
     bodies = [b for b in bodies if any("LDGSTS" in t for t in b)]  # the pipelined main loop
     assert bodies, "no pipelined loop in the SASS"
     body = max(bodies, key=len)
-    out[str(words)] = dict(n=len(body), per_value=len(body) / (64 * block_k / 128),
-                           unpack=sum("F2FP.F16.E4M3.UNPACK_B" in t for t in body))
+    out[str(words)] = dict(n=len(body), per_value=len(body) / (block_n * block_k / 128), values=block_n * block_k // 128,
+                           unpack=sum("F2FP.F16.E4M3.UNPACK_B" in t for t in body),
+                           shfl=sum("SHFL" in t for t in body))
 print(json.dumps(out))
 """
 
 
 def test_word_decode_compiles_to_hardware_e4m3_converts_and_fewer_instructions(tmp_path):
-    """Compiled for sm_90a here (no GPU; the real compiler, in a child process): the word decode's main
-    loop converts through ``F2FP.F16.E4M3.UNPACK_B`` (two E4M3 bytes an instruction) and issues at most
-    6 instructions per weight value a thread handles (64 x 128 tile on 4 warps: 64 values a thread a
-    trip), at most 0.7x the per-byte decode's at its own k-step (about 10 a value)."""
+    """Compiled for sm_90a here (no GPU; the real compiler, in a child process), each decode at the tile
+    the backend runs it with on 4 warps: the word decode's main loop converts through
+    ``F2FP.F16.E4M3.UNPACK_B`` (two E4M3 bytes an instruction), has no cross-thread shuffle (the block
+    chain reduces across k after the loop) and issues at most 5.25 instructions per weight value a thread
+    handles (5.0 with Triton 3.9 at 32 x 256; 4.6 at 64 x 128), at most 0.6x the per-byte decode's (about 10)."""
     import json
     import os
     import sys
@@ -153,10 +155,11 @@ def test_word_decode_compiles_to_hardware_e4m3_converts_and_fewer_instructions(t
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     words, byte = res["True"], res["False"]
-    assert 64 // 2 <= words["unpack"] <= 64 // 2 + 2  # the values', and the block scales' (8 a thread a trip)
+    assert words["values"] // 2 <= words["unpack"] <= words["values"] // 2 + 4  # the values' and the block scales'
+    assert words["shfl"] == 0, words
     per_value, per_value_bytes = words["per_value"], byte["per_value"]
-    assert per_value <= 6, per_value
-    assert per_value <= 0.7 * per_value_bytes, (per_value, per_value_bytes)
+    assert per_value <= 5.25, per_value
+    assert per_value <= 0.6 * per_value_bytes, (per_value, per_value_bytes)
 
 
 @pytest.mark.parametrize("m", [1, 8, 12, 64])

@@ -54,8 +54,12 @@ MAX_M = 64  # tokens this kernel serves
 FMA_MAX_M = 2  # up to this many tokens: multiply-adds instead of a 16-wide dot (docs/perf.md) ...
 FMA_MAX_WEIGHT = 1 << 24  # ... past one token only for weights up to this many elements (use_fma)
 CTAS_PER_SM = 8  # the grid the split-K aims at (docs/perf.md: 8 beat 4 at every measured shape but one)
-WORDS_BLOCK_K = 128  # the multiply-adds' k-step with the word decode (docs/perf.md, 2026-12-04 eighth session)
-WORDS_CHAIN = False  # the word decode's block chain with the reduction after the loop (CHAIN); not yet timed
+WORDS_BLOCK_K = 128  # the word decode's smallest k-step (docs/perf.md, 2026-12-04 eighth session)
+# (block_n, block_k) of the word decode per activation form, measured on the H200 (docs/perf.md, 2026-12-04
+# ninth session): 16-bit activations 32 x 256 (2.02x cuBLAS at adaLN 3072x18432); quantized in the
+# kernel 64 x 128 (the k-step 256 lost 40 % there)
+WORDS_TILE = {ACT_X: (32, 256), ACT_NVFP4: (64, 128)}
+WORDS_CHAIN = True  # the word decode's block chain, k reduced after the loop (CHAIN): 2-10 % faster (ninth session)
 
 
 def use_fma(m: int, n: int, k: int) -> bool:
@@ -457,7 +461,7 @@ def split_for(block_m: int, n: int, k: int, block_n: int, block_k: int, sms: int
 def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colscale: torch.Tensor, n: int, *,
            act: int, out_dtype: torch.dtype, smooth: torch.Tensor | None = None, bias: torch.Tensor | None = None,
            proj_up: torch.Tensor | None = None, lora_act: torch.Tensor | None = None,
-           block_n: int = 64, block_k: int | None = None, split_k: int | None = None,
+           block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
            num_warps: int | None = None, num_stages: int = 3, words: bool | None = None,
            maxnreg: int | None = None, prefetch: bool = False, chain: bool | None = None) -> torch.Tensor:
     """``out [M, N] = (A(x) @ W^T) * colscale + lora_act @ proj_up^T + bias`` for M <= 64.
@@ -495,16 +499,19 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
     if r:  # proj_up's row stride is R: the padded columns of a prepared lora_act are not read
         r = proj_up.shape[1]
     use_dot = not use_fma(m, n, k)
-    if layout == QUACK and block_n != 64:
-        raise ValueError(f"the repacked layout is read a 64-row group a tile, got block_n={block_n}")
-    # measured on the H200 (docs/perf.md, "Small M" and 2026-12-04 eighth session): 64 x 128 over 4
-    # warps for the multiply-adds with the word decode (64 x 64 with the per-byte one) and for the dot;
-    # three pipeline stages
     # the word decode reads the canonical codes as int32 words: multiply-adds, K a multiple of the k-step
     word_ok = layout == CANONICAL and not use_dot and w.data_ptr() % 4 == 0
+    wbn, wbk = WORDS_TILE[act]
+    wants = (word_ok and k % WORDS_BLOCK_K == 0) if words is None else words
+    if block_n is None:  # measured on the H200 (docs/perf.md, 2026-12-04 ninth session)
+        block_n = wbn if wants and k % wbk == 0 else 64
+    if layout == QUACK and block_n != 64:
+        raise ValueError(f"the repacked layout is read a 64-row group a tile, got block_n={block_n}")
+    # measured on the H200 (docs/perf.md, "Small M", 2026-12-04 eighth and ninth sessions): with the
+    # word decode 32 x 256 for 16-bit activations, 64 x 128 when the kernel quantizes them (WORDS_TILE);
+    # 64 x 64 with the per-byte decode; 64 x 128 for the dot; 4 warps, three pipeline stages
     if block_k is None:  # the word decode where it applies, at its k-step; else the per-byte one's 64
-        wants = word_ok and k % WORDS_BLOCK_K == 0 if words is None else words
-        block_k = 128 if use_dot else WORDS_BLOCK_K if wants else 64
+        block_k = 128 if use_dot else (wbk if k % wbk == 0 else WORDS_BLOCK_K) if wants else 64
     bk = block_k_for(layout, k, block_k)
     num_warps = num_warps or 4
     bm = max(16, next_pow2(m)) if use_dot else next_pow2(m)
