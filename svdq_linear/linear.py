@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from . import backends, nvfp4
+from ._env import getenv
 from .svdquant import SVDQuantConfig, SVDQuantWeights, svdquant, weight_only
 
 
@@ -375,7 +376,7 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
         Set per module (``set_mode``), per model (``svdq_linear.set_mode``) or by ``$SVDQ_LINEAR_MODE``;
         a module's own setting wins over the variable.
         """
-        mode = getattr(self, "_mode", None) or os.environ.get(ENV_MODE) or "auto"
+        mode = self.__dict__.get("_mode") or getenv(ENV_MODE) or "auto"  # a plain attribute, when set
         if mode not in MODES:
             raise ValueError(f"expected a mode in {MODES} (module or ${ENV_MODE}), got {mode!r}")
         return mode

@@ -672,3 +672,27 @@ def test_repeated_blocks_with_an_unprepared_layer_share_one_graph():
         assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     finally:
         torch._dynamo.reset()
+
+
+def test_getenv_reads_what_os_environ_holds(monkeypatch):
+    """The hot path's environment reader (``svdq_linear._env.getenv``) sees every change made through
+    ``os.environ`` at once, as ``os.environ.get`` does."""
+    import os
+
+    from svdq_linear._env import getenv
+
+    name = "SVDQ_LINEAR_TEST_GETENV"
+    monkeypatch.delenv(name, raising=False)
+    assert getenv(name) is None and getenv(name, "d") == "d"
+    monkeypatch.setenv(name, "fast")
+    assert getenv(name) == os.environ.get(name) == "fast"
+    os.environ[name] = "ünï"  # non-ASCII survives the encoding round trip
+    assert getenv(name) == "ünï"
+    del os.environ[name]
+    assert getenv(name) is None
+    monkeypatch.setenv("SVDQ_LINEAR_MODE", "exact")
+    m = SVDQW4A4Linear(32, 16, rank=4)
+    assert m.mode == "exact" and m.kind == "w4a4"
+    monkeypatch.setenv("SVDQ_LINEAR_MODE", "bogus")
+    with pytest.raises(ValueError, match="bogus"):
+        m.mode

@@ -24,7 +24,6 @@ backend serves everything, so a call always runs.
 from __future__ import annotations
 
 import importlib
-import os
 import threading
 import warnings
 import weakref
@@ -32,6 +31,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from .._env import getenv
 
 ENV_BACKEND = "SVDQ_LINEAR_BACKEND"
 
@@ -124,6 +125,7 @@ class _Entry:
 
 _ENTRIES: dict[str, _Entry] = {}
 _GENERATION = 0  # bumped by each registration: a traced call reads it, so a compiled graph recompiles
+_LOADS = 0  # bumped when an entry loads or fails: with _GENERATION and the entry count, the registry's state
 _LOCK = threading.Lock()
 _WARNED: set[tuple] = set()
 
@@ -150,11 +152,14 @@ def _load(entry: _Entry) -> Backend | None:
     if entry.backend is None and entry.failed is None:
         with _LOCK:
             if entry.backend is None and entry.failed is None:
+                global _LOADS
                 try:
                     entry.backend = entry.loader()
                 except Exception as e:  # a missing optional dependency: this backend is unavailable
                     entry.failed = f"{type(e).__name__}: {e}"
                     warnings.warn(f"svdq-linear: backend {entry.name!r} is unavailable ({entry.failed})", stacklevel=3)
+                finally:
+                    _LOADS += 1
     return entry.backend
 
 
@@ -185,13 +190,14 @@ def _where(device: torch.device) -> str:
     return f"{device}" + (f" (sm_{cap[0]}{cap[1]})" if cap else "")
 
 
-# (device, kind) -> (registry snapshot, backends, the entries): the entries are held so that their ids in
-# the snapshot cannot be reused by new ones while the snapshot is cached
-_CANDIDATES: dict[tuple, tuple[tuple, list[Backend], tuple]] = {}
+# (device, kind) -> (registry snapshot, backends)
+_CANDIDATES: dict[tuple, tuple[tuple, list[Backend]]] = {}
 
 
 def _registry_snapshot() -> tuple:
-    return tuple((id(e), id(e.backend), e.failed is None) for e in _ENTRIES.values())
+    """Changes when an entry is registered, removed, loaded or failed (three integers: this runs on
+    every call)."""
+    return _GENERATION, _LOADS, len(_ENTRIES)
 
 
 def candidates(device: torch.device | str, kind: str) -> list[Backend]:
@@ -218,7 +224,7 @@ def _candidates_eager(device: torch.device, kind: str) -> list[Backend]:
         backend = _load(entry)
         if backend is not None and backend.supports(device, kind):
             out.append(backend)
-    _CANDIDATES[key] = (_registry_snapshot(), out, tuple(_ENTRIES.values()))  # after the loads above
+    _CANDIDATES[key] = (_registry_snapshot(), out)  # after the loads above
     return list(out)
 
 
@@ -232,7 +238,7 @@ def _candidate_names(device_type: str, index: int | None, kind: str, generation:
 
 
 def preferred_name(module) -> str | None:
-    return module._backend_pref or os.environ.get(ENV_BACKEND) or None
+    return module._backend_pref or getenv(ENV_BACKEND) or None
 
 
 def _warn_once(key: tuple, msg: str) -> None:
@@ -245,7 +251,7 @@ def select_backend(device: torch.device | str, name: str | None = None, kind: st
     """The backend a layer of ``kind`` would get on ``device`` (ignoring layer and call checks)."""
     device = torch.device(device)
     cands = candidates(device, kind)
-    name = name or os.environ.get(ENV_BACKEND) or None
+    name = name or getenv(ENV_BACKEND) or None
     if name is not None:
         for b in cands:
             if b.name == name:

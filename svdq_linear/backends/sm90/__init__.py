@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..._env import getenv
+
 from .. import Backend, device_capability, tracing, w4a8_fast_gemm, weights_are_offloaded
 from . import tuning  # plain Python: no Triton, cutlass or quack
 from .fast_layout import fast_act_ops  # plain torch
@@ -76,7 +78,7 @@ ENV_COMPILER_PASS = "SVDQ_SM90_COMPILER_PASS"
 def _route_small_m_mma(mode: str, x: torch.Tensor, n: int) -> bool:
     """Whether this call of ``x [M, K]`` runs small_m_mma (a CUDA kernel: never under the Triton
     interpreter on the CPU)."""
-    env = os.environ.get(ENV_SMALL_M_MMA)  # read per call (benchmarks toggle it)
+    env = getenv(ENV_SMALL_M_MMA)  # read per call (benchmarks toggle it)
     m, k = x.shape
     if env == "0" or not 1 <= m <= tuning.MMA_TOKENS or not x.is_cuda:  # no tokens: the other paths' empty output
         return False
@@ -243,7 +245,7 @@ class Sm90Backend(Backend):
         # Under per-call offload the repacked copy would be rebuilt for every call: use the Triton GEMM.
         # quack serves bf16 activations, which follow the module's dtype in a pipeline: an fp16 module
         # would keep a repacked copy that no call reads.
-        return (not self.interpret and not weights_are_offloaded(module) and os.environ.get(ENV_QUACK, "1") != "0"
+        return (not self.interpret and not weights_are_offloaded(module) and getenv(ENV_QUACK, "1") != "0"
                 and n % 128 == 0 and k % 128 == 0 and module.proj_up.dtype == torch.bfloat16
                 and _quack_module() is not None)
 
@@ -293,7 +295,7 @@ class Sm90Backend(Backend):
         """Whether this traced fast-mode call leaves its activation pass to the compiler: the quack GEMM
         with the low-rank branch in its accumulator (or none), and more tokens than small_m_mma takes
         (a static count: a dynamic one keeps the whole op)."""
-        if not tracing() or os.environ.get(ENV_COMPILER_PASS, "0") != "1" or self.interpret:
+        if not tracing() or getenv(ENV_COMPILER_PASS, "0") != "1" or self.interpret:
             return False
         if type(getattr(prepared, "quack", None)).__name__ != "FastWeight":
             return False
@@ -384,7 +386,7 @@ class Sm90Backend(Backend):
         if qweight.numel() == 0:  # quack's repacked tensors stand in for the canonical ones (replaced)
             layout, w, s = small_m.QUACK, extra[-4], extra[-3]
         mma = layout == small_m.QUACK and x.dtype == torch.bfloat16 and _route_small_m_mma("exact", x, n)
-        if mma and os.environ.get(ENV_MMA_FUSED) == "1" and len(extra) in (4, 7):  # no branch, or its accumulator form
+        if mma and getenv(ENV_MMA_FUSED) == "1" and len(extra) in (4, 7):  # no branch, or its accumulator form
             from .quack_gemm import weight as quack_gemm_weight
 
             qw = quack_gemm_weight(extra[-4:])
@@ -414,11 +416,11 @@ class Sm90Backend(Backend):
         out_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
         if _route_small_m_mma("fast", x, fw.cs.numel()):
             mma = _small_m_mma_module()
-            if os.environ.get(ENV_MMA_FUSED) == "1" and len(extra) == 7:  # the accumulator form, in one launch
+            if getenv(ENV_MMA_FUSED) == "1" and len(extra) == 7:  # the accumulator form, in one launch
                 a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=_mm_f32(x.to(torch.bfloat16), extra[0]),
                                                            inv_smooth=inv, gemm_order=True)
                 out = mma.linear_fast_fused(a8, sa, fw, extra[1], la, extra[2], out_dtype=out_dtype)
-            elif os.environ.get(ENV_MMA_FUSED) == "1" and len(extra) == 4:  # no low-rank branch
+            elif getenv(ENV_MMA_FUSED) == "1" and len(extra) == 4:  # no low-rank branch
                 a8, sa = self.kernels.quantize_act_fp8(x, smooth, inv_smooth=inv, gemm_order=True)
                 out = mma.linear_fast_fused(a8, sa, fw, out_dtype=out_dtype)
             else:
@@ -444,7 +446,7 @@ class Sm90Backend(Backend):
     def _lora_act(self, x: torch.Tensor, pds: torch.Tensor) -> torch.Tensor:
         """The fast mode's ``lora_act = x @ pds`` in fp32: cuBLAS, or ``kernels.lora_act`` where
         ``tuning.lora_act_plan`` says (its split's partial sums, which ``quantize_act_fp8`` adds)."""
-        plan = tuning.lora_act_plan(x.shape[0], x.shape[1], pds.shape[1], os.environ.get(tuning.ENV_LORA_ACT))
+        plan = tuning.lora_act_plan(x.shape[0], x.shape[1], pds.shape[1], getenv(tuning.ENV_LORA_ACT))
         if plan is None:
             return _mm_f32(x.to(torch.bfloat16), pds)
         return self.kernels.lora_act(x, pds, torch.float32, block_m=plan.block_m, split=plan.split,

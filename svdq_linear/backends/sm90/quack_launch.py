@@ -18,12 +18,13 @@ fresh object and the frontend's path.
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 from quack.gemm_runtime.host import run_gemm_epi_plan
 from quack.operand_transform.host import as_transform_mod
+
+from ..._env import getenv
 
 _WEIGHTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(blob) -> prepared weight
 # "0": every call through the frontend (for measuring the difference; read per call)
@@ -60,7 +61,7 @@ def launch(mod, w, sf, a, out, epi_args: dict, transform, *, tile_m: int, tile_n
     tensors (``a``, ``out`` and the epilogue operands that are not the weight's) are not contiguous,
     unregistered weights and compile-only calls take the frontend's path."""
     key = None
-    if launch and w.warm is not None and os.environ.get(ENV_WARM) != "0":
+    if launch and w.warm is not None and getenv(ENV_WARM) != "0":
         own = {id(t) for t in w.tensors()}
         per_call = [(name, t) for name, t in epi_args.items() if id(t) not in own]
         if a.is_contiguous() and out.is_contiguous() and all(t.is_contiguous() for _, t in per_call):
