@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 from ... import nvfp4
-from .launch import FastLaunch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -407,17 +406,6 @@ def _lora_act_kernel(x_ptr, pd_ptr, out_ptr, M, K, R, stride_xm, K_SPLIT,
 # costs ~4 us a call on the host (three of them doubled the fast pass's host time, docs/perf.md).
 
 
-_FAST: dict = {}
-
-
-def _fast(kernel) -> FastLaunch:
-    """The kernel's ``FastLaunch`` (made on first use): ``kernel[grid](...)`` without the JIT's per-call work."""
-    launch = _FAST.get(kernel)
-    if launch is None:
-        launch = _FAST[kernel] = FastLaunch(kernel)
-    return launch
-
-
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -457,7 +445,7 @@ def quantize_act(
     scales = torch.empty(m, k // 16, device=x.device, dtype=torch.uint8) if packed else None
     if m:
         block_k = min(block_k, next_pow2(k))
-        _fast(_quantize_act_kernel)((cdiv(m, block_m), cdiv(k, block_k)),
+        _quantize_act_kernel[(cdiv(m, block_m), cdiv(k, block_k))](
             x, smooth, smooth if xq is None else xq, smooth if codes is None else codes,
             smooth if scales is None else scales, m, k, x.stride(0), x.stride(1),
             BLOCK_M=block_m, BLOCK_K=block_k, WRITE_XQ=not packed, WRITE_CODES=packed, num_warps=num_warps,
@@ -545,12 +533,12 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
                              f"{tuple(inv_smooth.shape)} {inv_smooth.dtype}")
         rows_d, c, nch, warps_d = fp8_rows_config(k)
         rows = rows or rows_d
-        _fast(_quantize_act_fp8_rows_kernel)((cdiv(m, rows),),
+        _quantize_act_fp8_rows_kernel[(cdiv(m, rows),)](
             x, inv_smooth, a8, sa, lora_in, la if r else sa, m, k, r, x.stride(0),
             ROWS=rows, C=c, NCH=nch, BLOCK_R=_block_r(r), HAS_LORA=lora is not None, HW_CVT=not _INTERPRET,
             CANON_NAN=canon_nan, GEMM_ORDER=gemm_order, NSPLIT=nsplit, num_warps=num_warps or warps_d)
     elif m:
-        _fast(_quantize_act_fp8_kernel)((cdiv(m, block_m),),
+        _quantize_act_fp8_kernel[(cdiv(m, block_m),)](
             x, smooth, a8.view(torch.uint8), sa, lora_in, pds, la if r else sa, m, k, r, x.stride(0), x.stride(1),
             BLOCK_M=block_m, BLOCK_K=min(block_k, next_pow2(k)), BLOCK_R=_block_r(r),
             HAS_LORA=lora is not None, FUSE_LORA=proj_down_smoothed is not None, DOT_F32=_INTERPRET,
@@ -585,7 +573,7 @@ def lora_act(x: torch.Tensor, pds: torch.Tensor, out_dtype: torch.dtype = torch.
     block_k = block_k or (128 if _block_r(r) <= 64 else 64)
     k_split = cdiv(cdiv(k, split), block_k) * block_k
     if m and r:
-        _fast(_lora_act_kernel)((cdiv(m, block_m), split),
+        _lora_act_kernel[(cdiv(m, block_m), split)](
             x, pds, out, m, k, r, x.stride(0), k_split, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r),
             NUM_STAGES=num_stages, DOT_F32=_INTERPRET, num_warps=num_warps)
     elif m:
@@ -626,7 +614,7 @@ def w4_gemm(
     part = torch.empty(split, m, n, device=a.device, dtype=torch.float32) if split > 1 else dummy
     grid = (cdiv(n, cfg.block_n) * cdiv(m, cfg.block_m), split)
     even_k = k % cfg.block_k == 0 and k_per_split * split == k
-    _fast(_w4_gemm_kernel)(grid,
+    _w4_gemm_kernel[grid](
         a, qweight, wscales.view(torch.uint8), wcscale, bias if has_bias else dummy,
         proj_up if r else dummy, lora_act if r else dummy, out, part,
         m, n, k, r, a.stride(0), out.stride(0), k_per_split,
@@ -646,7 +634,7 @@ def splitk_epilogue(part: torch.Tensor, out: torch.Tensor, colscale: torch.Tenso
     split, m, n = part.shape
     r = 0 if proj_up is None else proj_up.shape[1]
     bn, bm = 64, min(64, max(16, next_pow2(m)))
-    _fast(_splitk_epilogue_kernel)((cdiv(n, bn), cdiv(m, bm)),
+    _splitk_epilogue_kernel[(cdiv(n, bn), cdiv(m, bm))](
         part, colscale, part if bias is None else bias, proj_up if r else part, lora_act if r else part,
         out, m, n, r, out.stride(0),
         SPLIT_K=split, BLOCK_N=bn, BLOCK_M=bm, BLOCK_R=_block_r(r), HAS_BIAS=bias is not None, HAS_LORA=bool(r),

@@ -44,7 +44,6 @@ import triton
 import triton.language as tl
 
 from .kernels import _round_e4m3, next_pow2
-from .launch import FastLaunch
 from .tuning import SM_COUNT
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -419,8 +418,6 @@ def _small_m_kernel(
 
 # ---- host side ------------------------------------------------------------------------------------
 
-_LAUNCH = FastLaunch(_small_m_kernel)  # kernel[grid](...) without the JIT's per-call work once compiled
-
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
@@ -536,7 +533,7 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
     dummy = colscale
     part = torch.empty(split * tiles * block_n * bm, device=x.device, dtype=torch.float32) if split > 1 else dummy
     cnt = _counters(x.device, tiles) if split > 1 else dummy
-    _LAUNCH((tiles, split),
+    _small_m_kernel[(tiles, split)](
         x, smooth if smooth is not None else dummy, w, s.view(torch.uint8), colscale,
         bias if bias is not None else dummy, proj_up if r else dummy, lora_act if r else dummy, out, part, cnt,
         m, n, k, r, x.stride(0), lora_act.stride(0) if r else 0, out.stride(0), k // 2, k // 16, per * bk, split,
