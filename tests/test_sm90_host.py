@@ -126,3 +126,14 @@ def test_lora_act_plan_rule_and_environment():
     for bad in ("fast", "64,2,4", "48,2,4,3"):
         with pytest.raises(ValueError, match="SVDQ_SM90_LORA_ACT"):
             tuning.lora_act_plan(4096, 3072, 32, bad)
+
+
+def test_triton_gemm_stays_at_two_stages_above_64_tokens():
+    """Triton 3.6 on sm_90 mis-compiles the 3-stage loop of the table's 128 x 256 x 64 tile (garbage in
+    some outputs at 1000 tokens, run to run: tuning.MAX_STAGES_ABOVE_64); the small-M configs keep theirs."""
+    from svdq_linear.backends.sm90 import tuning
+
+    for m in (65, 128, 512, 1000, 4096, 8192):
+        for n, k in ((3072, 3072), (12288, 3072), (3072, 12288)):
+            assert tuning.pick(m, n, k).num_stages <= tuning.MAX_STAGES_ABOVE_64 == 2
+    assert tuning.pick(16, 3072, 3072).num_stages == 4
