@@ -376,7 +376,10 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
         Set per module (``set_mode``), per model (``svdq_linear.set_mode``) or by ``$SVDQ_LINEAR_MODE``;
         a module's own setting wins over the variable.
         """
-        mode = self.__dict__.get("_mode") or getenv(ENV_MODE) or "auto"  # a plain attribute, when set
+        # a plain attribute when set: read from __dict__ (a missing one through nn.Module.__getattr__ raises,
+        # ~4 us a call); while dynamo traces, getattr, which it guards even while unset (set_mode recompiles)
+        own = getattr(self, "_mode", None) if torch.compiler.is_compiling() else self.__dict__.get("_mode")
+        mode = own or getenv(ENV_MODE) or "auto"
         if mode not in MODES:
             raise ValueError(f"expected a mode in {MODES} (module or ${ENV_MODE}), got {mode!r}")
         return mode

@@ -115,3 +115,19 @@ def test_loader_names_layers_and_does_not_ask_the_hub_for_a_missing_path(tmp_pat
     loaded = load_svdq_pipeline(tmp_path / "q")
     names = [m.layer_name for n, m in loaded.transformer.named_modules() if isinstance(m, SVDQW4A4Linear)]
     assert names and all(names)
+
+
+def test_set_mode_after_compiling_takes_effect():
+    """``set_mode`` on a module that a compiled graph already runs: the graph's guard on the module's mode
+    (unset until then) fails and the call recompiles into the new mode, as eager does."""
+    torch._dynamo.reset()
+    m = SVDQW4A4Linear.from_linear(torch.nn.Linear(64, 32), rank=4)
+    x = torch.randn(3, 64)
+    f = torch.compile(m, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        y_auto = f(x)
+        assert torch.equal(y_auto, m(x))  # auto: exact on the CPU
+        m.set_mode("fast")
+        y_fast = f(x)
+        assert torch.equal(y_fast, m(x)) and not torch.equal(y_fast, y_auto)
+    torch._dynamo.reset()

@@ -92,6 +92,10 @@ def test_word_decode_takes_what_it_can_read():
         with pytest.raises(ValueError, match="word decode"):
             sm.linear(x.to(DEV), sm.CANONICAL, q.to(DEV), ws.to(DEV), torch.ones(64, device=DEV), 64, act=sm.ACT_X,
                       out_dtype=out_dtype, words=True)
+    q2, ws2 = _weight(64, 256, gen)  # the repacked layout: the word decode's reason, not a tile's
+    with pytest.raises(ValueError, match="word decode takes the canonical layout"):
+        sm.linear(torch.randn(1, 256).bfloat16().to(DEV), sm.QUACK, q2.to(DEV), ws2.to(DEV), torch.ones(64, device=DEV),
+                  64, act=sm.ACT_X, out_dtype=torch.float32, words=True)
 
 
 _WORDS_SASS = """

@@ -54,7 +54,7 @@ MAX_M = 64  # tokens this kernel serves
 FMA_MAX_M = 2  # up to this many tokens: multiply-adds instead of a 16-wide dot (docs/perf.md) ...
 FMA_MAX_WEIGHT = 1 << 24  # ... past one token only for weights up to this many elements (use_fma)
 CTAS_PER_SM = 8  # the grid the split-K aims at (docs/perf.md: 8 beat 4 at every measured shape but one)
-WORDS_BLOCK_K = 128  # the word decode's smallest k-step (docs/perf.md, 2026-12-04 eighth session)
+WORDS_BLOCK_K = 128  # the word decode's k-step where K is no multiple of WORDS_TILE's (docs/perf.md, eighth session)
 # (block_n, block_k) of the word decode per activation form, measured on the H200 (docs/perf.md, 2026-12-04
 # ninth session): 16-bit activations 32 x 256 (2.02x cuBLAS at adaLN 3072x18432); quantized in the
 # kernel 64 x 128 (the k-step 256 lost 40 % there)
@@ -315,6 +315,8 @@ def _small_m_kernel(
     # CHAIN (with WORDS): a block's 16 products in one multiply-add chain (_words_block_dot), times the
     # block scale into per-thread [BLOCK_N, BLOCK_K / 16] sums per token, reduced across k once after
     # the loop instead of a cross-thread sum every trip
+    if CHAIN:
+        tl.static_assert(WORDS and BLOCK_M <= 2, "CHAIN goes with the word decode's one or two tokens")
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     ri = tl.arange(0, BLOCK_N)
@@ -504,7 +506,7 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
     wbn, wbk = WORDS_TILE[act]
     wants = (word_ok and k % WORDS_BLOCK_K == 0) if words is None else words
     if block_n is None:  # measured on the H200 (docs/perf.md, 2026-12-04 ninth session)
-        block_n = wbn if wants and k % wbk == 0 else 64
+        block_n = wbn if wants and word_ok and k % wbk == 0 else 64
     if layout == QUACK and block_n != 64:
         raise ValueError(f"the repacked layout is read a 64-row group a tile, got block_n={block_n}")
     # measured on the H200 (docs/perf.md, "Small M", 2026-12-04 eighth and ninth sessions): with the
