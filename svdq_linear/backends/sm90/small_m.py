@@ -236,17 +236,25 @@ def _split8(a, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _words_dot(word, a, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
-    """Per word (8 consecutive k of a weight row): sum over its 8 columns of E2M1 value x 2**-6 times
-    the activation, fp32 ``[BLOCK_N, BLOCK_K / 8]``; ``word [BLOCK_N, BLOCK_K / 8]`` int32 of the
-    canonical codes (byte t: k = 8 j + 2 t in the low nibble, 8 j + 2 t + 1 in the high one), ``a [1,
-    BLOCK_K]`` fp32. Each nibble becomes an E4M3 byte of the same sign whose exponent and mantissa
-    fields hold the code's (an E4M3 number of value E2M1 x 2**-6, subnormals included), four at a time
-    in a 32-bit register: three logic ops a word a half instead of several a value."""
+def _word_values(word, ASM: tl.constexpr):
+    """The eight E2M1 values x 2**-6 of each int32 ``word`` of canonical codes (byte t: k = 8 j + 2 t in
+    the low nibble, 8 j + 2 t + 1 in the high one) as fp32, in k order 0, 2, 4, 6, 1, 3, 5, 7. Each
+    nibble becomes an E4M3 byte of the same sign whose exponent and mantissa fields hold the code's (an
+    E4M3 number of value E2M1 x 2**-6, subnormals included), four at a time in a 32-bit register: three
+    logic ops a word a half instead of several a value."""
     ev = ((word & 0x08080808) << 4) | ((word & 0x07070707) << 2)  # even k: low nibbles
     od = (word & -0x7F7F7F80) | ((word >> 2) & 0x1C1C1C1C)  # odd k: high nibbles (-0x7F7F7F80: 0x80808080)
     e0, e2, e4, e6 = _e4m3x4_to_f32(ev, ASM)
     o1, o3, o5, o7 = _e4m3x4_to_f32(od, ASM)
+    return e0, e2, e4, e6, o1, o3, o5, o7
+
+
+@triton.jit
+def _words_dot(word, a, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """Per word (8 consecutive k of a weight row): sum over its 8 columns of E2M1 value x 2**-6 times
+    the activation, fp32 ``[BLOCK_N, BLOCK_K / 8]``; ``word [BLOCK_N, BLOCK_K / 8]`` int32 of the
+    canonical codes (``_word_values``), ``a [1, BLOCK_K]`` fp32."""
+    e0, e2, e4, e6, o1, o3, o5, o7 = _word_values(word, ASM)
     a0, a1, a2, a3, a4, a5, a6, a7 = _split8(a, ROWS, BLOCK_K)
     return (e0 * a0 + e2 * a2 + e4 * a4 + e6 * a6) + (o1 * a1 + o3 * a3 + o5 * a5 + o7 * a7)
 
@@ -260,10 +268,8 @@ def _words_block_dot(word, a, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl
     a_lo, a_hi = tl.split(tl.permute(tl.reshape(a, (ROWS, BLOCK_K // 16, 2, 8)), (0, 1, 3, 2)))
     a0, a1, a2, a3, a4, a5, a6, a7 = _split8(tl.reshape(a_lo, (ROWS, BLOCK_K // 2)), ROWS, BLOCK_K // 2)
     b0, b1, b2, b3, b4, b5, b6, b7 = _split8(tl.reshape(a_hi, (ROWS, BLOCK_K // 2)), ROWS, BLOCK_K // 2)
-    e0, e2, e4, e6 = _e4m3x4_to_f32(((w_lo & 0x08080808) << 4) | ((w_lo & 0x07070707) << 2), ASM)
-    o1, o3, o5, o7 = _e4m3x4_to_f32((w_lo & -0x7F7F7F80) | ((w_lo >> 2) & 0x1C1C1C1C), ASM)
-    f0, f2, f4, f6 = _e4m3x4_to_f32(((w_hi & 0x08080808) << 4) | ((w_hi & 0x07070707) << 2), ASM)
-    p1, p3, p5, p7 = _e4m3x4_to_f32((w_hi & -0x7F7F7F80) | ((w_hi >> 2) & 0x1C1C1C1C), ASM)
+    e0, e2, e4, e6, o1, o3, o5, o7 = _word_values(w_lo, ASM)
+    f0, f2, f4, f6, p1, p3, p5, p7 = _word_values(w_hi, ASM)
     s = e0 * a0
     s = s + o1 * a1
     s = s + e2 * a2
@@ -309,7 +315,7 @@ def _small_m_kernel(
     CHAIN: tl.constexpr = False,
 ):
     # WORDS (canonical layout, multiply-adds, K % BLOCK_K == 0): the codes read and decoded a 32-bit
-    # word at a time (_words_dot), the activations gathered to match, block scales x 64. PREFETCH
+    # word at a time (_word_values), the activations gathered to match, block scales x 64. PREFETCH
     # (with WORDS): each k-step's activations and block scales loaded one step ahead, in registers
     # (ncu: a third of the word loop's stalls wait on those loads, issued and consumed in the step).
     # CHAIN (with WORDS): a block's 16 products in one multiply-add chain (_words_block_dot), times the
