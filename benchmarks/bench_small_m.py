@@ -1,6 +1,6 @@
 """GPU time of the sm90 paths at a few tokens, without host overhead: CUDA-graph replays.
 
-    python benchmarks/bench_small_m.py [--out FILE] [--sweep] [--crossover] [--mma] [--mma-sweep]
+    python benchmarks/bench_small_m.py [--out FILE] [--sweep] [--crossover] [--mma] [--mma-sweep] [--words] [--tokens]
 
 At M <= 64 one call is microseconds of GPU work behind ~0.2 ms of Python and launch overhead, so
 ``do_bench`` on the eager call measures the host. Here each variant is captured once in a CUDA graph
@@ -102,30 +102,39 @@ def mma_kernel_call(q, x):
                                            out_dtype=x.dtype, **kw)
 
 
-def kernel_call(q, x, mode: str):
+def kernel_call(q, x, mode: str, fma: bool | None = None):
     """The small-M kernel alone as the backend calls it (activations and lora_act made beforehand);
     ``exact`` reads quack's blob where quack is installed (as the backend does), ``exact-canonical``
-    the canonical tensors, ``w4a16`` the canonical ones too."""
+    the canonical tensors, ``w4a16`` the canonical ones too. ``fma`` forces the multiply-add form (the
+    exact mode's activations then quantized in the kernel) or the dot instead of ``small_m.use_fma``."""
     n, k = q.out_features, q.in_features
     if mode == "w4a16":
         return lambda **kw: small_m.linear(x, small_m.CANONICAL, q.qweight, q.wscales, q.wcscale.float(), n,
-                                           act=small_m.ACT_X, bias=q.bias, out_dtype=x.dtype, **kw)
+                                           act=small_m.ACT_X, bias=q.bias, out_dtype=x.dtype, fma=fma, **kw)
     if mode not in ("exact", "exact-canonical"):
         raise ValueError(f"expected mode 'w4a16', 'exact' or 'exact-canonical', got {mode!r}")
-    lora = torch.randn(x.shape[0], q.rank, device="cuda", dtype=torch.bfloat16)
+    # the same lora_act for every call on this layer and input (the forms are compared with each other)
+    lora = torch.randn(x.shape[0], q.rank, device="cuda", dtype=torch.bfloat16,
+                       generator=torch.Generator(device="cuda").manual_seed(x.shape[0]))
     lay, w, s = small_m.CANONICAL, q.qweight, q.wscales
     if mode == "exact" and sm90._quack_module() is not None:
         from svdq_linear.backends.sm90 import quack_gemm
 
         lay, w, s = small_m.QUACK, quack_gemm.repack_weight(q.qweight), quack_gemm.repack_scales(q.wscales)
-    act = small_m.ACT_NVFP4 if small_m.use_fma(x.shape[0], n, k) else small_m.ACT_X
-    return lambda **kw: small_m.linear(x, lay, w, s, q.wcscale.float(), n, act=act, smooth=q.smooth, bias=q.bias,
-                                       proj_up=q.proj_up, lora_act=lora, out_dtype=x.dtype, **kw)
+    in_kernel = small_m.use_fma(x.shape[0], n, k) if fma is None else fma
+    act = small_m.ACT_NVFP4 if in_kernel else small_m.ACT_X
+    a = x
+    if not in_kernel:  # the dot reads the exact activations, as the backend hands them over
+        from svdq_linear.backends.sm90 import kernels
+
+        a = kernels.quantize_act(x, q.smooth)[0]
+    return lambda **kw: small_m.linear(a, lay, w, s, q.wcscale.float(), n, act=act, smooth=q.smooth, bias=q.bias,
+                                       proj_up=q.proj_up, lora_act=lora, out_dtype=x.dtype, fma=fma, **kw)
 
 
 SHAPES = [("attn", 1, 3072, 3072), ("attn", 4, 3072, 3072), ("attn", 8, 3072, 3072), ("attn", 16, 3072, 3072),
           ("attn", 64, 3072, 3072), ("ff up", 1, 3072, 12288), ("ff down", 1, 12288, 3072)]
-ADALN = [("adaLN W4A16", 1, 3072, 18432), ("adaLN W4A16", 4, 3072, 9216)]
+ADALN = [("adaLN W4A16", 1, 3072, 18432), ("adaLN W4A16", 2, 3072, 18432), ("adaLN W4A16", 4, 3072, 9216)]
 # (block_n, block_k, warps, pipeline stages) tried by --sweep; the repacked layouts are read 64 rows a tile
 SWEEP_CANONICAL = [(64, 128, 8, 1), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 3), (64, 64, 8, 3), (128, 128, 8, 3)]
 SWEEP_REPACKED = [(64, 64, 8, 3), (64, 128, 8, 1), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 3), (64, 256, 8, 3)]
@@ -143,6 +152,50 @@ WORDS_CONFIGS = [dict(block_k=128, chain=False), dict(block_k=128, chain=True), 
                  dict(block_k=256, chain=True, prefetch=True), dict(block_k=256, chain=True, num_stages=2),
                  dict(block_k=256, chain=True, num_stages=4), dict(block_k=512, chain=True),
                  dict(block_k=256, chain=True, block_n=32), dict(block_k=256, chain=True, block_n=128)]
+
+
+# --tokens: 2-4 tokens, the dot (the default there) against the multiply-add form's word decode with the
+# block chain (the k-step decoded once for every token) at three tiles
+TOKENS_CASES = [("adaLN 3072x18432", 3072, 18432, "w4a16"), ("adaLN single 3072x9216", 3072, 9216, "w4a16"),
+                ("ff down 12288x3072", 12288, 3072, "w4a16"), ("attn 3072x3072", 3072, 3072, "w4a16"),
+                ("attn 3072x3072", 3072, 3072, "exact-canonical")]
+TOKENS_CONFIGS = [dict(block_n=32, block_k=256), dict(block_n=64, block_k=128), dict(block_n=64, block_k=256)]
+
+
+def tokens_table(copy_gbs: float) -> list[str]:
+    """2-4 tokens: the kernel alone with its dot (the default from 2 tokens on large weights) and with
+    the word decode's block chain forced (``fma=True``), each output checked against the dot's first;
+    cuBLAS bf16 beside them, same run."""
+    rows = ["", "The small-M kernel at 2-4 tokens, kernel alone (us): dot = the tensor-core form (the default "
+            "there), chain = multiply-adds with the word decode's block chain (block_n x block_k)", "",
+            "| layer | mode | M | cuBLAS bf16 | dot | " + " | ".join(f"chain {c['block_n']}x{c['block_k']}" for c in TOKENS_CONFIGS)
+            + " | best vs bf16 | best GB/s (% of copy) |", "|---|---|---|---|---|" + "---|" * len(TOKENS_CONFIGS) + "---|---|"]
+    print("\n".join(rows), flush=True)
+    for label, k, n, mode in TOKENS_CASES:
+        lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+        q = NVFP4W4A16Linear.from_linear(lin) if mode == "w4a16" else random_w4a4(k, n, 32, torch.bfloat16, "cuda")
+        for m in (1, 2, 3, 4):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
+            dot = kernel_call(q, x, mode, fma=False)
+            base = dot()
+            times = {"dot": graph_time(dot)}
+            cells = [f"{times['dot'] * 1e3:.1f}"]
+            chain = kernel_call(q, x, mode, fma=True)
+            for cfg in TOKENS_CONFIGS:
+                kw = dict(words=True, chain=True, **cfg)
+                y = chain(**kw)
+                ok = torch.allclose(y.float(), base.float(), rtol=2e-2, atol=1e-3 * base.float().abs().max().item())
+                t = graph_time(lambda kw=kw: chain(**kw))
+                if ok:
+                    times[str(cfg)] = t
+                cells.append(f"{t * 1e3:.1f}" + ("" if ok else " WRONG"))
+            best = min(times.values())
+            gbs = (n * k // 2 + n * k // 16) / (best * 1e-3) / 1e9
+            rows.append(f"| {label} | {mode} | {m} | {t_ref * 1e3:.1f} | " + " | ".join(cells)
+                        + f" | {t_ref / best:.2f}x | {gbs:.0f} ({100 * gbs / copy_gbs:.0f}%) |")
+            print(rows[-1], flush=True)
+    return rows
 
 
 def _words_label(cfg: dict) -> str:
@@ -204,6 +257,9 @@ def main() -> None:
     p.add_argument("--words", action="store_true",
                    help="only the multiply-add kernel's word decode (small_m.linear(words=True), k-step x warps) "
                         "against its per-byte decode, kernel alone, W4A16 and the exact mode's canonical layout")
+    p.add_argument("--tokens", action="store_true",
+                   help="only 1-4 tokens: the kernel's dot against the word decode's block chain (fma=True) at "
+                        "three tiles, kernel alone (what small_m.use_fma is set from)")
     args = p.parse_args()
     src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -217,8 +273,8 @@ def main() -> None:
             "| layer | M | K | N | cuBLAS bf16 | mode | linear | before | kernel | kernel vs bf16 | weight GB/s | % of copy |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     have_fast = sm90._quack_fast_module() is not None
-    if args.words:
-        rows = rows[:2] + words_table(copy_gbs)
+    if args.words or args.tokens:
+        rows = rows[:2] + (words_table(copy_gbs) if args.words else []) + (tokens_table(copy_gbs) if args.tokens else [])
         if args.out:
             Path(args.out).write_text("\n".join(rows) + "\n")
         return

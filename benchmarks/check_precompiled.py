@@ -2,6 +2,14 @@
 
     svdq-precompile --arch sm_90a --quick --python 3.12 --out .devcarry/precompiled     # CPU machine
     python benchmarks/check_precompiled.py --cache .devcarry/precompiled/quack-cache    # GPU machine
+    python benchmarks/check_precompiled.py --triton-cache DIR/triton-cache              # same Triton as DIR's
+
+``--triton-cache``: the Triton kernels instead (a cache is specific to the Triton version that wrote it,
+so DIR comes from ``svdq-precompile --quick`` run with this machine's Triton). Each layer that ``--quick``
+covers runs once through the module (exact mode on canonical weights, the W4A16 adaLN GEMV), and a new
+cache entry holding a cubin is a miss (the runtime compiled a kernel). Entries without one are Triton's
+host-side launchers (C code built with the host compiler per kernel signature, once per machine and
+signature, ~0.3 s): reported, not counted as a kernel JIT.
 
 Copies the cache to a scratch folder (quack writes lock files beside its objects), points
 ``QUACK_CACHE_DIR`` there, then runs the module forwards whose GEMMs ``--quick`` compiled (4608 x
@@ -21,10 +29,55 @@ import time
 from pathlib import Path
 
 
+def triton_main(cache: str) -> int:
+    scratch = Path(tempfile.mkdtemp()) / "triton-cache"
+    shutil.copytree(cache, scratch)
+    os.environ["TRITON_CACHE_DIR"] = str(scratch)
+    os.environ["SVDQ_SM90_QUACK"] = "0"  # the Triton GEMM serves the exact mode above 64 tokens
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_conformance import random_w4a4
+
+    from svdq_linear import NVFP4W4A16Linear
+
+    entries = lambda: {d.name for d in scratch.iterdir()}  # noqa: E731
+    print(f"{len(entries())} entries in the precompiled Triton cache")
+    ok = True
+    cases = [(f"exact {m}x3072x3072", m, lambda: random_w4a4(3072, 3072, 32, torch.bfloat16, "cuda").set_mode("exact"))
+             for m in (4608, 512, 64, 1)]
+    cases.append(("w4a16 1x3072x18432", 1, lambda: NVFP4W4A16Linear.from_linear(
+        torch.nn.Linear(3072, 18432, device="cuda", dtype=torch.bfloat16))))
+    with torch.no_grad():
+        for label, m, make in cases:
+            mod = make()
+            x = torch.randn(m, 3072, device="cuda", dtype=torch.bfloat16)
+            torch.cuda.synchronize()
+            before = entries()
+            t0 = time.perf_counter()
+            mod(x)
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+            new = entries() - before
+            kernels_built = [d for d in new if any((scratch / d).glob("*.cubin"))]
+            ok &= not kernels_built
+            print(f"{label}: first call {first * 1e3:.0f} ms, "
+                  + (f"MISS ({len(kernels_built)} kernels compiled: "
+                     f"{sorted(p.stem for d in kernels_built for p in (scratch / d).glob('*.cubin'))})"
+                     if kernels_built else "HIT (no kernel compiled)")
+                  + (f"; {len(new) - len(kernels_built)} host launchers built" if len(new) > len(kernels_built) else ""))
+    print("every Triton kernel came from the precompiled cache" if ok else "Triton compiled on this machine")
+    return 0 if ok else 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--cache", required=True, help="the quack-cache folder svdq-precompile wrote")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--cache", help="the quack-cache folder svdq-precompile wrote")
+    g.add_argument("--triton-cache", help="the triton-cache folder svdq-precompile wrote (this machine's Triton)")
     args = p.parse_args()
+    if args.triton_cache:
+        return triton_main(args.triton_cache)
     scratch = Path(tempfile.mkdtemp()) / "quack-cache"
     shutil.copytree(args.cache, scratch)
     os.environ["QUACK_CACHE_DIR"] = str(scratch)

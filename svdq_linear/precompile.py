@@ -20,9 +20,11 @@ whose cutlass and tvm-ffi must match this machine's).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +43,9 @@ def _nvidia_bin(tool: str) -> str:
 
 
 def _sass_stats(cubin: bytes, work: Path, name: str, keep_sass: bool) -> dict:
+    tool = _nvidia_bin("cuobjdump")
+    if not Path(tool).exists() and shutil.which(tool) is None:
+        return {"sass": None, "note": "no cuobjdump in this Triton's CUDA backend or on PATH"}
     cub = work / f"{name}.cubin"
     cub.write_bytes(cubin)
     sass = subprocess.run([_nvidia_bin("cuobjdump"), "--dump-sass", str(cub)], capture_output=True, text=True,
@@ -63,131 +68,179 @@ def _sass_stats(cubin: bytes, work: Path, name: str, keep_sass: bool) -> dict:
     return stats
 
 
-def _variants_sm90(quick: bool):
-    """(kernel, signature, constexprs, options, label) for each specialisation the backend launches."""
+class _CompileOnlyDriver:
+    """What Triton's ``JITFunction.run`` asks the active driver for, answered for a GPU that is not here."""
+
+    def __init__(self, target):
+        self._target = target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self._target
+
+
+@contextlib.contextmanager
+def compile_launches(target):
+    """Inside, every ``kernel[grid](...)`` of a Triton JIT function compiles what Triton's runtime would
+    compile for those very arguments and launches nothing: Triton's own binder turns them into the
+    signature, constants and alignment attributes (integers equal to 1 become constants, multiples of
+    16 and 16-byte aligned pointers get divisibility attributes), so the cache entry written is the one
+    a GPU process looks up for the same call. Yields the list of ``(kernel name, CompiledKernel)``."""
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import KernelInterface
+
+    compiled: list = []
+    touched: set = set()
+
+    def getitem(fn, grid):
+        def launch(*args, **kwargs):
+            touched.add(fn)
+            kernel = fn.run(*args, grid=grid, warmup=True, **kwargs)
+            compiled.append((getattr(fn, "__name__", type(fn).__name__), kernel))
+
+        return launch
+
+    saved_getitem, saved_active = KernelInterface.__getitem__, driver._active
+    KernelInterface.__getitem__ = getitem
+    driver.set_active(_CompileOnlyDriver(target))
+    try:
+        yield compiled
+    finally:
+        KernelInterface.__getitem__ = saved_getitem
+        driver._active = saved_active
+        for fn in touched:  # their per-device caches hold the stand-in target's binder
+            fn.device_caches.clear()
+
+
+def _sm90_calls(quick: bool):
+    """``(tag, call)``: the sm90 backend's own entry points on CPU stand-ins of the Flux.1 and SD3.5 layers
+    (zeros of the real shapes and dtypes, rank 32, with bias), so that each Triton launch they make is
+    the one a GPU process makes for that layer: the exact mode above 64 tokens (activation pass, and the
+    Triton W4 GEMM that serves it without quack-kernels), the small-M kernel (exact mode in both weight
+    layouts, W4A16 for the adaLN modulation at batch 1-4), the fast mode's activation pass and
+    ``lora_act``. quack's GEMMs are compiled by ``precompile_sm90_quack``."""
+    import torch
+
+    from .backends import sm90
     from .backends.sm90 import kernels, tuning
 
-    k_ptr = {torch_name: f"*{t}" for torch_name, t in (("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"))}
-    out = []
-    for xdt in (["bf16"] if quick else ["bf16", "fp16", "fp32"]):
-        sig = dict(x_ptr=k_ptr[xdt], smooth_ptr="*fp32", xq_ptr="*bf16" if xdt == "fp32" else k_ptr[xdt],
-                   codes_ptr="*u8", scales_ptr="*u8", M="i32", K="i32", stride_xm="i32", stride_xk="i32")
-        cx = dict(BLOCK_M=8, BLOCK_K=256, WRITE_XQ=True, WRITE_CODES=False)
-        out.append((kernels._quantize_act_kernel, sig, cx, dict(num_warps=4), f"quantize_act_{xdt}"))
-        # with lora_act / sa for the low-rank MMA in the accumulator, at the converter's default rank 32
-        sig = dict(x_ptr=k_ptr[xdt], smooth_ptr="*fp32", a8_ptr="*u8", sa_ptr="*fp32", lora_ptr="*fp32",
-                   pds_ptr="*fp32", la_ptr="*bf16", M="i32", K="i32", R="i32", stride_xm="i32", stride_xk="i32")
-        out.append((kernels._quantize_act_fp8_kernel, sig,
-                    dict(BLOCK_M=4, BLOCK_K=512, BLOCK_R=32, HAS_LORA=True, FUSE_LORA=False, DOT_F32=False,
-                         GEMM_ORDER=True, NSPLIT=1), dict(num_warps=4),
-                    f"quantize_act_fp8_{xdt}"))
-        # the one-pass kernel (the default; the fast GEMM's k order, as the backend writes it), at the row widths of Flux.1 and SD3.5 inputs
-        for k in ((3072,) if quick else (2432, 3072, 3840, 10240, 12288, 15360)):
-            rows, c, nch, warps = kernels.fp8_rows_config(k)
-            sig1 = dict(x_ptr=k_ptr[xdt], inv_ptr="*fp32", a8_ptr="*fp8e4nv", sa_ptr="*fp32", lora_ptr="*fp32",
-                        la_ptr="*bf16", M="i32", K="i32", R="i32", stride_xm="i32")
-            # lora_act's partial sums from kernels.lora_act (tuning.LORA_ACT_CONFIG's split) from 128 tokens,
-            # one cuBLAS result below
-            lora_split = tuning.lora_act_plan(4096, k, 32).split
-            for nsplit in ((lora_split,) if quick else (lora_split, 1)):
-                out.append((kernels._quantize_act_fp8_rows_kernel, sig1,
-                            dict(ROWS=rows, C=c, NCH=nch, BLOCK_R=32, HAS_LORA=True, HW_CVT=True, CANON_NAN=True,
-                                 GEMM_ORDER=True, NSPLIT=nsplit),
-                            dict(num_warps=warps), f"quantize_act_fp8_rows_k{k}_{xdt}_lora{nsplit}"))
-        sig = dict(sig, pds_ptr="*bf16")  # lora_act computed in the pass (proj_down_smoothed=)
-        out.append((kernels._quantize_act_fp8_kernel, sig,
-                    dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=32, HAS_LORA=False, FUSE_LORA=True, DOT_F32=False, GEMM_ORDER=True,
-                         NSPLIT=1),
-                    dict(num_warps=4), f"quantize_act_fp8_lora_{xdt}"))
-        # kernels.lora_act as the fast mode runs it (tuning.LORA_ACT_CONFIG), rank 32
-        bm, _, warps, stages = tuning.LORA_ACT_CONFIG
-        sig = dict(x_ptr=k_ptr[xdt], pd_ptr="*bf16", out_ptr="*fp32", M="i32", K="i32", R="i32", stride_xm="i32",
-                   K_SPLIT="i32")
-        out.append((kernels._lora_act_kernel, sig,
-                    dict(BLOCK_M=bm, BLOCK_K=128, BLOCK_R=32, NUM_STAGES=stages, DOT_F32=False),
-                    dict(num_warps=warps), f"lora_act_{xdt}"))
-    out += _variants_small_m(quick)
-    seen = set()
-    for m, k, n in (SHAPES[:2] + SHAPES[-3:] if quick else SHAPES):
-        cfg = tuning.pick(m, n, k)
-        for dt in (["bf16"] if quick else ["bf16", "fp16"]):
-            for has_lora in (True, False):
-                key = (cfg, dt, has_lora, k % cfg.block_k == 0)
-                if key in seen:
-                    continue
-                seen.add(key)
-                sig = dict(a_ptr=f"*{dt}", w_ptr="*u8", ws_ptr="*u8", wc_ptr="*fp32", bias_ptr=f"*{dt}",
-                           up_ptr=f"*{dt}", lora_ptr="*bf16", out_ptr=f"*{dt}", part_ptr="*fp32", M="i32", N="i32",
-                           K="i32", R="i32", stride_am="i32", stride_om="i32", k_per_split="i32")
-                split = tuning.split_for(cfg, m, n, k) if cfg.split_k == 0 else cfg.split_k
-                cx = dict(BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_R=32,
-                          GROUP_N=cfg.group_n, SPLIT_K=split, EVEN_K=True, HAS_BIAS=True, HAS_LORA=has_lora,
-                          DOT_F32=False)
-                label = (f"w4_gemm_{dt}_{cfg.block_n}x{cfg.block_m}x{cfg.block_k}_s{split}"
-                         f"_w{cfg.num_warps}{'_lora' if has_lora else ''}")
-                out.append((kernels._w4_gemm_kernel, sig, cx,
-                            dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), label))
-    return out
+    be = sm90.Sm90Backend()
+    dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16]
+    big = [s for s in SHAPES if s[0] > sm90.SMALL_M["w4a4"]]
+    small = [(1, 3072, 3072), (64, 3072, 3072)] if quick else [
+        (m, k, n) for m in (1, 2, 4, 16, 64) for k, n in ((3072, 3072), (3072, 12288), (12288, 3072))]
+    adaln = [(1, 3072, 18432)] if quick else [(m, 3072, n) for m in (1, 2, 4) for n in (18432, 9216)]
+    fast = [(4608, 3072), (1, 3072)] if quick else [(m, k) for m in (1, 16, 512, 4608)
+                                                     for k in (2432, 3072, 3840, 10240, 12288, 15360)]
+    r = 32
+
+    def layer(m, k, n, dt):
+        return dict(x=torch.zeros(m, k, dtype=dt), qweight=torch.zeros(n, k // 2, dtype=torch.uint8),
+                    wscales=torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn), smooth=torch.ones(k),
+                    proj_down=torch.zeros(k, r, dtype=dt), proj_up=torch.zeros(n, r, dtype=dt),
+                    wcscale=torch.ones(n), bias=torch.zeros(n, dtype=dt))
+
+    def exact(t, extra):
+        return lambda: be.run_w4a4(t["x"], t["qweight"], t["wscales"], t["smooth"], t["proj_down"], t["proj_up"],
+                                   t["wcscale"], t["bias"], extra)
+
+    for dt in dtypes:
+        name = str(dt).removeprefix("torch.")
+        for m, k, n in big + small:
+            t = layer(m, k, n, dt)
+            yield f"exact_m{m}_{k}x{n}_{name}", exact(t, [])  # canonical weights
+        if sm90._quack_module() is not None and dt == torch.bfloat16:  # the small-M kernel on quack's blob
+            for m, k, n in small[:1] if quick else small:
+                t = layer(m, k, n, dt)
+                mod = _StandIn(k, n, r, dt)
+                prepared = be.prepare(mod, torch.device("cpu"))
+                t["qweight"] = torch.empty(0, dtype=torch.uint8)  # replaced by the blob, as on the GPU
+                yield f"exact_quack_m{m}_{k}x{n}", exact(t, prepared.tensors())
+                t2 = dict(t, x=torch.zeros(max(m, 128), k, dtype=dt))  # the pass quack's GEMM reads
+                yield f"exact_quack_pass_{k}_{name}", (
+                    lambda t2=t2: kernels.quantize_act(t2["x"], t2["smooth"], out_dtype=torch.bfloat16))
+        for m, k, n in adaln:
+            t = layer(m, k, n, dt)
+            yield f"w4a16_m{m}_{k}x{n}_{name}", (lambda t=t: be.run_w4a16(t["x"], t["qweight"], t["wscales"],
+                                                                           t["wcscale"], t["bias"], []))
+        for m, k in fast:
+            x, inv = torch.zeros(m, k, dtype=dt), torch.ones(k)
+            pds = torch.zeros(k, r, dtype=torch.bfloat16)
+
+            def fast_pass(x=x, inv=inv, pds=pds, m=m):
+                if m <= tuning.MMA_MAX_M:  # where small_m_mma may serve it: the pass alone (lora_act on cuBLAS)
+                    kernels.quantize_act_fp8(x, inv, inv_smooth=inv, gemm_order=True)
+                # quack's FP8 GEMM with the low-rank MMA in its accumulator: lora_act, then the pass that
+                # divides it by the token scale
+                kernels.quantize_act_fp8(x, inv, lora=be._lora_act(x, pds), inv_smooth=inv, gemm_order=True)
+
+            yield f"fast_m{m}_{k}_{name}", fast_pass
 
 
-def _variants_small_m(quick: bool):
-    """The small-M kernel (``backends/sm90/small_m.py``) as the backend launches it: W4A16 on the
-    canonical layout, the exact mode quantizing in the kernel (canonical and quack layouts) or reading
-    ``xq``; multiply-adds where ``small_m.use_fma``, a dot elsewhere."""
-    from .backends.sm90 import small_m as sm
+class _StandIn:
+    """What ``Sm90Backend.prepare`` reads of an exact-mode module, as zeros of a layer's shapes."""
 
-    out = []
-    cases = [  # (layout, act, x dtype, block_m, use_dot, label)
-        (sm.CANONICAL, sm.ACT_X, "bf16", 1, False, "w4a16_m1"),
-        (sm.QUACK, sm.ACT_NVFP4, "bf16", 1, False, "exact_quack_m1"),
-        (sm.QUACK, sm.ACT_X, "bf16", 64, True, "exact_quack_xq_m64"),
-    ]
-    if not quick:
-        cases += [
-            (sm.CANONICAL, sm.ACT_X, "bf16", 2, False, "w4a16_m2"),
-            (sm.CANONICAL, sm.ACT_X, "fp16", 1, False, "w4a16_fp16_m1"),
-            (sm.CANONICAL, sm.ACT_X, "bf16", 16, True, "w4a16_m16"),
-            (sm.CANONICAL, sm.ACT_X, "bf16", 32, True, "w4a16_m32"),
-            (sm.CANONICAL, sm.ACT_NVFP4, "bf16", 2, False, "exact_m2"),
-        ]
-    for layout, act, xdt, bm, dot, label in cases:
-        for split, lora in ((2, True), (1, False)):
-            sig = dict(x_ptr=f"*{xdt}", smooth_ptr="*fp32", w_ptr="*u8", s_ptr="*u8", cs_ptr="*fp32", bias_ptr="*bf16",
-                       up_ptr="*bf16", lora_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", M="i32",
-                       N="i32", K="i32", R="i32", stride_xm="i32", stride_lm="i32", stride_om="i32", stride_w="i32",
-                       stride_s="i32", k_per_split="i32", SPLIT_K="i32")
-            words = layout == sm.CANONICAL and not dot  # the word decode at its tile (Flux widths divide it)
-            bn, bk = sm.WORDS_TILE[act] if words else (64, 128 if dot else 64)
-            cx = dict(LAYOUT=layout, ACT=act, BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk,
-                      RC=32, EVEN_K=True, NUM_STAGES=3, IS_SPLIT=split > 1, HAS_BIAS=True, HAS_LORA=lora, USE_DOT=dot,
-                      DOT_F32=False, WORDS=words, ASM=words, PREFETCH=False, CHAIN=words and sm.WORDS_CHAIN)
-            out.append((sm._small_m_kernel, sig, cx, dict(num_warps=4),
-                        f"small_m_{label}_s{split}{'_lora' if lora else ''}"))
-    return out
+    def __init__(self, k, n, r, dtype):
+        import torch
+
+        self.kind, self.rank, self.out_features, self.in_features = "w4a4", r, n, k
+        self.qweight = torch.zeros(n, k // 2, dtype=torch.uint8)
+        self.wscales = torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn)
+        self.smooth, self.wcscale, self.bias = torch.ones(k), torch.ones(n), torch.zeros(n, dtype=dtype)
+        self.proj_down, self.proj_up = torch.zeros(k, r, dtype=dtype), torch.zeros(n, r, dtype=dtype)
+        self._parameters = {"qweight": self.qweight, "wscales": self.wscales}
 
 
 def precompile_sm90(out_dir: Path, keep_sass: bool = False, quick: bool = False) -> list[dict]:
-    """Compile the sm90 Triton kernels for sm_90a into ``out_dir``; one report record per kernel."""
+    """Compile the sm90 Triton kernels for sm_90a into ``out_dir`` (``compile_launches`` over
+    ``_sm90_calls``); one report record per distinct kernel, named by its kernel and first layer."""
     os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, not the CPU interpreter
     os.environ["TRITON_CACHE_DIR"] = str(out_dir / "triton-cache")
-    import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    target = GPUTarget("cuda", 90, 32)
+    from .backends.sm90 import small_m
+
     sass_dir = out_dir / "sass-sm_90a"
     sass_dir.mkdir(parents=True, exist_ok=True)
-    records = []
-    for fn, sig, cx, opts, label in _variants_sm90(quick):
-        full = {name: ("constexpr" if name in cx else sig[name]) for name in fn.arg_names}
-        # What the runtime specialises: pointers and the integer sizes/strides are 16-divisible.
-        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                 if name not in cx and name not in ("R", "M")}
-        ck = triton.compile(ASTSource(fn, full, constexprs=cx, attrs=attrs), target=target, options=opts)
-        rec = {"kernel": label, "arch": "sm_90a", "shared_bytes": ck.metadata.shared,
-               **_sass_stats(ck.asm["cubin"], sass_dir, label, keep_sass)}
-        records.append(rec)
+    records, seen, labels = [], set(), set()
+    saved, small_m._INTERPRET = small_m._INTERPRET, False
+    try:
+        with compile_launches(GPUTarget("cuda", 90, 32)) as compiled:
+            for tag, call in _sm90_calls(quick):
+                before = len(compiled)
+                call()
+                for fn_name, ck in compiled[before:]:
+                    if ck.hash in seen:
+                        continue
+                    seen.add(ck.hash)
+                    label = base = f"{fn_name.strip('_').removesuffix('_kernel')}_{tag}"
+                    while label in labels:  # another specialization of the same kernel for this layer
+                        label = f"{base}_{sum(x.startswith(base) for x in labels) + 1}"
+                    labels.add(label)
+                    records.append({"kernel": label, "arch": "sm_90a", "shared_bytes": ck.metadata.shared,
+                                    "constants": _constants(ck),
+                                    **_sass_stats(ck.asm["cubin"], sass_dir, label, keep_sass)})
+    finally:
+        small_m._INTERPRET = saved
     return records
+
+
+def _constants(ck) -> dict:
+    """The compiled kernel's constexpr arguments by name (JSON-friendly), for the report."""
+    src = getattr(ck, "src", None)
+    fn, consts = getattr(src, "fn", None), getattr(src, "constants", {}) or {}
+    names = getattr(fn, "arg_names", [])
+    out = {}
+    for key, v in consts.items():
+        idx = key[0] if isinstance(key, tuple) else key
+        name = names[idx] if isinstance(idx, int) and idx < len(names) else str(key)
+        out[name] = v if isinstance(v, (int, float, bool, str)) or v is None else str(v)
+    return out
 
 
 def precompile_sm90_quack(out_dir: Path, keep_sass: bool = False, quick: bool = False,

@@ -27,9 +27,15 @@ def test_sm90_kernels_compile_to_hgmma_without_spills(tmp_path):
     assert any((tmp_path / "triton-cache").rglob("*.cubin")), "nothing was written to the Triton cache"
     assert any(k["kernel"].startswith("quantize_act_fp8") for k in report)
     small = {k["kernel"]: k for k in report if k["kernel"].startswith("small_m")}
-    assert len(small) >= 6, sorted(small)  # --quick: 3 cases, each with and without split-K
+    # --quick: W4A16 at 1 token (adaLN), the exact mode at 1 and 64 tokens (canonical weights; quack's blob at 1)
+    assert {"small_m_w4a16_m1_3072x18432_bfloat16", "small_m_exact_m1_3072x3072_bfloat16",
+            "small_m_exact_m64_3072x3072_bfloat16"} <= set(small), sorted(small)
     for name, k in small.items():  # the dot variants run on wgmma; the multiply-add ones must not spill either
-        assert (k["hgmma"] > 0) == ("_m64" in name), f"{name}: {k['hgmma']} HGMMA"
+        assert (k["hgmma"] > 0) == k["constants"]["USE_DOT"] == ("_m64" in name), f"{name}: {k['hgmma']} HGMMA"
+    # what the runtime specializes, not what a list assumed: one token is the constant M = 1 (Triton's
+    # rule for integers equal to 1), and a layer without a low-rank branch would take RC = 16
+    one = small["small_m_w4a16_m1_3072x18432_bfloat16"]["constants"]
+    assert one["M"] == 1 and one["WORDS"] and one["CHAIN"] and one["HAS_LORA"] is False and one["RC"] == 16, one
     quack = [k for k in report if k["kernel"].startswith("quack")]
     if quack:  # quack-kernels installed (the kernels extra): its GEMMs go into its disk cache
         for k in quack:
@@ -79,3 +85,49 @@ def test_precompile_refuses_a_malformed_python_version(capsys):
     with pytest.raises(SystemExit):
         main(["--arch", "sm_90a", "--python", "312"])
     assert "--python" in capsys.readouterr().err
+
+
+_LAUNCHES = """
+import json, os
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["TRITON_CACHE_DIR"] = __import__("sys").argv[1]
+import torch, triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import KernelInterface
+from svdq_linear.precompile import compile_launches
+
+@triton.jit
+def scale(x_ptr, n, stride, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(x_ptr + i * stride, tl.load(x_ptr + i * stride, mask=i < n) * 2, mask=i < n)
+
+getitem = KernelInterface.__getitem__
+with compile_launches(GPUTarget("cuda", 90, 32)) as compiled:
+    scale[(1,)](torch.zeros(64), 1, 32, BLOCK=16)   # n == 1: Triton makes it a constant
+    scale[(1,)](torch.zeros(64), 7, 32, BLOCK=16)   # n == 7: an argument
+    scale[(1,)](torch.zeros(64), 7, 32, BLOCK=16)   # the same key again: the kernel it has
+names = scale.arg_names
+consts = [sorted(names[k[0]] for k in ck.src.constants) for _, ck in compiled]
+print(json.dumps(dict(n=len(compiled), hashes=len({ck.hash for _, ck in compiled}), consts=consts,
+                      cubin=all(len(ck.asm["cubin"]) > 0 for _, ck in compiled),
+                      restored=KernelInterface.__getitem__ is getitem, caches=len(scale.device_caches))))
+"""
+
+
+def test_compile_launches_compiles_what_triton_keys_and_puts_triton_back(tmp_path):
+    """``precompile.compile_launches`` (no GPU): a launch inside it compiles a cubin for sm_90a through
+    Triton's own binder, so an integer argument equal to 1 becomes a constant as it does at run time
+    and a repeated launch reuses its kernel; afterwards Triton's launch path is its own again and the
+    kernel keeps no binder for the stand-in target."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = tmp_path / "launches.py"  # Triton reads a kernel's source from its file
+    script.write_text(_LAUNCHES)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "cache")], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["n"] == 3 and res["hashes"] == 2 and res["cubin"], res
+    assert "n" in res["consts"][0] and "n" not in res["consts"][1] and "BLOCK" in res["consts"][1], res
+    assert res["restored"] and res["caches"] == 0, res

@@ -50,12 +50,13 @@ def test_w4a16_canonical_any_k(m, split):
     _close(y, ref, f"W4A16 m={m} split={split}")
 
 
-@pytest.mark.parametrize("m,act,k_step", [(1, "x", 64), (1, "x", 128), (2, "x", 256), (1, "nvfp4", 128)])
+@pytest.mark.parametrize("m,act,k_step", [(1, "x", 64), (1, "x", 128), (2, "x", 256), (1, "nvfp4", 128),
+                                          (3, "x", 256), (4, "nvfp4", 128)])
 def test_word_decode_is_the_byte_decode(m, act, k_step):
     """The multiply-add form's 32-bit word decode (each nibble made an E4M3 byte of value E2M1 x 2**-6,
     four at a time, the activations gathered in the word's order): every code of either sign, zero and
-    subnormal block scales, split K; the same sums as the per-byte decode up to fp32 order, and the
-    contract's value in float64."""
+    subnormal block scales, split K, one to four tokens (a k-step decoded once for all of them); the
+    same sums as the per-byte decode up to fp32 order, and the contract's value in float64."""
     gen = torch.Generator().manual_seed(20 + m + k_step)
     n, k = 64, 512
     q, ws = _weight(n, k, gen)
@@ -68,14 +69,17 @@ def test_word_decode_is_the_byte_decode(m, act, k_step):
     smooth = torch.exp(torch.randn(k, generator=gen) * 0.3)
     to = dict(device=DEV)
     kw = dict(act=sm.ACT_X if act == "x" else sm.ACT_NVFP4, smooth=smooth.to(**to), out_dtype=torch.float32,
-              split_k=2, block_k=k_step)
+              split_k=2, block_k=k_step, fma=True)
     args = (x.to(**to), sm.CANONICAL, q.to(**to), ws.to(**to), wc.to(**to), n)
     y_w = sm.linear(*args, words=True, chain=True, **kw)  # each block's 16 products chained, k reduced at the end
     y_b = sm.linear(*args, words=False, **kw)
     y_c = sm.linear(*args, words=True, chain=False, **kw)  # per-word sums, a cross-thread sum every trip
-    # each step's activations and scales one step ahead: the same sums in the same order
-    assert torch.equal(sm.linear(*args, words=True, chain=False, prefetch=True, **kw).cpu(), y_c.cpu())
-    assert torch.equal(sm.linear(*args, words=True, chain=True, prefetch=True, **kw).cpu(), y_w.cpu())
+    if m <= 2:  # each step's activations and scales one step ahead: the same sums in the same order
+        assert torch.equal(sm.linear(*args, words=True, chain=False, prefetch=True, **kw).cpu(), y_c.cpu())
+        assert torch.equal(sm.linear(*args, words=True, chain=True, prefetch=True, **kw).cpu(), y_w.cpu())
+    if m > 1:  # each token's sums are its own: token 0 alone gives the same bits
+        y_0 = sm.linear(x[:1].to(**to), *args[1:], words=True, chain=True, **kw)
+        assert torch.equal(y_0.cpu(), y_w[:1].cpu())
     a = x.double() if act == "x" else nvfp4.dequantize_nvfp4(*nvfp4.quantize_nvfp4(nvfp4.smooth_input(x, smooth))).double()
     ref = (a @ nvfp4.dequantize_nvfp4(q, ws).double().T) * wc.double()
     _close(y_w, ref, f"words m={m} act={act} k_step={k_step}")
@@ -320,12 +324,13 @@ def test_small_m_mma_routing_follows_the_measured_crossover(monkeypatch):
     assert not sm90._route_small_m_mma("exact", _Cuda(1), 3072)
 
 
-def test_use_fma_takes_one_token_everywhere_and_two_only_on_small_weights():
-    """The H200 crossover (docs/perf.md): multiply-adds win at 1 token at every shape, at 2 tokens on
-    3072 x 3072 but not on 18432 x 3072, and never from 3 tokens."""
-    assert sm.use_fma(1, 18432, 3072) and sm.use_fma(1, 3072, 3072)
-    assert sm.use_fma(2, 3072, 3072) and not sm.use_fma(2, 18432, 3072)
-    assert not sm.use_fma(3, 3072, 3072) and not sm.use_fma(16, 256, 256)
+def test_use_fma_takes_one_and_two_tokens_at_every_shape():
+    """The H200 crossover with the block chain (docs/perf.md, tenth session): multiply-adds win at 1 and 2
+    tokens on every weight measured, the dot from 3 tokens on."""
+    for n, k in ((18432, 3072), (9216, 3072), (3072, 12288), (3072, 3072)):
+        assert sm.use_fma(1, n, k) and sm.use_fma(2, n, k)
+        assert not sm.use_fma(3, n, k) and not sm.use_fma(4, n, k)
+    assert not sm.use_fma(16, 256, 256)
 
 
 # ---- the warp-level tensor-core kernel (small_m_mma): host rules and SASS on the CPU, numerics on a GPU ----

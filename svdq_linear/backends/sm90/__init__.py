@@ -11,7 +11,7 @@ By tokens M (bf16):
 - else M <= ``SMALL_M[kind]`` (exact W4A4: 64; W4A16: 32; not the fast mode, its quack GEMM wins
   there, see docs/perf.md): ``small_m.linear``, one launch that splits K across the SMs and reads the
   weight once in whichever layout the module holds (canonical or quack's); where
-  ``small_m.use_fma`` (1 token; 2 on small weights) it quantizes the activations itself;
+  ``small_m.use_fma`` (1 or 2 tokens) it quantizes the activations itself;
 - M < 128, fp16/fp32 inputs, or no quack: ``kernels.w4_gemm`` (Triton: the weight decoded in
   registers as wgmma's A operand, ``* wcscale`` then the low-rank MMA into the same accumulator);
 - M >= 128, bf16: quack-kernels' NVFP4 W4 GEMM (``quack_gemm``) with ``* wcscale + bias`` fused and

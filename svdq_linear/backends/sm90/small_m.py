@@ -51,8 +51,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CANONICAL, QUACK = 0, 1
 ACT_X, ACT_NVFP4 = 0, 1
 MAX_M = 64  # tokens this kernel serves
-FMA_MAX_M = 2  # up to this many tokens: multiply-adds instead of a 16-wide dot (docs/perf.md) ...
-FMA_MAX_WEIGHT = 1 << 24  # ... past one token only for weights up to this many elements (use_fma)
+FMA_MAX_M = 2  # up to this many tokens: multiply-adds instead of a 16-wide dot (use_fma)
 CTAS_PER_SM = 8  # the grid the split-K aims at (docs/perf.md: 8 beat 4 at every measured shape but one)
 WORDS_BLOCK_K = 128  # the word decode's k-step where K is no multiple of WORDS_TILE's (docs/perf.md, eighth session)
 # (block_n, block_k) of the word decode per activation form, measured on the H200 (docs/perf.md, 2026-12-04
@@ -60,15 +59,17 @@ WORDS_BLOCK_K = 128  # the word decode's k-step where K is no multiple of WORDS_
 # kernel 64 x 128 (the k-step 256 lost 40 % there)
 WORDS_TILE = {ACT_X: (32, 256), ACT_NVFP4: (64, 128)}
 WORDS_CHAIN = True  # the word decode's block chain, k reduced after the loop (CHAIN): 2-10 % faster (ninth session)
+CHAIN_MAX_M = 4  # tokens the block chain serves (one per-thread accumulator each)
 
 
 def use_fma(m: int, n: int, k: int) -> bool:
     """Multiply-adds (and, in the exact mode, the activations quantized in the kernel) rather than the
-    dot for ``m`` tokens of an ``n x k`` weight. Each token costs the multiply-add form one more pass of
-    decoded weight through the FMA pipe, the dot costs the same from 1 to 16 tokens: on the H200 the
-    multiply-adds won at 1 token at every shape and at 2 tokens on 3072 x 3072, not on 18432 x 3072
-    (docs/perf.md, 2026-12-04 crossover)."""
-    return m == 1 or (m <= FMA_MAX_M and n * k <= FMA_MAX_WEIGHT)
+    dot for ``m`` tokens of an ``n x k`` weight. The word decode's block chain decodes a k-step once for
+    its tokens and costs each token one more multiply-add a value; the dot costs the same from 1 to 16
+    tokens. On the H200 (docs/perf.md, 2026-12-04 tenth session, kernel alone) the chain won at 1 and 2
+    tokens at every shape (2 tokens: 24.4 against 32.0 us at 3072x18432, 16.6 against 24.2 at
+    12288x3072, 8.6 against 10.5 at 3072x3072), tied at 3 and lost at 4 (36.2 against 31.7 us)."""
+    return m <= FMA_MAX_M  # (no tokens: nothing to launch either way)
 
 
 @triton.jit
@@ -260,16 +261,14 @@ def _words_dot(word, a, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.const
 
 
 @triton.jit
-def _words_block_dot(word, a, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
-    """``_words_dot`` a NVFP4 block at a time: per 16-k block (two words) the sum of its 16 products in
-    one chain of multiply-adds (one multiply, fifteen fused), fp32 ``[BLOCK_N, BLOCK_K / 16]``; no
-    separate word and pair sums."""
-    w_lo, w_hi = tl.split(tl.reshape(word, (word.shape[0], BLOCK_K // 16, 2)))  # k 16 j + [0, 8) / + [8, 16)
+def _block_chain(e0, e2, e4, e6, o1, o3, o5, o7, f0, f2, f4, f6, p1, p3, p5, p7, a, ROWS: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """Per 16-k block, the sum of its 16 products of decoded values (``_word_values`` of a block's two
+    words: ``e``/``o`` the first, ``f``/``p`` the second) and the activations ``a [1, BLOCK_K]``, in one
+    chain of multiply-adds (one multiply, fifteen fused): fp32 ``[BLOCK_N, BLOCK_K / 16]``."""
     a_lo, a_hi = tl.split(tl.permute(tl.reshape(a, (ROWS, BLOCK_K // 16, 2, 8)), (0, 1, 3, 2)))
     a0, a1, a2, a3, a4, a5, a6, a7 = _split8(tl.reshape(a_lo, (ROWS, BLOCK_K // 2)), ROWS, BLOCK_K // 2)
     b0, b1, b2, b3, b4, b5, b6, b7 = _split8(tl.reshape(a_hi, (ROWS, BLOCK_K // 2)), ROWS, BLOCK_K // 2)
-    e0, e2, e4, e6, o1, o3, o5, o7 = _word_values(w_lo, ASM)
-    f0, f2, f4, f6, p1, p3, p5, p7 = _word_values(w_hi, ASM)
     s = e0 * a0
     s = s + o1 * a1
     s = s + e2 * a2
@@ -318,11 +317,14 @@ def _small_m_kernel(
     # word at a time (_word_values), the activations gathered to match, block scales x 64. PREFETCH
     # (with WORDS): each k-step's activations and block scales loaded one step ahead, in registers
     # (ncu: a third of the word loop's stalls wait on those loads, issued and consumed in the step).
-    # CHAIN (with WORDS): a block's 16 products in one multiply-add chain (_words_block_dot), times the
+    # CHAIN (with WORDS, up to 4 tokens): the codes decoded once a k-step, a block's 16 products per token in
+    # one multiply-add chain (_block_chain), times the
     # block scale into per-thread [BLOCK_N, BLOCK_K / 16] sums per token, reduced across k once after
     # the loop instead of a cross-thread sum every trip
     if CHAIN:
-        tl.static_assert(WORDS and BLOCK_M <= 2, "CHAIN goes with the word decode's one or two tokens")
+        tl.static_assert(WORDS and BLOCK_M <= 4, "CHAIN goes with the word decode's one to four tokens")
+    if PREFETCH:
+        tl.static_assert(WORDS and BLOCK_M <= 2, "PREFETCH goes with the word decode's one or two tokens")
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     ri = tl.arange(0, BLOCK_N)
@@ -335,7 +337,9 @@ def _small_m_kernel(
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     accb0 = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)  # CHAIN's per-block sums, token 0 ...
-    accb1 = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)  # ... and token 1
+    accb1 = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)  # ... token 1 ...
+    accb2 = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)  # ... token 2 ...
+    accb3 = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)  # ... and token 3 (unused ones cost nothing)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     if PREFETCH:  # the first k-step's scales and activations, ahead of the loop
@@ -359,6 +363,10 @@ def _small_m_kernel(
                 sc = tl.load(s_ptr + rn_l[:, None] * stride_s + ks[None, :])
             sf64 = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0  # the decode's 2**-6 back
             rk = k0 + tl.arange(0, BLOCK_K)
+            if CHAIN:  # the codes decoded once a k-step, whatever the tokens (_words_dot decodes per token)
+                w_lo, w_hi = tl.split(tl.reshape(word, (BLOCK_N, BLOCK_K // 16, 2)))  # k 16 j + [0, 8) / + [8, 16)
+                e0, e2, e4, e6, o1, o3, o5, o7 = _word_values(w_lo, ASM)
+                f0, f2, f4, f6, p1, p3, p5, p7 = _word_values(w_hi, ASM)
             for mi in tl.static_range(BLOCK_M):
                 if mi < M or mi == 0:
                     if PREFETCH:
@@ -370,10 +378,16 @@ def _small_m_kernel(
                         a = _acts(x_ptr, smooth_ptr, tl.full([1], mi, tl.int32), rk, M, K, stride_xm, 1, BLOCK_K, ACT,
                                   True)
                     if CHAIN:
+                        s = _block_chain(e0, e2, e4, e6, o1, o3, o5, o7, f0, f2, f4, f6, p1, p3, p5, p7, a, 1,
+                                         BLOCK_K) * sf64
                         if mi == 0:
-                            accb0 = _words_block_dot(word, a, 1, BLOCK_K, ASM) * sf64 + accb0
+                            accb0 = s + accb0
+                        elif mi == 1:
+                            accb1 = s + accb1
+                        elif mi == 2:
+                            accb2 = s + accb2
                         else:
-                            accb1 = _words_block_dot(word, a, 1, BLOCK_K, ASM) * sf64 + accb1
+                            accb3 = s + accb3
                     else:
                         pw = _words_dot(word, a, 1, BLOCK_K, ASM)
                         blk = tl.sum(tl.reshape(pw, (BLOCK_N, BLOCK_K // 16, 2)), axis=2)
@@ -405,6 +419,9 @@ def _small_m_kernel(
         acc = tl.where(rm[None, :] == 0, acc + tl.sum(accb0, axis=1)[:, None], acc)
         if BLOCK_M > 1:
             acc = tl.where(rm[None, :] == 1, acc + tl.sum(accb1, axis=1)[:, None], acc)
+        if BLOCK_M > 2:
+            acc = tl.where(rm[None, :] == 2, acc + tl.sum(accb2, axis=1)[:, None], acc)
+            acc = tl.where(rm[None, :] == 3, acc + tl.sum(accb3, axis=1)[:, None], acc)
     if not IS_SPLIT:
         _epilogue(acc, rn, rm, M, N, R, cs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_lm, stride_om,
                   BLOCK_N, BLOCK_M, RC, HAS_BIAS, HAS_LORA, USE_DOT, DOT_F32)
@@ -471,7 +488,8 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
            proj_up: torch.Tensor | None = None, lora_act: torch.Tensor | None = None,
            block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
            num_warps: int | None = None, num_stages: int = 3, words: bool | None = None,
-           maxnreg: int | None = None, prefetch: bool = False, chain: bool | None = None) -> torch.Tensor:
+           maxnreg: int | None = None, prefetch: bool = False, chain: bool | None = None,
+           fma: bool | None = None) -> torch.Tensor:
     """``out [M, N] = (A(x) @ W^T) * colscale + lora_act @ proj_up^T + bias`` for M <= 64.
 
     ``x [M, K]`` with unit stride along K (16-bit for ``ACT_X``; any float for ``ACT_NVFP4``, which
@@ -481,8 +499,9 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
     canonical layout, multiply-adds, K a multiple of the k-step) decodes the codes a 32-bit word at a
     time. ``maxnreg`` caps the kernel's registers, ``prefetch`` (with the word decode) loads each k-step's
     activations and scales one step ahead: both for measurement. ``chain`` (with the word decode; default
-    ``WORDS_CHAIN``) sums each block's products in one multiply-add chain and reduces across k once after
-    the loop."""
+    ``WORDS_CHAIN``; up to ``CHAIN_MAX_M`` tokens) decodes a k-step's codes once, sums each block's products
+    per token in one multiply-add chain and reduces across k once after the loop. ``fma`` forces the
+    multiply-add form (True) or the dot (False) instead of ``use_fma``'s rule."""
     m, k = x.shape
     if m > MAX_M:
         raise ValueError(f"the small-M kernel serves at most {MAX_M} tokens, got {m}")
@@ -495,7 +514,7 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         return linear(x, layout, w, s, colscale, n, act=act, out_dtype=torch.float32, smooth=smooth, bias=bias,
                       proj_up=proj_up, lora_act=lora_act, block_n=block_n, block_k=block_k, split_k=split_k,
                       num_warps=num_warps, num_stages=num_stages, words=words, maxnreg=maxnreg,
-                      prefetch=prefetch, chain=chain).to(out_dtype)
+                      prefetch=prefetch, chain=chain, fma=fma).to(out_dtype)
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
     if m == 0:
         return out
@@ -506,7 +525,7 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         raise ValueError(f"proj_up must be a contiguous [{n}, {r}] tensor beside lora_act [M, {r}]")
     if r:  # proj_up's row stride is R: the padded columns of a prepared lora_act are not read
         r = proj_up.shape[1]
-    use_dot = not use_fma(m, n, k)
+    use_dot = not (use_fma(m, n, k) if fma is None else fma)
     # the word decode reads the canonical codes as int32 words: multiply-adds, K a multiple of the k-step
     word_ok = layout == CANONICAL and not use_dot and w.data_ptr() % 4 == 0
     wbn, wbk = WORDS_TILE[act]
@@ -533,11 +552,12 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         raise ValueError(f"the word decode takes the canonical layout, multiply-adds (1 token, or 2 on small "
                          f"weights), a 4-byte aligned qweight and K a multiple of the k-step ({bk}); got K={k}")
     words = fits if words is None else words
-    if prefetch and not words:
-        raise ValueError("prefetch goes with the word decode (words=True where it applies)")
-    if chain and not words:
-        raise ValueError("chain goes with the word decode (words=True where it applies)")
-    chain = bool(words) and (WORDS_CHAIN if chain is None else chain)
+    if prefetch and (not words or bm > 2):
+        raise ValueError(f"prefetch goes with the word decode (words=True where it applies) and 1-2 tokens, got {m}")
+    if chain and (not words or bm > CHAIN_MAX_M):
+        raise ValueError(f"chain goes with the word decode (words=True where it applies) and at most {CHAIN_MAX_M} "
+                         f"tokens, got {m}")
+    chain = bool(words) and bm <= CHAIN_MAX_M and (WORDS_CHAIN if chain is None else chain)
     dummy = colscale
     part = torch.empty(split * tiles * block_n * bm, device=x.device, dtype=torch.float32) if split > 1 else dummy
     cnt = _counters(x.device, tiles) if split > 1 else dummy
