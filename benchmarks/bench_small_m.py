@@ -198,45 +198,6 @@ def tokens_table(copy_gbs: float) -> list[str]:
     return rows
 
 
-# --dot: 3-32 tokens, the dot on the per-byte decode (the default before) against the dot on the word
-# decode (_word_tile) at three tiles
-DOT_CONFIGS = [dict(block_n=64, block_k=128), dict(block_n=64, block_k=256), dict(block_n=128, block_k=128)]
-
-
-def dot_table(copy_gbs: float) -> list[str]:
-    """3-32 tokens: the kernel alone with the dot on the per-byte decode and on the word decode, each
-    output checked against the per-byte one's; cuBLAS bf16 beside them, same run."""
-    rows = ["", "The small-M kernel's dot at 3-32 tokens, kernel alone (us): bytes = the per-byte decode (64x128), "
-            "words = the 32-bit word decode (block_n x block_k)", "",
-            "| layer | mode | M | cuBLAS bf16 | bytes | " + " | ".join(f"words {c['block_n']}x{c['block_k']}" for c in DOT_CONFIGS)
-            + " | best vs bf16 | best GB/s (% of copy) |", "|---|---|---|---|---|" + "---|" * len(DOT_CONFIGS) + "---|---|"]
-    print("\n".join(rows), flush=True)
-    for label, k, n, mode in TOKENS_CASES:
-        lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
-        q = NVFP4W4A16Linear.from_linear(lin) if mode == "w4a16" else random_w4a4(k, n, 32, torch.bfloat16, "cuda")
-        for m in (3, 4, 8, 16, 32):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
-            dot = kernel_call(q, x, mode, fma=False)
-            base = dot(words=False)
-            times = {"bytes": graph_time(lambda: dot(words=False))}
-            cells = [f"{times['bytes'] * 1e3:.1f}"]
-            for cfg in DOT_CONFIGS:
-                kw = dict(words=True, **cfg)
-                y = dot(**kw)
-                ok = torch.allclose(y.float(), base.float(), rtol=2e-2, atol=1e-3 * base.float().abs().max().item())
-                t = graph_time(lambda kw=kw: dot(**kw))
-                if ok:
-                    times[str(cfg)] = t
-                cells.append(f"{t * 1e3:.1f}" + ("" if ok else " WRONG"))
-            best = min(times.values())
-            gbs = (n * k // 2 + n * k // 16) / (best * 1e-3) / 1e9
-            rows.append(f"| {label} | {mode} | {m} | {t_ref * 1e3:.1f} | " + " | ".join(cells)
-                        + f" | {t_ref / best:.2f}x | {gbs:.0f} ({100 * gbs / copy_gbs:.0f}%) |")
-            print(rows[-1], flush=True)
-    return rows
-
-
 def _words_label(cfg: dict) -> str:
     """A config's column title: ``words k256 chain st2 ...`` (defaults: 64-row tiles, 4 warps, split by the
     rule, 3 stages)."""
@@ -299,9 +260,6 @@ def main() -> None:
     p.add_argument("--tokens", action="store_true",
                    help="only 1-4 tokens: the kernel's dot against the word decode's block chain (fma=True) at "
                         "three tiles, kernel alone (what small_m.use_fma is set from)")
-    p.add_argument("--dot", action="store_true",
-                   help="only 3-32 tokens: the kernel's dot on the per-byte decode against the word decode at "
-                        "three tiles, kernel alone (what small_m.WORDS_DOT and its tile are set from)")
     args = p.parse_args()
     src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -315,9 +273,8 @@ def main() -> None:
             "| layer | M | K | N | cuBLAS bf16 | mode | linear | before | kernel | kernel vs bf16 | weight GB/s | % of copy |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     have_fast = sm90._quack_fast_module() is not None
-    if args.words or args.tokens or args.dot:
-        rows = rows[:2] + (words_table(copy_gbs) if args.words else []) + (tokens_table(copy_gbs) if args.tokens else []) \
-            + (dot_table(copy_gbs) if args.dot else [])
+    if args.words or args.tokens:
+        rows = rows[:2] + (words_table(copy_gbs) if args.words else []) + (tokens_table(copy_gbs) if args.tokens else [])
         if args.out:
             Path(args.out).write_text("\n".join(rows) + "\n")
         return

@@ -60,7 +60,6 @@ WORDS_BLOCK_K = 128  # the word decode's k-step where K is no multiple of WORDS_
 WORDS_TILE = {ACT_X: (32, 256), ACT_NVFP4: (64, 128)}
 WORDS_CHAIN = True  # the word decode's block chain, k reduced after the loop (CHAIN): 2-10 % faster (ninth session)
 CHAIN_MAX_M = 4  # tokens the block chain serves (one per-thread accumulator each)
-WORDS_DOT = False  # the dot (3+ tokens) through the word decode (_word_tile): 1.3-7x slower on the H200, off
 
 
 def use_fma(m: int, n: int, k: int) -> bool:
@@ -290,33 +289,6 @@ def _block_chain(e0, e2, e4, e6, o1, o3, o5, o7, f0, f2, f4, f6, p1, p3, p5, p7,
 
 
 @triton.jit
-def _join16(v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15):
-    """Sixteen ``[R, B]`` tensors -> one ``[R, B, 16]`` (register joins; the order is whatever the joins give,
-    so callers join their k indices the same way to know it)."""
-    a = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
-    b = tl.join(tl.join(tl.join(v8, v9), tl.join(v10, v11)), tl.join(tl.join(v12, v13), tl.join(v14, v15)))
-    j = tl.join(a, b)
-    return tl.reshape(j, (j.shape[0], j.shape[1], 16))
-
-
-@triton.jit
-def _word_tile(word, sf64, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
-    """The word decode for the dot: ``word [BLOCK_N, BLOCK_K / 8]`` int32 of canonical codes and their
-    block scales x 64 ``sf64 [BLOCK_N, BLOCK_K / 16]`` -> the exact weight values ``[BLOCK_N, BLOCK_K]``
-    fp32 (E2M1 x E4M3, whose 16-bit rounding is exact) in a k order of the decode's own, and that order
-    (``[BLOCK_K]``, absolute k) for the activations to be gathered by. Each 16-k block stays whole, so an
-    activation block quantized in the kernel sees its own 16 values."""
-    w_lo, w_hi = tl.split(tl.reshape(word, (BLOCK_N, BLOCK_K // 16, 2)))  # k 16 j + [0, 8) / + [8, 16)
-    e0, e2, e4, e6, o1, o3, o5, o7 = _word_values(w_lo, ASM)
-    f0, f2, f4, f6, p1, p3, p5, p7 = _word_values(w_hi, ASM)
-    v = _join16(e0, e2, e4, e6, o1, o3, o5, o7, f0, f2, f4, f6, p1, p3, p5, p7) * sf64[:, :, None]
-    j = tl.arange(0, BLOCK_K // 16)[None, :] * 16
-    kk = _join16(j, j + 2, j + 4, j + 6, j + 1, j + 3, j + 5, j + 7, j + 8, j + 10, j + 12, j + 14, j + 9, j + 11,
-                 j + 13, j + 15)
-    return tl.reshape(v, (BLOCK_N, BLOCK_K)), k0 + tl.reshape(kk, (BLOCK_K,))
-
-
-@triton.jit
 def _word_step_inputs(x_ptr, smooth_ptr, s_ptr, rn_l, k0, M, K, stride_xm, stride_s, BLOCK_K: tl.constexpr,
                       BLOCK_M: tl.constexpr, ACT: tl.constexpr):
     """The block scales and the activations of tokens 0 and 1 (token 0's again for one token) of the
@@ -353,8 +325,8 @@ def _small_m_kernel(
         tl.static_assert(WORDS and BLOCK_M <= 4, "CHAIN goes with the word decode's one to four tokens")
     if PREFETCH:
         tl.static_assert(WORDS and BLOCK_M <= 2, "PREFETCH goes with the word decode's one or two tokens")
-    if WORDS and USE_DOT:
-        tl.static_assert(not CHAIN and not PREFETCH, "the word decode's dot takes neither CHAIN nor PREFETCH")
+    if WORDS:
+        tl.static_assert(not USE_DOT, "the word decode goes with the multiply-add form")
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     ri = tl.arange(0, BLOCK_N)
@@ -393,20 +365,11 @@ def _small_m_kernel(
                 sc = tl.load(s_ptr + rn_l[:, None] * stride_s + ks[None, :])
             sf64 = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0  # the decode's 2**-6 back
             rk = k0 + tl.arange(0, BLOCK_K)
-            if USE_DOT:  # the decoded tile on tensor cores, the activations gathered in its k order
-                w, kx = _word_tile(word, sf64, k0, BLOCK_N, BLOCK_K, ASM)
-                a = _acts(x_ptr, smooth_ptr, rm, kx, M, K, stride_xm, BLOCK_M, BLOCK_K, ACT, True)
-                if DOT_F32:  # the CPU interpreter: exact fp32 values
-                    acc = tl.dot(w, tl.trans(a), acc, input_precision="ieee")
-                elif ACT == 0:
-                    acc = tl.dot(w.to(x_ptr.dtype.element_ty), tl.trans(a).to(x_ptr.dtype.element_ty), acc)
-                else:  # NVFP4 values are exact in bf16
-                    acc = tl.dot(w.to(tl.bfloat16), tl.trans(a).to(tl.bfloat16), acc)
             if CHAIN:  # the codes decoded once a k-step, whatever the tokens (_words_dot decodes per token)
                 w_lo, w_hi = tl.split(tl.reshape(word, (BLOCK_N, BLOCK_K // 16, 2)))  # k 16 j + [0, 8) / + [8, 16)
                 e0, e2, e4, e6, o1, o3, o5, o7 = _word_values(w_lo, ASM)
                 f0, f2, f4, f6, p1, p3, p5, p7 = _word_values(w_hi, ASM)
-            for mi in tl.static_range(BLOCK_M if not USE_DOT else 0):
+            for mi in tl.static_range(BLOCK_M):
                 if mi < M or mi == 0:
                     if PREFETCH:
                         if mi == 0:
@@ -565,13 +528,13 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
     if r:  # proj_up's row stride is R: the padded columns of a prepared lora_act are not read
         r = proj_up.shape[1]
     use_dot = not (use_fma(m, n, k) if fma is None else fma)
-    # the word decode reads the canonical codes as int32 words, K a multiple of the k-step; for the dot by
-    # default where WORDS_DOT
-    word_ok = layout == CANONICAL and w.data_ptr() % 4 == 0
+    # the word decode reads the canonical codes as int32 words: multiply-adds, K a multiple of the k-step (a
+    # word decode for the dot measured 1.3-7x slower than the per-byte one: docs/perf.md, tenth session)
+    word_ok = layout == CANONICAL and not use_dot and w.data_ptr() % 4 == 0
     wbn, wbk = WORDS_TILE[act]
-    wants = (word_ok and k % WORDS_BLOCK_K == 0 and (WORDS_DOT or not use_dot)) if words is None else words
+    wants = (word_ok and k % WORDS_BLOCK_K == 0) if words is None else words
     if block_n is None:  # measured on the H200 (docs/perf.md, 2026-12-04 ninth session)
-        block_n = wbn if wants and word_ok and k % wbk == 0 and not use_dot else 64
+        block_n = wbn if wants and word_ok and k % wbk == 0 else 64
     if layout == QUACK and block_n != 64:
         raise ValueError(f"the repacked layout is read a 64-row group a tile, got block_n={block_n}")
     # measured on the H200 (docs/perf.md, "Small M", 2026-12-04 eighth and ninth sessions): with the
@@ -589,17 +552,15 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
     tiles = -(-n // block_n)
     fits = word_ok and k % bk == 0
     if words and not fits:
-        raise ValueError(f"the word decode takes the canonical layout, a 4-byte aligned qweight and K a multiple "
-                         f"of the k-step ({bk}); got K={k}")
-    words = (fits and (WORDS_DOT or not use_dot)) if words is None else words
-    if use_dot and (prefetch or chain):
-        raise ValueError("prefetch and chain go with the multiply-add form (1-2 tokens, or fma=True)")
+        raise ValueError(f"the word decode takes the canonical layout, multiply-adds (1-2 tokens, or fma=True), a "
+                         f"4-byte aligned qweight and K a multiple of the k-step ({bk}); got K={k}")
+    words = fits if words is None else words
     if prefetch and (not words or bm > 2):
         raise ValueError(f"prefetch goes with the word decode (words=True where it applies) and 1-2 tokens, got {m}")
     if chain and (not words or bm > CHAIN_MAX_M):
         raise ValueError(f"chain goes with the word decode (words=True where it applies) and at most {CHAIN_MAX_M} "
                          f"tokens, got {m}")
-    chain = bool(words) and not use_dot and bm <= CHAIN_MAX_M and (WORDS_CHAIN if chain is None else chain)
+    chain = bool(words) and bm <= CHAIN_MAX_M and (WORDS_CHAIN if chain is None else chain)
     dummy = colscale
     part = torch.empty(split * tiles * block_n * bm, device=x.device, dtype=torch.float32) if split > 1 else dummy
     cnt = _counters(x.device, tiles) if split > 1 else dummy
