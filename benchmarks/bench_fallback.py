@@ -6,8 +6,9 @@
 Triton 3.6 on sm_90 compiled the 3-stage loop of the 128x256x64 tile into a kernel that wrote garbage
 at 1000 tokens (docs/perf.md, 2026-12-04 ninth session), so every tile above 64 tokens runs at
 ``tuning.MAX_STAGES_ABOVE_64`` stages. Here each shape runs at the capped config and at the table's own
-depth; each output is compared with the float64 product of the same bf16 operands (the capped one
-must match; the uncapped one is reported, not trusted), beside cuBLAS bf16 in the same run.
+depth; the bf16 output that is timed is compared five times with the float64 product of the same
+operands (the capped config must match every time, or the script exits 1; the uncapped one is
+reported, not trusted), beside cuBLAS bf16 in the same run.
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ def main() -> None:
     p.add_argument("--out")
     args = p.parse_args()
     rows = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}; "
-            "us, kernel alone (CUDA-graph replays); err = max |out - float64| / max |float64|", "",
+            "us, kernel alone (CUDA-graph replays); err = the worst of five bf16 outputs against float64, as a "
+            "fraction of the bound (bf16 rounding plus 1e-3 of the largest output): above 1 is wrong", "",
             "| M | K | N | cuBLAS bf16 | table config | stages: capped (default) | err | table's own | err | capped / own |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
     gen = torch.Generator().manual_seed(0)
+    failed: list[str] = []
     for m, k, n in SHAPES:
         q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen).cuda()
         ws = (torch.rand(n, k // 16, generator=gen) * 0.5 + 0.01).to(torch.float8_e4m3fn).cuda()
@@ -56,17 +59,25 @@ def main() -> None:
         cells = []
         times = []
         for cfg in (capped, own):
-            y = kernels.w4_gemm(a, q, ws, wc, None, None, None, torch.float32, cfg)
-            err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+            # the kernel that is timed (bf16 output), checked five times: the race it guards against is
+            # intermittent; bf16 rounding is 2**-8 of each output at most
+            err = max(((kernels.w4_gemm(a, q, ws, wc, None, None, None, torch.bfloat16, cfg).double() - ref).abs()
+                       / (ref.abs() * 2.0**-8 + 1e-3 * ref.abs().max())).max().item() for _ in range(5))
+            if cfg is capped and not err <= 1.0:
+                failed.append(f"{m}x{k}x{n} at {cfg.num_stages} stages: {err:.2f} of the bound")
             t = graph_time(lambda cfg=cfg: kernels.w4_gemm(a, q, ws, wc, None, None, None, torch.bfloat16, cfg))
             times.append(t)
-            cells += [f"{cfg.num_stages}: {t * 1e3:.1f}", f"{err:.1e}"]
+            cells += [f"{cfg.num_stages}: {t * 1e3:.1f}", f"{err:.2f}"]
         rows.append(f"| {m} | {k} | {n} | {t_ref * 1e3:.1f} | {capped.block_n}x{capped.block_m}x{capped.block_k} s{capped.split_k} "
                     f"w{capped.num_warps} | " + " | ".join(cells) + f" | {times[0] / times[1]:.2f} |")
         print(rows[-1], flush=True)
+    if failed:
+        rows += ["", "WRONG (the default config): " + "; ".join(failed)]
+        print(rows[-1], flush=True)
     if args.out:
         Path(args.out).write_text("\n".join(rows) + "\n")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -154,24 +154,26 @@ WORDS_CONFIGS = [dict(block_k=128, chain=False), dict(block_k=128, chain=True), 
                  dict(block_k=256, chain=True, block_n=32), dict(block_k=256, chain=True, block_n=128)]
 
 
-# --tokens: 2-4 tokens, the dot (the default there) against the multiply-add form's word decode with the
-# block chain (the k-step decoded once for every token) at three tiles
+# --tokens: 1-4 tokens, the dot against the multiply-add form's word decode with the block chain (the
+# k-step decoded once for every token) at three tiles: what small_m.use_fma (the chain up to 2 tokens)
+# is set from
 TOKENS_CASES = [("adaLN 3072x18432", 3072, 18432, "w4a16"), ("adaLN single 3072x9216", 3072, 9216, "w4a16"),
                 ("ff down 12288x3072", 12288, 3072, "w4a16"), ("attn 3072x3072", 3072, 3072, "w4a16"),
-                ("attn 3072x3072", 3072, 3072, "exact-canonical")]
+                ("attn 3072x3072", 3072, 3072, "exact-canonical"), ("ff up 3072x12288", 3072, 12288, "exact-canonical"),
+                ("ff down 12288x3072", 12288, 3072, "exact-canonical")]
 TOKENS_CONFIGS = [dict(block_n=32, block_k=256), dict(block_n=64, block_k=128), dict(block_n=64, block_k=256)]
 
 
-def tokens_table(copy_gbs: float) -> list[str]:
-    """2-4 tokens: the kernel alone with its dot (the default from 2 tokens on large weights) and with
-    the word decode's block chain forced (``fma=True``), each output checked against the dot's first;
-    cuBLAS bf16 beside them, same run."""
-    rows = ["", "The small-M kernel at 2-4 tokens, kernel alone (us): dot = the tensor-core form (the default "
-            "there), chain = multiply-adds with the word decode's block chain (block_n x block_k)", "",
+def tokens_table(copy_gbs: float, modes: tuple[str, ...] = ("w4a16", "exact-canonical")) -> list[str]:
+    """1-4 tokens: the kernel alone with its dot forced (``fma=False``) and with the word decode's block
+    chain forced (``fma=True``), each output checked against the dot's first; cuBLAS bf16 beside them,
+    same run. ``modes``: which of ``TOKENS_CASES`` run."""
+    rows = ["", "The small-M kernel at 1-4 tokens, kernel alone (us): dot = the tensor-core form (the default "
+            "from 3 tokens), chain = multiply-adds with the word decode's block chain (block_n x block_k)", "",
             "| layer | mode | M | cuBLAS bf16 | dot | " + " | ".join(f"chain {c['block_n']}x{c['block_k']}" for c in TOKENS_CONFIGS)
             + " | best vs bf16 | best GB/s (% of copy) |", "|---|---|---|---|---|" + "---|" * len(TOKENS_CONFIGS) + "---|---|"]
     print("\n".join(rows), flush=True)
-    for label, k, n, mode in TOKENS_CASES:
+    for label, k, n, mode in [c for c in TOKENS_CASES if c[3] in modes]:
         lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
         q = NVFP4W4A16Linear.from_linear(lin) if mode == "w4a16" else random_w4a4(k, n, 32, torch.bfloat16, "cuda")
         for m in (1, 2, 3, 4):
@@ -260,6 +262,8 @@ def main() -> None:
     p.add_argument("--tokens", action="store_true",
                    help="only 1-4 tokens: the kernel's dot against the word decode's block chain (fma=True) at "
                         "three tiles, kernel alone (what small_m.use_fma is set from)")
+    p.add_argument("--tokens-modes", default="w4a16,exact-canonical",
+                   help="with --tokens: the modes of TOKENS_CASES to run (comma-separated)")
     args = p.parse_args()
     src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -274,7 +278,7 @@ def main() -> None:
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     have_fast = sm90._quack_fast_module() is not None
     if args.words or args.tokens:
-        rows = rows[:2] + (words_table(copy_gbs) if args.words else []) + (tokens_table(copy_gbs) if args.tokens else [])
+        rows = rows[:2] + (words_table(copy_gbs) if args.words else []) + (tokens_table(copy_gbs, tuple(args.tokens_modes.split(','))) if args.tokens else [])
         if args.out:
             Path(args.out).write_text("\n".join(rows) + "\n")
         return

@@ -2,12 +2,13 @@
 
     svdq-precompile --arch sm_90a [--out DIR] [--keep-sass] [--quick] [--python X.Y]
 
-``sm_90a``: every Triton kernel variant the sm90 backend launches for the Flux.1 and SD3.5 shapes
-(the activation pass per input dtype, the W4 GEMM per tile configuration of ``configs.json`` with and
-without bias / low-rank, bf16 and fp16) is compiled for compute capability 9.0 into
-``DIR/triton-cache`` (point ``TRITON_CACHE_DIR`` there on the GPU machine: the runtime finds the
-same specialisations there instead of compiling; the cache is specific to the Triton version that
-wrote it). ``--keep-sass`` also writes each kernel's SASS; a JSON report lists registers, spills,
+``sm_90a``: the Triton kernels the sm90 backend launches for the Flux.1 and SD3.5 layers are
+compiled for compute capability 9.0 into ``DIR/triton-cache`` by running the backend's own host code
+on CPU stand-ins of those layers (``_sm90_calls``: bf16, fp16 and fp32 activations, rank 32 and none;
+``--quick`` a bf16 subset) with every launch turned into a compile through Triton's own binder
+(``compile_launches``): the cache then holds the very specializations a GPU process looks up (point
+``TRITON_CACHE_DIR`` there on the GPU machine; the cache is specific to the Triton version that wrote
+it). ``--keep-sass`` also writes each kernel's SASS; a JSON report lists registers, spills,
 shared memory and the SASS counts that matter (HGMMA, local-memory LDL/STL).
 With quack-kernels installed, the quack GEMMs (the exact mode's NVFP4 W4A16 decode for M >= 128, the
 fast mode's FP8 decode for every M) are compiled per Flux/SD3.5 shape into ``DIR/quack-cache`` (point
@@ -21,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 # Flux.1 and SD3.5 (M tokens at 1024^2 with 512 text tokens, K, N), the adaLN GEMVs at batch 1-4.
@@ -84,62 +87,85 @@ class _CompileOnlyDriver:
         return self._target
 
 
+def _jit_function(fn):
+    """The ``JITFunction`` under an autotune / heuristics wrapper (or ``fn`` itself)."""
+    while not hasattr(fn, "device_caches") and hasattr(fn, "fn"):
+        fn = fn.fn
+    return fn
+
+
 @contextlib.contextmanager
 def compile_launches(target):
     """Inside, every ``kernel[grid](...)`` of a Triton JIT function compiles what Triton's runtime would
     compile for those very arguments and launches nothing: Triton's own binder turns them into the
     signature, constants and alignment attributes (integers equal to 1 become constants, multiples of
     16 and 16-byte aligned pointers get divisibility attributes), so the cache entry written is the one
-    a GPU process looks up for the same call. Yields the list of ``(kernel name, CompiledKernel)``."""
+    a GPU process looks up for the same call. Yields the list of ``(kernel name, CompiledKernel)``.
+
+    Each kernel compiles with per-device caches of its own while inside (a kernel that already ran on a
+    GPU in this process keeps its real ones), and Triton's launch path, active driver and those caches
+    are put back on the way out, an exception included."""
     from triton.runtime.driver import driver
     from triton.runtime.jit import KernelInterface
 
     compiled: list = []
-    touched: set = set()
+    own_caches: dict = {}  # JITFunction -> the per-device caches it had before
 
     def getitem(fn, grid):
         def launch(*args, **kwargs):
-            touched.add(fn)
+            jit = _jit_function(fn)
+            if jit not in own_caches:
+                own_caches[jit] = jit.device_caches
+                jit.device_caches = defaultdict(jit.device_caches.default_factory)
             kernel = fn.run(*args, grid=grid, warmup=True, **kwargs)
-            compiled.append((getattr(fn, "__name__", type(fn).__name__), kernel))
+            compiled.append((getattr(jit, "__name__", type(jit).__name__), kernel))
 
         return launch
 
-    saved_getitem, saved_active = KernelInterface.__getitem__, driver._active
+    # the active driver: DriverConfig._active (Triton 3.5+) or .active (3.4), read without creating one
+    state = vars(driver)
+    slot = "_active" if "_active" in state else "active"
+    saved_getitem, saved_active = KernelInterface.__getitem__, state.get(slot)
     KernelInterface.__getitem__ = getitem
     driver.set_active(_CompileOnlyDriver(target))
     try:
         yield compiled
     finally:
         KernelInterface.__getitem__ = saved_getitem
-        driver._active = saved_active
-        for fn in touched:  # their per-device caches hold the stand-in target's binder
-            fn.device_caches.clear()
+        setattr(driver, slot, saved_active)
+        for jit, caches in own_caches.items():
+            jit.device_caches = caches
 
 
 def _sm90_calls(quick: bool):
     """``(tag, call)``: the sm90 backend's own entry points on CPU stand-ins of the Flux.1 and SD3.5 layers
-    (zeros of the real shapes and dtypes, rank 32, with bias), so that each Triton launch they make is
-    the one a GPU process makes for that layer: the exact mode above 64 tokens (activation pass, and the
-    Triton W4 GEMM that serves it without quack-kernels), the small-M kernel (exact mode in both weight
-    layouts, W4A16 for the adaLN modulation at batch 1-4), the fast mode's activation pass and
-    ``lora_act``. quack's GEMMs are compiled by ``precompile_sm90_quack``."""
+    (zeros of the real shapes and dtypes, with bias; rank 32, the converter's default, and 0), so that
+    each Triton launch they make is the one a GPU process makes for that layer: the exact mode above 64
+    tokens (activation pass, and the Triton W4 GEMM that serves it without quack-kernels), the small-M
+    kernel (the exact mode on canonical weights and, from 9 tokens, on quack's blob, whose fewer tokens
+    run ``small_m_mma`` on a GPU; W4A16 for the adaLN modulation at batch 1-32), the fast mode's
+    activation pass and ``lora_act``. quack's GEMMs are compiled by ``precompile_sm90_quack``. Not
+    covered (compiled on first use, seconds each): other ranks (their low-rank tile widths), other
+    token counts where Triton specializes differently (1, multiples of 16, others), other widths.
+    Routing that depends on the device (``x.is_cuda``) is the CPU's here: such variants are left out
+    rather than compiled for nothing."""
     import torch
 
     from .backends import sm90
     from .backends.sm90 import kernels, tuning
 
     be = sm90.Sm90Backend()
-    dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16]
+    dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16, torch.float32]
     big = [s for s in SHAPES if s[0] > sm90.SMALL_M["w4a4"]]
     small = [(1, 3072, 3072), (64, 3072, 3072)] if quick else [
-        (m, k, n) for m in (1, 2, 4, 16, 64) for k, n in ((3072, 3072), (3072, 12288), (12288, 3072))]
-    adaln = [(1, 3072, 18432)] if quick else [(m, 3072, n) for m in (1, 2, 4) for n in (18432, 9216)]
+        (m, k, n) for m in (1, 2, 4, 16, 32, 48, 64) for k, n in ((3072, 3072), (3072, 12288), (12288, 3072))]
+    repacked = [(16, 3072, 3072)] if quick else [s for s in small if s[0] > tuning.MMA_MAX_M]
+    adaln = [(1, 3072, 18432)] if quick else [  # Flux.1 (double, single), SD3.5 large and medium
+        (m, k, n) for m in (1, 2, 4, 16, 32) for k, n in ((3072, 18432), (3072, 9216), (2432, 14592), (1536, 9216))]
     fast = [(4608, 3072), (1, 3072)] if quick else [(m, k) for m in (1, 16, 512, 4608)
                                                      for k in (2432, 3072, 3840, 10240, 12288, 15360)]
-    r = 32
 
-    def layer(m, k, n, dt):
+    def layer(m, k, n, dt, r=32):
         return dict(x=torch.zeros(m, k, dtype=dt), qweight=torch.zeros(n, k // 2, dtype=torch.uint8),
                     wscales=torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn), smooth=torch.ones(k),
                     proj_down=torch.zeros(k, r, dtype=dt), proj_up=torch.zeros(n, r, dtype=dt),
@@ -152,29 +178,29 @@ def _sm90_calls(quick: bool):
     for dt in dtypes:
         name = str(dt).removeprefix("torch.")
         for m, k, n in big + small:
-            t = layer(m, k, n, dt)
-            yield f"exact_m{m}_{k}x{n}_{name}", exact(t, [])  # canonical weights
+            yield f"exact_m{m}_{k}x{n}_{name}", exact(layer(m, k, n, dt), [])  # canonical weights
+            if not quick and (k, n) == (3072, 3072):  # a layer without a low-rank branch
+                yield f"exact_r0_m{m}_{k}x{n}_{name}", exact(layer(m, k, n, dt, r=0), [])
         if sm90._quack_module() is not None and dt == torch.bfloat16:  # the small-M kernel on quack's blob
-            for m, k, n in small[:1] if quick else small:
+            for m, k, n in repacked:
                 t = layer(m, k, n, dt)
-                mod = _StandIn(k, n, r, dt)
-                prepared = be.prepare(mod, torch.device("cpu"))
+                prepared = be.prepare(_StandIn(k, n, 32, dt), torch.device("cpu"))
                 t["qweight"] = torch.empty(0, dtype=torch.uint8)  # replaced by the blob, as on the GPU
                 yield f"exact_quack_m{m}_{k}x{n}", exact(t, prepared.tensors())
-                t2 = dict(t, x=torch.zeros(max(m, 128), k, dtype=dt))  # the pass quack's GEMM reads
-                yield f"exact_quack_pass_{k}_{name}", (
-                    lambda t2=t2: kernels.quantize_act(t2["x"], t2["smooth"], out_dtype=torch.bfloat16))
-        for m, k, n in adaln:
+            t2 = layer(128, 3072, 3072, dt)  # the pass that quack's GEMM reads (bf16 activations)
+            yield f"exact_quack_pass_{name}", lambda t2=t2: kernels.quantize_act(t2["x"], t2["smooth"],
+                                                                                 out_dtype=torch.bfloat16)
+        for m, k, n in adaln if dt != torch.float32 else []:  # W4A16 takes 16-bit activations only
             t = layer(m, k, n, dt)
             yield f"w4a16_m{m}_{k}x{n}_{name}", (lambda t=t: be.run_w4a16(t["x"], t["qweight"], t["wscales"],
                                                                            t["wcscale"], t["bias"], []))
         for m, k in fast:
             x, inv = torch.zeros(m, k, dtype=dt), torch.ones(k)
-            pds = torch.zeros(k, r, dtype=torch.bfloat16)
+            pds = torch.zeros(k, 32, dtype=torch.bfloat16)
 
-            def fast_pass(x=x, inv=inv, pds=pds, m=m):
-                if m <= tuning.MMA_MAX_M:  # where small_m_mma may serve it: the pass alone (lora_act on cuBLAS)
-                    kernels.quantize_act_fp8(x, inv, inv_smooth=inv, gemm_order=True)
+            def fast_pass(x=x, inv=inv, pds=pds):
+                # without a low-rank branch, and where small_m_mma serves the call (lora_act on cuBLAS)
+                kernels.quantize_act_fp8(x, inv, inv_smooth=inv, gemm_order=True)
                 # quack's FP8 GEMM with the low-rank MMA in its accumulator: lora_act, then the pass that
                 # divides it by the token scale
                 kernels.quantize_act_fp8(x, inv, lora=be._lora_act(x, pds), inv_smooth=inv, gemm_order=True)
@@ -203,30 +229,30 @@ def precompile_sm90(out_dir: Path, keep_sass: bool = False, quick: bool = False)
     os.environ["TRITON_CACHE_DIR"] = str(out_dir / "triton-cache")
     from triton.backends.compiler import GPUTarget
 
-    from .backends.sm90 import small_m
+    from .backends.sm90 import kernels, small_m
 
+    if kernels._INTERPRET or small_m._INTERPRET:
+        raise RuntimeError("svdq-precompile needs the real Triton compiler: run it in a process started "
+                           "without TRITON_INTERPRET=1 (the sm90 kernels were imported for the interpreter)")
     sass_dir = out_dir / "sass-sm_90a"
     sass_dir.mkdir(parents=True, exist_ok=True)
     records, seen, labels = [], set(), set()
-    saved, small_m._INTERPRET = small_m._INTERPRET, False
-    try:
-        with compile_launches(GPUTarget("cuda", 90, 32)) as compiled:
-            for tag, call in _sm90_calls(quick):
-                before = len(compiled)
-                call()
-                for fn_name, ck in compiled[before:]:
-                    if ck.hash in seen:
-                        continue
-                    seen.add(ck.hash)
-                    label = base = f"{fn_name.strip('_').removesuffix('_kernel')}_{tag}"
-                    while label in labels:  # another specialization of the same kernel for this layer
-                        label = f"{base}_{sum(x.startswith(base) for x in labels) + 1}"
-                    labels.add(label)
-                    records.append({"kernel": label, "arch": "sm_90a", "shared_bytes": ck.metadata.shared,
-                                    "constants": _constants(ck),
-                                    **_sass_stats(ck.asm["cubin"], sass_dir, label, keep_sass)})
-    finally:
-        small_m._INTERPRET = saved
+    with compile_launches(GPUTarget("cuda", 90, 32)) as compiled:
+        for tag, call in _sm90_calls(quick):
+            before = len(compiled)
+            call()
+            for fn_name, ck in compiled[before:]:
+                if ck.hash in seen:
+                    continue
+                seen.add(ck.hash)
+                base = f"{fn_name.strip('_').removesuffix('_kernel')}_{tag}"
+                # another specialization of the same kernel for this layer: _2, _3, ...
+                label = next(x for x in itertools.chain([base], (f"{base}_{i}" for i in itertools.count(2)))
+                             if x not in labels)
+                labels.add(label)
+                records.append({"kernel": label, "arch": "sm_90a", "shared_bytes": ck.metadata.shared,
+                                "constants": _constants(ck),
+                                **_sass_stats(ck.asm["cubin"], sass_dir, label, keep_sass)})
     return records
 
 

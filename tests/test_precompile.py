@@ -30,8 +30,9 @@ def test_sm90_kernels_compile_to_hgmma_without_spills(tmp_path):
     # --quick: W4A16 at 1 token (adaLN), the exact mode at 1 and 64 tokens (canonical weights; quack's blob at 1)
     assert {"small_m_w4a16_m1_3072x18432_bfloat16", "small_m_exact_m1_3072x3072_bfloat16",
             "small_m_exact_m64_3072x3072_bfloat16"} <= set(small), sorted(small)
-    for name, k in small.items():  # the dot variants run on wgmma; the multiply-add ones must not spill either
-        assert (k["hgmma"] > 0) == k["constants"]["USE_DOT"] == ("_m64" in name), f"{name}: {k['hgmma']} HGMMA"
+    for name, k in small.items():  # the dot (from 3 tokens) runs on wgmma; the multiply-adds must not spill either
+        c = k["constants"]
+        assert (k["hgmma"] > 0) == c["USE_DOT"] == (c["BLOCK_M"] > 2), f"{name}: {k['hgmma']} HGMMA, {c}"
     # what the runtime specializes, not what a list assumed: one token is the constant M = 1 (Triton's
     # rule for integers equal to 1), and a layer without a low-rank branch would take RC = 16
     one = small["small_m_w4a16_m1_3072x18432_bfloat16"]["constants"]
@@ -101,7 +102,15 @@ def scale(x_ptr, n, stride, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     tl.store(x_ptr + i * stride, tl.load(x_ptr + i * stride, mask=i < n) * 2, mask=i < n)
 
-getitem = KernelInterface.__getitem__
+from triton.runtime.driver import driver
+getitem, before = KernelInterface.__getitem__, dict(vars(driver))
+try:  # an exception inside puts Triton back too
+    with compile_launches(GPUTarget("cuda", 90, 32)):
+        scale[(1,)](torch.zeros(64), 1, 32, BLOCK=3)  # BLOCK not a power of two: Triton refuses to compile it
+    raised = False
+except Exception:
+    raised = True
+after_error = raised and KernelInterface.__getitem__ is getitem and dict(vars(driver)) == before and len(scale.device_caches) == 0
 with compile_launches(GPUTarget("cuda", 90, 32)) as compiled:
     scale[(1,)](torch.zeros(64), 1, 32, BLOCK=16)   # n == 1: Triton makes it a constant
     scale[(1,)](torch.zeros(64), 7, 32, BLOCK=16)   # n == 7: an argument
@@ -110,15 +119,16 @@ names = scale.arg_names
 consts = [sorted(names[k[0]] for k in ck.src.constants) for _, ck in compiled]
 print(json.dumps(dict(n=len(compiled), hashes=len({ck.hash for _, ck in compiled}), consts=consts,
                       cubin=all(len(ck.asm["cubin"]) > 0 for _, ck in compiled),
-                      restored=KernelInterface.__getitem__ is getitem, caches=len(scale.device_caches))))
+                      restored=KernelInterface.__getitem__ is getitem and dict(vars(driver)) == before,
+                      after_error=after_error, caches=len(scale.device_caches))))
 """
 
 
 def test_compile_launches_compiles_what_triton_keys_and_puts_triton_back(tmp_path):
     """``precompile.compile_launches`` (no GPU): a launch inside it compiles a cubin for sm_90a through
     Triton's own binder, so an integer argument equal to 1 becomes a constant as it does at run time
-    and a repeated launch reuses its kernel; afterwards Triton's launch path is its own again and the
-    kernel keeps no binder for the stand-in target."""
+    and a repeated launch reuses its kernel; afterwards (an exception inside included) Triton's launch
+    path and active driver are its own again and the kernel keeps no binder for the stand-in target."""
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -130,4 +140,4 @@ def test_compile_launches_compiles_what_triton_keys_and_puts_triton_back(tmp_pat
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["n"] == 3 and res["hashes"] == 2 and res["cubin"], res
     assert "n" in res["consts"][0] and "n" not in res["consts"][1] and "BLOCK" in res["consts"][1], res
-    assert res["restored"] and res["caches"] == 0, res
+    assert res["restored"] and res["after_error"] and res["caches"] == 0, res

@@ -317,10 +317,9 @@ def _small_m_kernel(
     # word at a time (_word_values), the activations gathered to match, block scales x 64. PREFETCH
     # (with WORDS): each k-step's activations and block scales loaded one step ahead, in registers
     # (ncu: a third of the word loop's stalls wait on those loads, issued and consumed in the step).
-    # CHAIN (with WORDS, up to 4 tokens): the codes decoded once a k-step, a block's 16 products per token in
-    # one multiply-add chain (_block_chain), times the
-    # block scale into per-thread [BLOCK_N, BLOCK_K / 16] sums per token, reduced across k once after
-    # the loop instead of a cross-thread sum every trip
+    # CHAIN (with WORDS, up to 4 tokens): the codes decoded once a k-step; per token a block's 16 products
+    # in one multiply-add chain (_block_chain), times the block scale into per-thread [BLOCK_N,
+    # BLOCK_K / 16] sums, reduced across k once after the loop instead of a cross-thread sum every trip
     if CHAIN:
         tl.static_assert(WORDS and BLOCK_M <= 4, "CHAIN goes with the word decode's one to four tokens")
     if PREFETCH:
