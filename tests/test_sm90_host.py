@@ -137,3 +137,25 @@ def test_triton_gemm_stays_at_two_stages_above_64_tokens():
         for n, k in ((3072, 3072), (12288, 3072), (3072, 12288)):
             assert tuning.pick(m, n, k).num_stages <= tuning.MAX_STAGES_ABOVE_64 == 2
     assert tuning.pick(16, 3072, 3072).num_stages == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the mis-compile is the GPU compiler's)")
+@pytest.mark.parametrize("m,n", [(1000, 3072), (4096, 12288)])
+def test_gpu_triton_gemm_default_config_writes_the_product_every_call(m, n):
+    """The Triton W4 GEMM at ``tuning.pick``'s config with a bf16 output (what the exact mode runs above 64
+    tokens without quack-kernels): three calls, each against the float64 product of the same operands.
+    At 3 stages this tile wrote up to inf on the H200 (docs/perf.md, tenth session)."""
+    from svdq_linear import nvfp4
+    from svdq_linear.backends.sm90 import kernels, tuning
+
+    k = 3072
+    gen = torch.Generator().manual_seed(m)
+    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen).cuda()
+    ws = (torch.rand(n, k // 16, generator=gen) * 0.5 + 0.01).to(torch.float8_e4m3fn).cuda()
+    a = torch.randn(m, k, generator=gen).bfloat16().cuda()
+    ref = (a.double() @ nvfp4.dequantize_nvfp4(q, ws, torch.float64).T).cpu()
+    bound = ref.abs() * 2.0**-8 + 1e-3 * ref.abs().max()  # bf16 rounding, fp32 order
+    cfg = tuning.pick(m, n, k)
+    for _ in range(3):
+        y = kernels.w4_gemm(a, q, ws, torch.ones(n, device="cuda"), None, None, None, torch.bfloat16, cfg)
+        assert ((y.double().cpu() - ref).abs() <= bound).all(), f"{cfg}: wrong outputs"
