@@ -141,3 +141,58 @@ def test_compile_launches_compiles_what_triton_keys_and_puts_triton_back(tmp_pat
     assert res["n"] == 3 and res["hashes"] == 2 and res["cubin"], res
     assert "n" in res["consts"][0] and "n" not in res["consts"][1] and "BLOCK" in res["consts"][1], res
     assert res["restored"] and res["after_error"] and res["caches"] == 0, res
+
+
+_FIDELITY = """
+import json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["SVDQ_SM90_QUACK"] = "0"  # the Triton GEMM above 64 tokens: what --quick's canonical layers run
+os.environ["TRITON_CACHE_DIR"] = sys.argv[1]
+sys.path.insert(0, sys.argv[2])
+import torch
+from triton.backends.compiler import GPUTarget
+from svdq_linear import NVFP4W4A16Linear
+from svdq_linear.backends.sm90 import Sm90Backend
+from svdq_linear.precompile import _sm90_calls, compile_launches
+from test_conformance import random_w4a4
+
+target = GPUTarget("cuda", 90, 32)
+with compile_launches(target) as stand_ins:
+    for tag, call in _sm90_calls(True):
+        if not tag.startswith(("exact_quack", "fast")):  # the canonical exact and W4A16 layers
+            call()
+be = Sm90Backend()
+real = {}
+with torch.no_grad(), compile_launches(target) as compiled:
+    for m in (4608, 512, 64, 1):  # real modules: random weights, rank 32, bias, bf16
+        mod = random_w4a4(3072, 3072, 32, torch.bfloat16, "cpu")
+        be.linear(mod, torch.randn(m, 3072, dtype=torch.bfloat16), be.prepare(mod, torch.device("cpu")))
+        real[f"exact m{m}"] = [ck.hash for _, ck in compiled]
+        compiled.clear()
+    ada = NVFP4W4A16Linear.from_linear(torch.nn.Linear(3072, 18432, dtype=torch.bfloat16))
+    be.linear(ada, torch.randn(1, 3072, dtype=torch.bfloat16), None)
+    real["w4a16 m1"] = [ck.hash for _, ck in compiled]
+covered = {ck.hash for _, ck in stand_ins}
+print(json.dumps({k: [h in covered for h in v] for k, v in real.items()}))
+"""
+
+
+def test_precompiled_stand_ins_compile_what_real_modules_launch(tmp_path):
+    """The stand-ins of ``--quick`` (zeros of a layer's shapes) against real modules (random weights) of
+    the same layers going through the sm90 backend, both under ``compile_launches`` (no GPU): every
+    kernel a real module's call compiles is one the stand-ins compiled (the same cache key), so a
+    stand-in that drifted from what a module holds (a dtype, a stride, a rank) fails here."""
+    import os
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = tmp_path / "fidelity.py"
+    script.write_text(_FIDELITY)
+    tests_dir = str(Path(__file__).resolve().parent)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "cache"), tests_dir], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(res) == {"exact m4608", "exact m512", "exact m64", "exact m1", "w4a16 m1"}, res
+    for layer, hits in res.items():
+        assert hits and all(hits), f"{layer}: kernels the stand-ins did not compile: {hits}"
