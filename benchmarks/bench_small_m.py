@@ -154,6 +154,19 @@ WORDS_CONFIGS = [dict(block_k=128, chain=False), dict(block_k=128, chain=True), 
                  dict(block_k=256, chain=True, block_n=32), dict(block_k=256, chain=True, block_n=128)]
 
 
+def _checked_times(call, base, kws: list[dict]) -> tuple[list[str], float | None]:
+    """``call(**kw)`` for each of ``kws``: its output compared with ``base`` (fp32 summation order only),
+    then timed. Table cells (``WRONG`` marks a mismatch) and the best time of those that matched."""
+    cells, best = [], None
+    for kw in kws:
+        y = call(**kw)
+        ok = torch.allclose(y.float(), base.float(), rtol=2e-2, atol=1e-3 * base.float().abs().max().item())
+        t = graph_time(lambda kw=kw: call(**kw))
+        best = t if ok and (best is None or t < best) else best
+        cells.append(f"{t * 1e3:.1f}" + ("" if ok else " WRONG"))
+    return cells, best
+
+
 # --tokens: 1-4 tokens, the dot against the multiply-add form's word decode with the block chain (the
 # k-step decoded once for every token) at three tiles: what small_m.use_fma (the chain up to 2 tokens)
 # is set from
@@ -181,18 +194,11 @@ def tokens_table(copy_gbs: float, modes: tuple[str, ...] = ("w4a16", "exact-cano
             t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
             dot = kernel_call(q, x, mode, fma=False)
             base = dot()
-            times = {"dot": graph_time(dot)}
-            cells = [f"{times['dot'] * 1e3:.1f}"]
+            t_dot = graph_time(dot)
             chain = kernel_call(q, x, mode, fma=True)
-            for cfg in TOKENS_CONFIGS:
-                kw = dict(words=True, chain=True, **cfg)
-                y = chain(**kw)
-                ok = torch.allclose(y.float(), base.float(), rtol=2e-2, atol=1e-3 * base.float().abs().max().item())
-                t = graph_time(lambda kw=kw: chain(**kw))
-                if ok:
-                    times[str(cfg)] = t
-                cells.append(f"{t * 1e3:.1f}" + ("" if ok else " WRONG"))
-            best = min(times.values())
+            cells, best = _checked_times(chain, base, [dict(words=True, chain=True, **cfg) for cfg in TOKENS_CONFIGS])
+            cells = [f"{t_dot * 1e3:.1f}"] + cells
+            best = t_dot if best is None else min(t_dot, best)
             gbs = (n * k // 2 + n * k // 16) / (best * 1e-3) / 1e9
             rows.append(f"| {label} | {mode} | {m} | {t_ref * 1e3:.1f} | " + " | ".join(cells)
                         + f" | {t_ref / best:.2f}x | {gbs:.0f} ({100 * gbs / copy_gbs:.0f}%) |")
@@ -225,14 +231,8 @@ def words_table(copy_gbs: float) -> list[str]:
         call = kernel_call(q, x, mode)
         base = call(words=False, block_k=64)  # the per-byte decode at its own k-step
         t_b = graph_time(lambda: call(words=False, block_k=64))
-        cells, best = [], None
-        for cfg in WORDS_CONFIGS:
-            kw = {"words": True, "block_n": 64, **cfg}  # 64-row tiles unless the config says (the column titles)
-            y = call(**kw)
-            ok = torch.allclose(y.float(), base.float(), rtol=2e-2, atol=1e-3 * base.float().abs().max().item())
-            t = graph_time(lambda kw=kw: call(**kw))
-            best = t if ok and (best is None or t < best) else best
-            cells.append(f"{t * 1e3:.1f}" + ("" if ok else " WRONG"))
+        # 64-row tiles unless the config says (the column titles)
+        cells, best = _checked_times(call, base, [{"words": True, "block_n": 64, **cfg} for cfg in WORDS_CONFIGS])
         wbytes = n * k // 2 + n * k // 16
         if best is None:  # every config wrote something else than the per-byte decode
             rows.append(f"| {label} | {m} | {mode} | {t_ref * 1e3:.1f} | {t_b * 1e3:.1f} | " + " | ".join(cells) + " | - | - |")

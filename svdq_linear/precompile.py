@@ -51,9 +51,9 @@ def _sass_stats(cubin: bytes, work: Path, name: str, keep_sass: bool) -> dict:
         return {"sass": None, "note": "no cuobjdump in this Triton's CUDA backend or on PATH"}
     cub = work / f"{name}.cubin"
     cub.write_bytes(cubin)
-    sass = subprocess.run([_nvidia_bin("cuobjdump"), "--dump-sass", str(cub)], capture_output=True, text=True,
+    sass = subprocess.run([tool, "--dump-sass", str(cub)], capture_output=True, text=True,
                           check=True).stdout
-    res = subprocess.run([_nvidia_bin("cuobjdump"), "--dump-resource-usage", str(cub)], capture_output=True,
+    res = subprocess.run([tool, "--dump-resource-usage", str(cub)], capture_output=True,
                          text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", res)
     stack = re.search(r"STACK:(\d+)", res)
@@ -153,6 +153,7 @@ def _sm90_calls(quick: bool):
 
     from .backends import sm90
     from .backends.sm90 import kernels, tuning
+    from .linear import SVDQW4A4Linear
 
     be = sm90.Sm90Backend()
     dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16, torch.float32]
@@ -184,7 +185,7 @@ def _sm90_calls(quick: bool):
         if sm90._quack_module() is not None and dt == torch.bfloat16:  # the small-M kernel on quack's blob
             for m, k, n in repacked:
                 t = layer(m, k, n, dt)
-                prepared = be.prepare(_StandIn(k, n, 32, dt), torch.device("cpu"))
+                prepared = be.prepare(SVDQW4A4Linear(k, n, rank=32, dtype=dt), torch.device("cpu"))
                 t["qweight"] = torch.empty(0, dtype=torch.uint8)  # replaced by the blob, as on the GPU
                 yield f"exact_quack_m{m}_{k}x{n}", exact(t, prepared.tensors())
             t2 = layer(128, 3072, 3072, dt)  # the pass that quack's GEMM reads (bf16 activations)
@@ -206,20 +207,6 @@ def _sm90_calls(quick: bool):
                 kernels.quantize_act_fp8(x, inv, lora=be._lora_act(x, pds), inv_smooth=inv, gemm_order=True)
 
             yield f"fast_m{m}_{k}_{name}", fast_pass
-
-
-class _StandIn:
-    """What ``Sm90Backend.prepare`` reads of an exact-mode module, as zeros of a layer's shapes."""
-
-    def __init__(self, k, n, r, dtype):
-        import torch
-
-        self.kind, self.rank, self.out_features, self.in_features = "w4a4", r, n, k
-        self.qweight = torch.zeros(n, k // 2, dtype=torch.uint8)
-        self.wscales = torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn)
-        self.smooth, self.wcscale, self.bias = torch.ones(k), torch.ones(n), torch.zeros(n, dtype=dtype)
-        self.proj_down, self.proj_up = torch.zeros(k, r, dtype=dtype), torch.zeros(n, r, dtype=dtype)
-        self._parameters = {"qweight": self.qweight, "wscales": self.wscales}
 
 
 def precompile_sm90(out_dir: Path, keep_sass: bool = False, quick: bool = False) -> list[dict]:
