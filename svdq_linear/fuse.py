@@ -9,6 +9,10 @@ exact zeros in the FP32 accumulation). The fused layer quantizes its input once 
 transformers: each attention module gets ``to_qkv`` (and ``to_added_qkv``) built this way, the
 separate q/k/v modules become views of the fused packed weight (no second copy of it), and the fused
 modules stay out of ``state_dict`` so saved checkpoints are unchanged.
+
+``fuse_gelu_inputs`` lets the linears after a tanh GELU (Flux single blocks' ``proj_out``, feed-forward
+down projections) read the GELU's input, and the tensor concatenated before it, without that input
+being written out.
 """
 
 from __future__ import annotations
@@ -136,3 +140,53 @@ def fuse_attention_projections(model: nn.Module) -> int:
             module._register_state_dict_hook(_drop_fused_from_state_dict)
             patched += 1
     return patched
+
+
+def _gelu_tanh_module(m) -> bool:
+    """An activation module computing ``gelu(x, approximate="tanh")`` of its whole input."""
+    return type(m) is nn.GELU and m.approximate == "tanh"
+
+
+def _reads_gelu_input(block: nn.Module, base: type) -> bool:
+    """Whether ``block`` (of class ``base`` exactly) ends in a quantized linear on a tanh-GELU'd input."""
+    if type(block) is not base:
+        return False
+    if base.__name__ == "FluxSingleTransformerBlock":
+        return _gelu_tanh_module(block.act_mlp) and isinstance(block.proj_out, SVDQW4A4Linear)
+    net = block.net
+    gelu = net[0] if len(net) == 3 else None
+    return (type(gelu).__name__ == "GELU" and getattr(gelu, "approximate", None) == "tanh"
+            and isinstance(getattr(gelu, "proj", None), nn.Module) and isinstance(net[1], nn.Dropout)
+            and isinstance(net[2], SVDQW4A4Linear))
+
+
+def fuse_gelu_inputs(model: nn.Module) -> int:
+    """Let the quantized linears that read a tanh-GELU'd input read its parts instead: every Flux single
+    block's ``proj_out`` (``cat([attn, gelu(mlp)])``) and every feed-forward's down projection
+    (``gelu(h)``) of ``model`` goes through ``SVDQW4A4Linear.forward_cat_gelu``
+    (``svdq_linear._diffusers_blocks``). In the sm90 fast mode the GELU'd input is then never written
+    (it is applied as the activation pass loads); elsewhere the blocks compute what they did, bit for
+    bit. Blocks of other classes, or whose linear is not quantized, are left alone. Returns how many
+    blocks were switched; ``unfuse_gelu_inputs`` switches them back. Needs diffusers."""
+    from ._diffusers_blocks import FUSED
+
+    done = 0
+    for module in model.modules():
+        for base, fused in FUSED.items():
+            if _reads_gelu_input(module, base):
+                module.__class__ = fused
+                done += 1
+    return done
+
+
+def unfuse_gelu_inputs(model: nn.Module) -> int:
+    """Undo ``fuse_gelu_inputs``: the blocks get their diffusers classes back. Returns how many."""
+    from ._diffusers_blocks import FUSED
+
+    back = {fused: base for base, fused in FUSED.items()}
+    done = 0
+    for module in model.modules():
+        if type(module) in back:
+            module.__class__ = back[type(module)]
+            done += 1
+    return done

@@ -306,15 +306,19 @@ class _PackedNVFP4Linear(nn.Module):
 
     # ---- forward --------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _enter_call(self, x: torch.Tensor) -> None:
+        """What every call checks and does first (``x``: the input, or its last part for ``forward_cat_gelu``)."""
         if backends.tracing() and x.device.type != "meta":
             # before the trace reads this layer's tensors: the preparation (and its stand-ins) runs eagerly
             backends.prepare_before_trace(x.device.type, x.device.index, str(x.dtype))
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}")
         nvfp4.check_act_dtype(x)
         if x.device != self._device():
             raise RuntimeError(f"input is on {x.device} but the {type(self).__name__} is on {self._device()}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}")
+        self._enter_call(x)
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
         kind = self.kind  # read once a call: it consults the environment
@@ -405,6 +409,32 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
         if _CHECK_RANGE and not torch.compiler.is_compiling() and self.kind == "w4a4":
             self._check_range(x)
         return y
+
+    def forward_cat_gelu(self, x_a: torch.Tensor | None, x_b: torch.Tensor) -> torch.Tensor:
+        """``self(nvfp4.cat_gelu(x_a, x_b))``: the layer on ``cat([x_a, gelu_tanh(x_b)], -1)`` (``x_a`` None:
+        on ``gelu_tanh(x_b)``), the input of a Flux single block's ``proj_out`` (attention output, MLP
+        before its GELU) or of a feed-forward's down projection (``svdq_linear.fuse.fuse_gelu_inputs``
+        routes those blocks here). Where the backend reads the two tensors itself (the sm90 fast mode)
+        the concatenated input is never written; elsewhere it is written and ``forward`` runs on it.
+        The contract: ``svdq_linear.nvfp4``, "Inputs built from two tensors"."""
+        ka = 0 if x_a is None else x_a.shape[-1]
+        if x_a is not None and (x_a.shape[:-1] != x_b.shape[:-1] or x_a.dtype != x_b.dtype
+                                or x_a.device != x_b.device):
+            raise ValueError(f"x_a and x_b must share leading dimensions, dtype and device, got {tuple(x_a.shape)} "
+                             f"{x_a.dtype} {x_a.device} and {tuple(x_b.shape)} {x_b.dtype} {x_b.device}")
+        if ka + x_b.shape[-1] != self.in_features:
+            raise ValueError(f"expected inputs whose last dimensions add up to {self.in_features}, got {ka} + "
+                             f"{x_b.shape[-1]}")
+        kind = self.kind
+        if kind != "w4a4_fast":  # no backend reads the two tensors in the other modes
+            return self(nvfp4.cat_gelu(x_a, x_b))
+        self._enter_call(x_b)
+        lead = x_b.shape[:-1]
+        xb2d = x_b.reshape(-1, x_b.shape[-1])
+        xa2d = None if x_a is None else x_a.reshape(-1, ka)
+        backend, prepared = backends.resolve(self, xb2d, kind)
+        y = backend.linear_cat_gelu(self, xa2d, xb2d, prepared, kind)
+        return y.reshape(*lead, self.out_features)
 
     @torch.no_grad()
     def _check_range(self, x: torch.Tensor) -> None:

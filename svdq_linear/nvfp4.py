@@ -75,6 +75,16 @@ The fast mode (``w4a8_fast_linear``; FP8 tensor cores on Hopper, same checkpoint
     A kernel may, besides points 1-3 above, accumulate ``a8 @ w8^T`` with Hopper's FP8 tensor-core
     accumulator (fewer than 24 significant bits between its fp32 promotions): ``fast_tolerance``
     states the bound that the conformance tests hold it to.
+
+Inputs built from two tensors (``cat_gelu``; ``SVDQW4A4Linear.forward_cat_gelu``)
+    A Flux single block's ``proj_out`` reads ``cat([attn, gelu_tanh(mlp)], -1)`` and a feed-forward's
+    down projection ``gelu_tanh(h)``: the layer's input ``x = cat_gelu(xa, xb)``, the GELU (PyTorch's
+    tanh form) rounded to the inputs' dtype as the tensor would hold it. Every formula above applies to
+    that ``x``. A backend may read the two tensors and apply the GELU as it loads them instead of
+    writing ``x``; its GELU may differ from PyTorch's by a few float32 ulps before the rounding to the
+    16-bit dtype (PyTorch's own GELU differs that much between devices), so an element of ``x`` may
+    be the 16-bit neighbour of PyTorch's: a relative ``2**-8`` (bf16) of that element, within the
+    activation rounding's share of the tolerances above.
 """
 
 from __future__ import annotations
@@ -246,6 +256,13 @@ def check_act_dtype(x: torch.Tensor) -> None:
     if x.dtype not in SUPPORTED_ACT_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_ACT_DTYPES)
         raise TypeError(f"expected a {names} input, got {x.dtype}")
+
+
+def cat_gelu(xa: torch.Tensor | None, xb: torch.Tensor) -> torch.Tensor:
+    """``cat([xa, gelu_tanh(xb)], -1)`` in xb's dtype (just the GELU when ``xa`` is None): the input of
+    ``SVDQW4A4Linear.forward_cat_gelu``."""
+    g = torch.nn.functional.gelu(xb, approximate="tanh")
+    return g if xa is None else torch.cat([xa, g], dim=-1)
 
 
 def smooth_input(x: torch.Tensor, smooth: torch.Tensor) -> torch.Tensor:

@@ -123,6 +123,8 @@ def _fp8_input(m, k, dtype, seed=2):
     x[8, 3] = -0.0
     x[9, 11] = -float("nan")  # a NaN with its sign bit set
     x[9, 12] = float("nan")
+    x[9, 14] = float("inf")  # Inf in a NaN row (sa = 1): 0x7F, not the convert's saturated 448
+    x[9, 15] = -float("inf")
     smooth = torch.rand(k, generator=g) + 0.25
     return x, smooth
 

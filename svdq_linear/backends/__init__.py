@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from .. import nvfp4
 from .._env import getenv
 
 ENV_BACKEND = "SVDQ_LINEAR_BACKEND"
@@ -77,6 +78,12 @@ class Backend:
     def run_w4a16(self, x, qweight, wscales, wcscale, bias, extra) -> torch.Tensor:
         raise NotImplementedError(f"backend {self.name!r} has no W4A16 kernel")
 
+    def run_w4a4_fast_cat_gelu(self, xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias,
+                               extra) -> torch.Tensor:
+        """The fast mode on the input ``nvfp4.cat_gelu(xa, xb)``: by default that input written out."""
+        return self.run_w4a4_fast(nvfp4.cat_gelu(xa, xb), qweight, wscales, smooth, proj_down, proj_up, wcscale,
+                                  bias, extra)
+
     def run_fast_gemm(self, a8, sa, la, extra, out_dtype) -> torch.Tensor:
         raise NotImplementedError(f"backend {self.name!r} has no fast-mode GEMM entry point")
 
@@ -93,6 +100,14 @@ class Backend:
         if plain_eager_call(x):
             return self.run_w4a4_fast(*args) if kind == "w4a4_fast" else self.run_w4a4(*args)
         return (w4a4_fast_linear if kind == "w4a4_fast" else w4a4_linear)(*args, self.name)
+
+
+    def linear_cat_gelu(self, module, xa: torch.Tensor | None, xb: torch.Tensor, prepared,
+                        kind: str | None = None) -> torch.Tensor:
+        """``y [M, N]`` for the input ``nvfp4.cat_gelu(xa, xb)`` (``xa [M, KA]`` or None, ``xb [M, KB]``):
+        by default that input written out and passed to ``linear``; a backend that reads the two tensors
+        itself overrides this."""
+        return self.linear(module, nvfp4.cat_gelu(xa, xb), prepared, kind)
 
 
 def plain_eager_call(x: torch.Tensor) -> bool:
@@ -514,6 +529,31 @@ def _(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra, bac
     return x.new_empty(x.shape[0], wcscale.shape[0])  # qweight may be a stood-in (empty)
 
 
+@torch.library.custom_op("svdq_linear::w4a4_fast_cat_gelu_linear", mutates_args=())
+def w4a4_fast_cat_gelu_linear(
+    xa: torch.Tensor | None,
+    xb: torch.Tensor,
+    qweight: torch.Tensor,
+    wscales: torch.Tensor,
+    smooth: torch.Tensor,
+    proj_down: torch.Tensor,
+    proj_up: torch.Tensor,
+    wcscale: torch.Tensor,
+    bias: torch.Tensor | None,
+    extra: list[torch.Tensor],
+    backend: str,
+) -> torch.Tensor:
+    """``y [M, N]`` (xb's dtype) of the fast mode on the input ``nvfp4.cat_gelu(xa, xb)`` (``xa [M, KA]``
+    or None, ``xb [M, KB]``), computed by ``backend``."""
+    return get_backend(backend).run_w4a4_fast_cat_gelu(xa, xb, qweight, wscales, smooth, proj_down, proj_up,
+                                                       wcscale, bias, extra)
+
+
+@w4a4_fast_cat_gelu_linear.register_fake
+def _(xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra, backend):
+    return xb.new_empty(xb.shape[0], wcscale.shape[0])
+
+
 @torch.library.custom_op("svdq_linear::w4a8_fast_gemm", mutates_args=())
 def w4a8_fast_gemm(
     a8: torch.Tensor,
@@ -579,6 +619,7 @@ __all__ = [
     "register_lazy",
     "resolve",
     "select_backend",
+    "w4a4_fast_cat_gelu_linear",
     "w4a4_fast_linear",
     "w4a4_linear",
     "w4a8_fast_gemm",

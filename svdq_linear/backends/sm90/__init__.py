@@ -47,7 +47,8 @@ import torch
 
 from ..._env import getenv
 
-from .. import Backend, device_capability, tracing, w4a8_fast_gemm, weights_are_offloaded
+from .. import (Backend, device_capability, plain_eager_call, tracing, w4a4_fast_cat_gelu_linear, w4a8_fast_gemm,
+                weights_are_offloaded)
 from . import tuning  # plain Python: no Triton, cutlass or quack
 from .fast_layout import fast_act_ops  # plain torch
 
@@ -442,6 +443,59 @@ class Sm90Backend(Backend):
             a8, sa = self.kernels.quantize_act_fp8(x, smooth, inv_smooth=inv, gemm_order=True)
             out = quack_fast.gemm(a8, sa, fw, lowrank, out_dtype=out_dtype)
         return out if x.dtype == out_dtype else out.to(x.dtype)
+
+    def linear_cat_gelu(self, module, xa, xb, prepared, kind=None):
+        kind = kind or module.kind
+        if kind != "w4a4_fast" or not self._reads_cat_gelu(module, xa, xb, prepared):
+            return super().linear_cat_gelu(module, xa, xb, prepared, kind)
+        t = module._parameters
+        args = (xa, xb, t["qweight"], t["wscales"], t["smooth"], t["proj_down"], t["proj_up"], t["wcscale"],
+                t["bias"], self.extra_tensors(prepared))
+        if plain_eager_call(xb):
+            return self.run_w4a4_fast_cat_gelu(*args)
+        return w4a4_fast_cat_gelu_linear(*args, self.name)
+
+    def _reads_cat_gelu(self, module, xa, xb, prepared) -> bool:
+        """Whether the fast mode reads ``cat_gelu(xa, xb)`` from its two tensors (``kernels.quantize_act_fp8_cat``
+        and ``kernels.lora_act(xb=)``): quack's FP8 GEMM with the low-rank branch in its accumulator (or
+        none), more tokens than small_m_mma takes (a static count), xa's width a multiple of 128 and the
+        row within the one-pass kernel; else the input is written out and the fast mode runs on it."""
+        if type(getattr(prepared, "quack", None)).__name__ != "FastWeight":
+            return False
+        m, ka = xb.shape[0], 0 if xa is None else xa.shape[1]
+        return (isinstance(m, int) and m > tuning.MMA_TOKENS and ka % 128 == 0
+                and module.in_features <= self.kernels.ROW_MAX_K
+                and (module.rank == 0 or prepared.lowrank_segments is not None)
+                and xb.dtype in (torch.bfloat16, torch.float16) and (xa is None or xa.dtype == xb.dtype))
+
+    def run_w4a4_fast_cat_gelu(self, xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
+        r = proj_down.shape[1]
+        inv, ex = extra[-1], extra[:-1]  # Sm90Prepared.tensors(): inv_smooth comes last
+        m, ka = xb.shape[0], 0 if xa is None else xa.shape[1]
+        if (len(ex) != (7 if r else 4) or m <= tuning.MMA_TOKENS or ka % 128
+                or ka + xb.shape[1] > self.kernels.ROW_MAX_K or xb.dtype not in (torch.bfloat16, torch.float16)):
+            return super().run_w4a4_fast_cat_gelu(xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale,
+                                                  bias, extra)
+        quack_fast = _quack_fast_module()
+        fw = quack_fast.weight(ex[-4:])
+        out_dtype = xb.dtype
+        if r:  # [proj_down', proj_up', segments] + FastWeight: the low-rank MMA in the accumulator
+            pds, up, seg = ex[:3]
+            a8, sa, la = self.kernels.quantize_act_fp8_cat(xa, xb, inv, lora=self._lora_act_cat(xa, xb, pds),
+                                                           gemm_order=True)
+            return quack_fast.gemm(a8, sa, fw, out_dtype=out_dtype, lr_acc=(up, la, seg))
+        a8, sa = self.kernels.quantize_act_fp8_cat(xa, xb, inv, gemm_order=True)
+        return quack_fast.gemm(a8, sa, fw, out_dtype=out_dtype)
+
+    def _lora_act_cat(self, xa, xb, pds: torch.Tensor) -> torch.Tensor:
+        """``lora_act`` of ``cat_gelu(xa, xb)`` by ``kernels.lora_act`` from the two tensors, on the plan of
+        ``_lora_act`` (cuBLAS would need the input written out, so its default plan serves below
+        ``LORA_ACT_MIN_M`` tokens and under ``SVDQ_SM90_LORA_ACT=cublas``)."""
+        m, k, r = xb.shape[0], pds.shape[0], pds.shape[1]
+        plan = (tuning.lora_act_plan(m, k, r, getenv(tuning.ENV_LORA_ACT))
+                or tuning.lora_act_plan(max(m, tuning.LORA_ACT_MIN_M), k, r))
+        return self.kernels.lora_act(xa, pds, torch.float32, block_m=plan.block_m, split=plan.split,
+                                     num_warps=plan.num_warps, num_stages=plan.num_stages, xb=xb, gelu_b=True)
 
     def _lora_act(self, x: torch.Tensor, pds: torch.Tensor) -> torch.Tensor:
         """The fast mode's ``lora_act = x @ pds`` in fp32: cuBLAS, or ``kernels.lora_act`` where

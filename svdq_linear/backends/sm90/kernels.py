@@ -55,12 +55,35 @@ def _round_e4m3(v):
 @triton.jit
 def _e4m3_bits(q):
     """fp32 ``q`` -> its E4M3 byte (uint8) by arithmetic: nearest even, saturating at 448, the sign bit
-    set from q's (of -0.0 too), NaN -> 0x7F. The rounded magnitude is an exact E4M3 value, so the
-    cast does not round."""
+    set from q's (of -0.0 too), NaN and +-Inf -> 0x7F (``nvfp4.round_e4m3``). The rounded magnitude is
+    an exact E4M3 value, so the cast does not round."""
     a = tl.abs(q)
-    v = _round_e4m3(tl.where(a == a, a, 0.0)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    finite = a < float("inf")  # false for NaN too
+    v = _round_e4m3(tl.where(finite, a, 0.0)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     v = v | (((q.to(tl.int32, bitcast=True) >> 31) & 1) << 7).to(tl.uint8)
-    return tl.where(a == a, v, 0x7F)
+    return tl.where(finite, v, 0x7F)
+
+
+@triton.jit
+def _gelu_tanh(v):
+    """PyTorch's ``gelu(v, approximate="tanh")`` = 0.5 v (1 + tanh(u)), u = sqrt(2/pi) (v + 0.044715 v^3),
+    computed as v * sigmoid(2 u) = v / (1 + 2**(-2 u log2(e))): one exp2 and one division, a few fp32
+    ulps from the exact value everywhere (0.5 v (1 + tanh u) in fp32 cancels below v ~ -3). The same
+    special values: -0.0 for large negative v, v for large positive, NaN for -Inf and NaN."""
+    u = 0.7978845608028654 * (v + 0.044715 * (v * v * v))
+    return v / (1.0 + tl.exp2(u * -2.8853900817779268))
+
+
+@triton.jit
+def _round_to(v, dtype: tl.constexpr, RNE_BITS: tl.constexpr):
+    """fp32 ``v`` rounded to ``dtype`` (bf16 or fp16) to nearest even, back in fp32: the value a 16-bit
+    tensor would hold. RNE_BITS (Triton's CPU interpreter, whose fp32 -> bf16 conversion truncates):
+    bf16 by integer arithmetic."""
+    if RNE_BITS and dtype == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000
+        return tl.where(v == v, r, v)
+    return v.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -221,19 +244,26 @@ def _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, J: tl.constexpr, C: t
 
 
 @triton.jit
-def _fp8_rows_store(a8_ptr, q, rm, m_ok, K, J: tl.constexpr, C: tl.constexpr, HW_CVT: tl.constexpr,
-                    CANON_NAN: tl.constexpr):
-    rk = J * C + tl.arange(0, C)
-    mask = m_ok[:, None] & (rk < K)[None, :]
-    ptrs = a8_ptr + rm[:, None] * K + rk[None, :]
+def _fp8_store_at(a8_ptr, q, rm, m_ok, K, pos, pos_ok, HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr):
+    # q [rows, C] (already divided by the row scale) -> E4M3 bytes at the positions ``pos`` of a8's rows
+    mask = m_ok[:, None] & pos_ok[None, :]
+    ptrs = a8_ptr + rm[:, None] * K + pos[None, :]
     if HW_CVT:
         # the hardware convert rounds to nearest even and saturates at 448 as the contract does, keeps
-        # the sign (of -0.0 too); CANON_NAN makes every NaN the positive one (0x7F) first
+        # the sign (of -0.0 too); CANON_NAN makes every NaN the positive one (0x7F) first, and +-Inf NaN
+        # (the convert would saturate it to 448: reachable where a row holds a NaN, so sa = 1)
         if CANON_NAN:
-            q = tl.where(q == q, q, float("nan"))
+            q = tl.where(tl.abs(q) < float("inf"), q, float("nan"))
         tl.store(ptrs, q.to(tl.float8e4nv), mask=mask)
     else:  # Triton's interpreter mis-rounds conversions that carry into the exponent: round by arithmetic
         tl.store(ptrs.to(tl.pointer_type(tl.uint8), bitcast=True), _e4m3_bits(q), mask=mask)
+
+
+@triton.jit
+def _fp8_rows_store(a8_ptr, q, rm, m_ok, K, J: tl.constexpr, C: tl.constexpr, HW_CVT: tl.constexpr,
+                    CANON_NAN: tl.constexpr):
+    rk = J * C + tl.arange(0, C)
+    _fp8_store_at(a8_ptr, q, rm, m_ok, K, rk, rk < K, HW_CVT, CANON_NAN)
 
 
 @triton.jit
@@ -274,6 +304,108 @@ def _quantize_act_fp8_rows_kernel(
         _fp8_rows_store(a8_ptr, xs2 * r, rm, m_ok, K, 2, C, HW_CVT, CANON_NAN)
     if NCH > 3:
         _fp8_rows_store(a8_ptr, xs3 * r, rm, m_ok, K, 3, C, HW_CVT, CANON_NAN)
+
+
+@triton.jit
+def _fp8_src_load(src_ptr, inv_ptr, rm, m_ok, stride_m, BASE, KS, J: tl.constexpr, C: tl.constexpr,
+                  GEMM_ORDER: tl.constexpr, GELU: tl.constexpr, RNE_BITS: tl.constexpr):
+    # positions [J*C, J*C + C) of one source's KS columns (its own k order), which sit at BASE + those
+    # in the row; GELU: the source holds GELU's input, rounded to its dtype after GELU as a tensor would
+    # hold it; then smoothed: xs = x * (1 / smooth) in fp32
+    rk = J * C + tl.arange(0, C)
+    k_ok = rk < KS
+    lk = _gemm_k(rk, GEMM_ORDER)
+    mask = m_ok[:, None] & k_ok[None, :]
+    x = tl.load(src_ptr + rm[:, None] * stride_m + lk[None, :], mask=mask, other=0.0)
+    v = x.to(tl.float32)
+    if GELU:
+        v = _round_to(_gelu_tanh(v), src_ptr.dtype.element_ty, RNE_BITS)
+    inv = tl.load(inv_ptr + BASE + (lk[None, :] + 0 * rm[:, None]), mask=mask, other=1.0)
+    return v * inv
+
+
+@triton.jit
+def _fp8_src_store(a8_ptr, q, rm, m_ok, K, BASE, KS, J: tl.constexpr, C: tl.constexpr, HW_CVT: tl.constexpr,
+                   CANON_NAN: tl.constexpr):
+    rk = J * C + tl.arange(0, C)
+    _fp8_store_at(a8_ptr, q, rm, m_ok, K, BASE + rk, rk < KS, HW_CVT, CANON_NAN)
+
+
+@triton.jit
+def _bits_max(xs):
+    # the row max of |xs| on the magnitudes' bits (see _quantize_act_fp8_rows_kernel)
+    return xs.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _quantize_act_fp8_cat_kernel(
+    xa_ptr, xb_ptr, inv_ptr, a8_ptr, sa_ptr, lora_ptr, la_ptr, M, KA, KB, R, stride_am, stride_bm,
+    ROWS: tl.constexpr, CA: tl.constexpr, NA: tl.constexpr, CB: tl.constexpr, NB: tl.constexpr,
+    BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr, GELU_B: tl.constexpr, HW_CVT: tl.constexpr,
+    CANON_NAN: tl.constexpr, GEMM_ORDER: tl.constexpr, NSPLIT: tl.constexpr, RNE_BITS: tl.constexpr,
+):
+    # The one-pass kernel of _quantize_act_fp8_rows_kernel for the row cat([xa, gelu(xb)]) read from its
+    # two sources: xa's KA columns (NA chunks of CA, none if NA = 0) then xb's KB (NB chunks of CB), GELU
+    # applied to xb's values as they load (GELU_B). Each source's chunks are powers of two sized to it,
+    # so no chunk straddles the two; KA % 128 == 0 keeps the k order's tiles inside one source.
+    rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    m_ok = rm < M
+    K = KA + KB
+    # every load issued before the first row max
+    if NA > 0:
+        a0 = _fp8_src_load(xa_ptr, inv_ptr, rm, m_ok, stride_am, 0, KA, 0, CA, GEMM_ORDER, False, RNE_BITS)
+    if NA > 1:
+        a1 = _fp8_src_load(xa_ptr, inv_ptr, rm, m_ok, stride_am, 0, KA, 1, CA, GEMM_ORDER, False, RNE_BITS)
+    if NA > 2:
+        a2 = _fp8_src_load(xa_ptr, inv_ptr, rm, m_ok, stride_am, 0, KA, 2, CA, GEMM_ORDER, False, RNE_BITS)
+    if NA > 3:
+        a3 = _fp8_src_load(xa_ptr, inv_ptr, rm, m_ok, stride_am, 0, KA, 3, CA, GEMM_ORDER, False, RNE_BITS)
+    b0 = _fp8_src_load(xb_ptr, inv_ptr, rm, m_ok, stride_bm, KA, KB, 0, CB, GEMM_ORDER, GELU_B, RNE_BITS)
+    if NB > 1:
+        b1 = _fp8_src_load(xb_ptr, inv_ptr, rm, m_ok, stride_bm, KA, KB, 1, CB, GEMM_ORDER, GELU_B, RNE_BITS)
+    if NB > 2:
+        b2 = _fp8_src_load(xb_ptr, inv_ptr, rm, m_ok, stride_bm, KA, KB, 2, CB, GEMM_ORDER, GELU_B, RNE_BITS)
+    if NB > 3:
+        b3 = _fp8_src_load(xb_ptr, inv_ptr, rm, m_ok, stride_bm, KA, KB, 3, CB, GEMM_ORDER, GELU_B, RNE_BITS)
+    mb = _bits_max(b0)
+    if NB > 1:
+        mb = tl.maximum(mb, _bits_max(b1))
+    if NB > 2:
+        mb = tl.maximum(mb, _bits_max(b2))
+    if NB > 3:
+        mb = tl.maximum(mb, _bits_max(b3))
+    mx = tl.max(mb, axis=1)
+    if NA > 0:
+        ma = _bits_max(a0)
+        if NA > 1:
+            ma = tl.maximum(ma, _bits_max(a1))
+        if NA > 2:
+            ma = tl.maximum(ma, _bits_max(a2))
+        if NA > 3:
+            ma = tl.maximum(ma, _bits_max(a3))
+        mx = tl.maximum(mx, tl.max(ma, axis=1))
+    # as nvfp4.fast_act: 1 for an all-zero row and where a NaN is in the row
+    ok = (mx > 0) & (mx <= 0x7F800000)
+    sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([ROWS], 448.0, tl.float32)), 1.0)
+    tl.store(sa_ptr + rm, sa, mask=m_ok)
+    if HAS_LORA:
+        _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, M, R, ROWS, BLOCK_R, NSPLIT)
+    r = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sa)[:, None]
+    if NA > 0:
+        _fp8_src_store(a8_ptr, a0 * r, rm, m_ok, K, 0, KA, 0, CA, HW_CVT, CANON_NAN)
+        if NA > 1:
+            _fp8_src_store(a8_ptr, a1 * r, rm, m_ok, K, 0, KA, 1, CA, HW_CVT, CANON_NAN)
+        if NA > 2:
+            _fp8_src_store(a8_ptr, a2 * r, rm, m_ok, K, 0, KA, 2, CA, HW_CVT, CANON_NAN)
+        if NA > 3:
+            _fp8_src_store(a8_ptr, a3 * r, rm, m_ok, K, 0, KA, 3, CA, HW_CVT, CANON_NAN)
+    _fp8_src_store(a8_ptr, b0 * r, rm, m_ok, K, KA, KB, 0, CB, HW_CVT, CANON_NAN)
+    if NB > 1:
+        _fp8_src_store(a8_ptr, b1 * r, rm, m_ok, K, KA, KB, 1, CB, HW_CVT, CANON_NAN)
+    if NB > 2:
+        _fp8_src_store(a8_ptr, b2 * r, rm, m_ok, K, KA, KB, 2, CB, HW_CVT, CANON_NAN)
+    if NB > 3:
+        _fp8_src_store(a8_ptr, b3 * r, rm, m_ok, K, KA, KB, 3, CB, HW_CVT, CANON_NAN)
 
 
 @triton.jit
@@ -376,12 +508,14 @@ def _splitk_epilogue_kernel(
 
 
 @triton.jit
-def _lora_act_kernel(x_ptr, pd_ptr, out_ptr, M, K, R, stride_xm, K_SPLIT,
+def _lora_act_kernel(x_ptr, pd_ptr, out_ptr, M, K, R, stride_xm, K_SPLIT, xb_ptr, KA, stride_bm,
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr,
-                     DOT_F32: tl.constexpr):
+                     DOT_F32: tl.constexpr, HAS_B: tl.constexpr, GELU_B: tl.constexpr, RNE_BITS: tl.constexpr):
     # lora_act [BLOCK_M, R] of a row block: x (rounded to bf16, as the cuBLAS path's x.to(bf16)) times
     # proj_down / smooth (bf16), fp32 accumulation over the columns [s K_SPLIT, (s + 1) K_SPLIT) of
-    # split s = program_id(1) (K_SPLIT a multiple of BLOCK_K), written to out[s]: a fixed order
+    # split s = program_id(1) (K_SPLIT a multiple of BLOCK_K), written to out[s]: a fixed order.
+    # HAS_B: the row is cat([x, gelu(xb)]) read from its two sources (x: its first KA columns, KA a
+    # multiple of BLOCK_K; K in all), GELU applied to xb as it loads (GELU_B); else KA = K.
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rr = tl.arange(0, BLOCK_R)
     m_ok = rm < M
@@ -389,16 +523,30 @@ def _lora_act_kernel(x_ptr, pd_ptr, out_ptr, M, K, R, stride_xm, K_SPLIT,
     kb = tl.program_id(1) * K_SPLIT
     out_ptr += tl.program_id(1).to(tl.int64) * M * R
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    for k0 in tl.range(kb, tl.minimum(kb + K_SPLIT, K), BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(kb, tl.minimum(kb + K_SPLIT, KA), BLOCK_K, num_stages=NUM_STAGES):
         rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
+        k_ok = rk < KA
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(pd_ptr + rk[:, None] * R + rr[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        if DOT_F32:  # the CPU interpreter multiplies bf16 bit patterns: give it the (exact) fp32 values
-            acc = tl.dot(x.to(tl.bfloat16).to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x.to(tl.bfloat16), w, acc)
+        acc = _lora_dot(x, w, acc, DOT_F32)
+    if HAS_B:
+        for k0 in tl.range(tl.maximum(kb, KA), tl.minimum(kb + K_SPLIT, K), BLOCK_K, num_stages=NUM_STAGES):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = rk < K
+            x = tl.load(xb_ptr + rm[:, None] * stride_bm + (rk - KA)[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            if GELU_B:
+                x = _round_to(_gelu_tanh(x.to(tl.float32)), xb_ptr.dtype.element_ty, RNE_BITS)
+            w = tl.load(pd_ptr + rk[:, None] * R + rr[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+            acc = _lora_dot(x, w, acc, DOT_F32)
     tl.store(out_ptr + rm[:, None] * R + rr[None, :], acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _lora_dot(x, w, acc, DOT_F32: tl.constexpr):
+    if DOT_F32:  # the CPU interpreter multiplies bf16 bit patterns: give it the (exact) fp32 values
+        return tl.dot(x.to(tl.bfloat16).to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(x.to(tl.bfloat16), w, acc)
 
 
 # ---- launchers -----------------------------------------------------------------------------------
@@ -468,6 +616,27 @@ def fp8_rows_config(k: int) -> tuple[int, int, int, int]:
     return 1, c, nch, 4 if k <= 4096 else 8
 
 
+def _lora_input(lora: torch.Tensor | None, m: int) -> tuple[int, int]:
+    """``(R, S)`` of the ``lora`` argument of the FP8 passes: ``[M, R]`` (S = 1) or ``[S, M, R]`` fp32
+    partial sums over K (``lora_act(split=S)``); ``(0, 1)`` for None."""
+    if lora is None:
+        return 0, 1
+    if lora.dim() == 3:
+        if lora.shape[1] != m or lora.dtype != torch.float32 or not lora.is_contiguous():
+            raise ValueError(f"lora partials must be a contiguous [S, {m}, R] float32 tensor, got "
+                             f"{tuple(lora.shape)} {lora.dtype}")
+        return lora.shape[-1], lora.shape[0]
+    if lora.dim() != 2 or lora.shape[0] != m or not lora.is_contiguous():
+        raise ValueError(f"lora must be a contiguous [{m}, R] tensor, got {tuple(lora.shape)}")
+    return lora.shape[-1], 1
+
+
+def _check_inv_smooth(inv_smooth: torch.Tensor, k: int) -> None:
+    if inv_smooth.shape != (k,) or inv_smooth.dtype != torch.float32 or not inv_smooth.is_contiguous():
+        raise ValueError(f"inv_smooth must be a contiguous [{k}] float32 tensor, got "
+                         f"{tuple(inv_smooth.shape)} {inv_smooth.dtype}")
+
+
 def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tensor | None = None,
                      proj_down_smoothed: torch.Tensor | None = None, inv_smooth: torch.Tensor | None = None,
                      one_pass: bool | None = None, rows: int | None = None, num_warps: int | None = None,
@@ -485,7 +654,8 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
     ``inv_smooth = 1 / smooth`` (fp32, as the backend caches it; computed here when not given). The
     other walks a ``block_m x block_k`` block along the row twice, its max then the codes (the second
     read from L2); it serves ``proj_down_smoothed`` and longer rows. ``canon_nan=False`` (for
-    measurement) leaves NaN as the hardware convert writes it; the default writes 0x7F for every NaN.
+    measurement) leaves NaN and +-Inf as the hardware convert writes them (Inf: 448); the default
+    writes 0x7F for each, as the contract's ``round_e4m3``.
     ``gemm_order=True`` (K % 128 == 0) writes ``a8``'s columns in the fast GEMM's k order
     (``fast_layout.gemm_k_order`` of the above): what ``quack_fast.gemm`` reads."""
     m, k = x.shape
@@ -504,17 +674,10 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
         x = x.contiguous()
     a8 = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
     sa = torch.empty(m, device=x.device, dtype=torch.float32)
-    r, la, lora_in, pds = 0, None, sa, sa
-    nsplit = 1
+    la, lora_in, pds = None, sa, sa
+    r, nsplit = _lora_input(lora, m)
     if lora is not None:
-        if lora.dim() == 3:  # [S, M, R] fp32 partial sums over K (lora_act(split=S))
-            if lora.shape[1] != m or lora.dtype != torch.float32 or not lora.is_contiguous():
-                raise ValueError(f"lora partials must be a contiguous [S, {m}, R] float32 tensor, got "
-                                 f"{tuple(lora.shape)} {lora.dtype}")
-            nsplit = lora.shape[0]
-        elif lora.dim() != 2 or lora.shape[0] != m or not lora.is_contiguous():
-            raise ValueError(f"lora must be a contiguous [{m}, R] tensor, got {tuple(lora.shape)}")
-        r, lora_in = lora.shape[-1], lora
+        lora_in = lora
     if proj_down_smoothed is not None:
         pds = proj_down_smoothed
         if pds.dim() != 2 or pds.shape[0] != k or pds.dtype != torch.bfloat16 or not pds.is_contiguous():
@@ -528,9 +691,8 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
     if m and one_pass:
         if inv_smooth is None:
             inv_smooth = 1.0 / smooth.float()  # IEEE division: the bits of nvfp4.smooth_input's factor
-        elif inv_smooth.shape != (k,) or inv_smooth.dtype != torch.float32 or not inv_smooth.is_contiguous():
-            raise ValueError(f"inv_smooth must be a contiguous [{k}] float32 tensor, got "
-                             f"{tuple(inv_smooth.shape)} {inv_smooth.dtype}")
+        else:
+            _check_inv_smooth(inv_smooth, k)
         rows_d, c, nch, warps_d = fp8_rows_config(k)
         rows = rows or rows_d
         _quantize_act_fp8_rows_kernel[(cdiv(m, rows),)](
@@ -548,34 +710,110 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
     return a8, sa, la
 
 
-def lora_act(x: torch.Tensor, pds: torch.Tensor, out_dtype: torch.dtype = torch.float32, *, block_m: int = 16,
-             block_k: int | None = None, num_stages: int = 4, num_warps: int = 4, split: int = 1) -> torch.Tensor:
+def _src_chunks(ks: int) -> tuple[int, int]:
+    """``(C, N)``: a source of ``ks`` columns in N <= 4 power-of-two chunks of C (N = 0 for none)."""
+    if ks == 0:
+        return 16, 0
+    c = next_pow2(cdiv(ks, 4))
+    return c, cdiv(ks, c)
+
+
+def quantize_act_fp8_cat(xa: torch.Tensor | None, xb: torch.Tensor, inv_smooth: torch.Tensor, *,
+                         gelu_b: bool = True, lora: torch.Tensor | None = None, gemm_order: bool = False,
+                         canon_nan: bool = True, rows: int | None = None, num_warps: int | None = None):
+    """``quantize_act_fp8`` of the rows ``x = cat([xa, gelu_tanh(xb)], -1)`` (``nvfp4.cat_gelu``;
+    ``gelu_b=False``: ``cat([xa, xb])``) read from the two sources, without writing x: the input of a
+    Flux single block's ``proj_out`` (attention output, MLP before its GELU) or of a feed-forward's down
+    projection (``xa`` None). ``xa [M, KA]`` (KA % 128 == 0) and ``xb [M, KB]`` of one dtype, unit
+    stride along K; ``inv_smooth [KA + KB]`` fp32 (``1 / smooth``), KA + KB <= ``ROW_MAX_K``.
+
+    One pass like the one-pass kernel, each source in its own power-of-two chunks. Returns ``(a8, sa)``
+    (and ``la`` with ``lora``, as ``quantize_act_fp8``). Its bytes are ``quantize_act_fp8``'s of the
+    materialized x wherever the GELU values (``kernels._gelu_tanh``, a few fp32 ulps from exact, rounded
+    to xb's dtype) equal the tensor's (``torch.nn.functional.gelu``'s own rounding)."""
+    if xb.dim() != 2 or (xa is not None and (xa.dim() != 2 or xa.shape[0] != xb.shape[0])):
+        raise ValueError(f"expected xa [M, KA] and xb [M, KB], got {None if xa is None else tuple(xa.shape)} and "
+                         f"{tuple(xb.shape)}")
+    if xa is not None and xa.dtype != xb.dtype:
+        raise ValueError(f"xa and xb must have one dtype, got {xa.dtype} and {xb.dtype}")
+    if xb.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"expected a float input, got {xb.dtype}")
+    m, kb = xb.shape
+    ka = 0 if xa is None else xa.shape[1]
+    k = ka + kb
+    if ka % 128 or kb == 0:
+        raise ValueError(f"expected xa's columns a multiple of 128 and xb's at least 1, got {ka} and {kb}")
+    if gemm_order and k % 128:
+        raise ValueError(f"the fast GEMM's k order needs in_features % 128 == 0, got {k}")
+    if k > ROW_MAX_K:
+        raise ValueError(f"the one-pass kernel takes K <= {ROW_MAX_K}, got K={k}")
+    _check_inv_smooth(inv_smooth, k)
+    xa = None if xa is None else (xa if xa.stride(1) == 1 else xa.contiguous())
+    xb = xb if xb.stride(1) == 1 else xb.contiguous()
+    r, nsplit = _lora_input(lora, m)
+    a8 = torch.empty(m, k, device=xb.device, dtype=torch.float8_e4m3fn)
+    sa = torch.empty(m, device=xb.device, dtype=torch.float32)
+    la = torch.empty(m, r, device=xb.device, dtype=torch.bfloat16) if lora is not None else None
+    if m:
+        rows_d, _, _, warps_d = fp8_rows_config(k)
+        (ca, na), (cb, nb) = _src_chunks(ka), _src_chunks(kb)
+        _quantize_act_fp8_cat_kernel[(cdiv(m, rows or rows_d),)](
+            xb if xa is None else xa, xb, inv_smooth, a8, sa, sa if lora is None else lora, sa if la is None else la,
+            m, ka, kb, r, 0 if xa is None else xa.stride(0), xb.stride(0),
+            ROWS=rows or rows_d, CA=ca, NA=na, CB=cb, NB=nb, BLOCK_R=_block_r(r), HAS_LORA=lora is not None,
+            GELU_B=gelu_b, HW_CVT=not _INTERPRET, CANON_NAN=canon_nan, GEMM_ORDER=gemm_order, NSPLIT=nsplit,
+            RNE_BITS=_INTERPRET, num_warps=num_warps or warps_d)
+    return (a8, sa) if la is None else (a8, sa, la)
+
+
+def lora_act(x: torch.Tensor | None, pds: torch.Tensor, out_dtype: torch.dtype = torch.float32, *, block_m: int = 16,
+             block_k: int | None = None, num_stages: int = 4, num_warps: int = 4, split: int = 1,
+             xb: torch.Tensor | None = None, gelu_b: bool = False) -> torch.Tensor:
     """``lora_act [M, R] = x.to(bf16) @ pds`` in ``out_dtype`` (fp32 accumulation, one rounding): what
     the backend gets from cuBLAS (``x @ pds``; ``_mm_f32`` for fp32), as one Triton launch of
     ``block_m``-row blocks streaming x once. ``x [M, K]`` with unit stride along K, any float dtype;
     ``pds [K, R]`` bf16 contiguous.
 
+    ``xb [M, KB]``: the row is ``cat([x, xb], -1)`` (``x [M, KA]``, KA % 128 == 0, or None for KA = 0)
+    read from its two sources, ``gelu_b`` applying ``gelu_tanh`` to xb's values as they load, rounded to
+    xb's dtype as the tensor ``nvfp4.cat_gelu`` writes would hold them (``pds`` has KA + KB rows).
+
     ``split = S > 1`` splits K into S ranges of whole ``block_k`` steps (S x the programs, each reading
     ``proj_down``'s rows of its range only) and returns the fp32 partial sums ``[S, M, R]``, which
     ``quantize_act_fp8(lora=...)`` adds in split order; an empty range writes zeros. Larger row blocks
     re-read ``proj_down`` from L2 fewer times (M / block_m times in all); the split keeps the SMs busy."""
-    m, k = x.shape
+    ka = 0 if x is None else x.shape[1]
+    m = xb.shape[0] if x is None else x.shape[0]
+    k = ka + (0 if xb is None else xb.shape[1])
+    if x is None and xb is None:
+        raise ValueError("lora_act needs x, xb or both")
+    if xb is not None and (xb.dim() != 2 or xb.shape[0] != m or (x is not None and xb.dtype != x.dtype)):
+        raise ValueError(f"xb must be [{m}, KB] of x's dtype, got {tuple(xb.shape)} {xb.dtype}")
+    if xb is not None and ka % 128:
+        raise ValueError(f"with xb, x's columns must be a multiple of 128, got {ka}")
+    if gelu_b and xb is None:
+        raise ValueError("gelu_b applies to xb: pass xb")
     if pds.dim() != 2 or pds.shape[0] != k or pds.dtype != torch.bfloat16 or not pds.is_contiguous():
         raise ValueError(f"pds must be a contiguous [{k}, R] bf16 tensor, got {tuple(pds.shape)} {pds.dtype}")
     if split < 1 or (split > 1 and out_dtype != torch.float32):
         raise ValueError(f"split must be >= 1, and partial sums (split > 1) are float32; got split={split}, "
                          f"{out_dtype}")
-    if x.stride(1) != 1:
+    if x is not None and x.stride(1) != 1:
         x = x.contiguous()
+    if xb is not None and xb.stride(1) != 1:
+        xb = xb.contiguous()
     r = pds.shape[1]
-    out = torch.empty(*((split,) if split > 1 else ()), m, r, device=x.device, dtype=out_dtype)
+    out = torch.empty(*((split,) if split > 1 else ()), m, r, device=pds.device, dtype=out_dtype)
     # 128-deep k-steps up to 64 columns; 64 above (R = 128 would otherwise spill: 4 stages of 110 KB)
     block_k = block_k or (128 if _block_r(r) <= 64 else 64)
     k_split = cdiv(cdiv(k, split), block_k) * block_k
+    xa = xb if x is None else x  # any pointer when there are no columns of x
     if m and r:
         _lora_act_kernel[(cdiv(m, block_m), split)](
-            x, pds, out, m, k, r, x.stride(0), k_split, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r),
-            NUM_STAGES=num_stages, DOT_F32=_INTERPRET, num_warps=num_warps)
+            xa, pds, out, m, k, r, xa.stride(0), k_split, pds if xb is None else xb, ka if xb is not None else k,
+            0 if xb is None else xb.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r),
+            NUM_STAGES=num_stages, DOT_F32=_INTERPRET, HAS_B=xb is not None, GELU_B=gelu_b, RNE_BITS=_INTERPRET,
+            num_warps=num_warps)
     elif m:
         out.zero_()
     return out
