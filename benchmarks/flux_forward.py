@@ -219,7 +219,9 @@ def main():
                    help="torch.compile mode (reduce-overhead adds CUDA graphs)")
     p.add_argument("--variants", default="bf16,fp8,exact,fast",
                    help="comma-separated: bf16, fp8, exact, fast, fast-cublas (lora_act on cuBLAS), fast-cp (compiled "
-                        "calls leave the activation pass to the compiler: SVDQ_SM90_COMPILER_PASS=1)")
+                        "calls leave the activation pass to the compiler: SVDQ_SM90_COMPILER_PASS=1); a -gelu suffix "
+                        "(fast-gelu, exact-gelu, ...) switches the blocks with fuse_gelu_inputs (the linears after a "
+                        "GELU read its parts)")
     p.add_argument("--graph", action="store_true", help="also time the eager forward captured in a CUDA graph")
     p.add_argument("--fuse", action="store_true",
                    help="fuse q/k/v (diffusers' fuse_qkv_projections; one quantization pass for the svdq variants)")
@@ -271,11 +273,15 @@ def main():
     lora_env = os.environ.get("SVDQ_SM90_LORA_ACT")
     cp_env = os.environ.get("SVDQ_SM90_COMPILER_PASS", "0")
     for variant in args.variants.split(","):
+        # "-gelu": Flux single blocks' proj_out and the feed-forwards' down projections read their GELU'd
+        # input from its parts (svdq_linear.fuse.fuse_gelu_inputs)
+        gelu_in = variant.endswith("-gelu")
+        v = variant.removesuffix("-gelu")
         # "fast-cp": compiled calls leave the activation pass to the compiler (SVDQ_SM90_COMPILER_PASS=1)
-        os.environ["SVDQ_SM90_COMPILER_PASS"] = "1" if variant.endswith("-cp") else cp_env
+        os.environ["SVDQ_SM90_COMPILER_PASS"] = "1" if v.endswith("-cp") else cp_env
         # "fast-cublas": the fast mode with lora_act on cuBLAS (SVDQ_SM90_LORA_ACT=cublas), beside "fast"
-        kind = variant.removesuffix("-cp").removesuffix("-cublas")
-        if variant.removesuffix("-cp") != kind:
+        kind = v.removesuffix("-cp").removesuffix("-cublas")
+        if v.removesuffix("-cp") != kind:
             os.environ["SVDQ_SM90_LORA_ACT"] = "cublas"
         elif lora_env is None:
             os.environ.pop("SVDQ_SM90_LORA_ACT", None)
@@ -287,6 +293,10 @@ def main():
         gb = weight_bytes(model) / 1e9  # before fusing: bf16's and FP8's fused q/k/v are copies
         if args.fuse:
             fuse_qkv(model, kind)
+        if gelu_in:
+            from svdq_linear.fuse import fuse_gelu_inputs
+
+            print(f"{variant}: {fuse_gelu_inputs(model)} blocks read their GELU'd input from its parts", flush=True)
         with torch.inference_mode():
             t_eager = t_graph = float("nan")
             if args.compile_first:  # no eager call before the compile: the layers prepare at trace time

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call for the sm90 backend: GPU conformance + seam tests, the config sweep, the benchmark.
 # Through the device tool with carry [".devcarry/wheels"]:  bash benchmarks/h200_sm90.sh [--sweep]
-# STEPS (default "tests bench"; also lora, lowrank, fast, flux, small, act, cachehit, pctriton, fallback, host, ncu, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
+# STEPS (default "tests bench"; also lora, lowrank, fast, flux, small, act, gelu, cachehit, pctriton, fallback, host, ncu, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
 # spaces: select tests by node id (file::test), not with a quoted -k expression.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -48,6 +48,7 @@ for step in ${STEPS:-tests bench}; do
               tail -3 "$OUT/pctriton.log"; cp /tmp/pc/report-sm_90a.json "$OUT/" 2>/dev/null
               timeout 200 python3 benchmarks/check_precompiled.py --triton-cache /tmp/pc/triton-cache >> "$OUT/pctriton.log" 2>&1
               tail -8 "$OUT/pctriton.log" ;;
+    gelu) timeout "${GELU_LIMIT:-200}" python3 benchmarks/bench_gelu_in.py --out "$OUT/bench_gelu_in.md" > "$OUT/gelu.log" 2>&1; tail -12 "$OUT/gelu.log" ;;
     fallback) timeout "${FALLBACK_LIMIT:-150}" python3 benchmarks/bench_fallback.py --out "$OUT/bench_fallback.md" > "$OUT/fallback.log" 2>&1; tail -12 "$OUT/fallback.log" ;;
     suite) timeout "${TEST_LIMIT:-400}" python3 -m pytest -q -p no:cacheprovider -W ignore tests/ > "$OUT/suite.log" 2>&1; rc=$?; tail -15 "$OUT/suite.log" ;;
   esac

@@ -14,13 +14,17 @@ Imported only by ``fuse_gelu_inputs``: it needs diffusers.
 from __future__ import annotations
 
 import torch
-from diffusers.models.attention import FeedForward
-from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+from diffusers.models import attention as _attention
+from diffusers.models.transformers import transformer_flux as _flux
+
+# The subclasses keep the diffusers class names: diffusers finds blocks by class name
+# (``compile_repeated_blocks``' ``_repeated_blocks``, ``_no_split_modules``), and pickle finds these by
+# their own module and name.
 
 
-class FluxSingleBlockGeluIn(FluxSingleTransformerBlock):
-    """``FluxSingleTransformerBlock`` whose ``proj_out`` reads the attention output and the MLP's
-    output before its GELU: the same operations otherwise, in the same order."""
+class FluxSingleTransformerBlock(_flux.FluxSingleTransformerBlock):
+    """diffusers' ``FluxSingleTransformerBlock`` whose ``proj_out`` reads the attention output and the
+    MLP's output before its GELU: the same operations otherwise, in the same order."""
 
     def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
                 joint_attention_kwargs=None):
@@ -35,8 +39,8 @@ class FluxSingleBlockGeluIn(FluxSingleTransformerBlock):
         return out[:, :n_text], out[:, n_text:]
 
 
-class FeedForwardGeluIn(FeedForward):
-    """``FeedForward`` (``GELU`` with ``approximate="tanh"``, dropout, linear) whose last linear reads the
+class FeedForward(_attention.FeedForward):
+    """diffusers' ``FeedForward`` (``GELU`` with ``approximate="tanh"``, dropout, linear) whose last linear reads the
     GELU's input; in training with a dropout probability the original order runs."""
 
     def forward(self, hidden_states, *args, **kwargs):
@@ -46,4 +50,4 @@ class FeedForwardGeluIn(FeedForward):
         return down.forward_cat_gelu(None, gelu.proj(hidden_states))
 
 
-FUSED = {FluxSingleTransformerBlock: FluxSingleBlockGeluIn, FeedForward: FeedForwardGeluIn}
+FUSED = {_flux.FluxSingleTransformerBlock: FluxSingleTransformerBlock, _attention.FeedForward: FeedForward}

@@ -144,8 +144,8 @@ def _sm90_calls(quick: bool):
     tokens (activation pass, and the Triton W4 GEMM that serves it without quack-kernels), the small-M
     kernel (the exact mode on canonical weights and, from 9 tokens, on quack's blob, whose fewer tokens
     run ``small_m_mma`` on a GPU; W4A16 for the adaLN modulation at batch 1-32), the fast mode's
-    activation pass and ``lora_act``. quack's GEMMs are compiled by ``precompile_sm90_quack``. Not
-    covered (compiled on first use, seconds each): other ranks (their low-rank tile widths), other
+    activation pass and ``lora_act``, and their two-source forms (``fuse_gelu_inputs``). quack's GEMMs
+    are compiled by ``precompile_sm90_quack``. Not covered (compiled on first use, seconds each): other ranks (their low-rank tile widths), other
     token counts where Triton specializes differently (1, multiples of 16, others), other widths.
     Routing that depends on the device (``x.is_cuda``) is the CPU's here: such variants are left out
     rather than compiled for nothing."""
@@ -165,6 +165,10 @@ def _sm90_calls(quick: bool):
         (m, k, n) for m in (1, 2, 4, 16, 32) for k, n in ((3072, 18432), (3072, 9216), (2432, 14592), (1536, 9216))]
     fast = [(4608, 3072), (1, 3072)] if quick else [(m, k) for m in (1, 16, 512, 4608)
                                                      for k in (2432, 3072, 3840, 10240, 12288, 15360)]
+    # the fast mode reading a GELU'd input from its parts (fuse_gelu_inputs): Flux single blocks' proj_out
+    # (attention 3072 + MLP 12288), the feed-forwards' down projections of Flux.1 and SD3.5 large / medium
+    gelu_in = [(4608, 3072, 12288)] if quick else [(m, ka, kb) for m in (512, 4608)
+                                                   for ka, kb in ((3072, 12288), (0, 12288), (0, 9728), (0, 6144))]
 
     def layer(m, k, n, dt, r=32):
         return dict(x=torch.zeros(m, k, dtype=dt), qweight=torch.zeros(n, k // 2, dtype=torch.uint8),
@@ -207,6 +211,16 @@ def _sm90_calls(quick: bool):
                 kernels.quantize_act_fp8(x, inv, lora=be._lora_act(x, pds), inv_smooth=inv, gemm_order=True)
 
             yield f"fast_m{m}_{k}_{name}", fast_pass
+        for m, ka, kb in gelu_in if dt != torch.float32 else []:  # 16-bit inputs only
+            xa = torch.zeros(m, ka, dtype=dt) if ka else None
+            xb, inv = torch.zeros(m, kb, dtype=dt), torch.ones(ka + kb)
+            pds = torch.zeros(ka + kb, 32, dtype=torch.bfloat16)
+
+            def gelu_pass(xa=xa, xb=xb, inv=inv, pds=pds):
+                kernels.quantize_act_fp8_cat(xa, xb, inv, gemm_order=True)  # no low-rank branch
+                kernels.quantize_act_fp8_cat(xa, xb, inv, lora=be._lora_act_cat(xa, xb, pds), gemm_order=True)
+
+            yield f"fast_gelu_in_m{m}_{ka}+{kb}_{name}", gelu_pass
 
 
 def precompile_sm90(out_dir: Path, keep_sass: bool = False, quick: bool = False) -> list[dict]:

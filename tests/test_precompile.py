@@ -26,6 +26,7 @@ def test_sm90_kernels_compile_to_hgmma_without_spills(tmp_path):
         assert k["local_memory"] == 0 and k["stack_bytes"] == 0, f"{k['kernel']} spills: {k}"
     assert any((tmp_path / "triton-cache").rglob("*.cubin")), "nothing was written to the Triton cache"
     assert any(k["kernel"].startswith("quantize_act_fp8") for k in report)
+    assert any(k["kernel"].startswith("quantize_act_fp8_cat") for k in report)  # the two-source pass
     small = {k["kernel"]: k for k in report if k["kernel"].startswith("small_m")}
     # --quick: W4A16 at 1 token (adaLN), the exact mode at 1 and 64 tokens (canonical weights; quack's blob at 1)
     assert {"small_m_w4a16_m1_3072x18432_bfloat16", "small_m_exact_m1_3072x3072_bfloat16",
@@ -159,8 +160,8 @@ from test_conformance import random_w4a4
 target = GPUTarget("cuda", 90, 32)
 with compile_launches(target) as stand_ins:
     for tag, call in _sm90_calls(True):
-        if not tag.startswith(("exact_quack", "fast")):  # the canonical exact and W4A16 layers
-            call()
+        if not tag.startswith(("exact_quack", "fast")) or tag.startswith("fast_gelu_in"):
+            call()  # the canonical exact and W4A16 layers; the fast mode's two-source pass
 be = Sm90Backend()
 real = {}
 with torch.no_grad(), compile_launches(target) as compiled:
@@ -172,6 +173,21 @@ with torch.no_grad(), compile_launches(target) as compiled:
     ada = NVFP4W4A16Linear.from_linear(torch.nn.Linear(3072, 18432, dtype=torch.bfloat16))
     be.linear(ada, torch.randn(1, 3072, dtype=torch.bfloat16), None)
     real["w4a16 m1"] = [ck.hash for _, ck in compiled]
+    compiled.clear()
+    import svdq_linear.backends.sm90 as sm90
+    quack_fast = sm90._quack_fast_module()
+    if quack_fast is not None:  # a Flux single block's proj_out reading its GELU'd input (quack's GEMM stubbed)
+        mod = random_w4a4(15360, 3072, 32, torch.bfloat16, "cpu").set_mode("fast")
+        prepared = be.prepare(mod, torch.device("cpu"))
+
+        class StubGemm:
+            weight = staticmethod(quack_fast.weight)
+            gemm = staticmethod(lambda a8, sa, fw, lowrank=None, out_dtype=None, lr_acc=None: a8.new_zeros(0))
+
+        sm90._quack_fast_module = lambda: StubGemm
+        xa, xb = torch.randn(4608, 3072, dtype=torch.bfloat16), torch.randn(4608, 12288, dtype=torch.bfloat16)
+        be.linear_cat_gelu(mod, xa, xb, prepared, "w4a4_fast")
+        real["fast gelu_in m4608"] = [ck.hash for _, ck in compiled]
 covered = {ck.hash for _, ck in stand_ins}
 print(json.dumps({k: [h in covered for h in v] for k, v in real.items()}))
 """
@@ -193,6 +209,7 @@ def test_precompiled_stand_ins_compile_what_real_modules_launch(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert set(res) == {"exact m4608", "exact m512", "exact m64", "exact m1", "w4a16 m1"}, res
+    assert set(res) - {"fast gelu_in m4608"} == {"exact m4608", "exact m512", "exact m64", "exact m1", "w4a16 m1"}, res
+    assert len(res.get("fast gelu_in m4608", [1, 2])) == 2  # its lora_act and activation pass
     for layer, hits in res.items():
         assert hits and all(hits), f"{layer}: kernels the stand-ins did not compile: {hits}"

@@ -75,15 +75,15 @@ def _gelu_tanh(v):
 
 
 @triton.jit
-def _round_to(v, dtype: tl.constexpr, RNE_BITS: tl.constexpr):
-    """fp32 ``v`` rounded to ``dtype`` (bf16 or fp16) to nearest even, back in fp32: the value a 16-bit
-    tensor would hold. RNE_BITS (Triton's CPU interpreter, whose fp32 -> bf16 conversion truncates):
-    bf16 by integer arithmetic."""
-    if RNE_BITS and dtype == tl.bfloat16:
+def _round_to(v, like_ptr, RNE_BITS: tl.constexpr):
+    """fp32 ``v`` rounded to nearest even in the element type of ``like_ptr`` (bf16 or fp16), back in
+    fp32: the value a 16-bit tensor would hold. RNE_BITS (Triton's CPU interpreter, whose fp32 -> bf16
+    conversion truncates): bf16 by integer arithmetic."""
+    if RNE_BITS and like_ptr.dtype.element_ty == tl.bfloat16:
         bits = v.to(tl.int32, bitcast=True)
         r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000
         return tl.where(v == v, r, v)
-    return v.to(dtype).to(tl.float32)
+    return v.to(like_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
@@ -244,26 +244,31 @@ def _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, J: tl.constexpr, C: t
 
 
 @triton.jit
-def _fp8_store_at(a8_ptr, q, rm, m_ok, K, pos, pos_ok, HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr):
-    # q [rows, C] (already divided by the row scale) -> E4M3 bytes at the positions ``pos`` of a8's rows
+def _fp8_store_at(a8_ptr, q, rm, m_ok, K, pos, pos_ok, special, HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr):
+    # q [rows, C] (already divided by the row scale) -> E4M3 bytes at the positions ``pos`` of a8's rows;
+    # special: a NaN or +-Inf is in the block's rows (a runtime scalar, uniform over the program)
     mask = m_ok[:, None] & pos_ok[None, :]
     ptrs = a8_ptr + rm[:, None] * K + pos[None, :]
     if HW_CVT:
         # the hardware convert rounds to nearest even and saturates at 448 as the contract does, keeps
-        # the sign (of -0.0 too); CANON_NAN makes every NaN the positive one (0x7F) first, and +-Inf NaN
-        # (the convert would saturate it to 448: reachable where a row holds a NaN, so sa = 1)
+        # the sign (of -0.0 too). CANON_NAN: +-Inf becomes NaN (the convert would saturate it to 448; an
+        # Inf stays in q only in a row that also holds a NaN, so sa = 1) and every NaN the positive one
+        # (0x7F). Only a block with such values can hold them (without, a row's q are finite), so the
+        # others skip the two instructions a value.
         if CANON_NAN:
-            q = tl.where(tl.abs(q) < float("inf"), q, float("nan"))
+            if special:
+                q = q + q * 0.0  # +-Inf -> NaN, every other value (-0.0 included) unchanged
+                q = tl.where(q == q, q, float("nan"))
         tl.store(ptrs, q.to(tl.float8e4nv), mask=mask)
     else:  # Triton's interpreter mis-rounds conversions that carry into the exponent: round by arithmetic
         tl.store(ptrs.to(tl.pointer_type(tl.uint8), bitcast=True), _e4m3_bits(q), mask=mask)
 
 
 @triton.jit
-def _fp8_rows_store(a8_ptr, q, rm, m_ok, K, J: tl.constexpr, C: tl.constexpr, HW_CVT: tl.constexpr,
+def _fp8_rows_store(a8_ptr, q, rm, m_ok, K, special, J: tl.constexpr, C: tl.constexpr, HW_CVT: tl.constexpr,
                     CANON_NAN: tl.constexpr):
     rk = J * C + tl.arange(0, C)
-    _fp8_store_at(a8_ptr, q, rm, m_ok, K, rk, rk < K, HW_CVT, CANON_NAN)
+    _fp8_store_at(a8_ptr, q, rm, m_ok, K, rk, rk < K, special, HW_CVT, CANON_NAN)
 
 
 @triton.jit
@@ -292,18 +297,19 @@ def _quantize_act_fp8_rows_kernel(
     mx = tl.max(mb, axis=1)
     # as nvfp4.fast_act: 1 for an all-zero row and where a NaN is in the row
     ok = (mx > 0) & (mx <= 0x7F800000)
+    special = tl.max((mx >= 0x7F800000).to(tl.int32), axis=0) > 0  # a NaN or +-Inf in the block's rows
     sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([ROWS], 448.0, tl.float32)), 1.0)
     tl.store(sa_ptr + rm, sa, mask=m_ok)
     if HAS_LORA:
         _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, M, R, ROWS, BLOCK_R, NSPLIT)
     r = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sa)[:, None]
-    _fp8_rows_store(a8_ptr, xs0 * r, rm, m_ok, K, 0, C, HW_CVT, CANON_NAN)
+    _fp8_rows_store(a8_ptr, xs0 * r, rm, m_ok, K, special, 0, C, HW_CVT, CANON_NAN)
     if NCH > 1:
-        _fp8_rows_store(a8_ptr, xs1 * r, rm, m_ok, K, 1, C, HW_CVT, CANON_NAN)
+        _fp8_rows_store(a8_ptr, xs1 * r, rm, m_ok, K, special, 1, C, HW_CVT, CANON_NAN)
     if NCH > 2:
-        _fp8_rows_store(a8_ptr, xs2 * r, rm, m_ok, K, 2, C, HW_CVT, CANON_NAN)
+        _fp8_rows_store(a8_ptr, xs2 * r, rm, m_ok, K, special, 2, C, HW_CVT, CANON_NAN)
     if NCH > 3:
-        _fp8_rows_store(a8_ptr, xs3 * r, rm, m_ok, K, 3, C, HW_CVT, CANON_NAN)
+        _fp8_rows_store(a8_ptr, xs3 * r, rm, m_ok, K, special, 3, C, HW_CVT, CANON_NAN)
 
 
 @triton.jit
@@ -319,16 +325,16 @@ def _fp8_src_load(src_ptr, inv_ptr, rm, m_ok, stride_m, BASE, KS, J: tl.constexp
     x = tl.load(src_ptr + rm[:, None] * stride_m + lk[None, :], mask=mask, other=0.0)
     v = x.to(tl.float32)
     if GELU:
-        v = _round_to(_gelu_tanh(v), src_ptr.dtype.element_ty, RNE_BITS)
+        v = _round_to(_gelu_tanh(v), src_ptr, RNE_BITS)
     inv = tl.load(inv_ptr + BASE + (lk[None, :] + 0 * rm[:, None]), mask=mask, other=1.0)
     return v * inv
 
 
 @triton.jit
-def _fp8_src_store(a8_ptr, q, rm, m_ok, K, BASE, KS, J: tl.constexpr, C: tl.constexpr, HW_CVT: tl.constexpr,
-                   CANON_NAN: tl.constexpr):
+def _fp8_src_store(a8_ptr, q, rm, m_ok, K, special, BASE, KS, J: tl.constexpr, C: tl.constexpr,
+                   HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr):
     rk = J * C + tl.arange(0, C)
-    _fp8_store_at(a8_ptr, q, rm, m_ok, K, BASE + rk, rk < KS, HW_CVT, CANON_NAN)
+    _fp8_store_at(a8_ptr, q, rm, m_ok, K, BASE + rk, rk < KS, special, HW_CVT, CANON_NAN)
 
 
 @triton.jit
@@ -386,26 +392,27 @@ def _quantize_act_fp8_cat_kernel(
         mx = tl.maximum(mx, tl.max(ma, axis=1))
     # as nvfp4.fast_act: 1 for an all-zero row and where a NaN is in the row
     ok = (mx > 0) & (mx <= 0x7F800000)
+    special = tl.max((mx >= 0x7F800000).to(tl.int32), axis=0) > 0  # a NaN or +-Inf in the block's rows
     sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([ROWS], 448.0, tl.float32)), 1.0)
     tl.store(sa_ptr + rm, sa, mask=m_ok)
     if HAS_LORA:
         _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, M, R, ROWS, BLOCK_R, NSPLIT)
     r = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sa)[:, None]
     if NA > 0:
-        _fp8_src_store(a8_ptr, a0 * r, rm, m_ok, K, 0, KA, 0, CA, HW_CVT, CANON_NAN)
+        _fp8_src_store(a8_ptr, a0 * r, rm, m_ok, K, special, 0, KA, 0, CA, HW_CVT, CANON_NAN)
         if NA > 1:
-            _fp8_src_store(a8_ptr, a1 * r, rm, m_ok, K, 0, KA, 1, CA, HW_CVT, CANON_NAN)
+            _fp8_src_store(a8_ptr, a1 * r, rm, m_ok, K, special, 0, KA, 1, CA, HW_CVT, CANON_NAN)
         if NA > 2:
-            _fp8_src_store(a8_ptr, a2 * r, rm, m_ok, K, 0, KA, 2, CA, HW_CVT, CANON_NAN)
+            _fp8_src_store(a8_ptr, a2 * r, rm, m_ok, K, special, 0, KA, 2, CA, HW_CVT, CANON_NAN)
         if NA > 3:
-            _fp8_src_store(a8_ptr, a3 * r, rm, m_ok, K, 0, KA, 3, CA, HW_CVT, CANON_NAN)
-    _fp8_src_store(a8_ptr, b0 * r, rm, m_ok, K, KA, KB, 0, CB, HW_CVT, CANON_NAN)
+            _fp8_src_store(a8_ptr, a3 * r, rm, m_ok, K, special, 0, KA, 3, CA, HW_CVT, CANON_NAN)
+    _fp8_src_store(a8_ptr, b0 * r, rm, m_ok, K, special, KA, KB, 0, CB, HW_CVT, CANON_NAN)
     if NB > 1:
-        _fp8_src_store(a8_ptr, b1 * r, rm, m_ok, K, KA, KB, 1, CB, HW_CVT, CANON_NAN)
+        _fp8_src_store(a8_ptr, b1 * r, rm, m_ok, K, special, KA, KB, 1, CB, HW_CVT, CANON_NAN)
     if NB > 2:
-        _fp8_src_store(a8_ptr, b2 * r, rm, m_ok, K, KA, KB, 2, CB, HW_CVT, CANON_NAN)
+        _fp8_src_store(a8_ptr, b2 * r, rm, m_ok, K, special, KA, KB, 2, CB, HW_CVT, CANON_NAN)
     if NB > 3:
-        _fp8_src_store(a8_ptr, b3 * r, rm, m_ok, K, KA, KB, 3, CB, HW_CVT, CANON_NAN)
+        _fp8_src_store(a8_ptr, b3 * r, rm, m_ok, K, special, KA, KB, 3, CB, HW_CVT, CANON_NAN)
 
 
 @triton.jit
@@ -536,7 +543,7 @@ def _lora_act_kernel(x_ptr, pd_ptr, out_ptr, M, K, R, stride_xm, K_SPLIT, xb_ptr
             x = tl.load(xb_ptr + rm[:, None] * stride_bm + (rk - KA)[None, :], mask=m_ok[:, None] & k_ok[None, :],
                         other=0.0)
             if GELU_B:
-                x = _round_to(_gelu_tanh(x.to(tl.float32)), xb_ptr.dtype.element_ty, RNE_BITS)
+                x = _round_to(_gelu_tanh(x.to(tl.float32)), xb_ptr, RNE_BITS)
             w = tl.load(pd_ptr + rk[:, None] * R + rr[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
             acc = _lora_dot(x, w, acc, DOT_F32)
     tl.store(out_ptr + rm[:, None] * R + rr[None, :], acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
