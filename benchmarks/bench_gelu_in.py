@@ -1,4 +1,4 @@
-"""The fast mode on a GELU'd input: read from its parts against written out first (H100/H200).
+"""Linears on a GELU'd input: read from its parts against written out first (H100/H200).
 
     python benchmarks/bench_gelu_in.py [--out FILE]
 
@@ -10,8 +10,8 @@ The inputs of a Flux single block's ``proj_out`` (``cat([attn, gelu_tanh(mlp)])`
   ``nvfp4.cat_gelu``, what the compiled model runs today), then the fast mode's activation work on it
   (``lora_act`` on the backend's plan, the one-pass FP8 pass in the GEMM's k order);
 - *two-source*: ``lora_act(xa, xb=, gelu_b=True)`` and ``quantize_act_fp8_cat`` on the parts;
-- with quack-kernels, the whole layer both ways (``forward(cat_gelu(...))`` with the input written by
-  the same compiled kernel, and ``forward_cat_gelu``).
+- the whole layer both ways, exact and (with quack-kernels) fast mode: ``forward(cat_gelu(...))`` with
+  the input written by the same compiled kernel, and ``forward_cat_gelu``.
 
 Before timing, the two-source bytes are compared with the written path's: the count of differing
 ``a8`` bytes is reported (only ambiguous GELU roundings may differ; the CPU and GPU tests bound them)
@@ -56,8 +56,8 @@ def main():
              "| layer | M | KA + KB | copy of x | written: cat+gelu | + lora + pass | two-source: lora | + pass "
              "| activation work written / two-source | a8 bytes differing |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    whole = ["", "| layer | M | K x N | forward(cat_gelu) | forward_cat_gelu | ratio | rel. difference |",
-             "|---|---|---|---|---|---|---|"]
+    whole = ["", "| layer | mode | M | K x N | forward(cat_gelu) | forward_cat_gelu | ratio | rel. difference |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, m, ka, kb in SHAPES:
         k = ka + kb
         xa = torch.randn(m, ka, device="cuda", dtype=torch.bfloat16) if ka else None
@@ -86,17 +86,20 @@ def main():
         lines.append(f"| {name} | {m} | {ka} + {kb} | {t_copy:.1f} | {t_write:.1f} | {t_write + t_w:.1f} | {t_lora:.1f} "
                      f"| {t_t:.1f} | {(t_write + t_w) / t_t:.2f}x | {ndiff} of {a8w.numel()} |")
         print(lines[-1], flush=True)
-        if be._device_ok(xb.device) and be.supports(xb.device, "w4a4_fast"):
-            from test_conformance import random_w4a4
+        from test_conformance import random_w4a4
 
-            mod = random_w4a4(k, 3072, 32, torch.bfloat16, "cuda").set_mode("fast")
+        for mode in ("exact", "fast"):
+            if mode == "fast" and not be.supports(xb.device, "w4a4_fast"):
+                continue
+            mod = random_w4a4(k, 3072, 32, torch.bfloat16, "cuda").set_mode(mode)
             y_w = mod(write(xa, xb))
             y_t = mod.forward_cat_gelu(xa, xb)
             rel = ((y_t.float() - y_w.float()).norm() / y_w.float().norm()).item()
             tw = bench(lambda: mod(write(xa, xb)))
             tt = bench(lambda: mod.forward_cat_gelu(xa, xb))
-            whole.append(f"| {name} | {m} | {k} x 3072 | {tw:.1f} | {tt:.1f} | {tw / tt:.2f}x | {rel:.2e} |")
+            whole.append(f"| {name} | {mode} | {m} | {k} x 3072 | {tw:.1f} | {tt:.1f} | {tw / tt:.2f}x | {rel:.2e} |")
             print(whole[-1], flush=True)
+            del mod
     plan = tuning.lora_act_plan(4608, 15360, 32, os.environ.get(tuning.ENV_LORA_ACT))
     text = "\n".join(lines + (whole if len(whole) > 3 else []) + ["", f"lora_act plan at 4608 x 15360: {plan}"]) + "\n"
     if args.out:

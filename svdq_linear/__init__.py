@@ -7,6 +7,7 @@ Importing the package registers the ``svdq_w4a4`` quantizer with diffusers, so t
 import warnings
 
 from . import backends, nvfp4
+from .fuse import fuse_gelu_inputs, unfuse_gelu_inputs
 from .linear import NVFP4W4A16Linear, SVDQW4A4Linear, set_mode
 from .svdquant import SVDQuantConfig, SVDQuantWeights, svdquant
 
@@ -44,10 +45,12 @@ __all__ = [
     "SVDQuantWeights",
     "SVDQuantizationConfig",
     "backends",
+    "fuse_gelu_inputs",
     "load_svdq_pipeline",
     "nvfp4",
     "quantize_linears",
     "quantize_pipeline",
     "set_mode",
     "svdquant",
+    "unfuse_gelu_inputs",
 ]

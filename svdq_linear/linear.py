@@ -414,8 +414,9 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
         """``self(nvfp4.cat_gelu(x_a, x_b))``: the layer on ``cat([x_a, gelu_tanh(x_b)], -1)`` (``x_a`` None:
         on ``gelu_tanh(x_b)``), the input of a Flux single block's ``proj_out`` (attention output, MLP
         before its GELU) or of a feed-forward's down projection (``svdq_linear.fuse.fuse_gelu_inputs``
-        routes those blocks here). Where the backend reads the two tensors itself (the sm90 fast mode)
-        the concatenated input is never written; elsewhere it is written and ``forward`` runs on it.
+        routes those blocks here). Where the backend reads the two tensors itself (sm90, both modes,
+        above the small-M kernels' tokens) the concatenated input is never written; elsewhere it is
+        written and the layer runs on it as ``forward`` does.
         The contract: ``svdq_linear.nvfp4``, "Inputs built from two tensors"."""
         ka = 0 if x_a is None else x_a.shape[-1]
         if x_a is not None and (x_a.shape[:-1] != x_b.shape[:-1] or x_a.dtype != x_b.dtype
@@ -426,8 +427,8 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
             raise ValueError(f"expected inputs whose last dimensions add up to {self.in_features}, got {ka} + "
                              f"{x_b.shape[-1]}")
         kind = self.kind
-        if kind != "w4a4_fast":  # no backend reads the two tensors in the other modes
-            return self(nvfp4.cat_gelu(x_a, x_b))
+        if _CHECK_RANGE and not torch.compiler.is_compiling() and kind == "w4a4":
+            return self(nvfp4.cat_gelu(x_a, x_b))  # the range check reads the written input
         self._enter_call(x_b)
         lead = x_b.shape[:-1]
         xb2d = x_b.reshape(-1, x_b.shape[-1])

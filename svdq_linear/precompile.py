@@ -219,6 +219,7 @@ def _sm90_calls(quick: bool):
             def gelu_pass(xa=xa, xb=xb, inv=inv, pds=pds):
                 kernels.quantize_act_fp8_cat(xa, xb, inv, gemm_order=True)  # no low-rank branch
                 kernels.quantize_act_fp8_cat(xa, xb, inv, lora=be._lora_act_cat(xa, xb, pds), gemm_order=True)
+                kernels.quantize_act_cat(xa, xb, inv)  # the exact mode's (its lora_act is the same launch)
 
             yield f"fast_gelu_in_m{m}_{ka}+{kb}_{name}", gelu_pass
 

@@ -166,6 +166,85 @@ def test_two_source_pass_writes_the_pass_of_the_written_input(dtype, ka, kb, gem
         assert torch.equal(sap.cpu(), psa) and torch.equal(a8p.view(torch.uint8).cpu(), pa8.view(torch.uint8))
 
 
+def _unambiguous(xb):
+    """xb with its ambiguous GELU inputs set to 0 (GELU(0) = 0 is exact), and those whose GELU lies below
+    2**-100 (a kernel may flush it to a zero of either sign, a zero code's sign that the contract leaves
+    open): every kernel must then write the written input's bits exactly."""
+    xb = xb.clone()
+    g = gelu64(xb)
+    xb[(ambiguous(g, xb.dtype) | ((g.abs() < 2.0**-100) & (g != 0))) & xb.isfinite()] = 0
+    return xb
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("ka,kb", [(256, 768), (0, 512), (384, 272)])
+def test_exact_two_source_pass_is_the_pass_of_the_written_input(dtype, ka, kb):
+    """``quantize_act_cat`` (the exact mode's NVFP4 pass on two sources): the exact dequantized values,
+    and the packed codes and scales, of ``quantize_act`` on the written input, bit for bit (inputs
+    without ambiguous GELU values; float32 sources concatenated without GELU), NaN / Inf blocks
+    included; an xa width that is not a multiple of the k-block shrinks the block (384 with 256-wide
+    blocks)."""
+    from svdq_linear.backends.sm90 import kernels
+
+    dev = _dev()
+    xa, xb, smooth = _inputs(13, ka, kb, dtype, seed=ka + kb + 1)
+    gelu = dtype != torch.float32  # float32 sources: the plain concatenation (no 16-bit rounding hides ulps)
+    xb = _unambiguous(xb) if gelu else xb
+    xb[2, 7] = -float("inf")
+    xb[4, 20] = float("nan")
+    if xa is not None:
+        xa[5, 3] = float("inf")
+        xa[6] = 0
+    x = _written(xa, xb)[0] if gelu else (xb if xa is None else torch.cat([xa, xb], 1))
+    s = smooth.to(dev)
+    xa_d = None if xa is None else xa.to(dev)
+    got = kernels.quantize_act_cat(xa_d, xb.to(dev), s, gelu_b=gelu)[0].cpu()
+    want = kernels.quantize_act(x.to(dev), s)[0].cpu()
+    assert got.dtype == want.dtype and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    _, codes, scales = kernels.quantize_act_cat(xa_d, xb.to(dev), s, gelu_b=gelu, packed=True)
+    rc, rs = nvfp4.quantize_nvfp4(nvfp4.smooth_input(x, smooth))
+    assert torch.equal(codes.cpu(), rc) and torch.equal(scales.cpu().view(torch.uint8), rs.view(torch.uint8))
+
+
+@pytest.mark.parametrize("ka,kb,r,dtype", [(256, 512, 16, torch.bfloat16), (0, 768, 0, torch.bfloat16),
+                                           (128, 640, 8, torch.float16)])
+def test_exact_mode_reads_the_two_tensors_within_the_contract(ka, kb, r, dtype, monkeypatch):
+    """The sm90 exact mode above the small-M kernels' 64 tokens reads the two tensors
+    (``quantize_act_cat``, ``lora_act(xb=)``, the GEMM) and meets the contract's tolerance on the
+    written input (without ambiguous GELU values); at 64 tokens it writes the input."""
+    from test_conformance import _check, _expected_and_bound, random_w4a4
+
+    from svdq_linear.backends.sm90 import kernels
+
+    dev = _dev()
+    mod = random_w4a4(ka + kb, 128, r, dtype, dev)
+    xa, xb, _ = _inputs(72, ka, kb, dtype, seed=r + kb)
+    xb = _unambiguous(xb)
+    xa, xb = (None if xa is None else xa.to(dev)), xb.to(dev)
+    if dev == "cuda" and backends.choose(mod, xb).name != "sm90":
+        pytest.skip("not an sm90 GPU")
+    be = backends.get_backend("sm90")  # on the CPU: Triton's interpreter (not a dispatch candidate there)
+    prepared = be.prepare(mod, xb.device)
+    calls = []
+    real = kernels.quantize_act_cat
+    monkeypatch.setattr(kernels, "quantize_act_cat", lambda *a, **k: calls.append(1) or real(*a, **k))
+    y = be.linear_cat_gelu(mod, xa, xb, prepared, "w4a4")
+    assert calls, "the exact mode wrote the input instead of reading its parts"
+    x, _ = _written(None if xa is None else xa.cpu(), xb.cpu())
+    expected, bound = _expected_and_bound(mod, x.to(dev))
+    _check(y.cpu(), expected, bound, "exact mode on two sources")
+    calls.clear()
+    be.linear_cat_gelu(mod, None if xa is None else xa[:64], xb[:64], prepared, "w4a4")
+    assert not calls
+    if dev == "cuda":  # the module's own call takes the same path
+        mod.forward_cat_gelu(xa, xb)
+        assert calls
+    args = (xa, xb, mod.qweight, mod.wscales, mod.smooth, mod.proj_down, mod.proj_up, mod.wcscale, mod.bias,
+            be.extra_tensors(prepared), "sm90")
+    torch.library.opcheck(backends.w4a4_cat_gelu_linear, args,
+                          test_utils=("test_autograd_registration", "test_faketensor"))
+
+
 def test_two_source_pass_divides_lora_act_and_refuses_bad_inputs():
     """``lora=``: ``la = lora / sa`` rounded once (partials added in order), as ``quantize_act_fp8``;
     sources of other dtypes, shapes, widths or a wrong ``inv_smooth`` are refused by name."""

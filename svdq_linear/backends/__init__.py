@@ -78,6 +78,12 @@ class Backend:
     def run_w4a16(self, x, qweight, wscales, wcscale, bias, extra) -> torch.Tensor:
         raise NotImplementedError(f"backend {self.name!r} has no W4A16 kernel")
 
+    def run_w4a4_cat_gelu(self, xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias,
+                          extra) -> torch.Tensor:
+        """The exact mode on the input ``nvfp4.cat_gelu(xa, xb)``: by default that input written out."""
+        return self.run_w4a4(nvfp4.cat_gelu(xa, xb), qweight, wscales, smooth, proj_down, proj_up, wcscale, bias,
+                             extra)
+
     def run_w4a4_fast_cat_gelu(self, xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias,
                                extra) -> torch.Tensor:
         """The fast mode on the input ``nvfp4.cat_gelu(xa, xb)``: by default that input written out."""
@@ -529,6 +535,31 @@ def _(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra, bac
     return x.new_empty(x.shape[0], wcscale.shape[0])  # qweight may be a stood-in (empty)
 
 
+@torch.library.custom_op("svdq_linear::w4a4_cat_gelu_linear", mutates_args=())
+def w4a4_cat_gelu_linear(
+    xa: torch.Tensor | None,
+    xb: torch.Tensor,
+    qweight: torch.Tensor,
+    wscales: torch.Tensor,
+    smooth: torch.Tensor,
+    proj_down: torch.Tensor,
+    proj_up: torch.Tensor,
+    wcscale: torch.Tensor,
+    bias: torch.Tensor | None,
+    extra: list[torch.Tensor],
+    backend: str,
+) -> torch.Tensor:
+    """``y [M, N]`` (xb's dtype) of the contract on the input ``nvfp4.cat_gelu(xa, xb)`` (``xa [M, KA]`` or
+    None, ``xb [M, KB]``), computed by ``backend``."""
+    return get_backend(backend).run_w4a4_cat_gelu(xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale,
+                                                  bias, extra)
+
+
+@w4a4_cat_gelu_linear.register_fake
+def _(xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra, backend):
+    return xb.new_empty(xb.shape[0], wcscale.shape[0])
+
+
 @torch.library.custom_op("svdq_linear::w4a4_fast_cat_gelu_linear", mutates_args=())
 def w4a4_fast_cat_gelu_linear(
     xa: torch.Tensor | None,
@@ -619,6 +650,7 @@ __all__ = [
     "register_lazy",
     "resolve",
     "select_backend",
+    "w4a4_cat_gelu_linear",
     "w4a4_fast_cat_gelu_linear",
     "w4a4_fast_linear",
     "w4a4_linear",

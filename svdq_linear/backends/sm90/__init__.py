@@ -47,8 +47,8 @@ import torch
 
 from ..._env import getenv
 
-from .. import (Backend, device_capability, plain_eager_call, tracing, w4a4_fast_cat_gelu_linear, w4a8_fast_gemm,
-                weights_are_offloaded)
+from .. import (Backend, device_capability, plain_eager_call, tracing, w4a4_cat_gelu_linear,
+                w4a4_fast_cat_gelu_linear, w4a8_fast_gemm, weights_are_offloaded)
 from . import tuning  # plain Python: no Triton, cutlass or quack
 from .fast_layout import fast_act_ops  # plain torch
 
@@ -357,9 +357,19 @@ class Sm90Backend(Backend):
         if r:
             pds = extra[0] if extra else (proj_down.float() / smooth[:, None]).to(torch.bfloat16)
             lora = x.to(torch.bfloat16) @ pds  # [M, R] bf16; x read once more, at copy speed
-        # extra: [proj_down', proj_up', (segments)] when r, then the 4 tensors of QuackWeight when prepared
-        use_quack = len(extra) >= (6 if r else 4) and m >= QUACK_MIN_M and x.dtype == torch.bfloat16
+        use_quack = self._exact_on_quack(extra, r, m, x.dtype)
         xq, _, _ = self.kernels.quantize_act(x, smooth, out_dtype=torch.bfloat16 if use_quack else None)
+        return self._exact_gemm(xq, lora, use_quack, x.dtype, qweight, wscales, proj_up, wcscale, bias, extra)
+
+    @staticmethod
+    def _exact_on_quack(extra, r: int, m: int, dtype: torch.dtype) -> bool:
+        # extra: [proj_down', proj_up', (segments)] when r, then the 4 tensors of QuackWeight when prepared
+        return len(extra) >= (6 if r else 4) and m >= QUACK_MIN_M and dtype == torch.bfloat16
+
+    def _exact_gemm(self, xq, lora, use_quack, x_dtype, qweight, wscales, proj_up, wcscale, bias, extra):
+        """The exact mode's GEMM above SMALL_M on the quantized activations ``xq`` and ``lora_act``."""
+        m, k = xq.shape
+        n, r = wcscale.shape[0], proj_up.shape[1]
         if use_quack:
             from . import quack_gemm
             from .quack_gemm import weight as quack_gemm_weight
@@ -375,7 +385,25 @@ class Sm90Backend(Backend):
 
             qweight, wscales = unpack_weight(extra[-4]), unpack_scales(extra[-3])
         cfg = self.tuning.pick(m, n, k)
-        return self.kernels.w4_gemm(xq, qweight, wscales, wcscale, bias, proj_up if r else None, lora, x.dtype, cfg)
+        return self.kernels.w4_gemm(xq, qweight, wscales, wcscale, bias, proj_up if r else None, lora, x_dtype, cfg)
+
+    def run_w4a4_cat_gelu(self, xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
+        """The exact mode on ``cat_gelu(xa, xb)`` above SMALL_M tokens: ``kernels.quantize_act_cat`` and
+        ``kernels.lora_act(xb=)`` read the two tensors; fewer tokens, or widths the kernels do not take,
+        write the input and run ``run_w4a4``."""
+        m, ka = xb.shape[0], 0 if xa is None else xa.shape[1]
+        r = proj_down.shape[1]
+        if m <= SMALL_M["w4a4"] or ka % 128 or xb.shape[1] % 16 or (xa is not None and xa.dtype != xb.dtype):
+            return super().run_w4a4_cat_gelu(xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias,
+                                             extra)
+        lora = None
+        if r:
+            pds = extra[0] if extra else (proj_down.float() / smooth[:, None]).to(torch.bfloat16)
+            part = self._lora_act_cat(xa, xb, pds)  # fp32 ([S, M, R'] partial sums over K where split)
+            lora = (part.sum(0) if part.dim() == 3 else part).to(torch.bfloat16)  # as x.to(bf16) @ pds
+        use_quack = self._exact_on_quack(extra, r, m, xb.dtype)
+        xq, _, _ = self.kernels.quantize_act_cat(xa, xb, smooth, out_dtype=torch.bfloat16 if use_quack else None)
+        return self._exact_gemm(xq, lora, use_quack, xb.dtype, qweight, wscales, proj_up, wcscale, bias, extra)
 
     def _small_w4a4(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
         """A few tokens (``small_m``): one launch reading the weight once (plus ``lora_act``'s GEMM); where
@@ -446,14 +474,21 @@ class Sm90Backend(Backend):
 
     def linear_cat_gelu(self, module, xa, xb, prepared, kind=None):
         kind = kind or module.kind
-        if kind != "w4a4_fast" or not self._reads_cat_gelu(module, xa, xb, prepared):
+        if kind == "w4a4_fast":
+            reads = self._reads_cat_gelu(module, xa, xb, prepared)
+            run, op = self.run_w4a4_fast_cat_gelu, w4a4_fast_cat_gelu_linear
+        else:
+            m = xb.shape[0]
+            reads = (kind == "w4a4" and isinstance(m, int) and m > SMALL_M["w4a4"]
+                     and (0 if xa is None else xa.shape[1]) % 128 == 0 and xb.shape[1] % 16 == 0
+                     and (xa is None or xa.dtype == xb.dtype))
+            run, op = self.run_w4a4_cat_gelu, w4a4_cat_gelu_linear
+        if not reads:
             return super().linear_cat_gelu(module, xa, xb, prepared, kind)
         t = module._parameters
         args = (xa, xb, t["qweight"], t["wscales"], t["smooth"], t["proj_down"], t["proj_up"], t["wcscale"],
                 t["bias"], self.extra_tensors(prepared))
-        if plain_eager_call(xb):
-            return self.run_w4a4_fast_cat_gelu(*args)
-        return w4a4_fast_cat_gelu_linear(*args, self.name)
+        return run(*args) if plain_eager_call(xb) else op(*args, self.name)
 
     def _reads_cat_gelu(self, module, xa, xb, prepared) -> bool:
         """Whether the fast mode reads ``cat_gelu(xa, xb)`` from its two tensors (``kernels.quantize_act_fp8_cat``

@@ -89,17 +89,29 @@ def _round_to(v, like_ptr, RNE_BITS: tl.constexpr):
 @triton.jit
 def _quantize_act_kernel(
     x_ptr, smooth_ptr, xq_ptr, codes_ptr, scales_ptr,
-    M, K, stride_xm, stride_xk,
+    M, K, stride_xm, stride_xk, xb_ptr, KA, stride_bm,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_XQ: tl.constexpr, WRITE_CODES: tl.constexpr,
+    HAS_B: tl.constexpr = False, GELU_B: tl.constexpr = False, RNE_BITS: tl.constexpr = False,
 ):
     # One [BLOCK_M, BLOCK_K] tile a program: every byte is read once and the grid fills the GPU.
+    # HAS_B: the row is cat([x, gelu(xb)]) read from its two sources (x: the first KA columns, KA a
+    # multiple of BLOCK_K, so a tile lies in one of them; xb with unit stride along K), GELU applied
+    # as xb loads (GELU_B) and rounded to xb's dtype as the written tensor would hold it.
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     k0 = tl.program_id(1) * BLOCK_K
     rk = k0 + tl.arange(0, BLOCK_K)
     m_ok = rm < M
     k_ok = rk < K  # K % 16 == 0: whole blocks are in or out
     mask = m_ok[:, None] & k_ok[None, :]
-    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    if HAS_B:
+        if k0 >= KA:
+            x = tl.load(xb_ptr + rm[:, None] * stride_bm + (rk - KA)[None, :], mask=mask, other=0.0).to(tl.float32)
+            if GELU_B:
+                x = _round_to(_gelu_tanh(x), xb_ptr, RNE_BITS)
+        else:
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
     sm = tl.load(smooth_ptr + rk, mask=k_ok, other=1.0)
     xs = x * tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)[None, :]
 
@@ -595,17 +607,61 @@ def quantize_act(
     if k % nvfp4.BLOCK_SIZE:
         raise ValueError(f"expected K % 16 == 0, got {k}")
     dt = out_dtype or (x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
-    xq = None if packed else torch.empty(m, k, device=x.device, dtype=dt)
-    codes = torch.empty(m, k // 2, device=x.device, dtype=torch.uint8) if packed else None
-    scales = torch.empty(m, k // 16, device=x.device, dtype=torch.uint8) if packed else None
+    return _quantize_act_launch(x, None, smooth, m, k, dt, packed, block_m, min(block_k, next_pow2(k)), num_warps,
+                                False)
+
+
+def _quantize_act_launch(x, xb, smooth, m, k, dt, packed, block_m, block_k, num_warps, gelu_b):
+    xq = None if packed else torch.empty(m, k, device=smooth.device, dtype=dt)
+    codes = torch.empty(m, k // 2, device=smooth.device, dtype=torch.uint8) if packed else None
+    scales = torch.empty(m, k // 16, device=smooth.device, dtype=torch.uint8) if packed else None
     if m:
-        block_k = min(block_k, next_pow2(k))
+        xa = xb if x is None else x  # any pointer when there are no columns of x
         _quantize_act_kernel[(cdiv(m, block_m), cdiv(k, block_k))](
-            x, smooth, smooth if xq is None else xq, smooth if codes is None else codes,
-            smooth if scales is None else scales, m, k, x.stride(0), x.stride(1),
-            BLOCK_M=block_m, BLOCK_K=block_k, WRITE_XQ=not packed, WRITE_CODES=packed, num_warps=num_warps,
+            xa, smooth, smooth if xq is None else xq, smooth if codes is None else codes,
+            smooth if scales is None else scales, m, k, xa.stride(0), xa.stride(1),
+            smooth if xb is None else xb, k if xb is None else k - xb.shape[1], 0 if xb is None else xb.stride(0),
+            BLOCK_M=block_m, BLOCK_K=block_k, WRITE_XQ=not packed, WRITE_CODES=packed, HAS_B=xb is not None,
+            GELU_B=gelu_b, RNE_BITS=_INTERPRET, num_warps=num_warps,
         )
     return xq, codes, None if scales is None else scales.view(torch.float8_e4m3fn)
+
+
+def quantize_act_cat(xa: torch.Tensor | None, xb: torch.Tensor, smooth: torch.Tensor, *, gelu_b: bool = True,
+                     out_dtype: torch.dtype | None = None, packed: bool = False, block_m: int = 8,
+                     block_k: int = 256, num_warps: int = 4):
+    """``quantize_act`` of the rows ``x = cat([xa, gelu_tanh(xb)], -1)`` (``nvfp4.cat_gelu``;
+    ``gelu_b=False``: ``cat([xa, xb])``) read from the two sources, without writing x (the exact mode's
+    form of ``quantize_act_fp8_cat``). ``xa [M, KA]`` (KA % 128 == 0, or None) and ``xb [M, KB]`` (KB %
+    16 == 0) of one float dtype; xb is read with unit stride along K. A tile lies in one source: the
+    k-block shrinks to a power of two dividing KA. Same results as ``quantize_act`` on the written x,
+    except where the GELU values differ from the tensor's (``quantize_act_fp8_cat``)."""
+    ka, m, kb = _check_sources(xa, xb)
+    if kb % nvfp4.BLOCK_SIZE:
+        raise ValueError(f"expected xb's columns a multiple of 16, got {kb}")
+    k = ka + kb
+    block_k = min(block_k, next_pow2(k))
+    while ka % block_k:
+        block_k //= 2
+    xb = xb if xb.stride(1) == 1 else xb.contiguous()
+    dt = out_dtype or (xb.dtype if xb.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
+    return _quantize_act_launch(xa, xb, smooth, m, k, dt, packed, block_m, block_k, num_warps, gelu_b)
+
+
+def _check_sources(xa: torch.Tensor | None, xb: torch.Tensor) -> tuple[int, int, int]:
+    """``(KA, M, KB)`` of the two sources of a ``cat_gelu`` input, after checking them."""
+    if xb.dim() != 2 or (xa is not None and (xa.dim() != 2 or xa.shape[0] != xb.shape[0])):
+        raise ValueError(f"expected xa [M, KA] and xb [M, KB], got {None if xa is None else tuple(xa.shape)} and "
+                         f"{tuple(xb.shape)}")
+    if xa is not None and xa.dtype != xb.dtype:
+        raise ValueError(f"xa and xb must have one dtype, got {xa.dtype} and {xb.dtype}")
+    if xb.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"expected a float input, got {xb.dtype}")
+    m, kb = xb.shape
+    ka = 0 if xa is None else xa.shape[1]
+    if ka % 128 or kb == 0:
+        raise ValueError(f"expected xa's columns a multiple of 128 and xb's at least 1, got {ka} and {kb}")
+    return ka, m, kb
 
 
 
@@ -738,18 +794,8 @@ def quantize_act_fp8_cat(xa: torch.Tensor | None, xb: torch.Tensor, inv_smooth: 
     (and ``la`` with ``lora``, as ``quantize_act_fp8``). Its bytes are ``quantize_act_fp8``'s of the
     materialized x wherever the GELU values (``kernels._gelu_tanh``, a few fp32 ulps from exact, rounded
     to xb's dtype) equal the tensor's (``torch.nn.functional.gelu``'s own rounding)."""
-    if xb.dim() != 2 or (xa is not None and (xa.dim() != 2 or xa.shape[0] != xb.shape[0])):
-        raise ValueError(f"expected xa [M, KA] and xb [M, KB], got {None if xa is None else tuple(xa.shape)} and "
-                         f"{tuple(xb.shape)}")
-    if xa is not None and xa.dtype != xb.dtype:
-        raise ValueError(f"xa and xb must have one dtype, got {xa.dtype} and {xb.dtype}")
-    if xb.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"expected a float input, got {xb.dtype}")
-    m, kb = xb.shape
-    ka = 0 if xa is None else xa.shape[1]
+    ka, m, kb = _check_sources(xa, xb)
     k = ka + kb
-    if ka % 128 or kb == 0:
-        raise ValueError(f"expected xa's columns a multiple of 128 and xb's at least 1, got {ka} and {kb}")
     if gemm_order and k % 128:
         raise ValueError(f"the fast GEMM's k order needs in_features % 128 == 0, got {k}")
     if k > ROW_MAX_K:
