@@ -18,6 +18,7 @@ being written out.
 from __future__ import annotations
 
 import types
+import warnings
 import weakref
 
 import torch
@@ -167,15 +168,25 @@ def fuse_gelu_inputs(model: nn.Module) -> int:
     (``svdq_linear._diffusers_blocks``). In the sm90 fast mode the GELU'd input is then never written
     (it is applied as the activation pass loads); elsewhere the blocks compute what they did, bit for
     bit. Blocks of other classes, or whose linear is not quantized, are left alone. Returns how many
-    blocks were switched; ``unfuse_gelu_inputs`` switches them back. Needs diffusers."""
+    blocks were switched; ``unfuse_gelu_inputs`` switches them back. Needs diffusers. Call it before
+    enabling hooks that wrap a block's ``forward`` (diffusers' caching and group offloading, accelerate's
+    offloading): such a block keeps its forward (a warning names it). A layer whose own call is hooked
+    gets the written input, as before."""
     from ._diffusers_blocks import FUSED
 
-    done = 0
-    for module in model.modules():
+    done, wrapped = 0, []
+    for name, module in model.named_modules():
         for base, fused in FUSED.items():
             if _reads_gelu_input(module, base):
+                if "forward" in module.__dict__:  # a hook holds the class's forward already: no effect
+                    wrapped.append(name)
+                    continue
                 module.__class__ = fused
                 done += 1
+    if wrapped:
+        warnings.warn(f"svdq-linear: fuse_gelu_inputs left {len(wrapped)} blocks as they are (first: {wrapped[0]!r}): "
+                      "their forward is wrapped by a hook (offloading, caching) that kept the original; call it "
+                      "before enabling such hooks", stacklevel=2)
     return done
 
 
@@ -184,9 +195,15 @@ def unfuse_gelu_inputs(model: nn.Module) -> int:
     from ._diffusers_blocks import FUSED
 
     back = {fused: base for base, fused in FUSED.items()}
-    done = 0
-    for module in model.modules():
+    done, wrapped = 0, []
+    for name, module in model.named_modules():
         if type(module) in back:
             module.__class__ = back[type(module)]
             done += 1
+            if "forward" in module.__dict__:
+                wrapped.append(name)
+    if wrapped:
+        warnings.warn(f"svdq-linear: {len(wrapped)} blocks (first: {wrapped[0]!r}) have a hook that kept the "
+                      "switched forward: it still runs until the hook is removed (outputs are the same up to "
+                      "the GELU's last bit)", stacklevel=2)
     return done

@@ -415,8 +415,9 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
         on ``gelu_tanh(x_b)``), the input of a Flux single block's ``proj_out`` (attention output, MLP
         before its GELU) or of a feed-forward's down projection (``svdq_linear.fuse.fuse_gelu_inputs``
         routes those blocks here). Where the backend reads the two tensors itself (sm90, both modes,
-        above the small-M kernels' tokens) the concatenated input is never written; elsewhere it is
-        written and the layer runs on it as ``forward`` does.
+        above the small-M kernels' tokens) the concatenated input is never written; elsewhere, and
+        whenever the module's call is wrapped (hooks, an offloader's forward), it is written and the
+        layer is called on it.
         The contract: ``svdq_linear.nvfp4``, "Inputs built from two tensors"."""
         ka = 0 if x_a is None else x_a.shape[-1]
         if x_a is not None and (x_a.shape[:-1] != x_b.shape[:-1] or x_a.dtype != x_b.dtype
@@ -427,8 +428,10 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
             raise ValueError(f"expected inputs whose last dimensions add up to {self.in_features}, got {ka} + "
                              f"{x_b.shape[-1]}")
         kind = self.kind
-        if _CHECK_RANGE and not torch.compiler.is_compiling() and kind == "w4a4":
-            return self(nvfp4.cat_gelu(x_a, x_b))  # the range check reads the written input
+        if (_CHECK_RANGE and not torch.compiler.is_compiling() and kind == "w4a4") or self._call_is_wrapped():
+            # the range check reads the written input; hooks and wrapped forwards (offloading moves the
+            # weights in one) expect the layer's own call
+            return self(nvfp4.cat_gelu(x_a, x_b))
         self._enter_call(x_b)
         lead = x_b.shape[:-1]
         xb2d = x_b.reshape(-1, x_b.shape[-1])
@@ -436,6 +439,12 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
         backend, prepared = backends.resolve(self, xb2d, kind)
         y = backend.linear_cat_gelu(self, xa2d, xb2d, prepared, kind)
         return y.reshape(*lead, self.out_features)
+
+    def _call_is_wrapped(self) -> bool:
+        """Whether a call of this module runs more than ``forward``: forward (pre-)hooks, global ones, or
+        a ``forward`` replaced on the instance (accelerate's and diffusers' hooks)."""
+        return bool("forward" in self.__dict__ or self._forward_hooks or self._forward_pre_hooks
+                    or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
 
     @torch.no_grad()
     def _check_range(self, x: torch.Tensor) -> None:

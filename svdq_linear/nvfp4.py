@@ -66,8 +66,9 @@ The fast mode (``w4a8_fast_linear``; FP8 tensor cores on Hopper, same checkpoint
     (nearest-even): ``w8 = e4m3(w / nw)``. Dividing by a power of two is exact, so the E4M3 rounding
     is the only one and a kernel that decodes ``e2m1 * (s16 / nw)`` in registers (the product is
     exact in fp16) reproduces ``w8`` bit for bit. Activations: per token, ``sa = max_k |xs| / 448``
-    (1 for an all-zero row) and ``a8 = e4m3(xs * (1 / sa))``, bit-exact like the NVFP4 activation
-    codes. Then ``y = (a8 @ w8^T) * sa * (nw * wcscale) + bias + (xs @ proj_down) @ proj_up^T``.
+    (1 for an all-zero row) and ``a8 = e4m3(xs * r)``, ``r = min(1 / sa, FLOAT32_MAX)`` (a row whose
+    max lies below 448 / FLOAT32_MAX, ~1.3e-36, would otherwise overflow ``1 / sa`` and turn into
+    NaN codes), bit-exact like the NVFP4 activation codes. Then ``y = (a8 @ w8^T) * sa * (nw * wcscale) + bias + (xs @ proj_down) @ proj_up^T``.
     It differs from the exact W4A4 contract by design: E4M3 keeps 4 significant bits of a weight
     (NVFP4 x E4M3 needs up to 6), a relative 2**-4 at most, and an activation carries a per-token
     E4M3 value (4 significant bits, one scale per token) instead of an NVFP4 code (2 bits, one scale
@@ -81,10 +82,12 @@ Inputs built from two tensors (``cat_gelu``; ``SVDQW4A4Linear.forward_cat_gelu``
     down projection ``gelu_tanh(h)``: the layer's input ``x = cat_gelu(xa, xb)``, the GELU (PyTorch's
     tanh form) rounded to the inputs' dtype as the tensor would hold it. Every formula above applies to
     that ``x``. A backend may read the two tensors and apply the GELU as it loads them instead of
-    writing ``x``; its GELU may differ from PyTorch's by a few float32 ulps before the rounding to the
-    16-bit dtype (PyTorch's own GELU differs that much between devices), so an element of ``x`` may
-    be the 16-bit neighbour of PyTorch's: a relative ``2**-8`` (bf16) of that element, within the
-    activation rounding's share of the tolerances above.
+    writing ``x``. Its GELU may differ from the exact value by a few float32 ulps before the rounding
+    to the inputs' dtype, and may be a zero (of either sign) where the exact value lies below 2**-100;
+    so an element of its ``x`` may be the neighbour of the exactly rounded GELU (a relative 2**-8 in
+    bf16), which moves the output within the activation rounding's share of the tolerances above.
+    PyTorch's own float32 GELU cancels in ``1 + tanh(u)`` below v ~ -4.5 (-0.0 from v ~ -5.5): there
+    it sits further from the exact value than a backend's, on values below 1e-5.
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ E4M3_MIN_NORMAL = 2.0**-6
 """Smallest normal E4M3 value: a block scale below it is subnormal (fewer significant bits) or zero."""
 
 E4M3_NAN_BYTE = 0x7F
+FLOAT32_MAX = 3.4028234663852886e38
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 """Magnitude of E2M1 codes 0..7; code | 8 is the negative of the same magnitude."""
@@ -362,7 +366,8 @@ def fast_act(xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The fast mode's activations: ``(a8 [M, K] float8_e4m3fn, sa [M] float32)`` of float32 ``xs``."""
     amax = xs.abs().amax(dim=-1)
     sa = torch.where(amax > 0, _div(amax, E4M3_MAX), torch.ones_like(amax))
-    return round_e4m3(xs * (1.0 / sa)[..., None]), sa
+    r = (1.0 / sa).clamp(max=FLOAT32_MAX)  # a row max below 448 / FLOAT32_MAX would overflow 1 / sa
+    return round_e4m3(xs * r[..., None]), sa
 
 
 def w4a8_fast_linear(

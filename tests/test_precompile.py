@@ -2,6 +2,7 @@
 quack-kernels, the quack GEMMs of both modes); their SASS holds Hopper's wgmma (HGMMA, QGMMA for FP8)
 and no local memory (spills); the FP8 GEMM's low-rank branch is bf16 wgmma into the same kernel."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -210,6 +211,7 @@ def test_precompiled_stand_ins_compile_what_real_modules_launch(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(res) - {"fast gelu_in m4608"} == {"exact m4608", "exact m512", "exact m64", "exact m1", "w4a16 m1"}, res
-    assert len(res.get("fast gelu_in m4608", [1, 2])) == 2  # its lora_act and activation pass
+    if importlib.util.find_spec("quack") is not None:  # the fast mode's layer (quack prepares its weight)
+        assert len(res["fast gelu_in m4608"]) == 2, res  # its lora_act and activation pass
     for layer, hits in res.items():
         assert hits and all(hits), f"{layer}: kernels the stand-ins did not compile: {hits}"

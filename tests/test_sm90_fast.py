@@ -125,6 +125,8 @@ def _fp8_input(m, k, dtype, seed=2):
     x[9, 12] = float("nan")
     x[9, 14] = float("inf")  # Inf in a NaN row (sa = 1): 0x7F, not the convert's saturated 448
     x[9, 15] = -float("inf")
+    # a row whose max lies below 448 / FLT_MAX (1 / sa would overflow: r = FLT_MAX); zeros in float16
+    x[10] = (torch.rand(k, generator=g) * 2.0**-122 + 2.0**-123).to(dtype)  # normal floats; sa subnormal
     smooth = torch.rand(k, generator=g) + 0.25
     return x, smooth
 

@@ -72,7 +72,8 @@ ENV_MMA_FUSED = "SVDQ_SM90_MMA_FUSED"
 # input, and only the GEMM is an opaque op (w4a8_fast_gemm); "0" (default; measured faster): the Triton
 # pass inside the op. a8 and sa have the same bits either way; lora_act comes from the compiler's
 # matmul instead of the Triton kernel (another fp32 summation order, within the contract). Read when a
-# call is traced: changing it for a compiled model needs torch._dynamo.reset().
+# call is traced: changing it for a compiled model needs torch._dynamo.reset(). Calls through
+# forward_cat_gelu (fuse_gelu_inputs) keep their own op: their pass reads the two tensors itself.
 ENV_COMPILER_PASS = "SVDQ_SM90_COMPILER_PASS"
 
 
@@ -393,7 +394,8 @@ class Sm90Backend(Backend):
         write the input and run ``run_w4a4``."""
         m, ka = xb.shape[0], 0 if xa is None else xa.shape[1]
         r = proj_down.shape[1]
-        if m <= SMALL_M["w4a4"] or ka % 128 or xb.shape[1] % 16 or (xa is not None and xa.dtype != xb.dtype):
+        if (m <= SMALL_M["w4a4"] or ka % 128 or xb.shape[1] % 16 or xb.shape[1] == 0
+                or (xa is not None and xa.dtype != xb.dtype)):
             return super().run_w4a4_cat_gelu(xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias,
                                              extra)
         lora = None
@@ -481,14 +483,15 @@ class Sm90Backend(Backend):
             m = xb.shape[0]
             reads = (kind == "w4a4" and isinstance(m, int) and m > SMALL_M["w4a4"]
                      and (0 if xa is None else xa.shape[1]) % 128 == 0 and xb.shape[1] % 16 == 0
-                     and (xa is None or xa.dtype == xb.dtype))
+                     and xb.shape[1] > 0 and (xa is None or xa.dtype == xb.dtype))
             run, op = self.run_w4a4_cat_gelu, w4a4_cat_gelu_linear
         if not reads:
             return super().linear_cat_gelu(module, xa, xb, prepared, kind)
         t = module._parameters
         args = (xa, xb, t["qweight"], t["wscales"], t["smooth"], t["proj_down"], t["proj_up"], t["wcscale"],
                 t["bias"], self.extra_tensors(prepared))
-        return run(*args) if plain_eager_call(xb) else op(*args, self.name)
+        eager = plain_eager_call(xb) and (xa is None or plain_eager_call(xa))
+        return run(*args) if eager else op(*args, self.name)
 
     def _reads_cat_gelu(self, module, xa, xb, prepared) -> bool:
         """Whether the fast mode reads ``cat_gelu(xa, xb)`` from its two tensors (``kernels.quantize_act_fp8_cat``
@@ -498,7 +501,7 @@ class Sm90Backend(Backend):
         if type(getattr(prepared, "quack", None)).__name__ != "FastWeight":
             return False
         m, ka = xb.shape[0], 0 if xa is None else xa.shape[1]
-        return (isinstance(m, int) and m > tuning.MMA_TOKENS and ka % 128 == 0
+        return (isinstance(m, int) and m > tuning.MMA_TOKENS and ka % 128 == 0 and xb.shape[1] > 0
                 and module.in_features <= self.kernels.ROW_MAX_K
                 and (module.rank == 0 or prepared.lowrank_segments is not None)
                 and xb.dtype in (torch.bfloat16, torch.float16) and (xa is None or xa.dtype == xb.dtype))
@@ -507,8 +510,9 @@ class Sm90Backend(Backend):
         r = proj_down.shape[1]
         inv, ex = extra[-1], extra[:-1]  # Sm90Prepared.tensors(): inv_smooth comes last
         m, ka = xb.shape[0], 0 if xa is None else xa.shape[1]
-        if (len(ex) != (7 if r else 4) or m <= tuning.MMA_TOKENS or ka % 128
-                or ka + xb.shape[1] > self.kernels.ROW_MAX_K or xb.dtype not in (torch.bfloat16, torch.float16)):
+        if (len(ex) != (7 if r else 4) or m <= tuning.MMA_TOKENS or ka % 128 or xb.shape[1] == 0
+                or ka + xb.shape[1] > self.kernels.ROW_MAX_K or xb.dtype not in (torch.bfloat16, torch.float16)
+                or (xa is not None and xa.dtype != xb.dtype)):
             return super().run_w4a4_fast_cat_gelu(xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale,
                                                   bias, extra)
         quack_fast = _quack_fast_module()

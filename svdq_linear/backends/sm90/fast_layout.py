@@ -233,7 +233,7 @@ def fast_act_ops(x: torch.Tensor, inv_smooth: torch.Tensor, lora: torch.Tensor |
     xs = x.float() * inv_smooth
     amax = xs.abs().amax(dim=-1)  # NaN propagates: such a row gets sa = 1, its NaN codes 0x7F
     sa = torch.where(amax > 0, (amax.double() / 448.0).float(), 1.0)
-    r = (1.0 / sa.double()).float()
+    r = (1.0 / sa.double()).float().clamp(max=3.4028234663852886e38)  # nvfp4.fast_act's min(1 / sa, FLT_MAX)
     q = xs * r[:, None]
     a8 = torch.where(torch.isfinite(q), q.clamp(-448.0, 448.0), float("nan")).to(torch.float8_e4m3fn)
     a8 = gemm_k_order(a8)

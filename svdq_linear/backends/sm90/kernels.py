@@ -80,10 +80,16 @@ def _round_to(v, like_ptr, RNE_BITS: tl.constexpr):
     fp32: the value a 16-bit tensor would hold. RNE_BITS (Triton's CPU interpreter, whose fp32 -> bf16
     conversion truncates): bf16 by integer arithmetic."""
     if RNE_BITS and like_ptr.dtype.element_ty == tl.bfloat16:
-        bits = v.to(tl.int32, bitcast=True)
-        r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000
-        return tl.where(v == v, r, v)
+        return _rne_bf16(v)
     return v.to(like_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _rne_bf16(v):
+    """fp32 ``v`` rounded to bf16 (nearest even; NaN kept), back in fp32, by integer arithmetic."""
+    bits = v.to(tl.int32, bitcast=True)
+    r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000
+    return tl.where(v == v, r, v)
 
 
 @triton.jit
@@ -219,7 +225,7 @@ def _quantize_act_fp8_kernel(
     # as nvfp4.fast_act: 1 for an all-zero row and where the max is NaN
     ok = (amax > 0) & (nan == 0)
     sa = tl.where(ok, tl.math.div_rn(amax, tl.full([BLOCK_M], 448.0, tl.float32)), 1.0)
-    r = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sa)
+    r = tl.minimum(tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sa), 3.4028234663852886e38)
     tl.store(sa_ptr + rm, sa, mask=m_ok)
     if FUSE_LORA:
         la = tl.math.div_rn(lacc, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_R)))
@@ -263,10 +269,10 @@ def _fp8_store_at(a8_ptr, q, rm, m_ok, K, pos, pos_ok, special, HW_CVT: tl.const
     ptrs = a8_ptr + rm[:, None] * K + pos[None, :]
     if HW_CVT:
         # the hardware convert rounds to nearest even and saturates at 448 as the contract does, keeps
-        # the sign (of -0.0 too). CANON_NAN: +-Inf becomes NaN (the convert would saturate it to 448; an
-        # Inf stays in q only in a row that also holds a NaN, so sa = 1) and every NaN the positive one
-        # (0x7F). Only a block with such values can hold them (without, a row's q are finite), so the
-        # others skip the two instructions a value.
+        # the sign (of -0.0 too). CANON_NAN: +-Inf becomes NaN (the convert would saturate it to 448) and
+        # every NaN the positive one (0x7F). q holds Inf or NaN only where ``special`` says so (a NaN or
+        # Inf in the rows: sa = 1 with the Inf kept, or sa = Inf; r is finite, min(1 / sa, FLT_MAX)),
+        # so other blocks skip the two instructions a value.
         if CANON_NAN:
             if special:
                 q = q + q * 0.0  # +-Inf -> NaN, every other value (-0.0 included) unchanged
@@ -309,12 +315,13 @@ def _quantize_act_fp8_rows_kernel(
     mx = tl.max(mb, axis=1)
     # as nvfp4.fast_act: 1 for an all-zero row and where a NaN is in the row
     ok = (mx > 0) & (mx <= 0x7F800000)
-    special = tl.max((mx >= 0x7F800000).to(tl.int32), axis=0) > 0  # a NaN or +-Inf in the block's rows
     sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([ROWS], 448.0, tl.float32)), 1.0)
     tl.store(sa_ptr + rm, sa, mask=m_ok)
     if HAS_LORA:
         _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, M, R, ROWS, BLOCK_R, NSPLIT)
-    r = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sa)[:, None]
+    # min(1 / sa, FLT_MAX) as nvfp4.fast_act (a row max below 448 / FLT_MAX would overflow it)
+    r = tl.minimum(tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sa), 3.4028234663852886e38)[:, None]
+    special = tl.max((mx >= 0x7F800000).to(tl.int32), axis=0) > 0  # a NaN or +-Inf in the block's rows
     _fp8_rows_store(a8_ptr, xs0 * r, rm, m_ok, K, special, 0, C, HW_CVT, CANON_NAN)
     if NCH > 1:
         _fp8_rows_store(a8_ptr, xs1 * r, rm, m_ok, K, special, 1, C, HW_CVT, CANON_NAN)
@@ -404,12 +411,13 @@ def _quantize_act_fp8_cat_kernel(
         mx = tl.maximum(mx, tl.max(ma, axis=1))
     # as nvfp4.fast_act: 1 for an all-zero row and where a NaN is in the row
     ok = (mx > 0) & (mx <= 0x7F800000)
-    special = tl.max((mx >= 0x7F800000).to(tl.int32), axis=0) > 0  # a NaN or +-Inf in the block's rows
     sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([ROWS], 448.0, tl.float32)), 1.0)
     tl.store(sa_ptr + rm, sa, mask=m_ok)
     if HAS_LORA:
         _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, M, R, ROWS, BLOCK_R, NSPLIT)
-    r = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sa)[:, None]
+    # min(1 / sa, FLT_MAX) as nvfp4.fast_act (a row max below 448 / FLT_MAX would overflow it)
+    r = tl.minimum(tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sa), 3.4028234663852886e38)[:, None]
+    special = tl.max((mx >= 0x7F800000).to(tl.int32), axis=0) > 0  # a NaN or +-Inf in the block's rows
     if NA > 0:
         _fp8_src_store(a8_ptr, a0 * r, rm, m_ok, K, special, 0, KA, 0, CA, HW_CVT, CANON_NAN)
         if NA > 1:
@@ -563,8 +571,9 @@ def _lora_act_kernel(x_ptr, pd_ptr, out_ptr, M, K, R, stride_xm, K_SPLIT, xb_ptr
 
 @triton.jit
 def _lora_dot(x, w, acc, DOT_F32: tl.constexpr):
-    if DOT_F32:  # the CPU interpreter multiplies bf16 bit patterns: give it the (exact) fp32 values
-        return tl.dot(x.to(tl.bfloat16).to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    if DOT_F32:  # the CPU interpreter multiplies bf16 bit patterns (and truncates to bf16): give it the
+        # fp32 values of the nearest-even bf16 rounding, the GPU's conversion
+        return tl.dot(_rne_bf16(x.to(tl.float32)), w.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(x.to(tl.bfloat16), w, acc)
 
 
@@ -835,11 +844,11 @@ def lora_act(x: torch.Tensor | None, pds: torch.Tensor, out_dtype: torch.dtype =
     ``proj_down``'s rows of its range only) and returns the fp32 partial sums ``[S, M, R]``, which
     ``quantize_act_fp8(lora=...)`` adds in split order; an empty range writes zeros. Larger row blocks
     re-read ``proj_down`` from L2 fewer times (M / block_m times in all); the split keeps the SMs busy."""
+    if x is None and xb is None:
+        raise ValueError("lora_act needs x, xb or both")
     ka = 0 if x is None else x.shape[1]
     m = xb.shape[0] if x is None else x.shape[0]
     k = ka + (0 if xb is None else xb.shape[1])
-    if x is None and xb is None:
-        raise ValueError("lora_act needs x, xb or both")
     if xb is not None and (xb.dim() != 2 or xb.shape[0] != m or (x is not None and xb.dtype != x.dtype)):
         raise ValueError(f"xb must be [{m}, KB] of x's dtype, got {tuple(xb.shape)} {xb.dtype}")
     if xb is not None and ka % 128:
@@ -859,6 +868,8 @@ def lora_act(x: torch.Tensor | None, pds: torch.Tensor, out_dtype: torch.dtype =
     out = torch.empty(*((split,) if split > 1 else ()), m, r, device=pds.device, dtype=out_dtype)
     # 128-deep k-steps up to 64 columns; 64 above (R = 128 would otherwise spill: 4 stages of 110 KB)
     block_k = block_k or (128 if _block_r(r) <= 64 else 64)
+    if xb is not None and ka % block_k:  # xb's k-steps start at KA: a split's steps must meet it
+        raise ValueError(f"with xb, x's columns must be a multiple of block_k = {block_k}, got {ka}")
     k_split = cdiv(cdiv(k, split), block_k) * block_k
     xa = xb if x is None else x  # any pointer when there are no columns of x
     if m and r:
