@@ -559,3 +559,43 @@ def test_gpu_flux_single_block_reads_its_gelu_parts_compiled():
     torch._dynamo.reset()
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < 2e-3, f"switched block differs by {rel:.3g}"
+
+
+# ---- whole pipelines (reference backend, CPU) -------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["flux", "sd3"])
+def test_quantized_pipeline_images_do_not_change_with_gelu_inputs(kind):
+    """A tiny quantized Flux / SD3 pipeline: ``fuse_gelu_inputs`` switches every single block and every
+    feed-forward whose down projection is quantized, the image is the same bit for bit (the reference
+    backend writes the input), and diffusers' regional compile still finds the blocks by class name
+    (one graph per block class, the same image)."""
+    pytest.importorskip("diffusers")
+    import numpy as np
+    from diffusers.models.attention import FeedForward
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    import svdq_linear
+    from svdq_linear.convert.tiny import TINY_CALL_KWARGS, build_tiny_pipeline
+
+    def generate(p):
+        p.set_progress_bar_config(disable=True)
+        return p("a cat", generator=torch.Generator().manual_seed(0), output_type="np",
+                 **TINY_CALL_KWARGS[kind]).images[0]
+
+    pipe = build_tiny_pipeline(kind)
+    svdq_linear.quantize_pipeline(pipe, rank=8, calib=False, progress=False)
+    before = generate(pipe)
+    tr = pipe.transformer
+    want = sum(1 for m in tr.modules() if type(m) is FluxSingleTransformerBlock
+               or (type(m) is FeedForward and isinstance(m.net[2], SVDQW4A4Linear)))
+    assert want > 0 and svdq_linear.fuse_gelu_inputs(tr) == want
+    assert np.array_equal(generate(pipe), before)
+    if kind == "flux":
+        torch._dynamo.reset()
+        try:
+            tr.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+            switched = [b for b in tr.single_transformer_blocks if type(b) is not FluxSingleTransformerBlock]
+            assert switched and all(b._compiled_call_impl is not None for b in switched)  # found by name
+            assert np.array_equal(generate(pipe), before)
+        finally:
+            torch._dynamo.reset()
