@@ -245,7 +245,7 @@ def test_exact_mode_reads_the_two_tensors_within_the_contract(ka, kb, r, dtype, 
         mod.forward_cat_gelu(xa, xb)
         assert calls
     args = (xa, xb, mod.qweight, mod.wscales, mod.smooth, mod.proj_down, mod.proj_up, mod.wcscale, mod.bias,
-            be.extra_tensors(prepared), "sm90")
+            be.extra_tensors(prepared), False, "sm90")
     torch.library.opcheck(backends.w4a4_cat_gelu_linear, args,
                           test_utils=("test_autograd_registration", "test_faketensor"))
 
@@ -424,7 +424,7 @@ def test_sm90_fast_path_hands_the_gemm_the_operands_of_the_written_input(r, dtyp
     computes from the written input (except at ambiguous GELU values) and the same prepared tensors;
     few tokens (small_m_mma's), a layer whose branch is not in the accumulator (rank 96, wider than a
     window: the tile path), or an empty ``xb`` write the input; compiled (fullgraph) it is the one op
-    ``w4a4_fast_cat_gelu_linear``."""
+    ``w4a4_cat_gelu_linear``."""
     pytest.importorskip("quack")
     from test_conformance import random_w4a4
 
@@ -487,14 +487,14 @@ def test_sm90_fast_path_hands_the_gemm_the_operands_of_the_written_input(r, dtyp
     seen.clear()
     torch._dynamo.reset()
     ops = []
-    real_op = backends.w4a4_fast_cat_gelu_linear
-    monkeypatch.setattr(sm90, "w4a4_fast_cat_gelu_linear", lambda *a: ops.append(1) or real_op(*a))
+    real_op = backends.w4a4_cat_gelu_linear
+    monkeypatch.setattr(sm90, "w4a4_cat_gelu_linear", lambda *a: ops.append(a[-2]) or real_op(*a))
     y = torch.compile(lambda a, b: be.linear_cat_gelu(m, a, b, prepared, "w4a4_fast") * 1, fullgraph=True)(xa, xb)
-    assert ops and (y == 3).all()
+    assert ops == [True] and (y == 3).all()  # the op, in its fast form
     torch._dynamo.reset()
     args = (xa, xb, m.qweight, m.wscales, m.smooth, m.proj_down, m.proj_up, m.wcscale, m.bias,
-            be.extra_tensors(prepared), "sm90")
-    torch.library.opcheck(backends.w4a4_fast_cat_gelu_linear, args,
+            be.extra_tensors(prepared), True, "sm90")
+    torch.library.opcheck(backends.w4a4_cat_gelu_linear, args,
                           test_utils=("test_autograd_registration", "test_faketensor"))
 
 

@@ -547,41 +547,18 @@ def w4a4_cat_gelu_linear(
     wcscale: torch.Tensor,
     bias: torch.Tensor | None,
     extra: list[torch.Tensor],
+    fast: bool,
     backend: str,
 ) -> torch.Tensor:
-    """``y [M, N]`` (xb's dtype) of the contract on the input ``nvfp4.cat_gelu(xa, xb)`` (``xa [M, KA]`` or
-    None, ``xb [M, KB]``), computed by ``backend``."""
-    return get_backend(backend).run_w4a4_cat_gelu(xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale,
-                                                  bias, extra)
+    """``y [M, N]`` (xb's dtype) of the contract (``fast``: of the fast mode) on the input
+    ``nvfp4.cat_gelu(xa, xb)`` (``xa [M, KA]`` or None, ``xb [M, KB]``), computed by ``backend``."""
+    b = get_backend(backend)
+    run = b.run_w4a4_fast_cat_gelu if fast else b.run_w4a4_cat_gelu
+    return run(xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra)
 
 
 @w4a4_cat_gelu_linear.register_fake
-def _(xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra, backend):
-    return xb.new_empty(xb.shape[0], wcscale.shape[0])
-
-
-@torch.library.custom_op("svdq_linear::w4a4_fast_cat_gelu_linear", mutates_args=())
-def w4a4_fast_cat_gelu_linear(
-    xa: torch.Tensor | None,
-    xb: torch.Tensor,
-    qweight: torch.Tensor,
-    wscales: torch.Tensor,
-    smooth: torch.Tensor,
-    proj_down: torch.Tensor,
-    proj_up: torch.Tensor,
-    wcscale: torch.Tensor,
-    bias: torch.Tensor | None,
-    extra: list[torch.Tensor],
-    backend: str,
-) -> torch.Tensor:
-    """``y [M, N]`` (xb's dtype) of the fast mode on the input ``nvfp4.cat_gelu(xa, xb)`` (``xa [M, KA]``
-    or None, ``xb [M, KB]``), computed by ``backend``."""
-    return get_backend(backend).run_w4a4_fast_cat_gelu(xa, xb, qweight, wscales, smooth, proj_down, proj_up,
-                                                       wcscale, bias, extra)
-
-
-@w4a4_fast_cat_gelu_linear.register_fake
-def _(xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra, backend):
+def _(xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra, fast, backend):
     return xb.new_empty(xb.shape[0], wcscale.shape[0])
 
 
@@ -651,7 +628,6 @@ __all__ = [
     "resolve",
     "select_backend",
     "w4a4_cat_gelu_linear",
-    "w4a4_fast_cat_gelu_linear",
     "w4a4_fast_linear",
     "w4a4_linear",
     "w4a8_fast_gemm",

@@ -47,8 +47,8 @@ import torch
 
 from ..._env import getenv
 
-from .. import (Backend, device_capability, plain_eager_call, tracing, w4a4_cat_gelu_linear,
-                w4a4_fast_cat_gelu_linear, w4a8_fast_gemm, weights_are_offloaded)
+from .. import (Backend, device_capability, plain_eager_call, tracing, w4a4_cat_gelu_linear, w4a8_fast_gemm,
+                weights_are_offloaded)
 from . import tuning  # plain Python: no Triton, cutlass or quack
 from .fast_layout import fast_act_ops  # plain torch
 
@@ -476,22 +476,22 @@ class Sm90Backend(Backend):
 
     def linear_cat_gelu(self, module, xa, xb, prepared, kind=None):
         kind = kind or module.kind
-        if kind == "w4a4_fast":
+        fast = kind == "w4a4_fast"
+        if fast:
             reads = self._reads_cat_gelu(module, xa, xb, prepared)
-            run, op = self.run_w4a4_fast_cat_gelu, w4a4_fast_cat_gelu_linear
         else:
             m = xb.shape[0]
             reads = (kind == "w4a4" and isinstance(m, int) and m > SMALL_M["w4a4"]
                      and (0 if xa is None else xa.shape[1]) % 128 == 0 and xb.shape[1] % 16 == 0
                      and xb.shape[1] > 0 and (xa is None or xa.dtype == xb.dtype))
-            run, op = self.run_w4a4_cat_gelu, w4a4_cat_gelu_linear
         if not reads:
             return super().linear_cat_gelu(module, xa, xb, prepared, kind)
         t = module._parameters
         args = (xa, xb, t["qweight"], t["wscales"], t["smooth"], t["proj_down"], t["proj_up"], t["wcscale"],
                 t["bias"], self.extra_tensors(prepared))
-        eager = plain_eager_call(xb) and (xa is None or plain_eager_call(xa))
-        return run(*args) if eager else op(*args, self.name)
+        if plain_eager_call(xb) and (xa is None or plain_eager_call(xa)):
+            return (self.run_w4a4_fast_cat_gelu if fast else self.run_w4a4_cat_gelu)(*args)
+        return w4a4_cat_gelu_linear(*args, fast, self.name)
 
     def _reads_cat_gelu(self, module, xa, xb, prepared) -> bool:
         """Whether the fast mode reads ``cat_gelu(xa, xb)`` from its two tensors (``kernels.quantize_act_fp8_cat``

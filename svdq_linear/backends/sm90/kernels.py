@@ -290,6 +290,22 @@ def _fp8_rows_store(a8_ptr, q, rm, m_ok, K, special, J: tl.constexpr, C: tl.cons
 
 
 @triton.jit
+def _fp8_row_scale(mx, rm, m_ok, sa_ptr, lora_ptr, la_ptr, M, R, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
+                   HAS_LORA: tl.constexpr, NSPLIT: tl.constexpr):
+    # From the rows' max magnitudes (their bits, mx [ROWS]): sa stored (as nvfp4.fast_act: 1 for an
+    # all-zero row and where a NaN is in the row), la = lora / sa (HAS_LORA), and returned the factor
+    # r = min(1 / sa, FLT_MAX) [ROWS, 1] (a row max below 448 / FLT_MAX would overflow 1 / sa) and
+    # whether a NaN or +-Inf is in the block's rows (the stores' ``special``)
+    ok = (mx > 0) & (mx <= 0x7F800000)
+    sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([ROWS], 448.0, tl.float32)), 1.0)
+    tl.store(sa_ptr + rm, sa, mask=m_ok)
+    if HAS_LORA:
+        _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, M, R, ROWS, BLOCK_R, NSPLIT)
+    r = tl.minimum(tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sa), 3.4028234663852886e38)[:, None]
+    return r, tl.max((mx >= 0x7F800000).to(tl.int32), axis=0) > 0
+
+
+@triton.jit
 def _quantize_act_fp8_rows_kernel(
     x_ptr, inv_ptr, a8_ptr, sa_ptr, lora_ptr, la_ptr, M, K, R, stride_xm,
     ROWS: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
@@ -313,15 +329,7 @@ def _quantize_act_fp8_rows_kernel(
         xs3 = _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, 3, C, GEMM_ORDER)
         mb = tl.maximum(mb, xs3.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     mx = tl.max(mb, axis=1)
-    # as nvfp4.fast_act: 1 for an all-zero row and where a NaN is in the row
-    ok = (mx > 0) & (mx <= 0x7F800000)
-    sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([ROWS], 448.0, tl.float32)), 1.0)
-    tl.store(sa_ptr + rm, sa, mask=m_ok)
-    if HAS_LORA:
-        _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, M, R, ROWS, BLOCK_R, NSPLIT)
-    # min(1 / sa, FLT_MAX) as nvfp4.fast_act (a row max below 448 / FLT_MAX would overflow it)
-    r = tl.minimum(tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sa), 3.4028234663852886e38)[:, None]
-    special = tl.max((mx >= 0x7F800000).to(tl.int32), axis=0) > 0  # a NaN or +-Inf in the block's rows
+    r, special = _fp8_row_scale(mx, rm, m_ok, sa_ptr, lora_ptr, la_ptr, M, R, ROWS, BLOCK_R, HAS_LORA, NSPLIT)
     _fp8_rows_store(a8_ptr, xs0 * r, rm, m_ok, K, special, 0, C, HW_CVT, CANON_NAN)
     if NCH > 1:
         _fp8_rows_store(a8_ptr, xs1 * r, rm, m_ok, K, special, 1, C, HW_CVT, CANON_NAN)
@@ -409,15 +417,7 @@ def _quantize_act_fp8_cat_kernel(
         if NA > 3:
             ma = tl.maximum(ma, _bits_max(a3))
         mx = tl.maximum(mx, tl.max(ma, axis=1))
-    # as nvfp4.fast_act: 1 for an all-zero row and where a NaN is in the row
-    ok = (mx > 0) & (mx <= 0x7F800000)
-    sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([ROWS], 448.0, tl.float32)), 1.0)
-    tl.store(sa_ptr + rm, sa, mask=m_ok)
-    if HAS_LORA:
-        _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, M, R, ROWS, BLOCK_R, NSPLIT)
-    # min(1 / sa, FLT_MAX) as nvfp4.fast_act (a row max below 448 / FLT_MAX would overflow it)
-    r = tl.minimum(tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sa), 3.4028234663852886e38)[:, None]
-    special = tl.max((mx >= 0x7F800000).to(tl.int32), axis=0) > 0  # a NaN or +-Inf in the block's rows
+    r, special = _fp8_row_scale(mx, rm, m_ok, sa_ptr, lora_ptr, la_ptr, M, R, ROWS, BLOCK_R, HAS_LORA, NSPLIT)
     if NA > 0:
         _fp8_src_store(a8_ptr, a0 * r, rm, m_ok, K, special, 0, KA, 0, CA, HW_CVT, CANON_NAN)
         if NA > 1:
