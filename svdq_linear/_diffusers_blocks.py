@@ -3,9 +3,9 @@
 A Flux single block's ``proj_out`` reads ``cat([attn, gelu_tanh(mlp)], -1)`` and a feed-forward's down
 projection ``gelu_tanh(h)``. Written out, that input costs a read and a write of [tokens, 15360] or
 [tokens, 12288] 16-bit values before the linear's own activation pass reads it again. These subclasses
-hand the parts to ``SVDQW4A4Linear.forward_cat_gelu`` instead, which (in the sm90 fast mode) reads
-them directly and applies the GELU as it loads; in every other mode it writes the input and runs the
-layer as before. ``svdq_linear.fuse.fuse_gelu_inputs`` switches a block's class to these and back;
+hand the parts to ``SVDQW4A4Linear.forward_cat_gelu`` instead, which on Hopper (sm90, both modes,
+above 64 tokens) reads them directly and applies the GELU as it loads; elsewhere it writes the input
+and runs the layer as before. ``svdq_linear.fuse.fuse_gelu_inputs`` switches a block's class to these and back;
 they add no state, so a switched model saves, copies and pickles as the original (with this class).
 
 Imported only by ``fuse_gelu_inputs``: it needs diffusers.

@@ -165,9 +165,9 @@ def fuse_gelu_inputs(model: nn.Module) -> int:
     """Let the quantized linears that read a tanh-GELU'd input read its parts instead: every Flux single
     block's ``proj_out`` (``cat([attn, gelu(mlp)])``) and every feed-forward's down projection
     (``gelu(h)``) of ``model`` goes through ``SVDQW4A4Linear.forward_cat_gelu``
-    (``svdq_linear._diffusers_blocks``). In the sm90 fast mode the GELU'd input is then never written
-    (it is applied as the activation pass loads); elsewhere the blocks compute what they did, bit for
-    bit. Blocks of other classes, or whose linear is not quantized, are left alone. Returns how many
+    (``svdq_linear._diffusers_blocks``). On Hopper (sm90, both modes, above 64 tokens) the GELU'd input
+    is then never written (the activation pass and ``lora_act`` apply it as they load); elsewhere the
+    blocks compute what they did, bit for bit. Blocks of other classes, or whose linear is not quantized, are left alone. Returns how many
     blocks were switched; ``unfuse_gelu_inputs`` switches them back. Needs diffusers. Call it before
     enabling hooks that wrap a block's ``forward`` (diffusers' caching and group offloading, accelerate's
     offloading): such a block keeps its forward (a warning names it). A layer whose own call is hooked
