@@ -123,11 +123,12 @@ def triton_launch(dev) -> list[str]:
     a8, sa, la = kernels.quantize_act_fp8(x, smooth, lora=part, inv_smooth=inv, gemm_order=True)
     rows_, c, nch, warps = kernels.fp8_rows_config(k)
     k_split = -(-(-(-k // split)) // 128) * 128
-    lora_args = (x, pds, part, m, k, r, x.stride(0), k_split)
-    lora_cx = dict(BLOCK_M=bm, BLOCK_K=128, BLOCK_R=32, NUM_STAGES=st, DOT_F32=False)
-    pass_args = (x, inv, a8, sa, part, la, m, k, r, x.stride(0))
-    pass_cx = dict(ROWS=rows_, C=c, NCH=nch, BLOCK_R=32, HAS_LORA=True, HW_CVT=True, CANON_NAN=True, GEMM_ORDER=True,
-                   NSPLIT=split)
+    lora_args = (x, pds, part, m, k, r, x.stride(0), k_split, pds, k, 0)  # one source: xb unused, KA = K
+    lora_cx = dict(BLOCK_M=bm, BLOCK_K=128, BLOCK_R=32, NUM_STAGES=st, DOT_F32=False, HAS_B=False, GELU_B=False,
+                   RNE_BITS=False)
+    pass_args = (x, x, inv, a8, sa, part, la, m, 0, k, r, 0, x.stride(0))  # one source: the row is xb = x
+    pass_cx = dict(ROWS=rows_, CA=16, NA=0, CB=c, NB=nch, BLOCK_R=32, HAS_LORA=True, GELU_B=False, HW_CVT=True,
+                   CANON_NAN=True, GEMM_ORDER=True, NSPLIT=split, RNE_BITS=False)
     grid_l, grid_p = (-(-m // bm), split), (-(-m // rows_),)
     ck_l = kernels._lora_act_kernel[grid_l](*lora_args, **lora_cx, num_warps=w)
     ck_p = kernels._quantize_act_fp8_rows_kernel[grid_p](*pass_args, **pass_cx, num_warps=warps)

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from svdq_linear import SVDQW4A4Linear, backends, nvfp4, set_mode
 from svdq_linear.backends.sm90 import kernels as sm90_kernels
+from test_sm90_fast import _logical_k, _quack_fast  # the k order written out; the GPU gate
 
 AMBIGUOUS = 2.0**-8  # of a 16-bit step: float32 kernels' GELU is within ~2**-21 of the value
 
@@ -71,14 +72,6 @@ def _max_may_be_ambiguous(x, smooth, amb):
     xs = nvfp4.smooth_input(x, smooth).abs().nan_to_num(0.0, 0.0)
     top = xs.amax(1, keepdim=True)
     return (amb & (xs >= top * (1 - 2.0**-6))).any(1)
-
-
-def _logical_k(pos):
-    """The fast GEMM's k order, written out as in test_sm90_fast."""
-    b, rest = divmod(pos, 32)
-    h, rest = divmod(rest, 16)
-    c, j = divmod(rest, 4)
-    return 32 * c + 16 * (b // 2) + 8 * (b % 2) + 4 * h + j
 
 
 def _dev():
@@ -499,12 +492,6 @@ def test_sm90_fast_path_hands_the_gemm_the_operands_of_the_written_input(r, dtyp
 
 
 # ---- GPU --------------------------------------------------------------------------------------------
-
-def _quack_fast():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("needs an sm90 GPU")
-    return pytest.importorskip("svdq_linear.backends.sm90.quack_fast")
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,ka,kb,n,r", [(4608, 3072, 12288, 3072, 32), (200, 384, 1536, 512, 0),

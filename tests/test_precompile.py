@@ -27,7 +27,8 @@ def test_sm90_kernels_compile_to_hgmma_without_spills(tmp_path):
         assert k["local_memory"] == 0 and k["stack_bytes"] == 0, f"{k['kernel']} spills: {k}"
     assert any((tmp_path / "triton-cache").rglob("*.cubin")), "nothing was written to the Triton cache"
     assert any(k["kernel"].startswith("quantize_act_fp8") for k in report)
-    assert any(k["kernel"].startswith("quantize_act_fp8_cat") for k in report)  # the two-source pass
+    assert any(k["kernel"].startswith("quantize_act_fp8_rows") and k["constants"]["GELU_B"]
+               and k["constants"]["NA"] > 0 for k in report)  # the two-source pass
     small = {k["kernel"]: k for k in report if k["kernel"].startswith("small_m")}
     # --quick: W4A16 at 1 token (adaLN), the exact mode at 1 and 64 tokens (canonical weights; quack's blob at 1)
     assert {"small_m_w4a16_m1_3072x18432_bfloat16", "small_m_exact_m1_3072x3072_bfloat16",

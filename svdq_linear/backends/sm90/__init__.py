@@ -356,7 +356,7 @@ class Sm90Backend(Backend):
             return self._small_w4a4(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra)
         lora = None
         if r:
-            pds = extra[0] if extra else (proj_down.float() / smooth[:, None]).to(torch.bfloat16)
+            pds = _proj_down_smoothed(extra, proj_down, smooth)
             lora = x.to(torch.bfloat16) @ pds  # [M, R] bf16; x read once more, at copy speed
         use_quack = self._exact_on_quack(extra, r, m, x.dtype)
         xq, _, _ = self.kernels.quantize_act(x, smooth, out_dtype=torch.bfloat16 if use_quack else None)
@@ -392,15 +392,13 @@ class Sm90Backend(Backend):
         """The exact mode on ``cat_gelu(xa, xb)`` above SMALL_M tokens: ``kernels.quantize_act_cat`` and
         ``kernels.lora_act(xb=)`` read the two tensors; fewer tokens, or widths the kernels do not take,
         write the input and run ``run_w4a4``."""
-        m, ka = xb.shape[0], 0 if xa is None else xa.shape[1]
-        r = proj_down.shape[1]
-        if (m <= SMALL_M["w4a4"] or ka % 128 or xb.shape[1] % 16 or xb.shape[1] == 0
-                or (xa is not None and xa.dtype != xb.dtype)):
+        m, r = xb.shape[0], proj_down.shape[1]
+        if not self._exact_reads_cat(xa, xb):
             return super().run_w4a4_cat_gelu(xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias,
                                              extra)
         lora = None
         if r:
-            pds = extra[0] if extra else (proj_down.float() / smooth[:, None]).to(torch.bfloat16)
+            pds = _proj_down_smoothed(extra, proj_down, smooth)
             part = self._lora_act_cat(xa, xb, pds)  # fp32 ([S, M, R'] partial sums over K where split)
             lora = (part.sum(0) if part.dim() == 3 else part).to(torch.bfloat16)  # as x.to(bf16) @ pds
         use_quack = self._exact_on_quack(extra, r, m, xb.dtype)
@@ -426,7 +424,7 @@ class Sm90Backend(Backend):
                                                       *lr, out_dtype=x.dtype)
         lora = None
         if r:
-            pds = extra[0] if extra else (proj_down.float() / smooth[:, None]).to(torch.bfloat16)
+            pds = _proj_down_smoothed(extra, proj_down, smooth)
             lora = x.to(torch.bfloat16) @ pds[:, :r]
         if mma:
             xq = self.kernels.quantize_act(x, smooth)[0]
@@ -480,10 +478,7 @@ class Sm90Backend(Backend):
         if fast:
             reads = self._reads_cat_gelu(module, xa, xb, prepared)
         else:
-            m = xb.shape[0]
-            reads = (kind == "w4a4" and isinstance(m, int) and m > SMALL_M["w4a4"]
-                     and (0 if xa is None else xa.shape[1]) % 128 == 0 and xb.shape[1] % 16 == 0
-                     and xb.shape[1] > 0 and (xa is None or xa.dtype == xb.dtype))
+            reads = kind == "w4a4" and self._exact_reads_cat(xa, xb)
         if not reads:
             return super().linear_cat_gelu(module, xa, xb, prepared, kind)
         t = module._parameters
@@ -500,19 +495,27 @@ class Sm90Backend(Backend):
         row within the one-pass kernel; else the input is written out and the fast mode runs on it."""
         if type(getattr(prepared, "quack", None)).__name__ != "FastWeight":
             return False
-        m, ka = xb.shape[0], 0 if xa is None else xa.shape[1]
-        return (isinstance(m, int) and m > tuning.MMA_TOKENS and ka % 128 == 0 and xb.shape[1] > 0
-                and module.in_features <= self.kernels.ROW_MAX_K
-                and (module.rank == 0 or prepared.lowrank_segments is not None)
-                and xb.dtype in (torch.bfloat16, torch.float16) and (xa is None or xa.dtype == xb.dtype))
+        return self._fast_reads_cat(xa, xb) and (module.rank == 0 or prepared.lowrank_segments is not None)
+
+    @staticmethod
+    def _cat_shapes(xa, xb, min_m: int) -> bool:
+        """Two tensors the two-source kernels take: more than ``min_m`` tokens (a static count), xa's
+        width a multiple of 128, xb not empty, one dtype."""
+        m = xb.shape[0]
+        return (isinstance(m, int) and m > min_m and (0 if xa is None else xa.shape[1]) % 128 == 0
+                and xb.shape[1] > 0 and (xa is None or xa.dtype == xb.dtype))
+
+    def _exact_reads_cat(self, xa, xb) -> bool:  # above the small-M kernel's tokens; whole NVFP4 blocks
+        return self._cat_shapes(xa, xb, SMALL_M["w4a4"]) and xb.shape[1] % 16 == 0
+
+    def _fast_reads_cat(self, xa, xb) -> bool:  # above small_m_mma's tokens; a row in the one-pass kernel
+        return (self._cat_shapes(xa, xb, tuning.MMA_TOKENS) and xb.dtype in (torch.bfloat16, torch.float16)
+                and (0 if xa is None else xa.shape[1]) + xb.shape[1] <= self.kernels.ROW_MAX_K)
 
     def run_w4a4_fast_cat_gelu(self, xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
         r = proj_down.shape[1]
         inv, ex = extra[-1], extra[:-1]  # Sm90Prepared.tensors(): inv_smooth comes last
-        m, ka = xb.shape[0], 0 if xa is None else xa.shape[1]
-        if (len(ex) != (7 if r else 4) or m <= tuning.MMA_TOKENS or ka % 128 or xb.shape[1] == 0
-                or ka + xb.shape[1] > self.kernels.ROW_MAX_K or xb.dtype not in (torch.bfloat16, torch.float16)
-                or (xa is not None and xa.dtype != xb.dtype)):
+        if len(ex) != (7 if r else 4) or not self._fast_reads_cat(xa, xb):
             return super().run_w4a4_fast_cat_gelu(xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale,
                                                   bias, extra)
         quack_fast = _quack_fast_module()
@@ -555,6 +558,12 @@ class Sm90Backend(Backend):
                                   act=small_m.ACT_X, bias=bias, out_dtype=x.dtype)
         cfg = self.tuning.pick(x.shape[0], qweight.shape[0], x.shape[1])
         return self.kernels.w4_gemm(x, qweight, wscales, wcscale, bias, None, None, x.dtype, cfg)
+
+
+def _proj_down_smoothed(extra: list[torch.Tensor], proj_down: torch.Tensor, smooth: torch.Tensor) -> torch.Tensor:
+    """``proj_down / smooth`` in bf16 (``lora_act = x @ it``): the prepared one (``extra[0]``; padded to
+    whole windows where the branch joins quack's accumulator), or made here for an unprepared call."""
+    return extra[0] if extra else (proj_down.float() / smooth[:, None]).to(torch.bfloat16)
 
 
 _MM_OUT_DTYPE = True  # torch.mm(..., out_dtype=) serves this build (cleared on the first refusal)

@@ -247,49 +247,6 @@ ROW_MAX_K = 16384  # the one-pass FP8 kernel holds a row block of up to this man
 
 
 @triton.jit
-def _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, J: tl.constexpr, C: tl.constexpr,
-                   GEMM_ORDER: tl.constexpr):
-    # positions [J*C, J*C + C) of the row block (the columns themselves, or those the fast GEMM's k
-    # order puts there), smoothed: xs = x * (1 / smooth) in fp32
-    rk = J * C + tl.arange(0, C)
-    k_ok = rk < K
-    lk = _gemm_k(rk, GEMM_ORDER)
-    x = tl.load(x_ptr + rm[:, None] * stride_xm + lk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-    # loaded in x's own shape (each row's copy from L1) so that it lands in x's register layout: a
-    # [C] load would be moved into it through shared memory
-    inv = tl.load(inv_ptr + (lk[None, :] + 0 * rm[:, None]), mask=k_ok[None, :] & m_ok[:, None], other=1.0)
-    return x.to(tl.float32) * inv
-
-
-@triton.jit
-def _fp8_store_at(a8_ptr, q, rm, m_ok, K, pos, pos_ok, special, HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr):
-    # q [rows, C] (already divided by the row scale) -> E4M3 bytes at the positions ``pos`` of a8's rows;
-    # special: a NaN or +-Inf is in the block's rows (a runtime scalar, uniform over the program)
-    mask = m_ok[:, None] & pos_ok[None, :]
-    ptrs = a8_ptr + rm[:, None] * K + pos[None, :]
-    if HW_CVT:
-        # the hardware convert rounds to nearest even and saturates at 448 as the contract does, keeps
-        # the sign (of -0.0 too). CANON_NAN: +-Inf becomes NaN (the convert would saturate it to 448) and
-        # every NaN the positive one (0x7F). q holds Inf or NaN only where ``special`` says so (a NaN or
-        # Inf in the rows: sa = 1 with the Inf kept, or sa = Inf; r is finite, min(1 / sa, FLT_MAX)),
-        # so other blocks skip the two instructions a value.
-        if CANON_NAN:
-            if special:
-                q = q + q * 0.0  # +-Inf -> NaN, every other value (-0.0 included) unchanged
-                q = tl.where(q == q, q, float("nan"))
-        tl.store(ptrs, q.to(tl.float8e4nv), mask=mask)
-    else:  # Triton's interpreter mis-rounds conversions that carry into the exponent: round by arithmetic
-        tl.store(ptrs.to(tl.pointer_type(tl.uint8), bitcast=True), _e4m3_bits(q), mask=mask)
-
-
-@triton.jit
-def _fp8_rows_store(a8_ptr, q, rm, m_ok, K, special, J: tl.constexpr, C: tl.constexpr, HW_CVT: tl.constexpr,
-                    CANON_NAN: tl.constexpr):
-    rk = J * C + tl.arange(0, C)
-    _fp8_store_at(a8_ptr, q, rm, m_ok, K, rk, rk < K, special, HW_CVT, CANON_NAN)
-
-
-@triton.jit
 def _fp8_row_scale(mx, rm, m_ok, sa_ptr, lora_ptr, la_ptr, M, R, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
                    HAS_LORA: tl.constexpr, NSPLIT: tl.constexpr):
     # From the rows' max magnitudes (their bits, mx [ROWS]): sa stored (as nvfp4.fast_act: 1 for an
@@ -306,45 +263,12 @@ def _fp8_row_scale(mx, rm, m_ok, sa_ptr, lora_ptr, la_ptr, M, R, ROWS: tl.conste
 
 
 @triton.jit
-def _quantize_act_fp8_rows_kernel(
-    x_ptr, inv_ptr, a8_ptr, sa_ptr, lora_ptr, la_ptr, M, K, R, stride_xm,
-    ROWS: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
-    HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr, GEMM_ORDER: tl.constexpr, NSPLIT: tl.constexpr,
-):
-    # One pass: ROWS whole rows a program, held in registers as NCH chunks of C columns (a power of two
-    # each, so a row of 3 * 2^n columns wastes no lanes); x is read once, every load issued before the
-    # row max. The max runs on the magnitudes' bits: for non-negative floats integer order is float
-    # order and every NaN lies above +Inf, so one integer max gives both the row max and "a NaN is here".
-    rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    m_ok = rm < M
-    xs0 = _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, 0, C, GEMM_ORDER)
-    mb = xs0.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    if NCH > 1:
-        xs1 = _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, 1, C, GEMM_ORDER)
-        mb = tl.maximum(mb, xs1.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-    if NCH > 2:
-        xs2 = _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, 2, C, GEMM_ORDER)
-        mb = tl.maximum(mb, xs2.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-    if NCH > 3:
-        xs3 = _fp8_rows_load(x_ptr, inv_ptr, rm, m_ok, stride_xm, K, 3, C, GEMM_ORDER)
-        mb = tl.maximum(mb, xs3.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-    mx = tl.max(mb, axis=1)
-    r, special = _fp8_row_scale(mx, rm, m_ok, sa_ptr, lora_ptr, la_ptr, M, R, ROWS, BLOCK_R, HAS_LORA, NSPLIT)
-    _fp8_rows_store(a8_ptr, xs0 * r, rm, m_ok, K, special, 0, C, HW_CVT, CANON_NAN)
-    if NCH > 1:
-        _fp8_rows_store(a8_ptr, xs1 * r, rm, m_ok, K, special, 1, C, HW_CVT, CANON_NAN)
-    if NCH > 2:
-        _fp8_rows_store(a8_ptr, xs2 * r, rm, m_ok, K, special, 2, C, HW_CVT, CANON_NAN)
-    if NCH > 3:
-        _fp8_rows_store(a8_ptr, xs3 * r, rm, m_ok, K, special, 3, C, HW_CVT, CANON_NAN)
-
-
-@triton.jit
 def _fp8_src_load(src_ptr, inv_ptr, rm, m_ok, stride_m, BASE, KS, J: tl.constexpr, C: tl.constexpr,
                   GEMM_ORDER: tl.constexpr, GELU: tl.constexpr, RNE_BITS: tl.constexpr):
-    # positions [J*C, J*C + C) of one source's KS columns (its own k order), which sit at BASE + those
-    # in the row; GELU: the source holds GELU's input, rounded to its dtype after GELU as a tensor would
-    # hold it; then smoothed: xs = x * (1 / smooth) in fp32
+    # positions [J*C, J*C + C) of one source's KS columns (the columns themselves, or those the fast
+    # GEMM's k order puts there), which sit at BASE + those in the row; GELU: the source holds GELU's
+    # input, rounded to its dtype after GELU as a tensor would hold it; then smoothed: xs = x * (1 /
+    # smooth) in fp32
     rk = J * C + tl.arange(0, C)
     k_ok = rk < KS
     lk = _gemm_k(rk, GEMM_ORDER)
@@ -353,6 +277,8 @@ def _fp8_src_load(src_ptr, inv_ptr, rm, m_ok, stride_m, BASE, KS, J: tl.constexp
     v = x.to(tl.float32)
     if GELU:
         v = _round_to(_gelu_tanh(v), src_ptr, RNE_BITS)
+    # loaded in x's own shape (each row's copy from L1) so that it lands in x's register layout: a
+    # [C] load would be moved into it through shared memory
     inv = tl.load(inv_ptr + BASE + (lk[None, :] + 0 * rm[:, None]), mask=mask, other=1.0)
     return v * inv
 
@@ -360,27 +286,46 @@ def _fp8_src_load(src_ptr, inv_ptr, rm, m_ok, stride_m, BASE, KS, J: tl.constexp
 @triton.jit
 def _fp8_src_store(a8_ptr, q, rm, m_ok, K, special, BASE, KS, J: tl.constexpr, C: tl.constexpr,
                    HW_CVT: tl.constexpr, CANON_NAN: tl.constexpr):
+    # q [rows, C] (already divided by the row scale) -> E4M3 bytes at the positions BASE + [J*C, J*C + C)
+    # of a8's rows (those below BASE + KS); special: a NaN or +-Inf is in the block's rows (a runtime
+    # scalar, uniform over the program)
     rk = J * C + tl.arange(0, C)
-    _fp8_store_at(a8_ptr, q, rm, m_ok, K, BASE + rk, rk < KS, special, HW_CVT, CANON_NAN)
+    mask = m_ok[:, None] & (rk < KS)[None, :]
+    ptrs = a8_ptr + rm[:, None] * K + (BASE + rk)[None, :]
+    if HW_CVT:
+        # the hardware convert rounds to nearest even and saturates at 448 as the contract does, keeps
+        # the sign (of -0.0 too). CANON_NAN: +-Inf becomes NaN (the convert would saturate it to 448) and
+        # every NaN the positive one (0x7F). q holds Inf or NaN only where ``special`` says so (a NaN or
+        # Inf in the rows: sa = 1 with the Inf kept, or sa = Inf; r is finite, min(1 / sa, FLT_MAX)),
+        # so other blocks skip the two instructions a value.
+        if CANON_NAN:
+            if special:
+                q = q + q * 0.0  # +-Inf -> NaN, every other value (-0.0 included) unchanged
+                q = tl.where(q == q, q, float("nan"))
+        tl.store(ptrs, q.to(tl.float8e4nv), mask=mask)
+    else:  # Triton's interpreter mis-rounds conversions that carry into the exponent: round by arithmetic
+        tl.store(ptrs.to(tl.pointer_type(tl.uint8), bitcast=True), _e4m3_bits(q), mask=mask)
 
 
 @triton.jit
 def _bits_max(xs):
-    # the row max of |xs| on the magnitudes' bits (see _quantize_act_fp8_rows_kernel)
+    # |xs| as integer bits: for non-negative floats integer order is float order and every NaN lies above
+    # +Inf, so one integer max gives both the row max and "a NaN is here"
     return xs.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
 @triton.jit
-def _quantize_act_fp8_cat_kernel(
+def _quantize_act_fp8_rows_kernel(
     xa_ptr, xb_ptr, inv_ptr, a8_ptr, sa_ptr, lora_ptr, la_ptr, M, KA, KB, R, stride_am, stride_bm,
     ROWS: tl.constexpr, CA: tl.constexpr, NA: tl.constexpr, CB: tl.constexpr, NB: tl.constexpr,
     BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr, GELU_B: tl.constexpr, HW_CVT: tl.constexpr,
     CANON_NAN: tl.constexpr, GEMM_ORDER: tl.constexpr, NSPLIT: tl.constexpr, RNE_BITS: tl.constexpr,
 ):
-    # The one-pass kernel of _quantize_act_fp8_rows_kernel for the row cat([xa, gelu(xb)]) read from its
-    # two sources: xa's KA columns (NA chunks of CA, none if NA = 0) then xb's KB (NB chunks of CB), GELU
-    # applied to xb's values as they load (GELU_B). Each source's chunks are powers of two sized to it,
-    # so no chunk straddles the two; KA % 128 == 0 keeps the k order's tiles inside one source.
+    # One pass: ROWS whole rows a program, held in registers and x read once. A row is cat([xa, xb]) (xb
+    # alone where NA = 0: quantize_act_fp8's one-pass kernel) read from its sources: xa's KA columns in
+    # NA chunks of CA, then xb's KB in NB chunks of CB, GELU applied to xb's values as they load
+    # (GELU_B). Each source's chunks are powers of two sized to it (a row of 3 * 2^n columns wastes no
+    # lanes; no chunk straddles the two sources; KA % 128 == 0 keeps the k order's tiles inside one).
     rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     m_ok = rm < M
     K = KA + KB
@@ -675,14 +620,21 @@ def _check_sources(xa: torch.Tensor | None, xb: torch.Tensor) -> tuple[int, int,
 
 
 
+def _src_chunks(ks: int) -> tuple[int, int]:
+    """``(C, N)``: a source of ``ks`` columns in N <= 4 power-of-two chunks of C (N = 0 for none)."""
+    if ks == 0:
+        return 16, 0
+    c = next_pow2(cdiv(ks, 4))
+    return c, cdiv(ks, c)
+
+
 @functools.lru_cache(maxsize=64)
 def fp8_rows_config(k: int) -> tuple[int, int, int, int]:
     """``(rows, C, NCH, num_warps)`` of the one-pass FP8 kernel for rows of ``k`` columns: a row in at
     most 4 power-of-two chunks; the blocks measured fastest on the H200 (docs/perf.md, 2026-12-04):
     2 rows on 8 warps up to 3072 columns (24 values a thread), 1 row on 4 warps up to 4096, 1 row on 8
     warps above (48-64 values a thread)."""
-    c = next_pow2(cdiv(k, 4))
-    nch = cdiv(k, c)
+    c, nch = _src_chunks(k)
     if k <= 3072:
         return 2, c, nch, 8
     return 1, c, nch, 4 if k <= 4096 else 8
@@ -765,12 +717,8 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
             inv_smooth = 1.0 / smooth.float()  # IEEE division: the bits of nvfp4.smooth_input's factor
         else:
             _check_inv_smooth(inv_smooth, k)
-        rows_d, c, nch, warps_d = fp8_rows_config(k)
-        rows = rows or rows_d
-        _quantize_act_fp8_rows_kernel[(cdiv(m, rows),)](
-            x, inv_smooth, a8, sa, lora_in, la if r else sa, m, k, r, x.stride(0),
-            ROWS=rows, C=c, NCH=nch, BLOCK_R=_block_r(r), HAS_LORA=lora is not None, HW_CVT=not _INTERPRET,
-            CANON_NAN=canon_nan, GEMM_ORDER=gemm_order, NSPLIT=nsplit, num_warps=num_warps or warps_d)
+        _fp8_rows_launch(None, x, inv_smooth, a8, sa, lora, la, nsplit, False, gemm_order, canon_nan, rows,
+                         num_warps)
     elif m:
         _quantize_act_fp8_kernel[(cdiv(m, block_m),)](
             x, smooth, a8.view(torch.uint8), sa, lora_in, pds, la if r else sa, m, k, r, x.stride(0), x.stride(1),
@@ -780,14 +728,6 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
     if not wants_la:
         return a8, sa
     return a8, sa, la
-
-
-def _src_chunks(ks: int) -> tuple[int, int]:
-    """``(C, N)``: a source of ``ks`` columns in N <= 4 power-of-two chunks of C (N = 0 for none)."""
-    if ks == 0:
-        return 16, 0
-    c = next_pow2(cdiv(ks, 4))
-    return c, cdiv(ks, c)
 
 
 def quantize_act_fp8_cat(xa: torch.Tensor | None, xb: torch.Tensor, inv_smooth: torch.Tensor, *,
@@ -817,16 +757,23 @@ def quantize_act_fp8_cat(xa: torch.Tensor | None, xb: torch.Tensor, inv_smooth: 
     sa = torch.empty(m, device=xb.device, dtype=torch.float32)
     la = torch.empty(m, r, device=xb.device, dtype=torch.bfloat16) if lora is not None else None
     if m:
-        rows_d, _, _, warps_d = fp8_rows_config(k)
-        (ca, na), (cb, nb) = _src_chunks(ka), _src_chunks(kb)
-        _quantize_act_fp8_cat_kernel[(cdiv(m, rows or rows_d),)](
-            xb if xa is None else xa, xb, inv_smooth, a8, sa, sa if lora is None else lora, sa if la is None else la,
-            m, ka, kb, r, 0 if xa is None else xa.stride(0), xb.stride(0),
-            ROWS=rows or rows_d, CA=ca, NA=na, CB=cb, NB=nb, BLOCK_R=_block_r(r), HAS_LORA=lora is not None,
-            GELU_B=gelu_b, HW_CVT=not _INTERPRET, CANON_NAN=canon_nan, GEMM_ORDER=gemm_order, NSPLIT=nsplit,
-            RNE_BITS=_INTERPRET, num_warps=num_warps or warps_d)
+        _fp8_rows_launch(xa, xb, inv_smooth, a8, sa, lora, la, nsplit, gelu_b, gemm_order, canon_nan, rows, num_warps)
     return (a8, sa) if la is None else (a8, sa, la)
 
+
+def _fp8_rows_launch(xa, xb, inv_smooth, a8, sa, lora, la, nsplit, gelu_b, gemm_order, canon_nan, rows, num_warps):
+    """``_quantize_act_fp8_rows_kernel`` on the row ``cat([xa, xb])`` (xa None: xb alone), checked by the
+    caller; its block from ``fp8_rows_config`` unless ``rows`` / ``num_warps`` say otherwise."""
+    m, ka, kb = xb.shape[0], 0 if xa is None else xa.shape[1], xb.shape[1]
+    r = 0 if lora is None else lora.shape[-1]
+    rows_d, _, _, warps_d = fp8_rows_config(ka + kb)
+    (ca, na), (cb, nb) = _src_chunks(ka), _src_chunks(kb)
+    _quantize_act_fp8_rows_kernel[(cdiv(m, rows or rows_d),)](
+        xb if xa is None else xa, xb, inv_smooth, a8, sa, sa if lora is None else lora, sa if la is None else la,
+        m, ka, kb, r, 0 if xa is None else xa.stride(0), xb.stride(0),
+        ROWS=rows or rows_d, CA=ca, NA=na, CB=cb, NB=nb, BLOCK_R=_block_r(r), HAS_LORA=lora is not None,
+        GELU_B=gelu_b, HW_CVT=not _INTERPRET, CANON_NAN=canon_nan, GEMM_ORDER=gemm_order, NSPLIT=nsplit,
+        RNE_BITS=_INTERPRET, num_warps=num_warps or warps_d)
 
 def lora_act(x: torch.Tensor | None, pds: torch.Tensor, out_dtype: torch.dtype = torch.float32, *, block_m: int = 16,
              block_k: int | None = None, num_stages: int = 4, num_warps: int = 4, split: int = 1,
