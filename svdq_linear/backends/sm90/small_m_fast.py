@@ -1,0 +1,431 @@
+"""The sm90 fast mode at one or two tokens in one launch: the activation pass, ``lora_act``, the
+4-bit x E4M3 product, the split-K sum and the epilogue of ``nvfp4.w4a8_fast_linear`` in one kernel.
+
+At a token or two a linear is bound by its weight bytes, and the fast mode's routed path is five
+kernels (the FP8 activation pass, cuBLAS's ``lora_act`` GEMM and its reduction, ``small_m_mma``, the
+split-K epilogue). In a CUDA graph each costs ~2 us however little it does (docs/perf.md, ncu of the
+fifth and sixth sessions: 20.4 us at 12288 x 3072 where ``small_m_mma`` alone took 10.8-12.9), so the
+issue's 2x cuBLAS needs them in one launch. The work that the whole row feeds (the token's amax, and
+``lora_act``'s sum over K) is done by the first CTAs to start, which every other CTA waits for:
+
+- **Roles by ticket.** Each CTA takes a ticket (an atomic counter) as it starts; the first ``P``
+  tickets are *producers*, the rest *workers* ``(group, split)``. A producer owns a k-chunk: it
+  publishes the tokens' partial max of ``|x / smooth|`` (``atomic_max`` on the float's bits: a NaN's
+  bits exceed +Inf's, so a NaN wins as ``amax`` propagates it) and counts itself in, then writes its
+  chunk's ``x @ (proj_down / smooth)`` partial (``[P, M, R]`` fp32) and counts itself in again. A
+  producer waits for nothing, and a worker waits only for producers, which hold tickets and so are
+  running: no launch order or occupancy can deadlock it.
+- **Workers.** A worker waits for the amax count, takes ``sa`` and ``r = min(1 / sa, FLT_MAX)`` as
+  ``nvfp4.fast_act`` does, and walks its k-tiles of one 64-row group of the fast blob
+  (``fast_layout``): per k-tile the thread's strip word gives four tables ``e4m3(m * g)`` (four
+  ``HMUL2`` and four ``cvt.rn.satfinite.e4m3x2.f16x2`` a table), each code word two ``prmt`` lookups
+  and two sign merges (``quack_fast``'s decode, bit for bit ``nvfp4.fast_weight``), then two
+  ``cvt.rn.f16x2.e4m3x2`` and fp32 multiply-adds with the activations ``e4m3(x / smooth * r)``
+  quantized in the kernel from x (the logical k of each code: ``32 c + 4 word + j``). E4M3 x E4M3
+  products are exact in fp32, so the result differs from the contract only in fp32 summation order.
+- **The sum and the epilogue.** Each worker writes its fp32 partial ``[64, M]``; the last worker of a
+  group (a counter) waits for the ``lora_act`` count, adds the partials in split order and the
+  producers' partials in chunk order (the result does not depend on scheduling) and writes
+  ``acc * sa * (2**e * wcscale) + bias + lora_act @ proj_up^T``. The last CTA to finish zeroes the
+  ticket, the counts and the amax words, so the next launch on the stream (CUDA-graph replays
+  included) needs no memset.
+
+Under Triton's interpreter the programs run one after another in ticket order, producers first, so
+no wait ever spins there; the E4M3 conversions are done by arithmetic there (``_round_e4m3``), by
+the hardware converts on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .fast_layout import TILE_K
+from .kernels import _round_e4m3, next_pow2
+from .small_m import _e4m3x4_to_f32
+from .tuning import SM_COUNT
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+MAX_M = 2  # tokens this kernel serves (one multiply-add a value each)
+CTAS_PER_SM = 8  # the grid the split-K aims at, as small_m's
+PRODUCERS_MAX = 32  # k-chunks of the row-wide work (amax, lora_act)
+# sync words: ticket, amax count, lora count, done count, the tokens' amax bits, then a counter a group
+_TICKET, _AMAX_CNT, _LORA_CNT, _DONE, _AMAX = (tl.constexpr(i) for i in range(5))
+_GROUPS = tl.constexpr(8)
+_TK = tl.constexpr(TILE_K)
+
+# quack_fast's table: strip byte Q (a block factor g, UE5M3) -> bytes e4m3(m * g), m = 0, 0.5, 1, 1.5 | 2, 3, 4, 6
+_MAG_PAIRS = (0x38000000, 0x3E003C00, 0x42004000, 0x46004400)
+
+
+def _table_asm(q: int) -> str:
+    sel = 0x0404 | (q << 4) | (q << 12)  # bytes [zero, g, zero, g]; >> 1 lands g at fp16 bits 14..7 twice
+    return ("{.reg .b32 gg, c, f0, f1, f2, f3; .reg .b16 e0, e1, e2, e3;\n\t"
+            f"prmt.b32 gg, $2, 0, {sel:#x};\n\t"
+            "shr.b32 gg, gg, 1;\n\t"
+            + "".join(f"mov.b32 c, {m:#x};\n\tmul.rn.f16x2 f{i}, gg, c;\n\t" for i, m in enumerate(_MAG_PAIRS))
+            + "".join(f"cvt.rn.satfinite.e4m3x2.f16x2 e{i}, f{i};\n\t" for i in range(4))
+            + "mov.b32 $0, {e0, e1};\n\tmov.b32 $1, {e2, e3};}")
+
+
+_TABLE0, _TABLE1, _TABLE2, _TABLE3 = (tl.constexpr(_table_asm(q)) for q in range(4))
+_DECODE_ASM = tl.constexpr("{.reg .b32 xm, s1, se, r0, r1;\n\t"
+               "and.b32 xm, $2, 0x77777777;\n\t"
+               "prmt.b32 r0, $3, $4, xm;\n\t"
+               "shr.u32 s1, xm, 16;\n\t"
+               "prmt.b32 r1, $5, $6, s1;\n\t"
+               "shl.b32 se, $2, 4;\n\t"
+               "lop3.b32 $0, r0, $2, 0x80808080, 0xF8;\n\t"
+               "lop3.b32 $1, r1, se, 0x80808080, 0xF8;}")
+
+
+@triton.jit
+def _tables(sw, Q: tl.constexpr):
+    """Strip words -> the two table registers of byte ``Q`` (block ``2 c + Q // 2``, row ``r + 8 (Q % 2)``)."""
+    if Q == 0:
+        return tl.inline_asm_elementwise(asm=_TABLE0, constraints="=r,=r,r", args=[sw], dtype=(tl.int32, tl.int32),
+                                         is_pure=True, pack=1)
+    elif Q == 1:
+        return tl.inline_asm_elementwise(asm=_TABLE1, constraints="=r,=r,r", args=[sw], dtype=(tl.int32, tl.int32),
+                                         is_pure=True, pack=1)
+    elif Q == 2:
+        return tl.inline_asm_elementwise(asm=_TABLE2, constraints="=r,=r,r", args=[sw], dtype=(tl.int32, tl.int32),
+                                         is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(asm=_TABLE3, constraints="=r,=r,r", args=[sw], dtype=(tl.int32, tl.int32),
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _e2m1_times(mag, g):
+    """E2M1 magnitude codes (0..7) times ``g`` in fp32 (exact: 2 x 4 significant bits)."""
+    m = (mag << 22).to(tl.float32, bitcast=True) * 8.507059173023462e37  # x 2**126: 0, 0.5, 1, ..., 6
+    return m * g
+
+
+@triton.jit
+def _decode_values(word, sw, B: tl.constexpr, ASM: tl.constexpr):
+    """Code words of block half ``B`` (``[..., 4]`` int32) and the strip words (``[..., 1]``) -> the 8 E4M3
+    values of each word as fp32: rows r (p = 0) and r + 8 (p = 1), positions j = 0..3, in the order
+    p0j0, p0j1, p0j2, p0j3, p1j0, ..., p1j3."""
+    if ASM:
+        ta, tb = _tables(sw, 2 * B)
+        ta8, tb8 = _tables(sw, 2 * B + 1)
+        r0, r1 = tl.inline_asm_elementwise(asm=_DECODE_ASM, constraints="=r,=r,r,r,r,r,r",
+                                           args=[word, ta, tb, ta8, tb8], dtype=(tl.int32, tl.int32),
+                                           is_pure=True, pack=1)
+        a0, a1, a2, a3 = _e4m3x4_to_f32(r0, True)
+        b0, b1, b2, b3 = _e4m3x4_to_f32(r1, True)
+        return a0, a1, a2, a3, b0, b1, b2, b3
+    # the interpreter: the same values by arithmetic (the tables' fp16 product is exact, so is fp32's)
+    g0 = (((sw >> (16 * B)) & 0xFF) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    g1 = (((sw >> (16 * B + 8)) & 0xFF) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    a0 = _signed(_round_e4m3(_e2m1_times(word & 7, g0)), word >> 7)
+    a1 = _signed(_round_e4m3(_e2m1_times((word >> 4) & 7, g0)), word >> 15)
+    a2 = _signed(_round_e4m3(_e2m1_times((word >> 8) & 7, g0)), word >> 23)
+    a3 = _signed(_round_e4m3(_e2m1_times((word >> 12) & 7, g0)), word >> 31)
+    b0 = _signed(_round_e4m3(_e2m1_times((word >> 16) & 7, g1)), word >> 3)
+    b1 = _signed(_round_e4m3(_e2m1_times((word >> 20) & 7, g1)), word >> 11)
+    b2 = _signed(_round_e4m3(_e2m1_times((word >> 24) & 7, g1)), word >> 19)
+    b3 = _signed(_round_e4m3(_e2m1_times((word >> 28) & 7, g1)), word >> 27)
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+@triton.jit
+def _signed(v, s):
+    return tl.where((s & 1) != 0, -v, v)
+
+
+@triton.jit
+def _act_e4m3(q, ASM: tl.constexpr):
+    """fp32 ``q`` -> its E4M3 value as fp32 (nearest even, saturating at 448, NaN for NaN and +-Inf:
+    ``nvfp4.round_e4m3``)."""
+    finite = tl.abs(q) < float("inf")
+    if ASM:
+        v = q.to(tl.float8e4nv).to(tl.float32)
+    else:
+        v = _signed(_round_e4m3(tl.where(finite, tl.abs(q), 0.0)), q.to(tl.int32, bitcast=True) >> 31)
+    return tl.where(finite, v, float("nan"))
+
+
+@triton.jit
+def _split4(a):
+    """``a [4, 4, 4]`` -> its four ``[4, 4]`` slices along the last axis, in order."""
+    lo, hi = tl.split(tl.reshape(a, [4, 4, 2, 2]))  # [c, word, j = 2 u + v]: split v, then u
+    a0, a2 = tl.split(lo)
+    a1, a3 = tl.split(hi)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _tile_acts(x_ptr, inv_ptr, m, k0, stride_xm, r, ASM: tl.constexpr):
+    """One token's E4M3 activations of the k-tile at ``k0`` as fp32, ``[8 slices (B, j)]`` of ``[4 (c),
+    4 (word in the block half)]``: logical k = ``k0 + 32 c + 16 B + 4 word + j``."""
+    rk = k0 + tl.arange(0, _TK)
+    xs = tl.load(x_ptr + m * stride_xm + rk).to(tl.float32) * tl.load(inv_ptr + rk)
+    a = _act_e4m3(xs * r, ASM)
+    a = tl.permute(tl.reshape(a, [4, 2, 4, 4]), [0, 2, 3, 1])  # [c, word, j, B]
+    h0, h1 = tl.split(a)  # B = 0 / 1: [c, word, j]
+    a00, a01, a02, a03 = _split4(h0)
+    a10, a11, a12, a13 = _split4(h1)
+    return a00, a01, a02, a03, a10, a11, a12, a13
+
+
+@triton.jit
+def _half_fma(word, sw, a0, a1, a2, a3, acc0, acc1, B: tl.constexpr, ASM: tl.constexpr):
+    """Rows r (``acc0``) and r + 8 (``acc1``), ``[32, 4, 4]`` per word slot: each word's four products
+    multiply-added into its slot (one FFMA a value; the slots are summed once, after the k-loop)."""
+    v0, v1, v2, v3, u0, u1, u2, u3 = _decode_values(word, sw, B, ASM)
+    acc0 = acc0 + v0 * a0[None, :, :]
+    acc0 = acc0 + v1 * a1[None, :, :]
+    acc0 = acc0 + v2 * a2[None, :, :]
+    acc0 = acc0 + v3 * a3[None, :, :]
+    acc1 = acc1 + u0 * a0[None, :, :]
+    acc1 = acc1 + u1 * a1[None, :, :]
+    acc1 = acc1 + u2 * a2[None, :, :]
+    acc1 = acc1 + u3 * a3[None, :, :]
+    return acc0, acc1
+
+
+@triton.jit
+def _slots(c0, c1):
+    """Two block halves' ``[32, 4, 4]`` slots -> their sum per row slot ``[32]``."""
+    return tl.sum(tl.sum(c0 + c1, axis=2), axis=1)
+
+
+@triton.jit
+def _wait(ptr, target):
+    """Spin until the counter at ``ptr`` reaches ``target`` (acquire: what was written before each count is
+    visible after)."""
+    c = tl.atomic_add(ptr, 0, sem="acquire")
+    while c < target:
+        c = tl.atomic_add(ptr, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, p, M, K, R, stride_xm, stride_pd, k_per_prod,
+              BM: tl.constexpr, RB: tl.constexpr, CK: tl.constexpr, HAS_LORA: tl.constexpr):
+    k_lo = p * k_per_prod
+    k_hi = tl.minimum(K, k_lo + k_per_prod)
+    rm = tl.arange(0, BM)
+    m_ok = rm < M
+    mx = tl.zeros([BM], tl.int32)
+    for k0 in range(k_lo, k_hi, CK):
+        rk = k0 + tl.arange(0, CK)
+        k_ok = rk < k_hi
+        mask = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        xs = x * tl.load(inv_ptr + rk, mask=k_ok, other=0.0)[None, :]
+        mx = tl.maximum(mx, tl.max(xs.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))  # NaN's bits win
+    tl.atomic_max(sync_ptr + _AMAX + rm, mx, mask=m_ok, sem="relaxed")
+    tl.debug_barrier()
+    tl.atomic_add(sync_ptr + _AMAX_CNT, 1, sem="release")
+    if HAS_LORA:  # this chunk's x @ (proj_down / smooth): x rounded to bf16 as the backend's GEMM reads it
+        rr = tl.arange(0, RB)
+        r_ok = rr < R
+        for mi in tl.static_range(BM):
+            if mi < M:
+                acc = tl.zeros([RB], tl.float32)
+                for k0 in range(k_lo, k_hi, CK):
+                    rk = k0 + tl.arange(0, CK)
+                    k_ok = rk < k_hi
+                    x = tl.load(x_ptr + mi * stride_xm + rk, mask=k_ok, other=0.0).to(tl.bfloat16).to(tl.float32)
+                    pd = tl.load(pd_ptr + rk[:, None] * stride_pd + rr[None, :], mask=k_ok[:, None] & r_ok[None, :],
+                                 other=0.0).to(tl.float32)
+                    acc += tl.sum(x[:, None] * pd, axis=0)
+                tl.store(lpart_ptr + (p * BM + mi) * RB + rr, acc)
+        tl.debug_barrier()
+        tl.atomic_add(sync_ptr + _LORA_CNT, 1, sem="release")
+
+
+@triton.jit
+def _fast_small_m_kernel(
+    x_ptr, inv_ptr, blob_ptr, strip_ptr, cs_ptr, bias_ptr, pd_ptr, up_ptr, out_ptr, part_ptr, lpart_ptr, sync_ptr,
+    M, N, K, R, stride_xm, stride_pd, stride_om, tiles_per_split, S, P, k_per_prod,
+    BM: tl.constexpr, RB: tl.constexpr, CK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    ASM: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    G = N // 64
+    KT = K // _TK
+    total = P + G * S
+    t = tl.atomic_add(sync_ptr + _TICKET, 1, sem="relaxed")
+    if t < P:
+        _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, t, M, K, R, stride_xm, stride_pd, k_per_prod,
+                  BM, RB, CK, HAS_LORA)
+    else:
+        item = t - P
+        g = item // S
+        s = item - g * S
+        rm = tl.arange(0, BM)
+        m_ok = rm < M
+        _wait(sync_ptr + _AMAX_CNT, P)
+        mx = tl.atomic_add(sync_ptr + _AMAX + rm, 0, mask=m_ok, sem="relaxed")  # the tokens' amax bits
+        ok = (mx > 0) & (mx <= 0x7F800000)  # 1 for an all-zero row and where a NaN is in the row
+        sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([BM], 448.0, tl.float32)), 1.0)
+        rinv = tl.minimum(tl.math.div_rn(tl.full([BM], 1.0, tl.float32), sa), 3.4028234663852886e38)
+        r0 = tl.sum(tl.where(rm == 0, rinv, 0.0), axis=0)
+        r1 = tl.sum(tl.where(rm == 1, rinv, 0.0), axis=0)
+
+        # a thread-slot's words: blob [G, KT, 128 (32 wrq + c), 8 (4 B + word)] int32; strip [G, KT, 128]
+        o_w = (tl.arange(0, 32)[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]) * 8 + tl.arange(0, 8)[None, None, :]
+        o_s = tl.arange(0, 32)[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]  # [32, 4, 1]
+        # per token, rows r / r + 8 (p), block half B: [32 (8 w + rq), 4 (c), 4 (word)] multiply-add slots
+        c000 = tl.zeros([32, 4, 4], tl.float32)  # token 0: p = 0, B = 0
+        c001 = tl.zeros([32, 4, 4], tl.float32)  # p = 0, B = 1
+        c010 = tl.zeros([32, 4, 4], tl.float32)  # p = 1, B = 0
+        c011 = tl.zeros([32, 4, 4], tl.float32)  # p = 1, B = 1
+        c100 = tl.zeros([32, 4, 4], tl.float32)  # token 1 (a second token's slots cost nothing at one)
+        c101 = tl.zeros([32, 4, 4], tl.float32)
+        c110 = tl.zeros([32, 4, 4], tl.float32)
+        c111 = tl.zeros([32, 4, 4], tl.float32)
+        kt_lo = s * tiles_per_split
+        kt_hi = tl.minimum(KT, kt_lo + tiles_per_split)
+        wbase = blob_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        sbase = strip_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        for kt in tl.range(kt_lo, kt_hi, num_stages=NUM_STAGES):
+            tile = g * KT + kt
+            word = tl.load(wbase + tile * 1024 + o_w)  # [32, 4, 8]
+            sw = tl.load(sbase + tile * 128 + o_s)  # [32, 4, 1]
+            w_lo, w_hi = tl.split(tl.permute(tl.reshape(word, [32, 4, 2, 4]), [0, 1, 3, 2]))  # B = 0 / 1
+            a00, a01, a02, a03, a10, a11, a12, a13 = _tile_acts(x_ptr, inv_ptr, 0, kt * _TK, stride_xm, r0, ASM)
+            c000, c010 = _half_fma(w_lo, sw, a00, a01, a02, a03, c000, c010, 0, ASM)
+            c001, c011 = _half_fma(w_hi, sw, a10, a11, a12, a13, c001, c011, 1, ASM)
+            if BM > 1:  # (BM = 2 only for two tokens)
+                a00, a01, a02, a03, a10, a11, a12, a13 = _tile_acts(x_ptr, inv_ptr, 1, kt * _TK, stride_xm, r1, ASM)
+                c100, c110 = _half_fma(w_lo, sw, a00, a01, a02, a03, c100, c110, 0, ASM)
+                c101, c111 = _half_fma(w_hi, sw, a10, a11, a12, a13, c101, c111, 1, ASM)
+
+        # rows: slot i = 8 w + rq holds rows 16 w + rq (p = 0) and + 8 (p = 1); [32, 2, BM] partial
+        acc = tl.join(_slots(c000, c001), _slots(c010, c011))  # [32, 2]
+        acc1 = tl.join(_slots(c100, c101), _slots(c110, c111))
+        i = tl.arange(0, 32)[:, None]
+        pp = tl.arange(0, 2)[None, :]
+        row = 16 * (i // 8) + i % 8 + 8 * pp  # [32, 2], the group's local row
+        part = tl.where(rm[None, None, :] == 0, acc[:, :, None], acc1[:, :, None])  # [32, 2, BM]
+        local = row[:, :, None] * BM + rm[None, None, :]
+        tl.store(part_ptr + (s * G + g) * (64 * BM) + local, part)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        done = tl.atomic_add(sync_ptr + _GROUPS + g, 1, sem="acq_rel")
+        if done == S - 1:  # the last split of this group: sum in split order, then the epilogue
+            y = tl.zeros([32, 2, BM], tl.float32)
+            for si in range(S):
+                y += tl.load(part_ptr + (si * G + g) * (64 * BM) + local, cache_modifier=".cg")
+            tl.atomic_xchg(sync_ptr + _GROUPS + g, 0)  # ready for the next launch
+            rn = g * 64 + row  # [32, 2]
+            y = y * sa[None, None, :] * tl.load(cs_ptr + rn)[:, :, None]
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + rn).to(tl.float32)[:, :, None]
+            if HAS_LORA:
+                _wait(sync_ptr + _LORA_CNT, P)
+                rr = tl.arange(0, RB)
+                r_ok = rr < R
+                la = tl.load(lpart_ptr + rm[:, None] * RB + rr[None, :], cache_modifier=".cg")  # [BM, RB]
+                for pi in range(1, P):
+                    la += tl.load(lpart_ptr + (pi * BM + rm[:, None]) * RB + rr[None, :], cache_modifier=".cg")
+                up = tl.load(up_ptr + rn[:, :, None] * R + rr[None, None, :], mask=r_ok[None, None, :],
+                             other=0.0).to(tl.float32)  # [32, 2, RB]
+                for mi in tl.static_range(BM):
+                    lrow = tl.sum(tl.where(rm[:, None] == mi, la, 0.0), axis=0)  # [RB]
+                    lr = tl.sum(up * lrow[None, None, :], axis=2)  # [32, 2]
+                    y = tl.where(rm[None, None, :] == mi, y + lr[:, :, None], y)
+            tl.store(out_ptr + rm[None, None, :] * stride_om + rn[:, :, None], y.to(out_ptr.dtype.element_ty),
+                     mask=m_ok[None, None, :])
+    # the last CTA to finish leaves the sync words at zero for the next launch
+    tl.debug_barrier()
+    fin = tl.atomic_add(sync_ptr + _DONE, 1, sem="acq_rel")
+    if fin == total - 1:
+        tl.atomic_xchg(sync_ptr + _TICKET, 0)
+        tl.atomic_xchg(sync_ptr + _AMAX_CNT, 0)
+        tl.atomic_xchg(sync_ptr + _LORA_CNT, 0)
+        rz = tl.arange(0, BM)
+        tl.atomic_xchg(sync_ptr + _AMAX + rz, tl.zeros([BM], tl.int32), mask=rz < BM)
+        tl.atomic_xchg(sync_ptr + _DONE, 0)
+
+
+# ---- host side ------------------------------------------------------------------------------------
+
+_SYNC: dict[tuple, torch.Tensor] = {}
+
+
+def _sync(device: torch.device, groups: int) -> torch.Tensor:
+    """Zeroed int32 sync words (ticket, counts, amax, a counter a group), kept per (device, stream): each
+    launch leaves them at zero, so launches on one stream (graph replays included) share them."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _SYNC.get(key)
+    if buf is None or buf.numel() < _GROUPS + groups:
+        buf = torch.zeros(max(_GROUPS + groups, 1024), dtype=torch.int32, device=device)
+        _SYNC[key] = buf
+    return buf
+
+
+def plan(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM) -> tuple[int, int, int, int]:
+    """``(split, k-tiles a split, producers, k a producer)`` for ``m`` tokens of an ``n x k`` weight: about
+    ``ctas_per_sm`` workers an SM, every split holding a k-tile (no empty split), and up to
+    ``PRODUCERS_MAX`` producers of whole k-tiles."""
+    groups, kt = n // 64, k // TILE_K
+    want = max(1, round(ctas_per_sm * sms / groups))
+    per = -(-kt // min(want, kt))
+    split = -(-kt // per)
+    p_tiles = -(-kt // min(PRODUCERS_MAX, kt))
+    producers = -(-kt // p_tiles)
+    return split, per, producers, p_tiles * TILE_K
+
+
+def check(x: torch.Tensor, blob: torch.Tensor, strip: torch.Tensor, n: int) -> None:
+    m, k = x.shape
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"the one-launch fast kernel serves 1 to {MAX_M} tokens, got {m}")
+    if n % 64 or k % TILE_K or blob.shape != (n // 64, k // TILE_K, 128, 32) or strip.shape != (n // 64, k // TILE_K, 512):
+        raise ValueError(f"expected the fast blob [N/64, K/128, 128, 32] and strip [N/64, K/128, 512] of a {n} x {k} "
+                         f"weight (N % 64 == 0, K % 128 == 0), got {tuple(blob.shape)} and {tuple(strip.shape)}")
+
+
+def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip: torch.Tensor, cs: torch.Tensor,
+           bias: torch.Tensor | None = None, proj_down: torch.Tensor | None = None,
+           proj_up: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+           num_stages: int = 3, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM) -> torch.Tensor:
+    """``nvfp4.w4a8_fast_linear`` for 1-2 tokens in one launch.
+
+    ``x [M, K]`` (any float, unit stride along K); ``inv_smooth [K]`` fp32 ``1 / smooth``; ``blob`` /
+    ``strip`` the fast layout's (``fast_layout.repack_fast_weight`` / ``fast_scales``); ``cs [N]`` fp32
+    ``2**e * wcscale``; ``bias [N]``; ``proj_down [K, >= R]`` the smoothed ``proj_down / smooth`` (its
+    first ``R`` columns are read) with ``proj_up [N, R]`` contiguous. The output is ``out_dtype`` (x's
+    by default). ``num_stages`` (k-tiles in flight) and ``ctas_per_sm`` (the split's target) are for
+    measurement."""
+    m, k = x.shape
+    n = cs.numel()
+    check(x, blob, strip, n)
+    out_dtype = out_dtype or x.dtype
+    if _INTERPRET and out_dtype != torch.float32:
+        # the CPU interpreter's fp32 -> 16-bit conversion does not round to nearest: cast outside
+        return linear(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, torch.float32, num_stages,
+                      sms, ctas_per_sm).to(out_dtype)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    r = 0 if proj_up is None else proj_up.shape[1]
+    if r and (proj_down is None or proj_down.shape[0] != k or proj_down.shape[1] < r or proj_down.stride(1) != 1
+              or proj_up.shape != (n, r) or not proj_up.is_contiguous()):
+        raise ValueError(f"proj_up must be a contiguous [{n}, R] tensor beside proj_down [{k}, >= R] with unit "
+                         f"stride along R")
+    split, per, producers, k_per_prod = plan(m, n, k, sms, ctas_per_sm)
+    groups = n // 64
+    bm = next_pow2(m)
+    rb = max(16, next_pow2(r)) if r else 16
+    out = torch.empty(m, n, device=x.device, dtype=out_dtype)
+    part = torch.empty(split * n * bm, device=x.device, dtype=torch.float32)
+    lpart = torch.empty(producers * bm * rb, device=x.device, dtype=torch.float32) if r else part
+    sync = _sync(x.device, groups)
+    dummy = cs
+    _fast_small_m_kernel[(producers + groups * split,)](
+        x, inv_smooth, blob, strip, cs.reshape(-1), bias.reshape(-1) if bias is not None else dummy,
+        proj_down if r else dummy, proj_up if r else dummy, out, part, lpart, sync,
+        m, n, k, r, x.stride(0), proj_down.stride(0) if r else 0, out.stride(0), per, split, producers, k_per_prod,
+        BM=bm, RB=rb, CK=128, HAS_BIAS=bias is not None, HAS_LORA=bool(r), ASM=not _INTERPRET,
+        NUM_STAGES=num_stages, num_warps=4,
+    )
+    return out

@@ -1,0 +1,280 @@
+"""The fast mode's one-launch kernel for one or two tokens (``backends/sm90/small_m_fast.py``) against
+the fast formula (float64 oracles from ``svdq_linear.nvfp4``): the fast blob decoded by the kernel's
+own tables, the activations quantized per token in the kernel, ``lora_act`` by the producers, the
+ordered split-K sum and the sync words it leaves at zero. On the CPU through Triton's interpreter
+(conftest); on the H200 compiled, against the same oracles and through the backend."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from svdq_linear import nvfp4
+
+pytest.importorskip("triton")
+smf = pytest.importorskip("svdq_linear.backends.sm90.small_m_fast")
+from svdq_linear.backends.sm90 import fast_layout  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _layer(n, k, r, gen):
+    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    ws = (torch.rand(n, k // 16, generator=gen) * 0.9 + 0.01).to(torch.float8_e4m3fn)
+    ws[0, 1] = 0  # a zero block scale
+    ws[1, 2] = torch.tensor(2.0**-9).to(torch.float8_e4m3fn)  # the smallest subnormal one
+    codes = torch.arange(16, dtype=torch.uint8)
+    q[2, :16] = codes | ((15 - codes) << 4)  # all 16 codes (both signs) in either nibble
+    q[3] = 0  # an all-zero row (2**e = 1)
+    wc = torch.rand(n, generator=gen) + 0.5
+    smooth = torch.exp(torch.randn(k, generator=gen) * 0.3)
+    pd = torch.randn(k, r, generator=gen) * 0.1
+    up = (torch.randn(n, r, generator=gen) * 0.1).bfloat16()
+    return q, ws, wc, smooth, pd, up
+
+
+def _operands(q, ws, wc, smooth, pd, up, bias):
+    """What the backend's prepared fast state holds: the blob, the strip, 2**e * wcscale, 1 / smooth and
+    proj_down / smooth in bf16."""
+    blob = fast_layout.repack_fast_weight(q)
+    strip, nw = fast_layout.fast_scales(q, ws)
+    to = dict(device=DEV)
+    r = pd.shape[1]
+    return dict(inv_smooth=(1.0 / smooth).to(**to), blob=blob.to(**to), strip=strip.to(**to),
+                cs=(nw * wc).to(**to), bias=None if bias is None else bias.to(**to),
+                proj_down=(pd / smooth[:, None]).bfloat16().to(**to) if r else None,
+                proj_up=up.to(**to) if r else None)
+
+
+def _want(x, q, ws, wc, smooth, pd, up, bias):
+    """The fast formula in float64 with the low-rank branch as the backend feeds it (x in bf16 times the
+    bf16 proj_down / smooth: the contract's allowance), and the bound of fp32 summation of exact
+    products over K plus that of the low-rank sum."""
+    xs = nvfp4.smooth_input(x, smooth)
+    a8, sa = nvfp4.fast_act(xs)
+    w8, nw = nvfp4.fast_weight(q, ws)
+    col = nw.double() * wc.double()
+    main = (a8.double() @ w8.double().T) * sa.double()[:, None] * col
+    mag = (a8.double().abs() @ w8.double().abs().T) * sa.double()[:, None] * col.abs()
+    y = main + (0 if bias is None else bias.double())
+    bound = mag * x.shape[1] * 2.0**-23
+    if pd.shape[1]:
+        pds = (pd / smooth[:, None]).bfloat16().double()
+        xb = x.bfloat16().double()
+        y = y + (xb @ pds) @ up.double().T
+        bound = bound + ((xb.abs() @ pds.abs()) @ up.double().abs().T) * x.shape[1] * 2.0**-23
+    return y, bound + 1e-30
+
+
+def _check(y, want, bound, what):
+    y = y.double().cpu()
+    assert y.shape == want.shape, what
+    fin = want.isfinite()
+    assert torch.equal(y.isnan(), want.isnan()), f"{what}: NaN pattern"
+    err = (y[fin] - want[fin]).abs()
+    assert (err <= bound[fin]).all(), f"{what}: max err/bound {(err / bound[fin]).max().item():.3g}"
+
+
+@pytest.mark.parametrize("m,r,with_bias,dtype", [(1, 20, True, torch.bfloat16), (2, 32, True, torch.bfloat16),
+                                                 (1, 0, False, torch.float16), (2, 0, True, torch.float32),
+                                                 (2, 16, False, torch.float16)])
+def test_one_launch_meets_the_fast_formula(m, r, with_bias, dtype):
+    """Every code of either sign, zero / subnormal block scales, an all-zero weight row, K split across
+    workers and producers, one and two tokens, with and without a low-rank branch and a bias."""
+    gen = torch.Generator().manual_seed(m * 10 + r)
+    n, k = 128, 768
+    q, ws, wc, smooth, pd, up = _layer(n, k, r, gen)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
+    ops = _operands(q, ws, wc, smooth, pd, up, bias)
+    y = smf.linear(x.to(DEV), **ops, out_dtype=torch.float32)
+    want, bound = _want(x.float(), q, ws, wc, smooth, pd, up, bias)
+    _check(y, want, bound, f"m={m} r={r}")
+    assert smf._SYNC and all(int(b.abs().sum()) == 0 for b in smf._SYNC.values()), "sync words left nonzero"
+    # a second launch on the same sync words gives the same bits
+    assert torch.equal(smf.linear(x.to(DEV), **ops, out_dtype=torch.float32), y)
+
+
+def test_one_launch_plans_the_split_and_the_producers():
+    """Every worker has a k-tile, producers cover K in whole k-tiles, at most PRODUCERS_MAX of them, and
+    the grid aims at CTAS_PER_SM workers an SM."""
+    for n, k in [(3072, 3072), (3072, 12288), (12288, 3072), (128, 768), (64, 128), (18432, 3072)]:
+        split, per, producers, kp = smf.plan(1, n, k)
+        kt = k // 128
+        assert split * per >= kt and (split - 1) * per < kt, (n, k)
+        assert producers <= smf.PRODUCERS_MAX and kp % 128 == 0 and producers * kp >= k > (producers - 1) * kp
+        assert (n // 64) * split <= max(smf.CTAS_PER_SM * 132 * 1.5, n // 64), (n, k, split)
+    assert smf.plan(1, 3072, 12288)[0] > 1  # K is split where the row groups alone leave SMs idle
+
+
+def test_special_rows_follow_the_contract():
+    """A token holding a NaN has NaN outputs (sa = 1, its NaN codes); one holding +-Inf too; an all-zero
+    token gives the bias; a token whose max lies below 448 / FLT_MAX stays finite (r = FLT_MAX)."""
+    gen = torch.Generator().manual_seed(7)
+    n, k, r = 64, 256, 16
+    q, ws, wc, smooth, pd, up = _layer(n, k, r, gen)
+    q[3] = 0x11  # no all-zero weight row here: every output reads the token
+    bias = torch.randn(n, generator=gen)
+    ops = _operands(q, ws, wc, smooth, pd, up, bias)
+    rows = {"nan": torch.randn(k, generator=gen), "inf": torch.randn(k, generator=gen), "zero": torch.zeros(k),
+            "tiny": torch.randn(k, generator=gen) * 1e-37}
+    rows["nan"][5] = float("nan")
+    rows["inf"][9] = float("-inf")
+    for name, row in rows.items():
+        x = row[None].float()
+        y = smf.linear(x.to(DEV), **{**ops, "proj_down": None, "proj_up": None}, out_dtype=torch.float32)
+        want, bound = _want(x, q, ws, wc, smooth, pd[:, :0], up[:, :0], bias)
+        _check(y, want, bound, name)
+        if name in ("nan", "inf"):
+            assert y.isnan().all(), name
+        if name == "zero":
+            assert torch.equal(y.cpu(), bias[None].float())
+        if name == "tiny":
+            assert y.isfinite().all()
+
+
+def test_bad_calls_name_the_problem():
+    gen = torch.Generator().manual_seed(3)
+    q, ws, wc, smooth, pd, up = _layer(64, 256, 16, gen)
+    ops = _operands(q, ws, wc, smooth, pd, up, None)
+    x = torch.randn(3, 256).bfloat16().to(DEV)
+    with pytest.raises(ValueError, match="1 to 2 tokens"):
+        smf.linear(x, **ops)
+    with pytest.raises(ValueError, match="fast blob"):
+        smf.linear(x[:1, :128], **ops)
+    with pytest.raises(ValueError, match="proj_up must be"):
+        smf.linear(x[:1], **{**ops, "proj_down": None})
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_backend_takes_the_one_launch_kernel_when_asked(m, monkeypatch):
+    """``SVDQ_SM90_FAST_ONE_LAUNCH=1``: ``run_w4a4_fast`` hands a 1-2-token call the prepared fast state
+    (the blob, the strip, ``2**e * wcscale``, ``1 / smooth`` and the first R columns of the padded
+    ``proj_down / smooth``) and its result meets the fast formula."""
+    qf = pytest.importorskip("svdq_linear.backends.sm90.quack_fast")
+    from svdq_linear.backends import sm90
+
+    gen = torch.Generator().manual_seed(40 + m)
+    n, k, r = 128, 256, 8
+    q, ws, wc, smooth, pd, up = _layer(n, k, r, gen)
+    bias = torch.randn(n, generator=gen)
+    fw = qf.prepare(q, ws, wc, bias)
+    pds = torch.nn.functional.pad((pd / smooth[:, None]).bfloat16(), (0, 8))  # padded as the accumulator path's
+    extra = sm90.Sm90Prepared(pds, up, fw, None, (1.0 / smooth).contiguous()).tensors()
+    x = (torch.randn(m, k, generator=gen) * 2).bfloat16()
+    monkeypatch.setenv(sm90.ENV_FAST_ONE_LAUNCH, "1")
+    calls = []
+    run = smf.linear
+    monkeypatch.setattr(smf, "linear", lambda *a, **kw: calls.append(a) or run(*a, **kw))
+    y = sm90.Sm90Backend().run_w4a4_fast(x, q, ws, smooth, pd, up, wc, bias, extra)
+    assert calls and calls[0][6].shape == (k, r), "the call did not take the kernel with R columns"
+    assert y.dtype == x.dtype
+    want, bound = _want(x.float(), q, ws, wc, smooth, pd, up, bias)
+    _check(y.float(), want, bound + 2.0**-8 * want.abs(), f"m={m}")
+
+
+_SASS = r"""
+import collections, json, re, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from svdq_linear.backends.sm90 import small_m_fast as smf
+from svdq_linear.precompile import _nvidia_bin
+
+sig = dict(x_ptr="*bf16", inv_ptr="*fp32", blob_ptr="*u8", strip_ptr="*u8", cs_ptr="*fp32", bias_ptr="*fp32",
+           pd_ptr="*bf16", up_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", lpart_ptr="*fp32", sync_ptr="*i32",
+           M="i32", N="i32", K="i32", R="i32", stride_xm="i32", stride_pd="i32", stride_om="i32",
+           tiles_per_split="i32", S="i32", P="i32", k_per_prod="i32")
+out = {}
+for bm in (1, 2):
+    cx = dict(BM=bm, RB=32, CK=128, HAS_BIAS=True, HAS_LORA=True, ASM=True, NUM_STAGES=3)
+    fn = smf._fast_small_m_kernel
+    full = {a: ("constexpr" if a in cx else sig[a]) for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if a not in cx and a not in ("M", "R", "S", "P", "tiles_per_split")}
+    ck = triton.compile(ASTSource(fn, full, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=4))
+    cub = sys.argv[1] + f"/f{bm}.cubin"
+    open(cub, "wb").write(ck.asm["cubin"])
+    sass = subprocess.run([_nvidia_bin("cuobjdump"), "--dump-sass", cub], capture_output=True, text=True,
+                          check=True).stdout
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = [(lo, addr) for addr, t in ins if (b := re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", t))
+             and (lo := int(b.group(1), 16)) < addr]
+    bodies = [[t for a, t in ins if lo <= a <= hi] for lo, hi in loops]
+    body = max([b for b in bodies if any("LDGSTS" in t for t in b)], key=len)  # the pipelined main loop
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body)
+    whole = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in ins)
+    out[bm] = dict(per_value=len(body) / 64, ffma=ops["FFMA"], unpack=ops["F2FP.F16.E4M3.UNPACK_B"],
+                   tables=ops["F2FP.SATFINITE.E4M3.F16.UNPACK_B_MERGE_C"], shfl=sum(v for o, v in ops.items() if "SHFL" in o),
+                   local=sum(v for o, v in whole.items() if o.startswith(("LDL", "STL"))),
+                   atomics=sum(v for o, v in whole.items() if o.startswith(("ATOM", "RED"))))
+print(json.dumps(out))
+"""
+
+
+def test_one_launch_compiles_to_table_lookups_and_one_fma_a_value(tmp_path):
+    """Compiled for sm_90a here (no GPU; the real compiler, in a child process): the main loop builds four
+    tables a k-tile with the hardware E4M3 converts, widens the decoded bytes two at a time, issues one
+    FFMA a weight value a token and nothing across threads (5.45 instructions a value at one token, 6.6
+    at two with Triton 3.9); no local memory; the ticket, counts, amax and done words are atomics."""
+    from svdq_linear.precompile import _nvidia_bin
+
+    if not os.path.exists(_nvidia_bin("cuobjdump")):
+        pytest.skip("no cuobjdump in this Triton's CUDA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _SASS, str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    one, two = out["1"], out["2"]
+    for bm, st in (("1", one), ("2", two)):
+        assert st["ffma"] == 64 * int(bm), st
+        assert st["tables"] == 16 and st["shfl"] == 0 and st["local"] == 0, st
+        assert 32 <= st["unpack"] <= 36, st  # the 64 weight values two a convert, plus the activations'
+        assert st["atomics"] >= 8, st
+    assert one["per_value"] <= 5.75, one
+    assert two["per_value"] <= one["per_value"] + 1.5, (one, two)  # the second token: its FFMA and activations
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("k,n,r,dtype", [(3072, 3072, 32, torch.bfloat16), (12288, 3072, 32, torch.bfloat16),
+                                         (3072, 12288, 0, torch.float16), (1024, 3072, 96, torch.bfloat16)])
+def test_gpu_backend_routes_one_and_two_tokens_to_one_launch(m, k, n, r, dtype, monkeypatch):
+    """``SVDQ_SM90_FAST_ONE_LAUNCH=1``: the fast mode's 1-2-token calls take the kernel, meet the fast
+    formula, leave the sync words at zero, and replay in a CUDA graph with the same bits."""
+    pytest.importorskip("quack")
+    from test_conformance import random_w4a4
+    from test_sm90_fast import _assert_fast_formula
+
+    from svdq_linear import backends
+    from svdq_linear.backends import sm90
+
+    monkeypatch.setenv(sm90.ENV_FAST_ONE_LAUNCH, "1")
+    torch.manual_seed(m + k + r)
+    mod = random_w4a4(k, n, r, dtype, "cuda")
+    mod.set_mode("fast")
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    backend = backends.choose(mod, x)
+    prepared = backend.prepare(mod, x.device)
+    calls = []
+    run = smf.linear
+    monkeypatch.setattr(smf, "linear", lambda *a, **kw: calls.append(1) or run(*a, **kw))
+    y = backend.linear(mod, x, prepared)
+    assert calls, "the call did not take the one-launch kernel"
+    _assert_fast_formula(mod, x, y)
+    torch.cuda.synchronize()
+    assert all(int(b.abs().sum()) == 0 for b in smf._SYNC.values())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg = backend.linear(mod, x, prepared)
+    for _ in range(3):
+        yg.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(yg, y)
