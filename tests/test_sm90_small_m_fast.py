@@ -210,7 +210,8 @@ for bm in (1, 2):
     out[bm] = dict(per_value=len(body) / 64, ffma=ops["FFMA"], unpack=ops["F2FP.F16.E4M3.UNPACK_B"],
                    tables=ops["F2FP.SATFINITE.E4M3.F16.UNPACK_B_MERGE_C"], shfl=sum(v for o, v in ops.items() if "SHFL" in o),
                    local=sum(v for o, v in whole.items() if o.startswith(("LDL", "STL"))),
-                   atomics=sum(v for o, v in whole.items() if o.startswith(("ATOM", "RED"))))
+                   atomics=sum(v for o, v in whole.items() if o.startswith(("ATOM", "RED"))),
+                   prefetch=whole["CCTL.E.PF2"])
 print(json.dumps(out))
 """
 
@@ -219,7 +220,8 @@ def test_one_launch_compiles_to_table_lookups_and_one_fma_a_value(tmp_path):
     """Compiled for sm_90a here (no GPU; the real compiler, in a child process): the main loop builds four
     tables a k-tile with the hardware E4M3 converts, widens the decoded bytes two at a time, issues one
     FFMA a weight value a token and nothing across threads (5.45 instructions a value at one token, 6.6
-    at two with Triton 3.9); no local memory; the ticket, counts, amax and done words are atomics."""
+    at two with Triton 3.9); no local memory; the ticket, counts, amax and done words are atomics; a
+    worker prefetches its weight bytes into L2 before it waits for the producers."""
     from svdq_linear.precompile import _nvidia_bin
 
     if not os.path.exists(_nvidia_bin("cuobjdump")):
@@ -237,6 +239,7 @@ def test_one_launch_compiles_to_table_lookups_and_one_fma_a_value(tmp_path):
         assert st["tables"] == 16 and st["shfl"] == 0 and st["local"] == 0, st
         assert 32 <= st["unpack"] <= 36, st  # the 64 weight values two a convert, plus the activations'
         assert st["atomics"] >= 8, st
+        assert st["prefetch"] >= 2, st  # the split's blob and strip lines, into L2 before the wait
     assert one["per_value"] <= 5.75, one
     assert two["per_value"] <= one["per_value"] + 1.5, (one, two)  # the second token: its FFMA and activations
 

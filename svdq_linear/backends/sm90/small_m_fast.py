@@ -197,6 +197,15 @@ def _slots(c0, c1):
 
 
 @triton.jit
+def _prefetch_l2(ptr, nbytes):
+    """``prefetch.global.L2`` of the 128-byte lines of ``[ptr, ptr + nbytes)``, a line a thread a round."""
+    for i in range(0, nbytes, 128 * 128):
+        off = tl.minimum(i + tl.arange(0, 128) * 128, nbytes - 1)  # past the end: the last line again
+        tl.inline_asm_elementwise(asm="prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", constraints="=r,l",
+                                  args=[ptr + off], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _wait(ptr, target):
     """Spin until the counter at ``ptr`` reaches ``target`` (acquire: what was written before each count is
     visible after)."""
@@ -262,6 +271,11 @@ def _fast_small_m_kernel(
         s = item - g * S
         rm = tl.arange(0, BM)
         m_ok = rm < M
+        kt_lo = s * tiles_per_split
+        kt_hi = tl.minimum(KT, kt_lo + tiles_per_split)
+        if ASM:  # the split's weight bytes start coming into L2 while the producers publish the amax
+            _prefetch_l2(blob_ptr + (g * KT + kt_lo) * 4096, (kt_hi - kt_lo) * 4096)
+            _prefetch_l2(strip_ptr + (g * KT + kt_lo) * 512, (kt_hi - kt_lo) * 512)
         _wait(sync_ptr + _AMAX_CNT, P)
         mx = tl.atomic_add(sync_ptr + _AMAX + rm, 0, mask=m_ok, sem="relaxed")  # the tokens' amax bits
         ok = (mx > 0) & (mx <= 0x7F800000)  # 1 for an all-zero row and where a NaN is in the row
@@ -282,8 +296,6 @@ def _fast_small_m_kernel(
         c101 = tl.zeros([32, 4, 4], tl.float32)
         c110 = tl.zeros([32, 4, 4], tl.float32)
         c111 = tl.zeros([32, 4, 4], tl.float32)
-        kt_lo = s * tiles_per_split
-        kt_hi = tl.minimum(KT, kt_lo + tiles_per_split)
         wbase = blob_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         sbase = strip_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         for kt in tl.range(kt_lo, kt_hi, num_stages=NUM_STAGES):
