@@ -13,7 +13,7 @@ copy measured in the same run; the fast mode's forward beside them. ``--sweep`` 
 kernel's tile, warp and split choices. ``--mma`` times, per mode and token count, the module without
 and with the warp tensor-core kernel (``small_m_mma``; ``SVDQ_SM90_SMALL_M_MMA`` 0 / 1) and that
 kernel alone; ``--mma-sweep`` times that kernel at each prefetch depth and CTAs an SM. ``--fast-one``
-times only the fast mode at 1-2 tokens: the module's routed path against ``small_m_fast``'s one launch
+times only the fast mode at 1-64 tokens: the module's routed path against ``small_m_fast``'s one launch
 (``SVDQ_SM90_FAST_ONE_LAUNCH=1``, checked against the fast formula first) and that kernel at each CTAs
 an SM and pipeline depth.
 """
@@ -253,26 +253,26 @@ FAST_ONE_SHAPES = (("attn", 3072, 3072), ("ff up", 3072, 12288), ("ff down", 122
 
 
 def fast_one_table(copy_gbs: float) -> list[str]:
-    """The fast mode at 1-2 tokens: routed (five launches) against small_m_fast (one), and its kernel's sweep."""
+    """The fast mode at 1-64 tokens: routed (up to five launches) against small_m_fast (one), and its sweep."""
     from test_sm90_fast import _assert_fast_formula
 
     from svdq_linear import backends
     from svdq_linear.backends.sm90 import ENV_FAST_ONE_LAUNCH, small_m_fast
 
     ctas, stages = (4, 8, 16), (2, 3, 4)
-    rows = ["", "The fast mode at 1-2 tokens (us; ratio = cuBLAS bf16 / ours): 'routed' = the default path (FP8 pass, "
+    rows = ["", "The fast mode at 1-64 tokens (us; ratio = cuBLAS bf16 / ours): 'routed' = the default path (FP8 pass, "
             "cuBLAS lora_act, small_m_mma or quack's GEMM, split-K epilogue); 'one launch' = small_m_fast "
-            f"(SVDQ_SM90_FAST_ONE_LAUNCH=1; 'check' = its output against the fast formula in float64); then the kernel "
-            f"at c CTAs an SM (split target; default {small_m_fast.CTAS_PER_SM}) x s pipeline stages (default 3), "
-            "us (weight GB/s)", "",
-            "| layer | K | N | M | cuBLAS bf16 | routed | one launch | check | weight GB/s | % of copy | "
+            "(SVDQ_SM90_FAST_ONE_LAUNCH=1: multiply-adds at 1-2 tokens, FP8 dots above; 'check' = its output against "
+            "the fast formula in float64); 'dots' = the FP8-dot form forced at 1-2 tokens; then the kernel at c CTAs "
+            f"an SM (split target; default {small_m_fast.CTAS_PER_SM}) x s pipeline stages (default 3), us (weight GB/s)",
+            "", "| layer | K | N | M | cuBLAS bf16 | routed | one launch | check | weight GB/s | % of copy | dots | "
             + " | ".join(f"c{c} s{st}" for c in ctas for st in stages) + " |",
-            "|---|---|---|---|---|---|---|---|---|---|" + "---|" * (len(ctas) * len(stages))]
+            "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * (len(ctas) * len(stages))]
     for label, k, n in FAST_ONE_SHAPES:
         lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
         q = random_w4a4(k, n, 32, torch.bfloat16, "cuda").set_mode("fast")
         wbytes = n * k // 2 + n * k // 16
-        for m in (1, 2):
+        for m in (1, 2, 8, 16, 64):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
             t_def = env_time(lambda: q(x), ENV_FAST_ONE_LAUNCH, "0")
@@ -290,8 +290,12 @@ def fast_one_table(copy_gbs: float) -> list[str]:
             _, prep = backends.resolve(q, x)
             ex = prep.tensors()
             blob, strip, cs, bias = ex[-5:-1]
-            ops = (x, ex[-1], blob, strip, cs, bias if q.bias is not None else None, ex[0][:, :q.rank],
-                   q.proj_up.contiguous())
+            ops = (x, ex[-1], blob, strip, cs.reshape(-1), bias.reshape(-1) if q.bias is not None else None,
+                   ex[0][:, :q.rank], q.proj_up.contiguous())
+            dots = "-"
+            if m <= small_m_fast.FMA_MAX_M:
+                t = graph_time(lambda: small_m_fast.linear(*ops, dot=True))
+                dots = f"{t * 1e3:.1f} ({t_ref / t:.2f}x)"
             cells = []
             for c in ctas:
                 for st in stages:
@@ -300,7 +304,7 @@ def fast_one_table(copy_gbs: float) -> list[str]:
             gbs = wbytes / (t_one * 1e-3) / 1e9
             rows.append(f"| {label} | {k} | {n} | {m} | {t_ref * 1e3:.1f} | {t_def * 1e3:.1f} ({t_ref / t_def:.2f}x) | "
                         f"{t_one * 1e3:.1f} ({t_ref / t_one:.2f}x) | {check} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | "
-                        + " | ".join(cells) + " |")
+                        f"{dots} | " + " | ".join(cells) + " |")
             print(rows[-1], flush=True)
     return rows
 
@@ -324,7 +328,7 @@ def main() -> None:
                    help="only 1-4 tokens: the kernel's dot against the word decode's block chain (fma=True) at "
                         "three tiles, kernel alone (what small_m.use_fma is set from)")
     p.add_argument("--fast-one", action="store_true",
-                   help="only the fast mode at 1-2 tokens: the routed path against small_m_fast's one launch")
+                   help="only the fast mode at 1-64 tokens: the routed path against small_m_fast's one launch")
     p.add_argument("--tokens-modes", default="w4a16,exact-canonical",
                    help="with --tokens: the modes of TOKENS_CASES to run (comma-separated)")
     args = p.parse_args()

@@ -1,7 +1,8 @@
-"""The fast mode's one-launch kernel for one or two tokens (``backends/sm90/small_m_fast.py``) against
-the fast formula (float64 oracles from ``svdq_linear.nvfp4``): the fast blob decoded by the kernel's
-own tables, the activations quantized per token in the kernel, ``lora_act`` by the producers, the
-ordered split-K sum and the sync words it leaves at zero. On the CPU through Triton's interpreter
+"""The fast mode's one-launch kernel for 1 to 64 tokens (``backends/sm90/small_m_fast.py``) against the
+fast formula (float64 oracles from ``svdq_linear.nvfp4``): the fast blob decoded by the kernel's own
+tables (multiply-adds at 1-2 tokens, FP8 dots on the decoded tile otherwise), the activations
+quantized per token in the kernel, ``lora_act`` by the producers, the ordered split-K sum and the
+sync words it leaves at zero. On the CPU through Triton's interpreter
 (conftest); on the H200 compiled, against the same oracles and through the backend."""
 
 import os
@@ -15,7 +16,7 @@ from svdq_linear import nvfp4
 
 pytest.importorskip("triton")
 smf = pytest.importorskip("svdq_linear.backends.sm90.small_m_fast")
-from svdq_linear.backends.sm90 import fast_layout  # noqa: E402
+from svdq_linear.backends.sm90 import fast_layout, small_m  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -77,24 +78,28 @@ def _check(y, want, bound, what):
     assert (err <= bound[fin]).all(), f"{what}: max err/bound {(err / bound[fin]).max().item():.3g}"
 
 
-@pytest.mark.parametrize("m,r,with_bias,dtype", [(1, 20, True, torch.bfloat16), (2, 32, True, torch.bfloat16),
-                                                 (1, 0, False, torch.float16), (2, 0, True, torch.float32),
-                                                 (2, 16, False, torch.float16)])
-def test_one_launch_meets_the_fast_formula(m, r, with_bias, dtype):
+@pytest.mark.parametrize("m,r,with_bias,dtype,dot", [
+    (1, 20, True, torch.bfloat16, False), (2, 32, True, torch.bfloat16, False), (1, 0, False, torch.float16, False),
+    (2, 0, True, torch.float32, False), (2, 16, False, torch.float16, False), (2, 24, True, torch.float32, False),
+    (1, 20, True, torch.bfloat16, True), (2, 0, False, torch.float32, True), (7, 32, True, torch.bfloat16, True),
+    (33, 40, False, torch.float32, True), (64, 16, True, torch.float16, True)])
+def test_one_launch_meets_the_fast_formula(m, r, with_bias, dtype, dot):
     """Every code of either sign, zero / subnormal block scales, an all-zero weight row, K split across
-    workers and producers, one and two tokens, with and without a low-rank branch and a bias."""
+    workers and producers, 1-64 tokens in both forms (multiply-adds, FP8 dots), with and without a
+    low-rank branch (R in more than one chunk at 40) and a bias, 16- and 32-bit inputs (x rounded to bf16
+    to nearest for ``lora_act``)."""
     gen = torch.Generator().manual_seed(m * 10 + r)
     n, k = 128, 768
     q, ws, wc, smooth, pd, up = _layer(n, k, r, gen)
     bias = torch.randn(n, generator=gen) if with_bias else None
     x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
     ops = _operands(q, ws, wc, smooth, pd, up, bias)
-    y = smf.linear(x.to(DEV), **ops, out_dtype=torch.float32)
+    y = smf.linear(x.to(DEV), **ops, out_dtype=torch.float32, dot=dot)
     want, bound = _want(x.float(), q, ws, wc, smooth, pd, up, bias)
-    _check(y, want, bound, f"m={m} r={r}")
-    assert smf._SYNC and all(int(b.abs().sum()) == 0 for b in smf._SYNC.values()), "sync words left nonzero"
+    _check(y, want, bound, f"m={m} r={r} dot={dot}")
+    assert all(int(b.abs().sum()) == 0 for b in small_m._SYNC_WORDS.values()), "sync words left nonzero"
     # a second launch on the same sync words gives the same bits
-    assert torch.equal(smf.linear(x.to(DEV), **ops, out_dtype=torch.float32), y)
+    assert torch.equal(smf.linear(x.to(DEV), **ops, out_dtype=torch.float32, dot=dot), y)
 
 
 def test_one_launch_plans_the_split_and_the_producers():
@@ -109,48 +114,82 @@ def test_one_launch_plans_the_split_and_the_producers():
     assert smf.plan(1, 3072, 12288)[0] > 1  # K is split where the row groups alone leave SMs idle
 
 
-def test_special_rows_follow_the_contract():
+@pytest.mark.parametrize("dot", [False, True])
+def test_special_rows_follow_the_contract(dot):
     """A token holding a NaN has NaN outputs (sa = 1, its NaN codes); one holding +-Inf too; an all-zero
-    token gives the bias; a token whose max lies below 448 / FLT_MAX stays finite (r = FLT_MAX)."""
+    token gives the bias; a token whose max lies below 448 / FLT_MAX keeps its tiny product (r = FLT_MAX).
+    One token a call, and (FP8 dots) all of them with a normal token in one call, which stays exact."""
     gen = torch.Generator().manual_seed(7)
     n, k, r = 64, 256, 16
     q, ws, wc, smooth, pd, up = _layer(n, k, r, gen)
     q[3] = 0x11  # no all-zero weight row here: every output reads the token
     bias = torch.randn(n, generator=gen)
-    ops = _operands(q, ws, wc, smooth, pd, up, bias)
     rows = {"nan": torch.randn(k, generator=gen), "inf": torch.randn(k, generator=gen), "zero": torch.zeros(k),
-            "tiny": torch.randn(k, generator=gen) * 1e-37}
+            "tiny": torch.randn(k, generator=gen) * 1e-37, "normal": torch.randn(k, generator=gen)}
     rows["nan"][5] = float("nan")
     rows["inf"][9] = float("-inf")
+    no_lr = dict(proj_down=None, proj_up=None)
     for name, row in rows.items():
+        b = None if name == "tiny" else bias  # the tiny product is checked on its own
+        ops = {**_operands(q, ws, wc, smooth, pd, up, b), **no_lr}
         x = row[None].float()
-        y = smf.linear(x.to(DEV), **{**ops, "proj_down": None, "proj_up": None}, out_dtype=torch.float32)
-        want, bound = _want(x, q, ws, wc, smooth, pd[:, :0], up[:, :0], bias)
+        y = smf.linear(x.to(DEV), **ops, out_dtype=torch.float32, dot=dot)
+        want, bound = _want(x, q, ws, wc, smooth, pd[:, :0], up[:, :0], b)
         _check(y, want, bound, name)
         if name in ("nan", "inf"):
             assert y.isnan().all(), name
         if name == "zero":
             assert torch.equal(y.cpu(), bias[None].float())
-        if name == "tiny":
-            assert y.isfinite().all()
+        if name == "tiny":  # relative to the product itself (~1e-37): a wrong sa or r is far off
+            y, want = y.double().cpu(), want
+            assert want.abs().min() > 0 and ((y - want).abs() <= 1e-5 * want.abs()).all()
+    if dot:
+        x = torch.stack(list(rows.values())).float()
+        ops = {**_operands(q, ws, wc, smooth, pd, up, bias), **no_lr}
+        y = smf.linear(x.to(DEV), **ops, out_dtype=torch.float32, dot=True)
+        want, bound = _want(x, q, ws, wc, smooth, pd[:, :0], up[:, :0], bias)
+        _check(y, want, bound, "all rows")
+        assert y[4].isfinite().all()
 
 
 def test_bad_calls_name_the_problem():
     gen = torch.Generator().manual_seed(3)
     q, ws, wc, smooth, pd, up = _layer(64, 256, 16, gen)
-    ops = _operands(q, ws, wc, smooth, pd, up, None)
-    x = torch.randn(3, 256).bfloat16().to(DEV)
-    with pytest.raises(ValueError, match="1 to 2 tokens"):
+    ops = _operands(q, ws, wc, smooth, pd, up, torch.randn(64))
+    x = torch.randn(65, 256).bfloat16().to(DEV)
+    with pytest.raises(ValueError, match="1 to 64 tokens"):
         smf.linear(x, **ops)
+    with pytest.raises(ValueError, match="multiply-add form serves at most 2"):
+        smf.linear(x[:3], **ops, dot=False)
     with pytest.raises(ValueError, match="fast blob"):
         smf.linear(x[:1, :128], **ops)
-    with pytest.raises(ValueError, match="proj_up must be"):
+    with pytest.raises(ValueError, match="come together"):
         smf.linear(x[:1], **{**ops, "proj_down": None})
+    with pytest.raises(ValueError, match="proj_up must be"):
+        smf.linear(x[:1], **{**ops, "proj_up": ops["proj_up"][:, :8].t().contiguous().t()})
+    bad = torch.empty(128, device=DEV)[::2]
+    for name in ("cs", "bias"):
+        with pytest.raises(ValueError, match=f"{name} must be a contiguous float32"):
+            smf.linear(x[:1], **{**ops, name: bad.copy_(ops[name])})
+    with pytest.raises(ValueError, match="inv_smooth must be"):
+        smf.linear(x[:1], **{**ops, "inv_smooth": ops["inv_smooth"][:128]})
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        smf.linear(x[:1], **{**ops, "blob": ops["blob"].view(torch.int8)})
 
 
-@pytest.mark.parametrize("m", [1, 2])
+def test_sync_words_grow_and_stay_per_kernel_and_stream():
+    """Eager launches share one zeroed buffer per (device, stream, kernel); a larger request replaces it."""
+    dev = torch.device(DEV)
+    a = small_m.sync_words(dev, 10, "t1")
+    assert a.numel() >= 10 and int(a.abs().sum()) == 0
+    assert small_m.sync_words(dev, 10, "t1") is a and small_m.sync_words(dev, 10, "t2") is not a
+    big = small_m.sync_words(dev, 5000, "t1")
+    assert big.numel() >= 5000 and big is not a and small_m.sync_words(dev, 10, "t1") is big
+
+
+@pytest.mark.parametrize("m", [1, 2, 9])
 def test_backend_takes_the_one_launch_kernel_when_asked(m, monkeypatch):
-    """``SVDQ_SM90_FAST_ONE_LAUNCH=1``: ``run_w4a4_fast`` hands a 1-2-token call the prepared fast state
+    """``SVDQ_SM90_FAST_ONE_LAUNCH=1``: ``run_w4a4_fast`` hands a 1-64-token call the prepared fast state
     (the blob, the strip, ``2**e * wcscale``, ``1 / smooth`` and the first R columns of the padded
     ``proj_down / smooth``) and its result meets the fast formula."""
     qf = pytest.importorskip("svdq_linear.backends.sm90.quack_fast")
@@ -184,19 +223,21 @@ from svdq_linear.backends.sm90 import small_m_fast as smf
 from svdq_linear.precompile import _nvidia_bin
 
 sig = dict(x_ptr="*bf16", inv_ptr="*fp32", blob_ptr="*u8", strip_ptr="*u8", cs_ptr="*fp32", bias_ptr="*fp32",
-           pd_ptr="*bf16", up_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", lpart_ptr="*fp32", sync_ptr="*i32",
-           M="i32", N="i32", K="i32", R="i32", stride_xm="i32", stride_pd="i32", stride_om="i32",
+           pd_ptr="*bf16", up_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", lpart_ptr="*fp32", a8_ptr="*u8",
+           sync_ptr="*i32", M="i32", N="i32", K="i32", R="i32", stride_xm="i32", stride_pd="i32", stride_om="i32",
            tiles_per_split="i32", S="i32", P="i32", k_per_prod="i32")
 out = {}
-for bm in (1, 2):
-    cx = dict(BM=bm, RB=32, CK=128, HAS_BIAS=True, HAS_LORA=True, ASM=True, NUM_STAGES=3)
+# (label, BM, RB, DOT): the multiply-adds at 1 and 2 tokens, the FP8 dots at 16 and 64 token rows, rank 128
+for label, bm, rb, dot in (("1", 1, 32, False), ("2", 2, 32, False), ("d16", 16, 32, True), ("d64", 64, 32, True),
+                           ("1r128", 1, 128, False), ("d64r128", 64, 128, True)):
+    cx = dict(BM=bm, RB=rb, RC=min(rb, 32), CK=max(16, min(128, 2048 // bm)), HAS_BIAS=True, HAS_LORA=True, ASM=True, NUM_STAGES=3, DOT=dot)
     fn = smf._fast_small_m_kernel
     full = {a: ("constexpr" if a in cx else sig[a]) for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
              if a not in cx and a not in ("M", "R", "S", "P", "tiles_per_split")}
     ck = triton.compile(ASTSource(fn, full, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                         options=dict(num_warps=4))
-    cub = sys.argv[1] + f"/f{bm}.cubin"
+    cub = sys.argv[1] + f"/f{label}.cubin"
     open(cub, "wb").write(ck.asm["cubin"])
     sass = subprocess.run([_nvidia_bin("cuobjdump"), "--dump-sass", cub], capture_output=True, text=True,
                           check=True).stdout
@@ -204,24 +245,29 @@ for bm in (1, 2):
     loops = [(lo, addr) for addr, t in ins if (b := re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", t))
              and (lo := int(b.group(1), 16)) < addr]
     bodies = [[t for a, t in ins if lo <= a <= hi] for lo, hi in loops]
-    body = max([b for b in bodies if any("LDGSTS" in t for t in b)], key=len)  # the pipelined main loop
+    body = [b for b in bodies if any("UNPACK_B_MERGE_C" in t for t in b)][0]  # the worker's loop (its tables)
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body)
     whole = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in ins)
-    out[bm] = dict(per_value=len(body) / 64, ffma=ops["FFMA"], unpack=ops["F2FP.F16.E4M3.UNPACK_B"],
-                   tables=ops["F2FP.SATFINITE.E4M3.F16.UNPACK_B_MERGE_C"], shfl=sum(v for o, v in ops.items() if "SHFL" in o),
-                   local=sum(v for o, v in whole.items() if o.startswith(("LDL", "STL"))),
-                   atomics=sum(v for o, v in whole.items() if o.startswith(("ATOM", "RED"))),
-                   prefetch=whole["CCTL.E.PF2"])
+    out[label] = dict(per_value=len(body) / 64, ffma=ops["FFMA"], unpack=ops["F2FP.F16.E4M3.UNPACK_B"],
+                      tables=ops["F2FP.SATFINITE.E4M3.F16.UNPACK_B_MERGE_C"],
+                      qgmma=sum(v for o, v in ops.items() if o.startswith("QGMMA")),
+                      shfl=sum(v for o, v in ops.items() if "SHFL" in o),
+                      local=sum(v for o, v in whole.items() if o.startswith(("LDL", "STL"))),
+                      atomics=sum(v for o, v in whole.items() if o.startswith(("ATOM", "RED"))),
+                      prefetch=whole["CCTL.E.PF2"])
 print(json.dumps(out))
 """
 
 
-def test_one_launch_compiles_to_table_lookups_and_one_fma_a_value(tmp_path):
-    """Compiled for sm_90a here (no GPU; the real compiler, in a child process): the main loop builds four
-    tables a k-tile with the hardware E4M3 converts, widens the decoded bytes two at a time, issues one
-    FFMA a weight value a token and nothing across threads (5.45 instructions a value at one token, 6.6
-    at two with Triton 3.9); no local memory; the ticket, counts, amax and done words are atomics; a
-    worker prefetches its weight bytes into L2 before it waits for the producers."""
+def test_one_launch_compiles_to_table_lookups_and_fp8_wgmma(tmp_path):
+    """Compiled for sm_90a here (no GPU; the real compiler, in a child process). Both forms build four
+    tables a k-tile with the hardware E4M3 converts, touch no local memory (rank 128 included: the
+    low-rank tiles go 32 columns at a time), prefetch the worker's weight lines into L2 before it waits
+    and keep the ticket, counts, amax and done words in atomics. The multiply-adds (1-2 tokens) widen the
+    decoded bytes two at a time and issue one FFMA a weight value a token, nothing across threads (5.45
+    instructions a value at one token, 6.6 at two, Triton 3.9). The FP8 dots hand the decoded bytes to
+    ``wgmma`` from registers (four ``QGMMA`` a k-tile, no FFMA, no widening) at about 3 instructions a
+    value, whatever the token rows."""
     from svdq_linear.precompile import _nvidia_bin
 
     if not os.path.exists(_nvidia_bin("cuobjdump")):
@@ -233,23 +279,27 @@ def test_one_launch_compiles_to_table_lookups_and_one_fma_a_value(tmp_path):
     import json
 
     out = json.loads(res.stdout.strip().splitlines()[-1])
+    for label, st in out.items():
+        assert st["tables"] == 16 and st["shfl"] == 0 and st["local"] == 0, (label, st)
+        assert st["atomics"] >= 8 and st["prefetch"] >= 2, (label, st)
     one, two = out["1"], out["2"]
-    for bm, st in (("1", one), ("2", two)):
-        assert st["ffma"] == 64 * int(bm), st
-        assert st["tables"] == 16 and st["shfl"] == 0 and st["local"] == 0, st
+    for bm, st in ((1, one), (2, two)):
+        assert st["ffma"] == 64 * bm and st["qgmma"] == 0, st
         assert 32 <= st["unpack"] <= 36, st  # the 64 weight values two a convert, plus the activations'
-        assert st["atomics"] >= 8, st
-        assert st["prefetch"] >= 2, st  # the split's blob and strip lines, into L2 before the wait
     assert one["per_value"] <= 5.75, one
     assert two["per_value"] <= one["per_value"] + 1.5, (one, two)  # the second token: its FFMA and activations
+    for label in ("d16", "d64"):
+        st = out[label]
+        assert st["qgmma"] == 4 and st["ffma"] == 0 and st["unpack"] == 0, (label, st)
+        assert st["per_value"] <= 3.25, (label, st)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 7, 64])
 @pytest.mark.parametrize("k,n,r,dtype", [(3072, 3072, 32, torch.bfloat16), (12288, 3072, 32, torch.bfloat16),
                                          (3072, 12288, 0, torch.float16), (1024, 3072, 96, torch.bfloat16)])
-def test_gpu_backend_routes_one_and_two_tokens_to_one_launch(m, k, n, r, dtype, monkeypatch):
-    """``SVDQ_SM90_FAST_ONE_LAUNCH=1``: the fast mode's 1-2-token calls take the kernel, meet the fast
+def test_gpu_backend_routes_a_few_tokens_to_one_launch(m, k, n, r, dtype, monkeypatch):
+    """``SVDQ_SM90_FAST_ONE_LAUNCH=1``: the fast mode's calls of 1-64 tokens take the kernel, meet the fast
     formula, leave the sync words at zero, and replay in a CUDA graph with the same bits."""
     pytest.importorskip("quack")
     from test_conformance import random_w4a4
@@ -272,12 +322,57 @@ def test_gpu_backend_routes_one_and_two_tokens_to_one_launch(m, k, n, r, dtype, 
     assert calls, "the call did not take the one-launch kernel"
     _assert_fast_formula(mod, x, y)
     torch.cuda.synchronize()
-    assert all(int(b.abs().sum()) == 0 for b in smf._SYNC.values())
+    assert all(int(b.abs().sum()) == 0 for b in small_m._SYNC_WORDS.values())
+    for _ in range(2):  # two captures: each launch its own sync words
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            yg = backend.linear(mod, x, prepared)
+        for _ in range(3):
+            yg.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(yg, y)
+
+
+_CONCURRENT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_sm90_small_m_fast import _layer, _operands
+from svdq_linear.backends.sm90 import small_m_fast as smf
+gen = torch.Generator().manual_seed(0)
+runs = []
+for m, (n, k) in ((1, (3072, 3072)), (7, (3072, 12288)), (2, (12288, 3072))):
+    q, ws, wc, smooth, pd, up = _layer(n, k, 32, gen)
+    ops = {a: (t.cuda() if t is not None else None) for a, t in _operands(q, ws, wc, smooth, pd, up, None).items()}
+    x = torch.randn(m, k, generator=gen).bfloat16().cuda()
+    want = smf.linear(x, **ops)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        yg = backend.linear(mod, x, prepared)
-    for _ in range(3):
-        yg.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(yg, y)
+    with torch.cuda.graph(g):  # every capture on PyTorch's default capture stream
+        y = smf.linear(x, **ops)
+    runs.append((g, y, want))
+streams = [torch.cuda.Stream() for _ in runs]
+for it in range(50):
+    for (g, y, _), st in zip(runs, streams):
+        with torch.cuda.stream(st):
+            g.replay()
+    torch.cuda.synchronize()
+    for g, y, want in runs:
+        assert torch.equal(y, want), it
+# eager launches of other shapes on the eager stream between and after
+for g, y, want in runs:
+    g.replay()
+torch.cuda.synchronize()
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_replayed_at_once_on_several_streams_keep_their_own_sync_words():
+    """Graphs captured on one capture stream (PyTorch's default) and replayed concurrently on three
+    streams: each launch has its own tickets and counters, so every replay writes what the eager call
+    did. Run in a child process with a time limit: shared words would hang or corrupt it."""
+    import pathlib
+
+    res = subprocess.run([sys.executable, "-c", _CONCURRENT, str(pathlib.Path(__file__).parent)], capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]

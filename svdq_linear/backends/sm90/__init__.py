@@ -24,7 +24,7 @@ By tokens M (bf16):
 The fast mode (``nvfp4.w4a8_fast_linear``): ``kernels.quantize_act_fp8`` writes the per-token E4M3
 activations (and ``lora_act / sa``), and ``quack_fast`` runs FP8 wgmma on the 4-bit weight decoded to
 E4M3 in registers (our decode format on quack's operand-transform mainloop), the low-rank MMA into the
-same accumulator, then ``* sa * 2**e * wcscale + bias`` (with ``SVDQ_SM90_FAST_ONE_LAUNCH=1``, 1-2 tokens
+same accumulator, then ``* sa * 2**e * wcscale + bias`` (with ``SVDQ_SM90_FAST_ONE_LAUNCH=1``, 1-64 tokens
 run ``small_m_fast``: the whole linear in one launch). Its repacked codes are a permutation of the
 canonical ``qweight``, which the module frees while they are cached (``Backend.replaced``: the weight
 is not on the GPU twice). It needs quack-kernels and a GPU; elsewhere the reference serves the fast
@@ -68,8 +68,8 @@ ENV_SMALL_M_MMA = "SVDQ_SM90_SMALL_M_MMA"
 # "1": small_m_mma's fused kernel (low-rank MMA, split-K sum and epilogue in one launch) where the prepared
 # state has the accumulator form; off by default until the H200 has checked and timed it
 ENV_MMA_FUSED = "SVDQ_SM90_MMA_FUSED"
-# "1": the fast mode's 1-2-token calls run small_m_fast, the activation pass, lora_act, the product and the
-# epilogue in one launch; off by default until the H200 has checked and timed it
+# "1": the fast mode's calls of 1-64 tokens run small_m_fast, the activation pass, lora_act, the product and
+# the epilogue in one launch; off by default until the H200 has checked and timed it
 ENV_FAST_ONE_LAUNCH = "SVDQ_SM90_FAST_ONE_LAUNCH"
 # "1": under torch.compile, the fast mode's activation pass of a call above MMA_TOKENS tokens is traced
 # as PyTorch ops (fast_layout.fast_act_ops) that the compiler fuses into the kernels producing the
@@ -447,8 +447,8 @@ class Sm90Backend(Backend):
         inv, extra = extra[-1], extra[:-1]  # Sm90Prepared.tensors(): inv_smooth comes last
         fw = quack_fast.weight(extra[-4:])
         out_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
-        if getenv(ENV_FAST_ONE_LAUNCH) == "1" and 1 <= x.shape[0] <= 2:  # read per call (benchmarks toggle it)
-            from . import small_m_fast
+        if getenv(ENV_FAST_ONE_LAUNCH) == "1" and 1 <= x.shape[0] <= tuning.MMA_TOKENS:  # read per call
+            from . import small_m_fast  # (its MAX_M: 64 tokens, like small_m_mma's)
 
             # the prepared proj_down / smooth: its first r columns (the accumulator path pads at the end)
             return small_m_fast.linear(x, inv, fw.blob, fw.strip, fw.cs, fw.bias if bias is not None else None,

@@ -444,19 +444,33 @@ def _small_m_kernel(
 
 # ---- host side ------------------------------------------------------------------------------------
 
-_COUNTERS: dict[tuple, torch.Tensor] = {}
+_SYNC_WORDS: dict[tuple, torch.Tensor] = {}
+_CAPTURED: list[torch.Tensor] = []  # the words of captured launches: kept for as long as a graph may replay them
+
+
+def sync_words(device: torch.device, n: int, name: str = "small_m") -> torch.Tensor:
+    """At least ``n`` zeroed int32 words for a kernel that leaves them at zero (split-K counters, tickets).
+
+    Eager launches share one buffer per (device, stream, kernel): they run in stream order. A launch
+    captured in a CUDA graph gets a buffer of its own, zeroed by the capture (so every replay starts from
+    zero) and never freed: graphs that share a capture stream may be replayed concurrently on different
+    streams, and a replaced buffer may still be referenced by an earlier graph."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _CAPTURED.append(buf)
+        return buf
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, name)
+    buf = _SYNC_WORDS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _SYNC_WORDS[key] = buf
+    return buf
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per weight tile, kept per (device, stream): each launch leaves them at
-    zero, so launches on one stream (CUDA-graph replays included) share them without a memset."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
+    """Zeroed int32 counters, one per weight tile (``sync_words``): each launch leaves them at zero."""
+    return sync_words(device, n)
 
 
 def block_k_for(layout: int, k: int, block_k: int = 128) -> int:

@@ -44,18 +44,22 @@ import triton
 import triton.language as tl
 
 from .fast_layout import TILE_K
-from .kernels import _round_e4m3, next_pow2
-from .small_m import _e4m3x4_to_f32
+from .kernels import _e4m3_bits, _gemm_k, _rne_bf16, _round_e4m3, next_pow2
+from .small_m import _e4m3x4_to_f32, sync_words
 from .tuning import SM_COUNT
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-MAX_M = 2  # tokens this kernel serves (one multiply-add a value each)
+MAX_M = 64  # tokens this kernel serves
+FMA_MAX_M = 2  # up to this many tokens the workers quantize their own activations and multiply-add (else FP8 dots)
 CTAS_PER_SM = 8  # the grid the split-K aims at, as small_m's
 PRODUCERS_MAX = 32  # k-chunks of the row-wide work (amax, lora_act)
 # sync words: ticket, amax count, lora count, done count, the tokens' amax bits, then a counter a group
-_TICKET, _AMAX_CNT, _LORA_CNT, _DONE, _AMAX = (tl.constexpr(i) for i in range(5))
-_GROUPS = tl.constexpr(8)
+# (each polled or updated word on its own 128-byte line)
+_TICKET, _AMAX_CNT, _LORA_CNT, _A8_CNT, _DONE = (tl.constexpr(32 * i) for i in range(5))
+_AMAX = tl.constexpr(160)  # the tokens' amax bits (up to MAX_M)
+_GROUPS_AT = 256
+_GROUPS = tl.constexpr(_GROUPS_AT)
 _TK = tl.constexpr(TILE_K)
 
 # quack_fast's table: strip byte Q (a block factor g, UE5M3) -> bytes e4m3(m * g), m = 0, 0.5, 1, 1.5 | 2, 3, 4, 6
@@ -207,17 +211,40 @@ def _prefetch_l2(ptr, nbytes):
 
 @triton.jit
 def _wait(ptr, target):
-    """Spin until the counter at ``ptr`` reaches ``target`` (acquire: what was written before each count is
-    visible after)."""
-    c = tl.atomic_add(ptr, 0, sem="acquire")
+    """Spin until the counter at ``ptr`` reaches ``target``: relaxed polls (no L1 invalidation a pass), then
+    one acquire (what was written before each count is visible after it)."""
+    c = tl.atomic_add(ptr, 0, sem="relaxed")
     while c < target:
-        c = tl.atomic_add(ptr, 0, sem="acquire")
+        c = tl.atomic_add(ptr, 0, sem="relaxed")
+    c = tl.atomic_add(ptr, 0, sem="acquire")
     tl.debug_barrier()
 
 
 @triton.jit
+def _token_scales(sync_ptr, rm, m_ok, BM: tl.constexpr):
+    """The tokens' ``(sa, r)`` from the published amax bits, as ``nvfp4.fast_act``: ``sa = amax / 448`` (1 for
+    an all-zero row and where a NaN is in the row), ``r = min(1 / sa, FLT_MAX)``."""
+    mx = tl.atomic_add(sync_ptr + _AMAX + rm, 0, mask=m_ok, sem="relaxed")
+    ok = (mx > 0) & (mx <= 0x7F800000)
+    sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([BM], 448.0, tl.float32)), 1.0)
+    r = tl.minimum(tl.math.div_rn(tl.full([BM], 1.0, tl.float32), sa), 3.4028234663852886e38)
+    return sa, r
+
+
+@triton.jit
+def _bf16(v, ASM: tl.constexpr):
+    """fp32 ``v`` rounded to bf16 (nearest even) and back (the interpreter's cast truncates: by arithmetic)."""
+    if ASM:
+        return v.to(tl.bfloat16).to(tl.float32)
+    return _rne_bf16(v)
+
+
+@triton.jit
 def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, p, M, K, R, stride_xm, stride_pd, k_per_prod,
-              BM: tl.constexpr, RB: tl.constexpr, CK: tl.constexpr, HAS_LORA: tl.constexpr):
+              BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, HAS_LORA: tl.constexpr,
+              DOT: tl.constexpr, ASM: tl.constexpr):
+    """Chunk ``p`` of K: the tokens' partial max of ``|x / smooth|``, then its ``x @ (proj_down / smooth)``
+    partial ``[BM, RB]`` (R in chunks of RC columns), each published with a count. Waits for nothing."""
     k_lo = p * k_per_prod
     k_hi = tl.minimum(K, k_lo + k_per_prod)
     rm = tl.arange(0, BM)
@@ -233,119 +260,201 @@ def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, p, M, K, R, stride_xm
     tl.atomic_max(sync_ptr + _AMAX + rm, mx, mask=m_ok, sem="relaxed")
     tl.debug_barrier()
     tl.atomic_add(sync_ptr + _AMAX_CNT, 1, sem="release")
-    if HAS_LORA:  # this chunk's x @ (proj_down / smooth): x rounded to bf16 as the backend's GEMM reads it
-        rr = tl.arange(0, RB)
-        r_ok = rr < R
-        for mi in tl.static_range(BM):
-            if mi < M:
-                acc = tl.zeros([RB], tl.float32)
+    if HAS_LORA:  # x rounded to bf16 as the backend's cuBLAS GEMM reads it; exact products, fp32 sums
+        for r0 in tl.static_range(0, RB, RC):
+            rr = r0 + tl.arange(0, RC)
+            r_ok = rr < R
+            if DOT:  # 16 to 64 token rows: tensor cores
+                acc = tl.zeros([BM, RC], tl.float32)
                 for k0 in range(k_lo, k_hi, CK):
                     rk = k0 + tl.arange(0, CK)
                     k_ok = rk < k_hi
-                    x = tl.load(x_ptr + mi * stride_xm + rk, mask=k_ok, other=0.0).to(tl.bfloat16).to(tl.float32)
+                    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                                other=0.0)
                     pd = tl.load(pd_ptr + rk[:, None] * stride_pd + rr[None, :], mask=k_ok[:, None] & r_ok[None, :],
-                                 other=0.0).to(tl.float32)
-                    acc += tl.sum(x[:, None] * pd, axis=0)
-                tl.store(lpart_ptr + (p * BM + mi) * RB + rr, acc)
+                                 other=0.0)
+                    if ASM:
+                        acc = tl.dot(x.to(tl.bfloat16), pd.to(tl.bfloat16), acc)
+                    else:
+                        acc = tl.dot(_rne_bf16(x.to(tl.float32)), pd.to(tl.float32), acc, input_precision="ieee")
+                tl.store(lpart_ptr + (p * BM + rm[:, None]) * RB + rr[None, :], acc)
+            else:
+                for mi in tl.static_range(BM):
+                    if mi < M:
+                        acc1 = tl.zeros([RC], tl.float32)
+                        for k0 in range(k_lo, k_hi, CK):
+                            rk = k0 + tl.arange(0, CK)
+                            k_ok = rk < k_hi
+                            x1 = _bf16(tl.load(x_ptr + mi * stride_xm + rk, mask=k_ok, other=0.0).to(tl.float32), ASM)
+                            pd = tl.load(pd_ptr + rk[:, None] * stride_pd + rr[None, :],
+                                         mask=k_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+                            acc1 += tl.sum(x1[:, None] * pd, axis=0)
+                        tl.store(lpart_ptr + (p * BM + mi) * RB + rr, acc1)
         tl.debug_barrier()
         tl.atomic_add(sync_ptr + _LORA_CNT, 1, sem="release")
 
 
 @triton.jit
+def _quantizer(x_ptr, inv_ptr, a8_ptr, sync_ptr, q, P, M, K, stride_xm, k_per_prod, BM: tl.constexpr,
+               CK: tl.constexpr, ASM: tl.constexpr):
+    """Chunk ``q`` of K (whole k-tiles) as E4M3 activations in the GEMM's k order, once every producer's max
+    is in (the producers hold lower tickets: they are running), published with a count."""
+    _wait(sync_ptr + _AMAX_CNT, P)
+    rm = tl.arange(0, BM)
+    m_ok = rm < M
+    sa, r = _token_scales(sync_ptr, rm, m_ok, BM)
+    k_lo = q * k_per_prod
+    k_hi = tl.minimum(K, k_lo + k_per_prod)
+    for k0 in range(k_lo, k_hi, CK):  # positions k0 + [0, CK) of the GEMM's k order (CK divides 128)
+        pos = k0 + tl.arange(0, CK)
+        lk = _gemm_k(pos, True)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + lk[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+        v = x * tl.load(inv_ptr + lk)[None, :] * r[:, None]
+        ptrs = a8_ptr + rm[:, None] * K + pos[None, :]
+        if ASM:  # the hardware convert saturates +-Inf at 448: the contract's NaN (0x7F) instead
+            v = tl.where(tl.abs(v) < float("inf"), v, float("nan"))
+            tl.store(ptrs, v.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m_ok[:, None])
+        else:
+            tl.store(ptrs, _e4m3_bits(v), mask=m_ok[:, None])
+    tl.debug_barrier()
+    tl.atomic_add(sync_ptr + _A8_CNT, 1, sem="release")
+
+
+@triton.jit
+def _decode_tile(word, sw, ASM: tl.constexpr):
+    """One k-tile of a 64-row group (``word [32, 4, 8]``, ``sw [32, 4, 1]``) -> its E4M3 weights ``[64 rows,
+    128 positions]`` (row ``16 w + 8 p + rq``, position ``16 word + 4 c + j``: the GEMM's k order), as
+    E4M3 on the GPU (the layout lands in wgmma's register operand) and as their fp32 values in the
+    interpreter."""
+    w_lo, w_hi = tl.split(tl.permute(tl.reshape(word, [32, 4, 2, 4]), [0, 1, 3, 2]))  # block half B = 0 / 1
+    if ASM:
+        ta, tb = _tables(sw, 0)
+        ta8, tb8 = _tables(sw, 1)
+        r0l, r1l = tl.inline_asm_elementwise(asm=_DECODE_ASM, constraints="=r,=r,r,r,r,r,r",
+                                             args=[w_lo, ta, tb, ta8, tb8], dtype=(tl.int32, tl.int32),
+                                             is_pure=True, pack=1)
+        ta, tb = _tables(sw, 2)
+        ta8, tb8 = _tables(sw, 3)
+        r0h, r1h = tl.inline_asm_elementwise(asm=_DECODE_ASM, constraints="=r,=r,r,r,r,r,r",
+                                             args=[w_hi, ta, tb, ta8, tb8], dtype=(tl.int32, tl.int32),
+                                             is_pure=True, pack=1)
+        r0 = tl.reshape(tl.permute(tl.join(r0l, r0h), [0, 1, 3, 2]), [32, 4, 8])  # row r: [wrq, c, word]
+        r1 = tl.reshape(tl.permute(tl.join(r1l, r1h), [0, 1, 3, 2]), [32, 4, 8])  # row r + 8
+        r = tl.join(r0, r1)  # [wrq, c, word, p]
+        b0 = (r & 0xFF).to(tl.uint8)
+        b1 = ((r >> 8) & 0xFF).to(tl.uint8)
+        b2 = ((r >> 16) & 0xFF).to(tl.uint8)
+        b3 = ((r >> 24) & 0xFF).to(tl.uint8)
+    else:
+        v0, v1, v2, v3, u0, u1, u2, u3 = _decode_values(w_lo, sw, 0, False)
+        f0, f1, f2, f3, e0, e1, e2, e3 = _decode_values(w_hi, sw, 1, False)
+        b0 = tl.join(_words(v0, f0), _words(u0, e0))
+        b1 = tl.join(_words(v1, f1), _words(u1, e1))
+        b2 = tl.join(_words(v2, f2), _words(u2, e2))
+        b3 = tl.join(_words(v3, f3), _words(u3, e3))
+    by = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [wrq, c, word, p, j1, j0]: j = 2 j1 + j0
+    by = tl.reshape(by, [4, 8, 4, 8, 2, 4])  # [w, rq, c, word, p, j]
+    w8 = tl.reshape(tl.permute(by, [0, 4, 1, 3, 2, 5]), [64, 128])
+    if ASM:
+        w8 = w8.to(tl.float8e4nv, bitcast=True)
+    return w8
+
+
+@triton.jit
+def _words(lo, hi):
+    """Block halves ``[32, 4, 4]`` (word in the half) -> ``[32, 4, 8]`` (word ``4 B + i``)."""
+    return tl.reshape(tl.permute(tl.join(lo, hi), [0, 1, 3, 2]), [32, 4, 8])
+
+
+@triton.jit
 def _fast_small_m_kernel(
-    x_ptr, inv_ptr, blob_ptr, strip_ptr, cs_ptr, bias_ptr, pd_ptr, up_ptr, out_ptr, part_ptr, lpart_ptr, sync_ptr,
-    M, N, K, R, stride_xm, stride_pd, stride_om, tiles_per_split, S, P, k_per_prod,
-    BM: tl.constexpr, RB: tl.constexpr, CK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-    ASM: tl.constexpr, NUM_STAGES: tl.constexpr,
+    x_ptr, inv_ptr, blob_ptr, strip_ptr, cs_ptr, bias_ptr, pd_ptr, up_ptr, out_ptr, part_ptr, lpart_ptr, a8_ptr,
+    sync_ptr, M, N, K, R, stride_xm, stride_pd, stride_om, tiles_per_split, S, P, k_per_prod,
+    BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr, ASM: tl.constexpr, NUM_STAGES: tl.constexpr, DOT: tl.constexpr,
 ):
+    # CK: the k-chunk of the producers' and quantizers' [BM, CK] tiles (2048 elements: no spills at 64 rows)
+    # Roles by ticket: [0, P) producers; with DOT (16-64 token rows) [P, 2 P) quantizers, which write the
+    # E4M3 activations (the GEMM's k order) for workers that run FP8 dots on the decoded tile; the rest
+    # workers (without DOT, 1-2 tokens, they quantize their own activations and multiply-add)
     G = N // 64
     KT = K // _TK
-    total = P + G * S
+    Q = P if DOT else 0
+    total = P + Q + G * S
     t = tl.atomic_add(sync_ptr + _TICKET, 1, sem="relaxed")
     if t < P:
         _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, t, M, K, R, stride_xm, stride_pd, k_per_prod,
-                  BM, RB, CK, HAS_LORA)
-    else:
-        item = t - P
+                  BM, RB, RC, CK, HAS_LORA, DOT, ASM)
+    elif t < P + Q:
+        _quantizer(x_ptr, inv_ptr, a8_ptr, sync_ptr, t - P, P, M, K, stride_xm, k_per_prod, BM, CK, ASM)
+    elif t < total:  # (a ticket past the grid would mean sync words not left at zero: such a CTA does nothing)
+        item = t - P - Q
         g = item // S
         s = item - g * S
         rm = tl.arange(0, BM)
         m_ok = rm < M
         kt_lo = s * tiles_per_split
         kt_hi = tl.minimum(KT, kt_lo + tiles_per_split)
-        if ASM:  # the split's weight bytes start coming into L2 while the producers publish the amax
+        if ASM:  # the split's weight bytes start coming into L2 while the producers publish
             _prefetch_l2(blob_ptr + (g * KT + kt_lo) * 4096, (kt_hi - kt_lo) * 4096)
             _prefetch_l2(strip_ptr + (g * KT + kt_lo) * 512, (kt_hi - kt_lo) * 512)
-        _wait(sync_ptr + _AMAX_CNT, P)
-        mx = tl.atomic_add(sync_ptr + _AMAX + rm, 0, mask=m_ok, sem="relaxed")  # the tokens' amax bits
-        ok = (mx > 0) & (mx <= 0x7F800000)  # 1 for an all-zero row and where a NaN is in the row
-        sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([BM], 448.0, tl.float32)), 1.0)
-        rinv = tl.minimum(tl.math.div_rn(tl.full([BM], 1.0, tl.float32), sa), 3.4028234663852886e38)
-        r0 = tl.sum(tl.where(rm == 0, rinv, 0.0), axis=0)
-        r1 = tl.sum(tl.where(rm == 1, rinv, 0.0), axis=0)
-
         # a thread-slot's words: blob [G, KT, 128 (32 wrq + c), 8 (4 B + word)] int32; strip [G, KT, 128]
         o_w = (tl.arange(0, 32)[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]) * 8 + tl.arange(0, 8)[None, None, :]
         o_s = tl.arange(0, 32)[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]  # [32, 4, 1]
-        # per token, rows r / r + 8 (p), block half B: [32 (8 w + rq), 4 (c), 4 (word)] multiply-add slots
-        c000 = tl.zeros([32, 4, 4], tl.float32)  # token 0: p = 0, B = 0
-        c001 = tl.zeros([32, 4, 4], tl.float32)  # p = 0, B = 1
-        c010 = tl.zeros([32, 4, 4], tl.float32)  # p = 1, B = 0
-        c011 = tl.zeros([32, 4, 4], tl.float32)  # p = 1, B = 1
-        c100 = tl.zeros([32, 4, 4], tl.float32)  # token 1 (a second token's slots cost nothing at one)
-        c101 = tl.zeros([32, 4, 4], tl.float32)
-        c110 = tl.zeros([32, 4, 4], tl.float32)
-        c111 = tl.zeros([32, 4, 4], tl.float32)
         wbase = blob_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         sbase = strip_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        for kt in tl.range(kt_lo, kt_hi, num_stages=NUM_STAGES):
-            tile = g * KT + kt
-            word = tl.load(wbase + tile * 1024 + o_w)  # [32, 4, 8]
-            sw = tl.load(sbase + tile * 128 + o_s)  # [32, 4, 1]
-            w_lo, w_hi = tl.split(tl.permute(tl.reshape(word, [32, 4, 2, 4]), [0, 1, 3, 2]))  # B = 0 / 1
-            a00, a01, a02, a03, a10, a11, a12, a13 = _tile_acts(x_ptr, inv_ptr, 0, kt * _TK, stride_xm, r0, ASM)
-            c000, c010 = _half_fma(w_lo, sw, a00, a01, a02, a03, c000, c010, 0, ASM)
-            c001, c011 = _half_fma(w_hi, sw, a10, a11, a12, a13, c001, c011, 1, ASM)
-            if BM > 1:  # (BM = 2 only for two tokens)
-                a00, a01, a02, a03, a10, a11, a12, a13 = _tile_acts(x_ptr, inv_ptr, 1, kt * _TK, stride_xm, r1, ASM)
-                c100, c110 = _half_fma(w_lo, sw, a00, a01, a02, a03, c100, c110, 0, ASM)
-                c101, c111 = _half_fma(w_hi, sw, a10, a11, a12, a13, c101, c111, 1, ASM)
-
-        # rows: slot i = 8 w + rq holds rows 16 w + rq (p = 0) and + 8 (p = 1); [32, 2, BM] partial
-        acc = tl.join(_slots(c000, c001), _slots(c010, c011))  # [32, 2]
-        acc1 = tl.join(_slots(c100, c101), _slots(c110, c111))
-        i = tl.arange(0, 32)[:, None]
-        pp = tl.arange(0, 2)[None, :]
-        row = 16 * (i // 8) + i % 8 + 8 * pp  # [32, 2], the group's local row
-        part = tl.where(rm[None, None, :] == 0, acc[:, :, None], acc1[:, :, None])  # [32, 2, BM]
-        local = row[:, :, None] * BM + rm[None, None, :]
-        tl.store(part_ptr + (s * G + g) * (64 * BM) + local, part)
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        done = tl.atomic_add(sync_ptr + _GROUPS + g, 1, sem="acq_rel")
-        if done == S - 1:  # the last split of this group: sum in split order, then the epilogue
-            y = tl.zeros([32, 2, BM], tl.float32)
-            for si in range(S):
-                y += tl.load(part_ptr + (si * G + g) * (64 * BM) + local, cache_modifier=".cg")
-            tl.atomic_xchg(sync_ptr + _GROUPS + g, 0)  # ready for the next launch
-            rn = g * 64 + row  # [32, 2]
-            y = y * sa[None, None, :] * tl.load(cs_ptr + rn)[:, :, None]
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + rn).to(tl.float32)[:, :, None]
-            if HAS_LORA:
-                _wait(sync_ptr + _LORA_CNT, P)
-                rr = tl.arange(0, RB)
-                r_ok = rr < R
-                la = tl.load(lpart_ptr + rm[:, None] * RB + rr[None, :], cache_modifier=".cg")  # [BM, RB]
-                for pi in range(1, P):
-                    la += tl.load(lpart_ptr + (pi * BM + rm[:, None]) * RB + rr[None, :], cache_modifier=".cg")
-                up = tl.load(up_ptr + rn[:, :, None] * R + rr[None, None, :], mask=r_ok[None, None, :],
-                             other=0.0).to(tl.float32)  # [32, 2, RB]
-                for mi in tl.static_range(BM):
-                    lrow = tl.sum(tl.where(rm[:, None] == mi, la, 0.0), axis=0)  # [RB]
-                    lr = tl.sum(up * lrow[None, None, :], axis=2)  # [32, 2]
-                    y = tl.where(rm[None, None, :] == mi, y + lr[:, :, None], y)
-            tl.store(out_ptr + rm[None, None, :] * stride_om + rn[:, :, None], y.to(out_ptr.dtype.element_ty),
-                     mask=m_ok[None, None, :])
+        if DOT:
+            _wait(sync_ptr + _A8_CNT, P)
+            sa, rinv = _token_scales(sync_ptr, rm, m_ok, BM)
+            acc = tl.zeros([64, BM], tl.float32)
+            pos = tl.arange(0, 128)
+            for kt in tl.range(kt_lo, kt_hi, num_stages=NUM_STAGES):
+                tile = g * KT + kt
+                word = tl.load(wbase + tile * 1024 + o_w)  # [32, 4, 8]
+                sw = tl.load(sbase + tile * 128 + o_s)  # [32, 4, 1]
+                a = tl.load(a8_ptr + rm[None, :] * K + pos[:, None] + kt * _TK, mask=m_ok[None, :], other=0,
+                            cache_modifier=".cg")  # [128, BM], written by the producers in this launch
+                w8 = _decode_tile(word, sw, ASM)
+                if ASM:
+                    acc = tl.dot(w8, a.to(tl.float8e4nv, bitcast=True), acc)
+                else:  # the interpreter: E4M3 values in fp32, exact products (its cast reads 0x7F as 480, not NaN)
+                    av = tl.where((a & 0x7F) == 0x7F, float("nan"), a.to(tl.float8e4nv, bitcast=True).to(tl.float32))
+                    acc = tl.dot(w8, av, acc, input_precision="ieee")
+        else:
+            _wait(sync_ptr + _AMAX_CNT, P)
+            sa, rinv = _token_scales(sync_ptr, rm, m_ok, BM)
+            r0 = tl.sum(tl.where(rm == 0, rinv, 0.0), axis=0)
+            r1 = tl.sum(tl.where(rm == 1, rinv, 0.0), axis=0)
+            # per token, rows r / r + 8 (p), block half B: [32 (8 w + rq), 4 (c), 4 (word)] multiply-add slots
+            c000 = tl.zeros([32, 4, 4], tl.float32)  # token 0: p = 0, B = 0
+            c001 = tl.zeros([32, 4, 4], tl.float32)  # p = 0, B = 1
+            c010 = tl.zeros([32, 4, 4], tl.float32)  # p = 1, B = 0
+            c011 = tl.zeros([32, 4, 4], tl.float32)  # p = 1, B = 1
+            c100 = tl.zeros([32, 4, 4], tl.float32)  # token 1 (a second token's slots cost nothing at one)
+            c101 = tl.zeros([32, 4, 4], tl.float32)
+            c110 = tl.zeros([32, 4, 4], tl.float32)
+            c111 = tl.zeros([32, 4, 4], tl.float32)
+            for kt in tl.range(kt_lo, kt_hi, num_stages=NUM_STAGES):
+                tile = g * KT + kt
+                word = tl.load(wbase + tile * 1024 + o_w)  # [32, 4, 8]
+                sw = tl.load(sbase + tile * 128 + o_s)  # [32, 4, 1]
+                w_lo, w_hi = tl.split(tl.permute(tl.reshape(word, [32, 4, 2, 4]), [0, 1, 3, 2]))  # B = 0 / 1
+                a00, a01, a02, a03, a10, a11, a12, a13 = _tile_acts(x_ptr, inv_ptr, 0, kt * _TK, stride_xm, r0, ASM)
+                c000, c010 = _half_fma(w_lo, sw, a00, a01, a02, a03, c000, c010, 0, ASM)
+                c001, c011 = _half_fma(w_hi, sw, a10, a11, a12, a13, c001, c011, 1, ASM)
+                if BM > 1:  # (BM = 2 only for two tokens)
+                    a00, a01, a02, a03, a10, a11, a12, a13 = _tile_acts(x_ptr, inv_ptr, 1, kt * _TK, stride_xm, r1,
+                                                                        ASM)
+                    c100, c110 = _half_fma(w_lo, sw, a00, a01, a02, a03, c100, c110, 0, ASM)
+                    c101, c111 = _half_fma(w_hi, sw, a10, a11, a12, a13, c101, c111, 1, ASM)
+            # slot i = 8 w + rq holds rows 16 w + rq (p = 0) and + 8 (p = 1): [64] rows in order, a token each
+            a_0 = tl.reshape(tl.permute(tl.reshape(tl.join(_slots(c000, c001), _slots(c010, c011)), [4, 8, 2]),
+                                        [0, 2, 1]), [64])
+            a_1 = tl.reshape(tl.permute(tl.reshape(tl.join(_slots(c100, c101), _slots(c110, c111)), [4, 8, 2]),
+                                        [0, 2, 1]), [64])
+            acc = tl.where(rm[None, :] == 0, a_0[:, None], a_1[:, None])  # [64, BM]
+        _finish(acc, sa, g, s, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, out_ptr, part_ptr, lpart_ptr,
+                sync_ptr, stride_om, BM, RB, RC, HAS_BIAS, HAS_LORA, ASM)
     # the last CTA to finish leaves the sync words at zero for the next launch
     tl.debug_barrier()
     fin = tl.atomic_add(sync_ptr + _DONE, 1, sem="acq_rel")
@@ -353,26 +462,65 @@ def _fast_small_m_kernel(
         tl.atomic_xchg(sync_ptr + _TICKET, 0)
         tl.atomic_xchg(sync_ptr + _AMAX_CNT, 0)
         tl.atomic_xchg(sync_ptr + _LORA_CNT, 0)
+        tl.atomic_xchg(sync_ptr + _A8_CNT, 0)
         rz = tl.arange(0, BM)
         tl.atomic_xchg(sync_ptr + _AMAX + rz, tl.zeros([BM], tl.int32), mask=rz < BM)
         tl.atomic_xchg(sync_ptr + _DONE, 0)
 
 
+@triton.jit
+def _finish(acc, sa, g, s, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, out_ptr, part_ptr, lpart_ptr, sync_ptr,
+            stride_om, BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, HAS_BIAS: tl.constexpr,
+            HAS_LORA: tl.constexpr, ASM: tl.constexpr):
+    """A worker's fp32 partial ``[64, BM]`` written; the last of its group sums the partials in split order
+    and writes ``acc * sa * (2**e * wcscale) + bias + lora_act @ proj_up^T`` (``lora_act`` the producers'
+    partials summed in chunk order, R in chunks of RC columns)."""
+    rl = tl.arange(0, 64)
+    local = rl[:, None] * BM + rm[None, :]
+    tl.store(part_ptr + (s * G + g) * (64 * BM) + local, acc)
+    tl.debug_barrier()  # every thread's partial is written before the counter moves
+    done = tl.atomic_add(sync_ptr + _GROUPS + g, 1, sem="acq_rel")
+    if done == S - 1:  # the last split of this group: sum in split order, then the epilogue
+        y = tl.zeros([64, BM], tl.float32)
+        for si in range(S):
+            y += tl.load(part_ptr + (si * G + g) * (64 * BM) + local, cache_modifier=".cg")
+        tl.atomic_xchg(sync_ptr + _GROUPS + g, 0)  # ready for the next launch
+        rn = g * 64 + rl
+        y = y * sa[None, :] * tl.load(cs_ptr + rn)[:, None]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
+        if HAS_LORA:
+            _wait(sync_ptr + _LORA_CNT, P)
+            for r0 in tl.static_range(0, RB, RC):
+                rr = r0 + tl.arange(0, RC)
+                la = tl.load(lpart_ptr + rm[:, None] * RB + rr[None, :], cache_modifier=".cg")  # [BM, RC]
+                for pi in range(1, P):
+                    la += tl.load(lpart_ptr + (pi * BM + rm[:, None]) * RB + rr[None, :], cache_modifier=".cg")
+                up = tl.load(up_ptr + rn[:, None] * R + rr[None, :], mask=(rr < R)[None, :], other=0.0).to(tl.float32)
+                if BM >= 16:  # bf16 tensor cores: proj_up in bf16 (the contract's allowance), lora_act as two bf16
+                    lh = _bf16(la, ASM)  # parts (hi + lo: 16 significant bits), exact products, fp32 sums
+                    ll = _bf16(la - lh, ASM)
+                    ub = _bf16(up, ASM)
+                    if ASM:
+                        ub = ub.to(tl.bfloat16)
+                        y = tl.dot(ub, tl.trans(lh.to(tl.bfloat16)), y)
+                        y = tl.dot(ub, tl.trans(ll.to(tl.bfloat16)), y)
+                    else:
+                        y = tl.dot(ub, tl.trans(lh), y, input_precision="ieee")
+                        y = tl.dot(ub, tl.trans(ll), y, input_precision="ieee")
+                else:
+                    for mi in tl.static_range(BM):
+                        lrow = tl.sum(tl.where(rm[:, None] == mi, la, 0.0), axis=0)  # [RC]
+                        y = tl.where(rm[None, :] == mi, y + tl.sum(up * lrow[None, :], axis=1)[:, None], y)
+        tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], y.to(out_ptr.dtype.element_ty), mask=m_ok[None, :])
+
+
 # ---- host side ------------------------------------------------------------------------------------
 
-_SYNC: dict[tuple, torch.Tensor] = {}
-
-
 def _sync(device: torch.device, groups: int) -> torch.Tensor:
-    """Zeroed int32 sync words (ticket, counts, amax, a counter a group), kept per (device, stream): each
-    launch leaves them at zero, so launches on one stream (graph replays included) share them."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    buf = _SYNC.get(key)
-    if buf is None or buf.numel() < _GROUPS + groups:
-        buf = torch.zeros(max(_GROUPS + groups, 1024), dtype=torch.int32, device=device)
-        _SYNC[key] = buf
-    return buf
+    """Zeroed int32 sync words (ticket, counts, amax, a counter a group) that each launch leaves at zero
+    (``small_m.sync_words``: one buffer per device and stream, a buffer of its own per captured launch)."""
+    return sync_words(device, _GROUPS_AT + groups, "small_m_fast")
 
 
 def plan(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM) -> tuple[int, int, int, int]:
@@ -388,56 +536,79 @@ def plan(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PE
     return split, per, producers, p_tiles * TILE_K
 
 
-def check(x: torch.Tensor, blob: torch.Tensor, strip: torch.Tensor, n: int) -> None:
+def check(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip: torch.Tensor, cs: torch.Tensor,
+          bias: torch.Tensor | None, proj_down: torch.Tensor | None, proj_up: torch.Tensor | None) -> None:
+    """Refuses what the kernel would read wrongly (its pointers assume these shapes, dtypes and strides)."""
     m, k = x.shape
+    n = cs.numel()
     if not 1 <= m <= MAX_M:
         raise ValueError(f"the one-launch fast kernel serves 1 to {MAX_M} tokens, got {m}")
-    if n % 64 or k % TILE_K or blob.shape != (n // 64, k // TILE_K, 128, 32) or strip.shape != (n // 64, k // TILE_K, 512):
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a float tensor, got {x.dtype}")
+    if n < 64 or k < TILE_K or n % 64 or k % TILE_K or blob.shape != (n // 64, k // TILE_K, 128, 32) \
+            or strip.shape != (n // 64, k // TILE_K, 512):
         raise ValueError(f"expected the fast blob [N/64, K/128, 128, 32] and strip [N/64, K/128, 512] of a {n} x {k} "
-                         f"weight (N % 64 == 0, K % 128 == 0), got {tuple(blob.shape)} and {tuple(strip.shape)}")
+                         f"weight (N, K > 0, N % 64 == 0, K % 128 == 0), got {tuple(blob.shape)} and "
+                         f"{tuple(strip.shape)}")
+    if blob.dtype != torch.uint8 or strip.dtype != torch.uint8 or not (blob.is_contiguous() and strip.is_contiguous()):
+        raise ValueError(f"the blob and strip must be contiguous uint8, got {blob.dtype} / {strip.dtype}")
+    for name, t, length in (("cs", cs, n), ("inv_smooth", inv_smooth, k), ("bias", bias, n)):
+        if t is not None and (t.dtype != torch.float32 or t.numel() != length or not t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous float32 tensor of {length} elements, got {t.dtype} "
+                             f"{tuple(t.shape)} (contiguous: {t.is_contiguous()})")
+    if (proj_down is None) != (proj_up is None):
+        raise ValueError("proj_down and proj_up come together (a low-rank branch) or not at all")
+    if proj_up is not None:
+        r = proj_up.shape[1] if proj_up.dim() == 2 else -1
+        if (proj_up.shape != (n, r) or not proj_up.is_contiguous() or proj_down.dim() != 2 or proj_down.shape[0] != k
+                or proj_down.shape[1] < r or proj_down.stride(1) != 1):
+            raise ValueError(f"proj_up must be a contiguous [{n}, R] tensor beside proj_down [{k}, >= R] with unit "
+                             f"stride along R, got {tuple(proj_up.shape)} and {tuple(proj_down.shape)}")
 
 
 def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip: torch.Tensor, cs: torch.Tensor,
            bias: torch.Tensor | None = None, proj_down: torch.Tensor | None = None,
            proj_up: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-           num_stages: int = 3, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM) -> torch.Tensor:
-    """``nvfp4.w4a8_fast_linear`` for 1-2 tokens in one launch.
+           num_stages: int = 3, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM,
+           dot: bool | None = None) -> torch.Tensor:
+    """``nvfp4.w4a8_fast_linear`` for 1 to ``MAX_M`` tokens in one launch.
 
     ``x [M, K]`` (any float, unit stride along K); ``inv_smooth [K]`` fp32 ``1 / smooth``; ``blob`` /
     ``strip`` the fast layout's (``fast_layout.repack_fast_weight`` / ``fast_scales``); ``cs [N]`` fp32
     ``2**e * wcscale``; ``bias [N]``; ``proj_down [K, >= R]`` the smoothed ``proj_down / smooth`` (its
     first ``R`` columns are read) with ``proj_up [N, R]`` contiguous. The output is ``out_dtype`` (x's
-    by default). ``num_stages`` (k-tiles in flight) and ``ctas_per_sm`` (the split's target) are for
-    measurement."""
+    by default). ``dot`` picks the FP8 dots (default above ``FMA_MAX_M`` tokens) or the multiply-adds
+    (at most ``FMA_MAX_M``); ``num_stages`` (k-tiles in flight) and ``ctas_per_sm`` (the split's target)
+    are for measurement."""
     m, k = x.shape
     n = cs.numel()
-    check(x, blob, strip, n)
+    check(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up)
     out_dtype = out_dtype or x.dtype
     if _INTERPRET and out_dtype != torch.float32:
         # the CPU interpreter's fp32 -> 16-bit conversion does not round to nearest: cast outside
         return linear(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, torch.float32, num_stages,
-                      sms, ctas_per_sm).to(out_dtype)
+                      sms, ctas_per_sm, dot).to(out_dtype)
+    dot = m > FMA_MAX_M if dot is None else dot
+    if not dot and m > FMA_MAX_M:
+        raise ValueError(f"the multiply-add form serves at most {FMA_MAX_M} tokens, got {m}")
     if x.stride(1) != 1:
         x = x.contiguous()
     r = 0 if proj_up is None else proj_up.shape[1]
-    if r and (proj_down is None or proj_down.shape[0] != k or proj_down.shape[1] < r or proj_down.stride(1) != 1
-              or proj_up.shape != (n, r) or not proj_up.is_contiguous()):
-        raise ValueError(f"proj_up must be a contiguous [{n}, R] tensor beside proj_down [{k}, >= R] with unit "
-                         f"stride along R")
     split, per, producers, k_per_prod = plan(m, n, k, sms, ctas_per_sm)
     groups = n // 64
-    bm = next_pow2(m)
+    bm = max(16, next_pow2(m)) if dot else next_pow2(m)
     rb = max(16, next_pow2(r)) if r else 16
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
     part = torch.empty(split * n * bm, device=x.device, dtype=torch.float32)
     lpart = torch.empty(producers * bm * rb, device=x.device, dtype=torch.float32) if r else part
+    a8 = torch.empty(m, k, device=x.device, dtype=torch.uint8) if dot else part
     sync = _sync(x.device, groups)
     dummy = cs
-    _fast_small_m_kernel[(producers + groups * split,)](
-        x, inv_smooth, blob, strip, cs.reshape(-1), bias.reshape(-1) if bias is not None else dummy,
-        proj_down if r else dummy, proj_up if r else dummy, out, part, lpart, sync,
+    _fast_small_m_kernel[(producers * (2 if dot else 1) + groups * split,)](
+        x, inv_smooth, blob, strip, cs, bias if bias is not None else dummy,
+        proj_down if r else dummy, proj_up if r else dummy, out, part, lpart, a8, sync,
         m, n, k, r, x.stride(0), proj_down.stride(0) if r else 0, out.stride(0), per, split, producers, k_per_prod,
-        BM=bm, RB=rb, CK=128, HAS_BIAS=bias is not None, HAS_LORA=bool(r), ASM=not _INTERPRET,
-        NUM_STAGES=num_stages, num_warps=4,
+        BM=bm, RB=rb, RC=min(rb, 32), CK=max(16, min(128, 2048 // bm)), HAS_BIAS=bias is not None, HAS_LORA=bool(r), ASM=not _INTERPRET,
+        NUM_STAGES=num_stages, DOT=dot, num_warps=4,
     )
     return out
