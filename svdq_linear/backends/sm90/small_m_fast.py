@@ -325,7 +325,8 @@ def _decode_tile(word, sw, ASM: tl.constexpr):
     """One k-tile of a 64-row group (``word [32, 4, 8]``, ``sw [32, 4, 1]``) -> its E4M3 weights ``[64 rows,
     128 positions]`` (row ``16 w + 8 p + rq``, position ``16 word + 4 c + j``: the GEMM's k order), as
     E4M3 on the GPU (the layout lands in wgmma's register operand) and as their fp32 values in the
-    interpreter."""
+    interpreter. Each code word becomes two registers of four E4M3 bytes (rows r and r + 8): by the
+    tables and ``prmt`` on the GPU, by arithmetic in the interpreter; the rest is the same code."""
     w_lo, w_hi = tl.split(tl.permute(tl.reshape(word, [32, 4, 2, 4]), [0, 1, 3, 2]))  # block half B = 0 / 1
     if ASM:
         ta, tb = _tables(sw, 0)
@@ -338,26 +339,29 @@ def _decode_tile(word, sw, ASM: tl.constexpr):
         r0h, r1h = tl.inline_asm_elementwise(asm=_DECODE_ASM, constraints="=r,=r,r,r,r,r,r",
                                              args=[w_hi, ta, tb, ta8, tb8], dtype=(tl.int32, tl.int32),
                                              is_pure=True, pack=1)
-        r0 = tl.reshape(tl.permute(tl.join(r0l, r0h), [0, 1, 3, 2]), [32, 4, 8])  # row r: [wrq, c, word]
-        r1 = tl.reshape(tl.permute(tl.join(r1l, r1h), [0, 1, 3, 2]), [32, 4, 8])  # row r + 8
-        r = tl.join(r0, r1)  # [wrq, c, word, p]
-        b0 = (r & 0xFF).to(tl.uint8)
-        b1 = ((r >> 8) & 0xFF).to(tl.uint8)
-        b2 = ((r >> 16) & 0xFF).to(tl.uint8)
-        b3 = ((r >> 24) & 0xFF).to(tl.uint8)
     else:
         v0, v1, v2, v3, u0, u1, u2, u3 = _decode_values(w_lo, sw, 0, False)
-        f0, f1, f2, f3, e0, e1, e2, e3 = _decode_values(w_hi, sw, 1, False)
-        b0 = tl.join(_words(v0, f0), _words(u0, e0))
-        b1 = tl.join(_words(v1, f1), _words(u1, e1))
-        b2 = tl.join(_words(v2, f2), _words(u2, e2))
-        b3 = tl.join(_words(v3, f3), _words(u3, e3))
+        r0l, r1l = _pack4(v0, v1, v2, v3), _pack4(u0, u1, u2, u3)
+        v0, v1, v2, v3, u0, u1, u2, u3 = _decode_values(w_hi, sw, 1, False)
+        r0h, r1h = _pack4(v0, v1, v2, v3), _pack4(u0, u1, u2, u3)
+    r = tl.join(_words(r0l, r0h), _words(r1l, r1h))  # [wrq, c, word, p]
+    b0 = (r & 0xFF).to(tl.uint8)
+    b1 = ((r >> 8) & 0xFF).to(tl.uint8)
+    b2 = ((r >> 16) & 0xFF).to(tl.uint8)
+    b3 = ((r >> 24) & 0xFF).to(tl.uint8)
     by = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [wrq, c, word, p, j1, j0]: j = 2 j1 + j0
     by = tl.reshape(by, [4, 8, 4, 8, 2, 4])  # [w, rq, c, word, p, j]
-    w8 = tl.reshape(tl.permute(by, [0, 4, 1, 3, 2, 5]), [64, 128])
-    if ASM:
-        w8 = w8.to(tl.float8e4nv, bitcast=True)
+    w8 = tl.reshape(tl.permute(by, [0, 4, 1, 3, 2, 5]), [64, 128]).to(tl.float8e4nv, bitcast=True)
+    if not ASM:  # (no NaN among decoded weights: the interpreter's cast is right for every other byte)
+        w8 = w8.to(tl.float32)
     return w8
+
+
+@triton.jit
+def _pack4(v0, v1, v2, v3):
+    """Four E4M3 values (fp32) -> their bytes in one int32 (``v0`` in the low byte)."""
+    return (_e4m3_bits(v0).to(tl.int32) | (_e4m3_bits(v1).to(tl.int32) << 8) | (_e4m3_bits(v2).to(tl.int32) << 16)
+            | (_e4m3_bits(v3).to(tl.int32) << 24))
 
 
 @triton.jit
