@@ -1,38 +1,50 @@
-"""The sm90 fast mode at one or two tokens in one launch: the activation pass, ``lora_act``, the
-4-bit x E4M3 product, the split-K sum and the epilogue of ``nvfp4.w4a8_fast_linear`` in one kernel.
+"""The sm90 fast mode at 1 to 64 tokens in one launch: the activation pass, ``lora_act``, the 4-bit x E4M3
+product, the split-K sum and the epilogue of ``nvfp4.w4a8_fast_linear`` in one kernel.
 
-At a token or two a linear is bound by its weight bytes, and the fast mode's routed path is five
-kernels (the FP8 activation pass, cuBLAS's ``lora_act`` GEMM and its reduction, ``small_m_mma``, the
-split-K epilogue). In a CUDA graph each costs ~2 us however little it does (docs/perf.md, ncu of the
-fifth and sixth sessions: 20.4 us at 12288 x 3072 where ``small_m_mma`` alone took 10.8-12.9), so the
-issue's 2x cuBLAS needs them in one launch. The work that the whole row feeds (the token's amax, and
-``lora_act``'s sum over K) is done by the first CTAs to start, which every other CTA waits for:
+At a few tokens a linear is bound by its weight bytes, and the fast mode's routed path is up to five
+kernels (the FP8 activation pass, cuBLAS's ``lora_act`` GEMM and its reduction, ``small_m_mma`` or
+quack's GEMM, the split-K epilogue). In a CUDA graph each costs ~2 us however little it does
+(docs/perf.md: 20.4 us at 12288 x 3072 and one token where ``small_m_mma`` alone took 10.8-12.9), so
+the issue's 2x cuBLAS needs them in one launch. The work that the whole row feeds (the token's amax,
+``lora_act``'s sum over K, the E4M3 activations) is done by the first CTAs to start, which the others
+wait for:
 
-- **Roles by ticket.** Each CTA takes a ticket (an atomic counter) as it starts; the first ``P``
-  tickets are *producers*, the rest *workers* ``(group, split)``. A producer owns a k-chunk: it
-  publishes the tokens' partial max of ``|x / smooth|`` (``atomic_max`` on the float's bits: a NaN's
-  bits exceed +Inf's, so a NaN wins as ``amax`` propagates it) and counts itself in, then writes its
-  chunk's ``x @ (proj_down / smooth)`` partial (``[P, M, R]`` fp32) and counts itself in again. A
-  producer waits for nothing, and a worker waits only for producers, which hold tickets and so are
-  running: no launch order or occupancy can deadlock it.
-- **Workers.** A worker waits for the amax count, takes ``sa`` and ``r = min(1 / sa, FLT_MAX)`` as
-  ``nvfp4.fast_act`` does, and walks its k-tiles of one 64-row group of the fast blob
-  (``fast_layout``): per k-tile the thread's strip word gives four tables ``e4m3(m * g)`` (four
-  ``HMUL2`` and four ``cvt.rn.satfinite.e4m3x2.f16x2`` a table), each code word two ``prmt`` lookups
-  and two sign merges (``quack_fast``'s decode, bit for bit ``nvfp4.fast_weight``), then two
-  ``cvt.rn.f16x2.e4m3x2`` and fp32 multiply-adds with the activations ``e4m3(x / smooth * r)``
-  quantized in the kernel from x (the logical k of each code: ``32 c + 4 word + j``). E4M3 x E4M3
-  products are exact in fp32, so the result differs from the contract only in fp32 summation order.
-- **The sum and the epilogue.** Each worker writes its fp32 partial ``[64, M]``; the last worker of a
+- **Roles by ticket.** Each CTA takes a ticket (an atomic counter) as it starts. The first ``P`` are
+  *producers*: each owns a k-chunk (whole k-tiles), publishes the tokens' partial max of
+  ``|x / smooth|`` (``atomic_max`` on the float's bits: a NaN's bits exceed +Inf's, so a NaN wins as
+  ``amax`` propagates it) and counts itself in, then writes its chunk's ``x @ (proj_down / smooth)``
+  partial (``[P, BM, R]`` fp32) and counts itself in again. Above two tokens the next ``P`` are
+  *quantizers*: once every producer's max is in, each writes its chunk of ``a8 = e4m3(x / smooth * r)``
+  in the GEMM's k order (``fast_layout``) and counts itself in. The rest are *workers* ``(64-row
+  group, split)``. Producers wait for nothing, quantizers only for producers, workers only for those
+  two: every CTA waited for holds a lower ticket and so is running, whatever the launch order or the
+  occupancy. A ticket past the grid (sync words not left at zero) does nothing.
+- **Workers** prefetch their split's weight lines into L2, wait, take ``sa`` and ``r = min(1 / sa,
+  FLT_MAX)`` as ``nvfp4.fast_act`` does, and walk their k-tiles of the fast blob: per k-tile the
+  thread's strip word gives four tables ``e4m3(m * g)`` (four ``HMUL2`` and four
+  ``cvt.rn.satfinite.e4m3x2.f16x2`` a table) and each code word two ``prmt`` lookups and two sign
+  merges (``quack_fast``'s decode, bit for bit ``nvfp4.fast_weight``). Then
+  - above two tokens (``DOT``): the decoded bytes, permuted as rows ``16 w + 8 p + rq`` by positions
+    ``16 word + 4 c + j``, are exactly wgmma's register A fragment, so Triton issues FP8 ``wgmma``
+    (``QGMMA.64xBMx32``) on them with the quantizers' ``a8`` tile from shared memory: 2.6-3.2
+    instructions a weight value whatever the tokens;
+  - at one or two tokens: two ``cvt.rn.f16x2.e4m3x2``, widenings and one fp32 FFMA a value a token with
+    the token's activations quantized by the worker itself (logical k ``32 c + 4 word + j``), so no
+    quantizer phase: 5.3 instructions a value at one token, 6.6 at two.
+
+  E4M3 x E4M3 products are exact in fp32, so either form differs from the contract only in fp32
+  summation order.
+- **The sum and the epilogue.** Each worker writes its fp32 partial ``[64, BM]``; the last worker of a
   group (a counter) waits for the ``lora_act`` count, adds the partials in split order and the
-  producers' partials in chunk order (the result does not depend on scheduling) and writes
-  ``acc * sa * (2**e * wcscale) + bias + lora_act @ proj_up^T``. The last CTA to finish zeroes the
-  ticket, the counts and the amax words, so the next launch on the stream (CUDA-graph replays
-  included) needs no memset.
+  producers' partials in chunk order (the result does not depend on scheduling) and writes ``acc * sa
+  * (2**e * wcscale) + bias + lora_act @ proj_up^T`` (above two tokens on bf16 tensor cores: proj_up in
+  bf16, ``lora_act`` as two bf16 parts). The last CTA to finish zeroes the ticket, the counts and the
+  amax words, so the next launch on the stream needs no memset; a launch captured in a CUDA graph has
+  words of its own (``small_m.sync_words``), which the capture zeroes.
 
-Under Triton's interpreter the programs run one after another in ticket order, producers first, so
-no wait ever spins there; the E4M3 conversions are done by arithmetic there (``_round_e4m3``), by
-the hardware converts on the GPU.
+Under Triton's interpreter the programs run one after another in ticket order (producers, quantizers,
+workers), so no wait ever spins there; the E4M3 conversions and the code-word lookups are done by
+arithmetic there, and the permutation into the dot's operand is the GPU's own code.
 """
 
 from __future__ import annotations
