@@ -187,6 +187,25 @@ def test_sync_words_grow_and_stay_per_kernel_and_stream():
     assert big.numel() >= 5000 and big is not a and small_m.sync_words(dev, 10, "t1") is big
 
 
+@pytest.mark.gpu
+def test_gpu_captured_launches_take_words_of_their_own_from_the_arena():
+    """Inside a capture each launch gets fresh zeroed words (from the arena set aside beforehand: no memset
+    in the graph), never the eager buffer and never another launch's; the arena is not set aside inside
+    a capture."""
+    dev = torch.device("cuda")
+    small_m.reserve_sync_words(dev)
+    eager = small_m.sync_words(dev, 100, "t3")
+    arena, start = small_m._ARENAS[torch.device("cuda", torch.cuda.current_device())]
+    got = []
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = [small_m.sync_words(dev, 100, "t3"), small_m.sync_words(dev, 100, "t3")]
+    ptrs = {t.data_ptr() for t in got}
+    assert len(ptrs) == 2 and eager.data_ptr() not in ptrs
+    assert all(arena.data_ptr() <= p < arena.data_ptr() + arena.numel() * 4 for p in ptrs)
+    assert all(int(t.abs().sum()) == 0 for t in got)
+
+
 @pytest.mark.parametrize("m", [1, 2, 9])
 def test_backend_takes_the_one_launch_kernel_when_asked(m, monkeypatch):
     """``SVDQ_SM90_FAST_ONE_LAUNCH=1``: ``run_w4a4_fast`` hands a 1-64-token call the prepared fast state

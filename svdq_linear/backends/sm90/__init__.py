@@ -256,6 +256,10 @@ class Sm90Backend(Backend):
                 and _quack_module() is not None)
 
     def prepare(self, module, device):
+        if device.type == "cuda":  # the zeroed words that small-M launches captured in CUDA graphs take
+            from .small_m import reserve_sync_words
+
+            reserve_sync_words(device)
         if module.kind == "w4a16":
             return None
         r = module.rank

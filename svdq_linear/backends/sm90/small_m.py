@@ -445,17 +445,41 @@ def _small_m_kernel(
 # ---- host side ------------------------------------------------------------------------------------
 
 _SYNC_WORDS: dict[tuple, torch.Tensor] = {}
-_CAPTURED: list[torch.Tensor] = []  # the words of captured launches: kept for as long as a graph may replay them
+ARENA_WORDS = 1 << 20  # zeroed words a device sets aside for launches captured in CUDA graphs (4 MB)
+_ARENAS: dict[torch.device, list] = {}  # device -> [zeroed int32 buffer, next free word]
+_CAPTURED: list[torch.Tensor] = []  # words allocated inside a capture (no arena left): kept for the graphs
+
+
+def _cuda_device(device: torch.device) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+
+
+def reserve_sync_words(device: torch.device) -> None:
+    """Sets the device's arena aside (once, never inside a capture): the words captured launches take."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return
+    device = _cuda_device(device)
+    if device not in _ARENAS:
+        _ARENAS[device] = [torch.zeros(ARENA_WORDS, dtype=torch.int32, device=device), 0]
 
 
 def sync_words(device: torch.device, n: int, name: str = "small_m") -> torch.Tensor:
     """At least ``n`` zeroed int32 words for a kernel that leaves them at zero (split-K counters, tickets).
 
     Eager launches share one buffer per (device, stream, kernel): they run in stream order. A launch
-    captured in a CUDA graph gets a buffer of its own, zeroed by the capture (so every replay starts from
-    zero) and never freed: graphs that share a capture stream may be replayed concurrently on different
-    streams, and a replaced buffer may still be referenced by an earlier graph."""
+    captured in a CUDA graph gets words of its own, never handed out again: graphs that share a capture
+    stream (PyTorch's default) may be replayed at once on different streams, and a replaced buffer may
+    still be referenced by an earlier graph. They come from the device's arena (zeroed when it was set
+    aside, outside any capture: ``reserve_sync_words``, which the first eager call and the backend's
+    ``prepare`` make), so the graph holds no memset for them; with no arena room left they are
+    allocated and zeroed inside the capture (a memset node a launch) and kept for the process."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        n32 = -(-max(n, 32) // 32) * 32  # whole 128-byte lines
+        arena = _ARENAS.get(_cuda_device(device))
+        if arena is not None and arena[1] + n32 <= arena[0].numel():
+            buf = arena[0][arena[1]:arena[1] + n32]
+            arena[1] += n32
+            return buf
         buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
         _CAPTURED.append(buf)
         return buf
@@ -463,6 +487,7 @@ def sync_words(device: torch.device, n: int, name: str = "small_m") -> torch.Ten
     key = (device, stream, name)
     buf = _SYNC_WORDS.get(key)
     if buf is None or buf.numel() < n:
+        reserve_sync_words(device)
         buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
         _SYNC_WORDS[key] = buf
     return buf
