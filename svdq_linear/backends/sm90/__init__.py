@@ -451,8 +451,8 @@ class Sm90Backend(Backend):
         inv, extra = extra[-1], extra[:-1]  # Sm90Prepared.tensors(): inv_smooth comes last
         fw = quack_fast.weight(extra[-4:])
         out_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
-        if getenv(ENV_FAST_ONE_LAUNCH) == "1" and 1 <= x.shape[0] <= tuning.MMA_TOKENS:  # read per call
-            from . import small_m_fast  # (its MAX_M: 64 tokens, like small_m_mma's)
+        if getenv(ENV_FAST_ONE_LAUNCH) == "1" and 1 <= x.shape[0] <= 64:  # read per call; small_m_fast.MAX_M
+            from . import small_m_fast
 
             # the prepared proj_down / smooth: its first r columns (the accumulator path pads at the end)
             return small_m_fast.linear(x, inv, fw.blob, fw.strip, fw.cs, fw.bias if bias is not None else None,

@@ -455,12 +455,23 @@ def _cuda_device(device: torch.device) -> torch.device:
 
 
 def reserve_sync_words(device: torch.device) -> None:
-    """Sets the device's arena aside (once, never inside a capture): the words captured launches take."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    """Sets the device's arena aside (once; never inside a capture or a trace): the words launches take."""
+    if device.type != "cuda" or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return
     device = _cuda_device(device)
     if device not in _ARENAS:
         _ARENAS[device] = [torch.zeros(ARENA_WORDS, dtype=torch.int32, device=device), 0]
+
+
+def _carve(device: torch.device, n: int) -> torch.Tensor | None:
+    """``n`` words (whole 128-byte lines) of the device's arena never handed out before, or None."""
+    arena = _ARENAS.get(_cuda_device(device))
+    n32 = -(-max(n, 32) // 32) * 32
+    if arena is None or arena[1] + n32 > arena[0].numel():
+        return None
+    buf = arena[0][arena[1]:arena[1] + n32]
+    arena[1] += n32
+    return buf
 
 
 def sync_words(device: torch.device, n: int, name: str = "small_m") -> torch.Tensor:
@@ -469,26 +480,28 @@ def sync_words(device: torch.device, n: int, name: str = "small_m") -> torch.Ten
     Eager launches share one buffer per (device, stream, kernel): they run in stream order. A launch
     captured in a CUDA graph gets words of its own, never handed out again: graphs that share a capture
     stream (PyTorch's default) may be replayed at once on different streams, and a replaced buffer may
-    still be referenced by an earlier graph. They come from the device's arena (zeroed when it was set
-    aside, outside any capture: ``reserve_sync_words``, which the first eager call and the backend's
-    ``prepare`` make), so the graph holds no memset for them; with no arena room left they are
-    allocated and zeroed inside the capture (a memset node a launch) and kept for the process."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        n32 = -(-max(n, 32) // 32) * 32  # whole 128-byte lines
-        arena = _ARENAS.get(_cuda_device(device))
-        if arena is not None and arena[1] + n32 <= arena[0].numel():
-            buf = arena[0][arena[1]:arena[1] + n32]
-            arena[1] += n32
-            return buf
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _CAPTURED.append(buf)
+    still be referenced by an earlier graph. On CUDA both come from the device's arena, zeroed when it
+    was set aside outside any capture (``reserve_sync_words``: the backend's ``prepare`` and the first
+    eager call), so a graph holds no memset for them and no buffer lives in a graph's memory pool (a
+    pool may hand its memory to other tensors). With the arena used up, words are allocated where the
+    call is (inside a capture: zeroed by a memset node, kept for the process)."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if capturing:
+        buf = _carve(device, n)
+        if buf is None:
+            buf = torch.zeros(-(-max(n, 32) // 32) * 32, dtype=torch.int32, device=device)
+            _CAPTURED.append(buf)
         return buf
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream, name)
     buf = _SYNC_WORDS.get(key)
     if buf is None or buf.numel() < n:
-        reserve_sync_words(device)
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        buf = None
+        if device.type == "cuda":
+            reserve_sync_words(device)
+            buf = _carve(device, max(n, 1024))
+        if buf is None:
+            buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
         _SYNC_WORDS[key] = buf
     return buf
 

@@ -30,17 +30,19 @@ wait for:
     instructions a weight value whatever the tokens;
   - at one or two tokens: two ``cvt.rn.f16x2.e4m3x2``, widenings and one fp32 FFMA a value a token with
     the token's activations quantized by the worker itself (logical k ``32 c + 4 word + j``), so no
-    quantizer phase: 5.3 instructions a value at one token, 6.6 at two.
+    quantizer phase: 5.1 instructions a value at one token, 6.6 at two.
 
-  E4M3 x E4M3 products are exact in fp32, so either form differs from the contract only in fp32
-  summation order.
+  E4M3 x E4M3 products are exact in fp32: the multiply-adds differ from the contract only in fp32
+  summation order; the FP8 dots accumulate in Hopper's FP8 tensor-core accumulator (fewer than 24
+  significant bits between fp32 promotions), the deviation ``nvfp4``'s fast contract allows (the quack
+  GEMM's too: ``tests/test_sm90_fast.py``'s bound).
 - **The sum and the epilogue.** Each worker writes its fp32 partial ``[64, BM]``; the last worker of a
   group (a counter) waits for the ``lora_act`` count, adds the partials in split order and the
   producers' partials in chunk order (the result does not depend on scheduling) and writes ``acc * sa
   * (2**e * wcscale) + bias + lora_act @ proj_up^T`` (above two tokens on bf16 tensor cores: proj_up in
   bf16, ``lora_act`` as two bf16 parts). The last CTA to finish zeroes the ticket, the counts and the
   amax words, so the next launch on the stream needs no memset; a launch captured in a CUDA graph has
-  words of its own (``small_m.sync_words``), which the capture zeroes.
+  words of its own (``small_m.sync_words``: zeroed beforehand, outside the capture).
 
 Under Triton's interpreter the programs run one after another in ticket order (producers, quantizers,
 workers), so no wait ever spins there; the E4M3 conversions and the code-word lookups are done by
@@ -236,7 +238,7 @@ def _wait(ptr, target):
 def _token_scales(sync_ptr, rm, m_ok, BM: tl.constexpr):
     """The tokens' ``(sa, r)`` from the published amax bits, as ``nvfp4.fast_act``: ``sa = amax / 448`` (1 for
     an all-zero row and where a NaN is in the row), ``r = min(1 / sa, FLT_MAX)``."""
-    mx = tl.atomic_add(sync_ptr + _AMAX + rm, 0, mask=m_ok, sem="relaxed")
+    mx = tl.load(sync_ptr + _AMAX + rm, mask=m_ok, other=0, cache_modifier=".cg")  # (after an acquire)
     ok = (mx > 0) & (mx <= 0x7F800000)
     sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([BM], 448.0, tl.float32)), 1.0)
     r = tl.minimum(tl.math.div_rn(tl.full([BM], 1.0, tl.float32), sa), 3.4028234663852886e38)
@@ -555,8 +557,13 @@ def plan(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PE
 def check(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip: torch.Tensor, cs: torch.Tensor,
           bias: torch.Tensor | None, proj_down: torch.Tensor | None, proj_up: torch.Tensor | None) -> None:
     """Refuses what the kernel would read wrongly (its pointers assume these shapes, dtypes and strides)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
     m, k = x.shape
     n = cs.numel()
+    others = [t for t in (inv_smooth, blob, strip, cs, bias, proj_down, proj_up) if t is not None]
+    if any(t.device != x.device for t in others):
+        raise ValueError(f"every operand must be on x's device ({x.device})")
     if not 1 <= m <= MAX_M:
         raise ValueError(f"the one-launch fast kernel serves 1 to {MAX_M} tokens, got {m}")
     if not x.is_floating_point():
@@ -577,9 +584,10 @@ def check(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip: 
     if proj_up is not None:
         r = proj_up.shape[1] if proj_up.dim() == 2 else -1
         if (proj_up.shape != (n, r) or not proj_up.is_contiguous() or proj_down.dim() != 2 or proj_down.shape[0] != k
-                or proj_down.shape[1] < r or proj_down.stride(1) != 1):
-            raise ValueError(f"proj_up must be a contiguous [{n}, R] tensor beside proj_down [{k}, >= R] with unit "
-                             f"stride along R, got {tuple(proj_up.shape)} and {tuple(proj_down.shape)}")
+                or proj_down.shape[1] < r or proj_down.stride(1) != 1 or proj_down.dtype != torch.bfloat16):
+            raise ValueError(f"proj_up must be a contiguous [{n}, R] tensor beside a bf16 proj_down [{k}, >= R] with "
+                             f"unit stride along R, got {tuple(proj_up.shape)} and {proj_down.dtype} "
+                             f"{tuple(proj_down.shape)}")
 
 
 def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip: torch.Tensor, cs: torch.Tensor,
@@ -596,9 +604,9 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
     by default). ``dot`` picks the FP8 dots (default above ``FMA_MAX_M`` tokens) or the multiply-adds
     (at most ``FMA_MAX_M``); ``num_stages`` (k-tiles in flight) and ``ctas_per_sm`` (the split's target)
     are for measurement."""
+    check(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up)
     m, k = x.shape
     n = cs.numel()
-    check(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up)
     out_dtype = out_dtype or x.dtype
     if _INTERPRET and out_dtype != torch.float32:
         # the CPU interpreter's fp32 -> 16-bit conversion does not round to nearest: cast outside
