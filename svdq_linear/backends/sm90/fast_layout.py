@@ -49,6 +49,36 @@ import torch
 from ... import nvfp4
 
 TILE_K = 128  # k per tile: four k32 blocks of fp8 wgmma
+
+# The decode's PTX, shared by the CuTe DSL kernels (quack_fast, small_m_mma) and the Triton one (small_m_fast).
+# The E2M1 magnitudes as fp16 pairs (low half first): (0, 0.5), (1, 1.5), (2, 3), (4, 6).
+MAG_PAIRS = (0x38000000, 0x3E003C00, 0x42004000, 0x46004400)
+
+
+def table_asm(i: int) -> str:
+    """PTX: byte ``i`` of a strip word (``$2``: a block factor ``g``, UE5M3) -> the block's two table
+    registers ``$0``, ``$1``: bytes ``e4m3(m * g)`` for m = 0, 0.5, 1, 1.5 and for m = 2, 3, 4, 6 (``_tables``)."""
+    sel = 0x0404 | (i << 4) | (i << 12)  # bytes [zero, g, zero, g]; >> 1 lands g at fp16 bits 14..7 twice
+    return ("{.reg .b32 gg, c, f0, f1, f2, f3; .reg .b16 e0, e1, e2, e3;\n\t"
+            f"prmt.b32 gg, $2, 0, {sel:#x};\n\t"
+            "shr.b32 gg, gg, 1;\n\t"
+            + "".join(f"mov.b32 c, {m:#x};\n\tmul.rn.f16x2 f{q}, gg, c;\n\t" for q, m in enumerate(MAG_PAIRS))
+            + "".join(f"cvt.rn.satfinite.e4m3x2.f16x2 e{q}, f{q};\n\t" for q in range(4))
+            + "mov.b32 $0, {e0, e1};\n\t"
+            "mov.b32 $1, {e2, e3};}")
+
+
+# PTX: one code word ($2: eight codes, rows r and r + 8) and the two rows' tables ($3, $4 | $5, $6) -> two
+# registers of four E4M3 bytes each: two prmt lookups, two sign merges (lop3 0xF8: a | (b & c); the signs
+# sit at bit 7 of each byte of the word (row r) and of the word << 4 (row r + 8))
+DECODE_ASM = ("{.reg .b32 xm, s1, se, r0, r1;\n\t"
+              "and.b32 xm, $2, 0x77777777;\n\t"
+              "prmt.b32 r0, $3, $4, xm;\n\t"
+              "shr.u32 s1, xm, 16;\n\t"
+              "prmt.b32 r1, $5, $6, s1;\n\t"
+              "shl.b32 se, $2, 4;\n\t"
+              "lop3.b32 $0, r0, $2, 0x80808080, 0xF8;\n\t"
+              "lop3.b32 $1, r1, se, 0x80808080, 0xF8;}")
 STRIP_BYTES = 512  # scale bytes per m64 row block per k-tile (128 threads x 4)
 CODE_BYTES = 4096  # code bytes per m64 row block per k-tile (128 threads x 32)
 

@@ -46,24 +46,11 @@ from quack.operand_transform.transform import AuxOperandA, TransformAW4
 from . import fast_layout, quack_launch, quack_lowrank, tuning
 from .fast_layout import STRIP_BYTES, TILE_K
 
-# the E2M1 magnitudes as fp16 pairs (low half first): (0, 0.5), (1, 1.5), (2, 3), (4, 6)
-_MAG_PAIRS = (0x38000000, 0x3E003C00, 0x42004000, 0x46004400)
-
-
 @dsl_user_op
 def _table(word: Int32, i: cutlass.Constexpr[int], *, loc=None, ip=None):
     """Byte ``i`` of a strip word (a block factor ``g``, UE5M3) -> the block's two table registers:
     bytes ``e4m3(m * g)`` for m = 0, 0.5, 1, 1.5 and for m = 2, 3, 4, 6 (``fast_layout._tables``)."""
-    sel = 0x0404 | (i << 4) | (i << 12)  # bytes [zero, g, zero, g]; >> 1 lands g at fp16 bits 14..7 twice
-    asm = (
-        "{.reg .b32 gg, c, f0, f1, f2, f3; .reg .b16 e0, e1, e2, e3;\n\t"
-        f"prmt.b32 gg, $2, 0, {sel:#x};\n\t"
-        "shr.b32 gg, gg, 1;\n\t"
-        + "".join(f"mov.b32 c, {m:#x};\n\tmul.rn.f16x2 f{q}, gg, c;\n\t" for q, m in enumerate(_MAG_PAIRS))
-        + "".join(f"cvt.rn.satfinite.e4m3x2.f16x2 e{q}, f{q};\n\t" for q in range(4))
-        + "mov.b32 $0, {e0, e1};\n\t"
-        "mov.b32 $1, {e2, e3};}"
-    )
+    asm = fast_layout.table_asm(i)
     struct_ty = ir.Type.parse("!llvm.struct<(i32, i32)>")
     res = llvm.inline_asm(struct_ty, [Int32(word).ir_value(loc=loc, ip=ip)], asm, "=r,=r,r",
                           has_side_effects=False, loc=loc, ip=ip)
@@ -75,17 +62,7 @@ def _table(word: Int32, i: cutlass.Constexpr[int], *, loc=None, ip=None):
 def _decode_word(x: Int32, ta: Int32, tb: Int32, ta8: Int32, tb8: Int32, *, loc=None, ip=None):
     """One code word (``fast_layout``: eight codes, rows r and r + 8) and the two rows' tables -> two
     registers of four E4M3 bytes each: two ``prmt`` lookups, two sign merges."""
-    asm = (
-        "{.reg .b32 xm, s1, se, r0, r1;\n\t"
-        "and.b32 xm, $2, 0x77777777;\n\t"
-        "prmt.b32 r0, $3, $4, xm;\n\t"
-        "shr.u32 s1, xm, 16;\n\t"
-        "prmt.b32 r1, $5, $6, s1;\n\t"
-        "shl.b32 se, $2, 4;\n\t"
-        # a | (b & c): the signs sit at bit 7 of each byte of x (row r) and of x << 4 (row r + 8)
-        "lop3.b32 $0, r0, $2, 0x80808080, 0xF8;\n\t"
-        "lop3.b32 $1, r1, se, 0x80808080, 0xF8;}"
-    )
+    asm = fast_layout.DECODE_ASM
     struct_ty = ir.Type.parse("!llvm.struct<(i32, i32)>")
     res = llvm.inline_asm(
         struct_ty,

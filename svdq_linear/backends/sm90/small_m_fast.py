@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fast_layout import TILE_K
+from .fast_layout import DECODE_ASM, TILE_K, table_asm
 from .kernels import _e4m3_bits, _gemm_k, _rne_bf16, _round_e4m3, next_pow2
 from .small_m import _e4m3x4_to_f32, sync_words
 from .tuning import SM_COUNT
@@ -76,29 +76,9 @@ _GROUPS_AT = 256
 _GROUPS = tl.constexpr(_GROUPS_AT)
 _TK = tl.constexpr(TILE_K)
 
-# quack_fast's table: strip byte Q (a block factor g, UE5M3) -> bytes e4m3(m * g), m = 0, 0.5, 1, 1.5 | 2, 3, 4, 6
-_MAG_PAIRS = (0x38000000, 0x3E003C00, 0x42004000, 0x46004400)
-
-
-def _table_asm(q: int) -> str:
-    sel = 0x0404 | (q << 4) | (q << 12)  # bytes [zero, g, zero, g]; >> 1 lands g at fp16 bits 14..7 twice
-    return ("{.reg .b32 gg, c, f0, f1, f2, f3; .reg .b16 e0, e1, e2, e3;\n\t"
-            f"prmt.b32 gg, $2, 0, {sel:#x};\n\t"
-            "shr.b32 gg, gg, 1;\n\t"
-            + "".join(f"mov.b32 c, {m:#x};\n\tmul.rn.f16x2 f{i}, gg, c;\n\t" for i, m in enumerate(_MAG_PAIRS))
-            + "".join(f"cvt.rn.satfinite.e4m3x2.f16x2 e{i}, f{i};\n\t" for i in range(4))
-            + "mov.b32 $0, {e0, e1};\n\tmov.b32 $1, {e2, e3};}")
-
-
-_TABLE0, _TABLE1, _TABLE2, _TABLE3 = (tl.constexpr(_table_asm(q)) for q in range(4))
-_DECODE_ASM = tl.constexpr("{.reg .b32 xm, s1, se, r0, r1;\n\t"
-               "and.b32 xm, $2, 0x77777777;\n\t"
-               "prmt.b32 r0, $3, $4, xm;\n\t"
-               "shr.u32 s1, xm, 16;\n\t"
-               "prmt.b32 r1, $5, $6, s1;\n\t"
-               "shl.b32 se, $2, 4;\n\t"
-               "lop3.b32 $0, r0, $2, 0x80808080, 0xF8;\n\t"
-               "lop3.b32 $1, r1, se, 0x80808080, 0xF8;}")
+# the decode's PTX (fast_layout): the tables of strip bytes 0-3 and the code-word lookup
+_TABLE0, _TABLE1, _TABLE2, _TABLE3 = (tl.constexpr(table_asm(q)) for q in range(4))
+_DECODE_ASM = tl.constexpr(DECODE_ASM)
 
 
 @triton.jit
