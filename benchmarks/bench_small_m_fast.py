@@ -1,0 +1,81 @@
+"""The fast mode's one-launch kernel alone (``sm90/small_m_fast.py``) against cuBLAS bf16, CUDA-graph replays.
+
+    python benchmarks/bench_small_m_fast.py [--out FILE]
+
+Needs no quack-kernels: the operands are made from random NVFP4 layers (``tests/test_sm90_small_m_fast``'s
+helpers) and each launch is checked against the fast formula in float64 first. Per layer and token
+count: cuBLAS bf16 ``F.linear``; the kernel in its default form (multiply-adds at 1-2 tokens, FP8 dots
+above) and in the other form where it applies; weight GB/s (codes and scales read once) against a
+device-to-device copy measured in the same run. ``bench_small_m.py --fast-one`` times it against the
+routed path through the module (that needs quack).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _table import emit  # noqa: E402
+from bench_small_m import graph_time  # noqa: E402
+from test_sm90_small_m_fast import _check, _layer, _operands, _want  # noqa: E402
+
+from svdq_linear.backends.sm90 import small_m_fast  # noqa: E402
+
+SHAPES = (("attn", 3072, 3072), ("ff up", 3072, 12288), ("ff down", 12288, 3072), ("single out", 15360, 3072))
+
+
+@torch.no_grad()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out")
+    p.add_argument("--tokens", default="1,2,8,16,64")
+    args = p.parse_args()
+    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * src.numel() / (graph_time(lambda: dst.copy_(src)) * 1e-3) / 1e9
+    rows = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}, "
+            f"CUDA-graph replays; device copy {copy_gbs:.0f} GB/s (read + write); rank 32, bias", "",
+            "| layer | K | N | M | cuBLAS bf16 us | one launch us (form) | ratio | weight GB/s | % of copy | other form us | check |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    gen = torch.Generator().manual_seed(0)
+    for label, k, n in SHAPES:
+        q, ws, wc, smooth, pd, up = _layer(n, k, 32, gen)
+        bias = torch.randn(n, generator=gen)
+        ops = _operands(q, ws, wc, smooth, pd, up, bias)
+        lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+        wbytes = n * k // 2 + n * k // 16
+        for m in (int(t) for t in args.tokens.split(",")):
+            x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
+            xc = x.cuda()
+            dot = m > small_m_fast.FMA_MAX_M
+            check = []
+            for form in ((dot, not dot) if m <= small_m_fast.FMA_MAX_M else (dot,)):
+                y = small_m_fast.linear(xc, **ops, out_dtype=torch.float32, dot=form)
+                want, bound = _want(x.float(), q, ws, wc, smooth, pd, up, bias, form)
+                try:
+                    _check(y, want, bound, f"{label} m={m} dot={form}")
+                    check.append("ok")
+                except AssertionError as e:
+                    check.append(f"WRONG ({str(e)[:80]})")
+            t_ref = graph_time(lambda: F.linear(xc, lin.weight, lin.bias))
+            t = graph_time(lambda: small_m_fast.linear(xc, **ops, dot=dot))
+            other = "-"
+            if m <= small_m_fast.FMA_MAX_M:
+                t2 = graph_time(lambda: small_m_fast.linear(xc, **ops, dot=not dot))
+                other = f"{t2 * 1e3:.1f} ({t_ref / t2:.2f}x)"
+            gbs = wbytes / (t * 1e-3) / 1e9
+            rows.append(f"| {label} | {k} | {n} | {m} | {t_ref * 1e3:.1f} | {t * 1e3:.1f} ({'dots' if dot else 'fma'}) "
+                        f"| {t_ref / t:.2f}x | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | {other} | {', '.join(check)} |")
+            print(rows[-1], flush=True)
+    emit(rows, args.out)
+
+
+if __name__ == "__main__":
+    main()
