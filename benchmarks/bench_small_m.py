@@ -56,6 +56,13 @@ def graph_time(fn) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def copy_gbs_now() -> float:
+    """Device-to-device copy bandwidth (read + write, GB/s) of 256 MiB, from graph replays."""
+    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (graph_time(lambda: dst.copy_(src)) * 1e-3) / 1e9
+
+
 def module_time(q, x, small: bool, mma: str | None = None) -> float:
     """The module's forward with the small-M kernel on or off; ``mma`` sets SVDQ_SM90_SMALL_M_MMA
     (None: the default routing, tuning.use_small_m_mma)."""
@@ -332,9 +339,7 @@ def main() -> None:
     p.add_argument("--tokens-modes", default="w4a16,exact-canonical",
                    help="with --tokens: the modes of TOKENS_CASES to run (comma-separated)")
     args = p.parse_args()
-    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copy_gbs = 2 * src.numel() / (graph_time(lambda: dst.copy_(src)) * 1e-3) / 1e9
+    copy_gbs = copy_gbs_now()
     rows = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}, "
             f"CUDA-graph replays of {CALLS} calls; device copy {copy_gbs:.0f} GB/s (read + write)", "",
             "us; ratio = cuBLAS bf16 time / ours; linear = the module's default path (small_m_mma up to 8 tokens in "

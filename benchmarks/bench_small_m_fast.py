@@ -23,7 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _table import emit  # noqa: E402
-from bench_small_m import graph_time  # noqa: E402
+from bench_small_m import copy_gbs_now, graph_time  # noqa: E402
 from test_sm90_small_m_fast import _check, _layer, _operands, _want  # noqa: E402
 
 from svdq_linear.backends.sm90 import small_m_fast  # noqa: E402
@@ -37,9 +37,7 @@ def main() -> None:
     p.add_argument("--out")
     p.add_argument("--tokens", default="1,2,8,16,64")
     args = p.parse_args()
-    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copy_gbs = 2 * src.numel() / (graph_time(lambda: dst.copy_(src)) * 1e-3) / 1e9
+    copy_gbs = copy_gbs_now()
     rows = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}, "
             f"CUDA-graph replays; device copy {copy_gbs:.0f} GB/s (read + write); rank 32, bias", "",
             "| layer | K | N | M | cuBLAS bf16 us | one launch us (form) | ratio | weight GB/s | % of copy | other form us | check |",
