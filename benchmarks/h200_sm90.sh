@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call for the sm90 backend: GPU conformance + seam tests, the config sweep, the benchmark.
 # Through the device tool with carry [".devcarry/wheels"]:  bash benchmarks/h200_sm90.sh [--sweep]
-# STEPS (default "tests bench"; also lora, lowrank, fast, flux, small (SMALL_ARGS=--fast-one: the fast mode's one launch), act, gelu, cachehit, pctriton, fallback, host, ncu, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
+# STEPS (default "tests bench"; also lora, lowrank, fast, flux, small (SMALL_ARGS=--fast-one: the fast mode's one launch), diag, act, gelu, cachehit, pctriton, fallback, host, ncu, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
 # spaces: select tests by node id (file::test), not with a quoted -k expression.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -50,6 +50,18 @@ for step in ${STEPS:-tests bench}; do
               tail -8 "$OUT/pctriton.log" ;;
     gelu) timeout "${GELU_LIMIT:-200}" python3 benchmarks/bench_gelu_in.py --out "$OUT/bench_gelu_in.md" > "$OUT/gelu.log" 2>&1; tail -12 "$OUT/gelu.log" ;;
     fallback) timeout "${FALLBACK_LIMIT:-150}" python3 benchmarks/bench_fallback.py --out "$OUT/bench_fallback.md" > "$OUT/fallback.log" 2>&1; tail -12 "$OUT/fallback.log" ;;
+    diag) # graphs of the one-launch fast kernel replayed several ways, each in its own process; then the
+          # faulting way under compute-sanitizer when present (DIAG_SAN="mode layers")
+          for c in ${DIAG_CASES:-"serial 0,1,2" "concurrent 0,1,2" "drop 0,1,2"}; do
+            echo "== $c"; timeout 120 python3 benchmarks/diag_graph_streams.py $c 2>&1 | tail -3
+          done > "$OUT/diag.log"
+          SAN="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)"
+          if [ -n "$SAN" ] && [ -n "${DIAG_SAN:-}" ]; then
+            echo "== compute-sanitizer $DIAG_SAN" >> "$OUT/diag.log"
+            timeout "${SAN_LIMIT:-200}" "$SAN" --tool memcheck --print-limit 8 python3 benchmarks/diag_graph_streams.py $DIAG_SAN \
+              >> "$OUT/diag.log" 2>&1
+          fi
+          cat "$OUT/diag.log" | cut -c1-300 | tail -60 ;;
     suite) timeout "${TEST_LIMIT:-400}" python3 -m pytest -q -p no:cacheprovider -W ignore tests/ > "$OUT/suite.log" 2>&1; rc=$?; tail -15 "$OUT/suite.log" ;;
   esac
 done

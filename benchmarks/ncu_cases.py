@@ -32,6 +32,11 @@ CASES = {
     "single-out-bf16-4608": (4608, 15360, 3072, "bf16"),
     "qkv-fast-4096": (4096, 3072, 9216, "fast"),
     "qkv-bf16-4096": (4096, 3072, 9216, "bf16"),
+    # the fast mode's one-launch kernel (sm90/small_m_fast.py) called directly
+    "fastone-attn-m1": (1, 3072, 3072, "fastone"),
+    "fastone-ffdown-m1": (1, 12288, 3072, "fastone"),
+    "fastone-ffdown-m16": (16, 12288, 3072, "fastone"),
+    "fastone-attn-m64": (64, 3072, 3072, "fastone"),
 }
 
 
@@ -57,6 +62,13 @@ def main() -> None:
 
             lin = NVFP4W4A16Linear.from_linear(torch.nn.Linear(k, n, device=dev, dtype=torch.bfloat16))
             fn = lambda: lin(x)  # noqa: E731
+        elif variant == "fastone":
+            from test_sm90_small_m_fast import _layer, _operands
+
+            from svdq_linear.backends.sm90 import small_m_fast
+
+            ops = _operands(*_layer(n, k, 32, torch.Generator().manual_seed(0)), None)
+            fn = lambda: small_m_fast.linear(x, **ops)  # noqa: E731
         else:
             lin = random_w4a4(k, n, 32, torch.bfloat16, dev).set_mode(variant)
             fn = lambda: lin(x)  # noqa: E731

@@ -391,20 +391,20 @@ for m, (n, k) in ((1, (3072, 3072)), (7, (3072, 12288)), (2, (12288, 3072))):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):  # every capture on PyTorch's default capture stream
         y = smf.linear(x, **ops)
-    runs.append((g, y, want))
+    runs.append((g, y, want, x, ops))  # a graph holds addresses, not tensors: keep its inputs alive
 streams = [torch.cuda.Stream() for _ in runs]
 for it in range(50):
-    for (g, y, _), st in zip(runs, streams):
+    for (g, *_), st in zip(runs, streams):
         with torch.cuda.stream(st):
             g.replay()
     torch.cuda.synchronize()
-    for g, y, want in runs:
+    for g, y, want, *_ in runs:
         assert torch.equal(y, want), it
 # replays on the current stream once more, then eager calls of the same layers: the same bits
-for g, y, want in runs:
+for g, *_ in runs:
     g.replay()
 torch.cuda.synchronize()
-assert all(torch.equal(y, want) for _, y, want in runs)
+assert all(torch.equal(y, want) for _, y, want, *_ in runs)
 print("ok")
 """
 
