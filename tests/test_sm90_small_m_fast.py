@@ -266,13 +266,16 @@ from svdq_linear.precompile import _nvidia_bin
 
 sig = dict(x_ptr="*bf16", inv_ptr="*fp32", blob_ptr="*u8", strip_ptr="*u8", cs_ptr="*fp32", bias_ptr="*fp32",
            pd_ptr="*bf16", up_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", lpart_ptr="*fp32", a8_ptr="*u8",
-           sync_ptr="*i32", M="i32", N="i32", K="i32", R="i32", stride_xm="i32", stride_pd="i32", stride_om="i32",
+           sync_ptr="*i32", trace_ptr="*i64", M="i32", N="i32", K="i32", R="i32", stride_xm="i32", stride_pd="i32", stride_om="i32",
            tiles_per_split="i32", S="i32", P="i32", k_per_prod="i32")
 out = {}
-# (label, BM, RB, DOT): the multiply-adds at 1 and 2 tokens, the FP8 dots at 16 and 64 token rows, rank 128
-for label, bm, rb, dot in (("1", 1, 32, False), ("2", 2, 32, False), ("d16", 16, 32, True), ("d64", 64, 32, True),
-                           ("1r128", 1, 128, False), ("d64r128", 64, 128, True)):
-    cx = dict(BM=bm, RB=rb, RC=min(rb, 32), CK=max(16, min(128, 2048 // bm)), HAS_BIAS=True, HAS_LORA=True, ASM=True, NUM_STAGES=3, DOT=dot)
+# (label, BM, RB, DOT, measurement): the multiply-adds at 1 and 2 tokens, the FP8 dots at 16 and 64 token rows,
+# rank 128; the traced build with load polls (measurement: poll=1, trace)
+for label, bm, rb, dot, meas in (("1", 1, 32, False, 0), ("2", 2, 32, False, 0), ("d16", 16, 32, True, 0),
+                                 ("d64", 64, 32, True, 0), ("1r128", 1, 128, False, 0), ("d64r128", 64, 128, True, 0),
+                                 ("d16trace", 16, 32, True, 1)):
+    cx = dict(BM=bm, RB=rb, RC=min(rb, 32), CK=max(16, min(128, 2048 // bm)), HAS_BIAS=True, HAS_LORA=True, ASM=True,
+              NUM_STAGES=3, DOT=dot, POLL=meas, TRACE=bool(meas))
     fn = smf._fast_small_m_kernel
     full = {a: ("constexpr" if a in cx else sig[a]) for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
@@ -296,7 +299,8 @@ for label, bm, rb, dot in (("1", 1, 32, False), ("2", 2, 32, False), ("d16", 16,
                       shfl=sum(v for o, v in ops.items() if "SHFL" in o),
                       local=sum(v for o, v in whole.items() if o.startswith(("LDL", "STL"))),
                       atomics=sum(v for o, v in whole.items() if o.startswith(("ATOM", "RED"))),
-                      prefetch=whole["CCTL.E.PF2"])
+                      prefetch=whole["CCTL.E.PF2"], timer=len(re.findall(r"SR_GLOBALTIMER", sass)),
+                      nanosleep=whole["NANOSLEEP"])
 print(json.dumps(out))
 """
 
@@ -334,6 +338,11 @@ def test_one_launch_compiles_to_table_lookups_and_fp8_wgmma(tmp_path):
         st = out[label]
         assert st["qgmma"] == 4 and st["ffma"] == 0 and st["unpack"] == 0, (label, st)
         assert st["per_value"] <= 3.25, (label, st)
+    # the measurement build reads the global timer at its phase ends and sleeps between load polls; the
+    # default builds do neither, and its worker loop is the same code
+    assert out["d16trace"]["timer"] >= 6 and out["d16trace"]["nanosleep"] >= 1, out["d16trace"]
+    assert all(out[label]["timer"] == 0 and out[label]["nanosleep"] == 0 for label in ("1", "d16")), out
+    assert out["d16trace"]["per_value"] == out["d16"]["per_value"], out
 
 
 @pytest.mark.gpu

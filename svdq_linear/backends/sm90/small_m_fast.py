@@ -204,14 +204,33 @@ def _prefetch_l2(ptr, nbytes):
 
 
 @triton.jit
-def _wait(ptr, target):
+def _wait(ptr, target, POLL: tl.constexpr = 0):
     """Spin until the counter at ``ptr`` reaches ``target``: relaxed polls (no L1 invalidation a pass), then
-    one acquire (what was written before each count is visible after it)."""
-    c = tl.atomic_add(ptr, 0, sem="relaxed")
-    while c < target:
+    one acquire (what was written before each count is visible after it). ``POLL`` 0 polls with atomics
+    (read-modify-writes at L2: every poller of a word queues on its one atomic unit), 1 with volatile loads
+    and a short ``nanosleep`` between them (for measurement)."""
+    if POLL == 1:
+        c = tl.load(ptr, volatile=True)
+        while c < target:
+            tl.inline_asm_elementwise(asm="nanosleep.u32 64;\n\tmov.u32 $0, 0;", constraints="=r,r", args=[c],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+            c = tl.load(ptr, volatile=True)
+    else:
         c = tl.atomic_add(ptr, 0, sem="relaxed")
+        while c < target:
+            c = tl.atomic_add(ptr, 0, sem="relaxed")
     c = tl.atomic_add(ptr, 0, sem="acquire")
     tl.debug_barrier()
+
+
+@triton.jit
+def _stamp(trace_ptr, slot, t, TRACE: tl.constexpr):
+    """With ``TRACE``: the global timer (ns) into ``trace[program, slot]`` (``[grid, 8]`` int64, for
+    measurement: where a launch's time goes)."""
+    if TRACE:
+        now = tl.inline_asm_elementwise(asm="mov.u64 $0, %globaltimer;", constraints="=l,r", args=[t],
+                                        dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(trace_ptr + tl.program_id(0) * 8 + slot, now)
 
 
 @triton.jit
@@ -234,9 +253,9 @@ def _bf16(v, ASM: tl.constexpr):
 
 
 @triton.jit
-def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, p, M, K, R, stride_xm, stride_pd, k_per_prod,
+def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, trace_ptr, p, M, K, R, stride_xm, stride_pd, k_per_prod,
               BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, HAS_LORA: tl.constexpr,
-              DOT: tl.constexpr, ASM: tl.constexpr):
+              DOT: tl.constexpr, ASM: tl.constexpr, TRACE: tl.constexpr):
     """Chunk ``p`` of K: the tokens' partial max of ``|x / smooth|``, then its ``x @ (proj_down / smooth)``
     partial ``[BM, RB]`` (R in chunks of RC columns), each published with a count. Waits for nothing."""
     k_lo = p * k_per_prod
@@ -254,6 +273,7 @@ def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, p, M, K, R, stride_xm
     tl.atomic_max(sync_ptr + _AMAX + rm, mx, mask=m_ok, sem="relaxed")
     tl.debug_barrier()
     tl.atomic_add(sync_ptr + _AMAX_CNT, 1, sem="release")
+    _stamp(trace_ptr, 1, p, TRACE)
     if HAS_LORA:  # x rounded to bf16 as the backend's cuBLAS GEMM reads it; exact products, fp32 sums
         for r0 in tl.static_range(0, RB, RC):
             rr = r0 + tl.arange(0, RC)
@@ -286,14 +306,16 @@ def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, p, M, K, R, stride_xm
                         tl.store(lpart_ptr + (p * BM + mi) * RB + rr, acc1)
         tl.debug_barrier()
         tl.atomic_add(sync_ptr + _LORA_CNT, 1, sem="release")
+        _stamp(trace_ptr, 2, p, TRACE)
 
 
 @triton.jit
-def _quantizer(x_ptr, inv_ptr, a8_ptr, sync_ptr, q, P, M, K, stride_xm, k_per_prod, BM: tl.constexpr,
-               CK: tl.constexpr, ASM: tl.constexpr):
+def _quantizer(x_ptr, inv_ptr, a8_ptr, sync_ptr, trace_ptr, q, P, M, K, stride_xm, k_per_prod, BM: tl.constexpr,
+               CK: tl.constexpr, ASM: tl.constexpr, POLL: tl.constexpr, TRACE: tl.constexpr):
     """Chunk ``q`` of K (whole k-tiles) as E4M3 activations in the GEMM's k order, once every producer's max
     is in (the producers hold lower tickets: they are running), published with a count."""
-    _wait(sync_ptr + _AMAX_CNT, P)
+    _wait(sync_ptr + _AMAX_CNT, P, POLL)
+    _stamp(trace_ptr, 1, q, TRACE)
     rm = tl.arange(0, BM)
     m_ok = rm < M
     sa, r = _token_scales(sync_ptr, rm, m_ok, BM)
@@ -312,6 +334,7 @@ def _quantizer(x_ptr, inv_ptr, a8_ptr, sync_ptr, q, P, M, K, stride_xm, k_per_pr
             tl.store(ptrs, _e4m3_bits(v), mask=m_ok[:, None])
     tl.debug_barrier()
     tl.atomic_add(sync_ptr + _A8_CNT, 1, sem="release")
+    _stamp(trace_ptr, 2, q, TRACE)
 
 
 @triton.jit
@@ -367,9 +390,10 @@ def _words(lo, hi):
 @triton.jit
 def _fast_small_m_kernel(
     x_ptr, inv_ptr, blob_ptr, strip_ptr, cs_ptr, bias_ptr, pd_ptr, up_ptr, out_ptr, part_ptr, lpart_ptr, a8_ptr,
-    sync_ptr, M, N, K, R, stride_xm, stride_pd, stride_om, tiles_per_split, S, P, k_per_prod,
+    sync_ptr, trace_ptr, M, N, K, R, stride_xm, stride_pd, stride_om, tiles_per_split, S, P, k_per_prod,
     BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr, ASM: tl.constexpr, NUM_STAGES: tl.constexpr, DOT: tl.constexpr,
+    POLL: tl.constexpr = 0, TRACE: tl.constexpr = False,
 ):
     # CK: the k-chunk of the producers' and quantizers' [BM, CK] tiles (2048 elements: no spills at 64 rows)
     # Roles by ticket: [0, P) producers; with DOT (16-64 token rows) [P, 2 P) quantizers, which write the
@@ -380,11 +404,15 @@ def _fast_small_m_kernel(
     Q = P if DOT else 0
     total = P + Q + G * S
     t = tl.atomic_add(sync_ptr + _TICKET, 1, sem="relaxed")
+    _stamp(trace_ptr, 0, t, TRACE)
+    if TRACE:
+        tl.store(trace_ptr + tl.program_id(0) * 8 + 7, t.to(tl.int64))
     if t < P:
-        _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, t, M, K, R, stride_xm, stride_pd, k_per_prod,
-                  BM, RB, RC, CK, HAS_LORA, DOT, ASM)
+        _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, trace_ptr, t, M, K, R, stride_xm, stride_pd,
+                  k_per_prod, BM, RB, RC, CK, HAS_LORA, DOT, ASM, TRACE)
     elif t < P + Q:
-        _quantizer(x_ptr, inv_ptr, a8_ptr, sync_ptr, t - P, P, M, K, stride_xm, k_per_prod, BM, CK, ASM)
+        _quantizer(x_ptr, inv_ptr, a8_ptr, sync_ptr, trace_ptr, t - P, P, M, K, stride_xm, k_per_prod, BM, CK, ASM,
+                   POLL, TRACE)
     elif t < total:  # (a ticket past the grid would mean sync words not left at zero: such a CTA does nothing)
         item = t - P - Q
         g = item // S
@@ -402,7 +430,8 @@ def _fast_small_m_kernel(
         wbase = blob_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         sbase = strip_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         if DOT:
-            _wait(sync_ptr + _A8_CNT, P)
+            _wait(sync_ptr + _A8_CNT, P, POLL)
+            _stamp(trace_ptr, 1, t, TRACE)
             sa, rinv = _token_scales(sync_ptr, rm, m_ok, BM)
             acc = tl.zeros([64, BM], tl.float32)
             pos = tl.arange(0, 128)
@@ -419,7 +448,8 @@ def _fast_small_m_kernel(
                     av = tl.where((a & 0x7F) == 0x7F, float("nan"), a.to(tl.float8e4nv, bitcast=True).to(tl.float32))
                     acc = tl.dot(w8, av, acc, input_precision="ieee")
         else:
-            _wait(sync_ptr + _AMAX_CNT, P)
+            _wait(sync_ptr + _AMAX_CNT, P, POLL)
+            _stamp(trace_ptr, 1, t, TRACE)
             sa, rinv = _token_scales(sync_ptr, rm, m_ok, BM)
             r0 = tl.sum(tl.where(rm == 0, rinv, 0.0), axis=0)
             r1 = tl.sum(tl.where(rm == 1, rinv, 0.0), axis=0)
@@ -451,11 +481,13 @@ def _fast_small_m_kernel(
             a_1 = tl.reshape(tl.permute(tl.reshape(tl.join(_slots(c100, c101), _slots(c110, c111)), [4, 8, 2]),
                                         [0, 2, 1]), [64])
             acc = tl.where(rm[None, :] == 0, a_0[:, None], a_1[:, None])  # [64, BM]
+        _stamp(trace_ptr, 2, t, TRACE)
         _finish(acc, sa, g, s, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, out_ptr, part_ptr, lpart_ptr,
-                sync_ptr, stride_om, BM, RB, RC, HAS_BIAS, HAS_LORA, ASM)
+                sync_ptr, trace_ptr, t, stride_om, BM, RB, RC, HAS_BIAS, HAS_LORA, ASM, POLL, TRACE)
     # the last CTA to finish leaves the sync words at zero for the next launch
     tl.debug_barrier()
     fin = tl.atomic_add(sync_ptr + _DONE, 1, sem="acq_rel")
+    _stamp(trace_ptr, 6, t, TRACE)
     if fin == total - 1:
         tl.atomic_xchg(sync_ptr + _TICKET, 0)
         tl.atomic_xchg(sync_ptr + _AMAX_CNT, 0)
@@ -468,8 +500,8 @@ def _fast_small_m_kernel(
 
 @triton.jit
 def _finish(acc, sa, g, s, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, out_ptr, part_ptr, lpart_ptr, sync_ptr,
-            stride_om, BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, HAS_BIAS: tl.constexpr,
-            HAS_LORA: tl.constexpr, ASM: tl.constexpr):
+            trace_ptr, t, stride_om, BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, HAS_BIAS: tl.constexpr,
+            HAS_LORA: tl.constexpr, ASM: tl.constexpr, POLL: tl.constexpr, TRACE: tl.constexpr):
     """A worker's fp32 partial ``[64, BM]`` written; the last of its group sums the partials in split order
     and writes ``acc * sa * (2**e * wcscale) + bias + lora_act @ proj_up^T`` (``lora_act`` the producers'
     partials summed in chunk order, R in chunks of RC columns)."""
@@ -478,6 +510,7 @@ def _finish(acc, sa, g, s, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, ou
     tl.store(part_ptr + (s * G + g) * (64 * BM) + local, acc)
     tl.debug_barrier()  # every thread's partial is written before the counter moves
     done = tl.atomic_add(sync_ptr + _GROUPS + g, 1, sem="acq_rel")
+    _stamp(trace_ptr, 3, t, TRACE)
     if done == S - 1:  # the last split of this group: sum in split order, then the epilogue
         y = tl.zeros([64, BM], tl.float32)
         for si in range(S):
@@ -487,8 +520,9 @@ def _finish(acc, sa, g, s, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, ou
         y = y * sa[None, :] * tl.load(cs_ptr + rn)[:, None]
         if HAS_BIAS:
             y += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
+        _stamp(trace_ptr, 4, t, TRACE)
         if HAS_LORA:
-            _wait(sync_ptr + _LORA_CNT, P)
+            _wait(sync_ptr + _LORA_CNT, P, POLL)
             for r0 in tl.static_range(0, RB, RC):
                 rr = r0 + tl.arange(0, RC)
                 la = tl.load(lpart_ptr + rm[:, None] * RB + rr[None, :], cache_modifier=".cg")  # [BM, RC]
@@ -511,6 +545,7 @@ def _finish(acc, sa, g, s, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, ou
                         lrow = tl.sum(tl.where(rm[:, None] == mi, la, 0.0), axis=0)  # [RC]
                         y = tl.where(rm[None, :] == mi, y + tl.sum(up * lrow[None, :], axis=1)[:, None], y)
         tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], y.to(out_ptr.dtype.element_ty), mask=m_ok[None, :])
+        _stamp(trace_ptr, 5, t, TRACE)
 
 
 # ---- host side ------------------------------------------------------------------------------------
@@ -574,7 +609,7 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
            bias: torch.Tensor | None = None, proj_down: torch.Tensor | None = None,
            proj_up: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
            num_stages: int = 3, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM,
-           dot: bool | None = None) -> torch.Tensor:
+           dot: bool | None = None, poll: int = 0, trace: torch.Tensor | None = None) -> torch.Tensor:
     """``nvfp4.w4a8_fast_linear`` for 1 to ``MAX_M`` tokens in one launch.
 
     ``x [M, K]`` (any float, unit stride along K); ``inv_smooth [K]`` fp32 ``1 / smooth``; ``blob`` /
@@ -582,16 +617,20 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
     ``2**e * wcscale``; ``bias [N]``; ``proj_down [K, >= R]`` the smoothed ``proj_down / smooth`` (its
     first ``R`` columns are read) with ``proj_up [N, R]`` contiguous. The output is ``out_dtype`` (x's
     by default). ``dot`` picks the FP8 dots (default above ``FMA_MAX_M`` tokens) or the multiply-adds
-    (at most ``FMA_MAX_M``); ``num_stages`` (k-tiles in flight) and ``ctas_per_sm`` (the split's target)
+    (at most ``FMA_MAX_M``); ``num_stages`` (k-tiles in flight), ``ctas_per_sm`` (the split's target),
+    ``poll`` (how waits poll: ``_wait``) and ``trace`` (an int64 tensor of ``grid x 8`` elements or more,
+    ``grid_size``: each CTA's global-timer stamps at its phase ends, its ticket in column 7; ``_stamp``)
     are for measurement."""
     check(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up)
     m, k = x.shape
     n = cs.numel()
     out_dtype = out_dtype or x.dtype
+    if trace is not None and (_INTERPRET or trace.dtype != torch.int64 or trace.device != x.device):
+        raise ValueError("trace needs an int64 tensor on x's GPU (the global timer is read by PTX)")
     if _INTERPRET and out_dtype != torch.float32:
         # the CPU interpreter's fp32 -> 16-bit conversion does not round to nearest: cast outside
         return linear(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, torch.float32, num_stages,
-                      sms, ctas_per_sm, dot).to(out_dtype)
+                      sms, ctas_per_sm, dot, poll).to(out_dtype)
     dot = m > FMA_MAX_M if dot is None else dot
     if not dot and m > FMA_MAX_M:
         raise ValueError(f"the multiply-add form serves at most {FMA_MAX_M} tokens, got {m}")
@@ -608,11 +647,23 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
     a8 = torch.empty(m, k, device=x.device, dtype=torch.uint8) if dot else part
     sync = _sync(x.device, groups)
     dummy = cs
-    _fast_small_m_kernel[(producers * (2 if dot else 1) + groups * split,)](
+    grid = producers * (2 if dot else 1) + groups * split
+    if trace is not None and trace.numel() < grid * 8:
+        raise ValueError(f"trace needs {grid * 8} elements (grid_size), got {trace.numel()}")
+    _fast_small_m_kernel[(grid,)](
         x, inv_smooth, blob, strip, cs, bias if bias is not None else dummy,
         proj_down if r else dummy, proj_up if r else dummy, out, part, lpart, a8, sync,
+        trace if trace is not None else sync,
         m, n, k, r, x.stride(0), proj_down.stride(0) if r else 0, out.stride(0), per, split, producers, k_per_prod,
         BM=bm, RB=rb, RC=min(rb, 32), CK=max(16, min(128, 2048 // bm)), HAS_BIAS=bias is not None, HAS_LORA=bool(r), ASM=not _INTERPRET,
-        NUM_STAGES=num_stages, DOT=dot, num_warps=4,
+        NUM_STAGES=num_stages, DOT=dot, POLL=poll, TRACE=trace is not None, num_warps=4,
     )
     return out
+
+
+def grid_size(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM,
+              dot: bool | None = None) -> int:
+    """CTAs of one launch (producers, quantizers with the dots, workers): the rows of a ``trace``."""
+    split, _, producers, _ = plan(m, n, k, sms, ctas_per_sm)
+    dot = m > FMA_MAX_M if dot is None else dot
+    return producers * (2 if dot else 1) + n // 64 * split

@@ -1,0 +1,97 @@
+"""Where the one-launch fast kernel's time goes (``sm90/small_m_fast.py``): each CTA's global-timer stamps
+at its phase ends, from one traced launch, beside CUDA-graph times of the untraced kernel.
+
+    python benchmarks/trace_small_m_fast.py [--out FILE]
+
+Per layer and token count, and per measurement setting (``poll``: how waits poll; ``ctas_per_sm``: the
+split's target): cuBLAS bf16 and the kernel in CUDA-graph replays (us), then from one traced launch the
+times (us, from the first CTA's start) at which: the last CTA started; the producers' amax were all in;
+their ``lora_act`` partials were all in; the quantizers' ``a8`` were all in (FP8 dots); the workers left
+their wait (first / median / last); finished their k-loop (median / last); counted their partial (last);
+the last epilogue ended; the last CTA ended. The median worker's k-loop time (us) comes last. The global
+timer ticks in ns but may advance in steps of up to 1 us on some parts: read the figures as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _table import emit  # noqa: E402
+from bench_small_m import graph_time  # noqa: E402
+from test_sm90_small_m_fast import _layer, _operands  # noqa: E402
+
+from svdq_linear.backends.sm90 import small_m_fast as smf  # noqa: E402
+
+CASES = (("attn", 3072, 3072, 1), ("ff down", 12288, 3072, 1), ("ff down", 12288, 3072, 16), ("attn", 3072, 3072, 64))
+SETTINGS = ((0, smf.CTAS_PER_SM), (1, smf.CTAS_PER_SM), (1, 4), (1, 16))
+
+
+def _q(v: torch.Tensor, f: float) -> float:
+    return float(v.float().quantile(f)) / 1e3 if v.numel() else float("nan")
+
+
+def phases(tr: torch.Tensor, p: int, q: int) -> list[float]:
+    """The phase-end times (us) of one traced launch (``tr [grid, 8]``, -1 where a CTA did not stamp)."""
+    t = tr[:, 7]
+    t0 = tr[:, 0].min()
+    rel = torch.where(tr[:, :7] >= 0, tr[:, :7] - t0, torch.full_like(tr[:, :7], -1))
+    prod, quant, work = rel[t < p], rel[(t >= p) & (t < p + q)], rel[t >= p + q]
+
+    def col(r, c):
+        v = r[:, c]
+        return v[v >= 0]
+
+    loop = (work[:, 2] - work[:, 1]).float()
+    return [_q(rel[:, 0], 1), _q(col(prod, 1), 1), _q(col(prod, 2), 1), _q(col(quant, 2), 1) if q else float("nan"),
+            _q(col(work, 1), 0), _q(col(work, 1), 0.5), _q(col(work, 1), 1), _q(col(work, 2), 0.5), _q(col(work, 2), 1),
+            _q(col(work, 3), 1), _q(col(work, 5), 1), _q(rel[:, 6], 1), float(loop.median()) / 1e3]
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    heads = ["last start", "amax in", "lora in", "a8 in", "wait first", "wait med", "wait last", "loop med",
+             "loop last", "counted last", "epi last", "end", "loop us"]
+    rows = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}; "
+            "rank 32, bias; times in us (graph: CUDA-graph replays; the rest from one traced launch, from the first "
+            "CTA's start)", "",
+            "| layer | M | poll | CTAs/SM | grid | cuBLAS | graph us | ratio | " + " | ".join(heads) + " |",
+            "|---|---|---|---|---|---|---|---|" + "---|" * len(heads)]
+    gen = torch.Generator().manual_seed(0)
+    for label, k, n, m in CASES:
+        q, ws, wc, smooth, pd, up = _layer(n, k, 32, gen)
+        ops = _operands(q, ws, wc, smooth, pd, up, torch.randn(n, generator=gen))
+        x = (torch.randn(m, k, generator=gen) * 3).bfloat16().cuda()
+        lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+        t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
+        want = smf.linear(x, **ops)
+        for poll, cps in SETTINGS:
+            y = smf.linear(x, **ops, poll=poll, ctas_per_sm=cps)
+            same = torch.equal(y, want) if cps == smf.CTAS_PER_SM else True  # (another split sums in another order)
+            t = graph_time(lambda: smf.linear(x, **ops, poll=poll, ctas_per_sm=cps))
+            grid = smf.grid_size(m, n, k, ctas_per_sm=cps)
+            split, _, prods, _ = smf.plan(m, n, k, ctas_per_sm=cps)
+            tr = torch.full((grid, 8), -1, dtype=torch.int64, device="cuda")
+            smf.linear(x, **ops, poll=poll, ctas_per_sm=cps, trace=tr)  # compiles the traced build
+            tr.fill_(-1)
+            smf.linear(x, **ops, poll=poll, ctas_per_sm=cps, trace=tr)
+            torch.cuda.synchronize()
+            ph = phases(tr.cpu(), prods, prods if m > smf.FMA_MAX_M else 0)
+            rows.append(f"| {label} | {m} | {poll} | {cps} | {grid} | {t_ref * 1e3:.1f} | {t * 1e3:.1f}"
+                        f"{'' if same else ' (DIFFERS)'} | {t_ref / t:.2f}x | " + " | ".join(f"{v:.1f}" for v in ph) + " |")
+            print(rows[-1], flush=True)
+    emit(rows, args.out)
+
+
+if __name__ == "__main__":
+    main()
