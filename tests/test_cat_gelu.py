@@ -29,6 +29,36 @@ from test_sm90_fast import _logical_k, _quack_fast  # the k order written out; t
 AMBIGUOUS = 2.0**-8  # of a 16-bit step: float32 kernels' GELU is within ~2**-21 of the value
 
 
+@pytest.fixture(autouse=True)
+def _two_source_at_any_tokens(monkeypatch):
+    """The tests' layers are small: the two-source kernels serve any token count here (by default
+    ``tuning.CAT_GELU_MIN_M`` sends fewer tokens to the written input, which
+    ``test_sm90_reads_the_parts_from_cat_gelu_min_m_tokens`` checks)."""
+    from svdq_linear.backends.sm90 import tuning
+
+    monkeypatch.setattr(tuning, "CAT_GELU_MIN_M", 0)
+
+
+@pytest.mark.parametrize("ka", [0, 3072])
+def test_sm90_reads_the_parts_from_cat_gelu_min_m_tokens(ka, monkeypatch):
+    """Below ``tuning.CAT_GELU_MIN_M`` tokens both modes write the input (measured slower there); from it,
+    they read the parts; the limit is read at each call."""
+    from svdq_linear.backends.sm90 import Sm90Backend, tuning
+
+    monkeypatch.undo()
+    be = Sm90Backend()
+    lim = tuning.CAT_GELU_MIN_M
+    assert lim == 2048
+    for m, want in ((lim - 1, False), (lim, True), (4608, True)):
+        xa = torch.empty(m, ka, device="meta", dtype=torch.bfloat16) if ka else None
+        xb = torch.empty(m, 12288, device="meta", dtype=torch.bfloat16)
+        assert be._exact_reads_cat(xa, xb) is want and be._fast_reads_cat(xa, xb) is want, m
+    monkeypatch.setattr(tuning, "CAT_GELU_MIN_M", 100)
+    for m, want in ((99, False), (100, True)):
+        xb = torch.empty(m, 12288, device="meta", dtype=torch.bfloat16)
+        assert be._exact_reads_cat(None, xb) is want and be._fast_reads_cat(None, xb) is want, m
+
+
 def gelu64(v: torch.Tensor) -> torch.Tensor:
     """GELU, tanh form, in float64: 0.5 v (1 + tanh(u)), u = sqrt(2 / pi) (v + 0.044715 v^3), evaluated as
     v sigmoid(2 u) (the same function; 1 + tanh(u) cancels below v ~ -6 even in float64)."""

@@ -397,9 +397,9 @@ class Sm90Backend(Backend):
         return self.kernels.w4_gemm(xq, qweight, wscales, wcscale, bias, proj_up if r else None, lora, x_dtype, cfg)
 
     def run_w4a4_cat_gelu(self, xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
-        """The exact mode on ``cat_gelu(xa, xb)`` above SMALL_M tokens: ``kernels.quantize_act_cat`` and
-        ``kernels.lora_act(xb=)`` read the two tensors; fewer tokens, or widths the kernels do not take,
-        write the input and run ``run_w4a4``."""
+        """The exact mode on ``cat_gelu(xa, xb)`` from ``tuning.CAT_GELU_MIN_M`` tokens:
+        ``kernels.quantize_act_cat`` and ``kernels.lora_act(xb=)`` read the two tensors; fewer tokens, or
+        widths the kernels do not take, write the input and run ``run_w4a4``."""
         m, r = xb.shape[0], proj_down.shape[1]
         if not self._exact_reads_cat(xa, xb):
             return super().run_w4a4_cat_gelu(xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias,
@@ -506,7 +506,7 @@ class Sm90Backend(Backend):
     def _reads_cat_gelu(self, module, xa, xb, prepared) -> bool:
         """Whether the fast mode reads ``cat_gelu(xa, xb)`` from its two tensors (``kernels.quantize_act_fp8_cat``
         and ``kernels.lora_act(xb=)``): quack's FP8 GEMM with the low-rank branch in its accumulator (or
-        none), more tokens than small_m_mma takes (a static count), xa's width a multiple of 128 and the
+        none), at least ``tuning.CAT_GELU_MIN_M`` tokens (a static count), xa's width a multiple of 128 and the
         row within the one-pass kernel; else the input is written out and the fast mode runs on it."""
         if type(getattr(prepared, "quack", None)).__name__ != "FastWeight":
             return False
@@ -520,11 +520,13 @@ class Sm90Backend(Backend):
         return (isinstance(m, int) and m > min_m and (0 if xa is None else xa.shape[1]) % 128 == 0
                 and xb.shape[1] > 0 and (xa is None or xa.dtype == xb.dtype))
 
-    def _exact_reads_cat(self, xa, xb) -> bool:  # above the small-M kernel's tokens; whole NVFP4 blocks
-        return self._cat_shapes(xa, xb, SMALL_M["w4a4"]) and xb.shape[1] % 16 == 0
+    def _exact_reads_cat(self, xa, xb) -> bool:  # from CAT_GELU_MIN_M tokens (above small-M's); whole NVFP4 blocks
+        return (self._cat_shapes(xa, xb, max(SMALL_M["w4a4"], tuning.CAT_GELU_MIN_M - 1))
+                and xb.shape[1] % 16 == 0)
 
-    def _fast_reads_cat(self, xa, xb) -> bool:  # above small_m_mma's tokens; a row in the one-pass kernel
-        return (self._cat_shapes(xa, xb, tuning.MMA_TOKENS) and xb.dtype in (torch.bfloat16, torch.float16)
+    def _fast_reads_cat(self, xa, xb) -> bool:  # from CAT_GELU_MIN_M tokens; a row in the one-pass kernel
+        return (self._cat_shapes(xa, xb, max(tuning.MMA_TOKENS, tuning.CAT_GELU_MIN_M - 1))
+                and xb.dtype in (torch.bfloat16, torch.float16)
                 and (0 if xa is None else xa.shape[1]) + xb.shape[1] <= self.kernels.ROW_MAX_K)
 
     def run_w4a4_fast_cat_gelu(self, xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):

@@ -138,6 +138,11 @@ def sm_count(device) -> int:
 # SVDQ_SM90_LORA_ACT="cublas" keeps cuBLAS, "bm,S,w,st" sets the Triton kernel's block rows, split (0: the
 # rule of lora_split), warps and stages for every call.
 ENV_LORA_ACT = "SVDQ_SM90_LORA_ACT"
+# forward_cat_gelu (fuse_gelu_inputs) reads the GELU's parts from this many tokens; below, it writes the input
+# and runs the plain path. Measured on the H200 (docs/perf.md, 2026-12-05 thirteenth session, bench_gelu_in):
+# the whole linear 0.99-1.02x the written input's at 4096-4608 tokens, 0.70-0.71x at 512 (its two-source
+# lora_act pass takes 51 us where the written input and cuBLAS's take 14 + 24).
+CAT_GELU_MIN_M = 2048
 LORA_ACT_MIN_M = 128
 LORA_ACT_CONFIG = (64, 4, 4, 3)
 
