@@ -31,7 +31,7 @@ from test_sm90_small_m_fast import _layer, _operands  # noqa: E402
 from svdq_linear.backends.sm90 import small_m_fast as smf  # noqa: E402
 
 CASES = (("attn", 3072, 3072, 1), ("ff down", 12288, 3072, 1), ("ff down", 12288, 3072, 16), ("attn", 3072, 3072, 64))
-SETTINGS = ((0, smf.CTAS_PER_SM), (1, smf.CTAS_PER_SM), (1, 4), (1, 16))
+SETTINGS = ((0, smf.CTAS_PER_SM), (0, 4), (0, 6), (1, smf.CTAS_PER_SM))
 
 
 def _q(v: torch.Tensor, f: float) -> float:

@@ -106,6 +106,23 @@ def test_one_launch_meets_the_fast_formula(m, r, with_bias, dtype, dot):
     assert torch.equal(smf.linear(x.to(DEV), **ops, out_dtype=torch.float32, dot=dot), y)
 
 
+@pytest.mark.parametrize("m,dot", [(1, False), (2, False), (9, True)])
+def test_epilogue_sums_more_partials_than_it_loads_at_once(m, dot):
+    """More splits than the epilogue loads at once (``chunks``' SC: 16 at 1-2 tokens, 4 at 16 rows) and more
+    producers than PC at 16 rows: every chunk of partials is added, the last one partly masked."""
+    gen = torch.Generator().manual_seed(40 + m)
+    n, k = 64, 2304
+    split, _, producers, _ = smf.plan(m, n, k)
+    ck = smf.chunks(16 if dot else m, 32)
+    assert split == 18 > ck["SC"] and split % ck["SC"] and (not dot or producers > ck["PC"]), (split, producers, ck)
+    q, ws, wc, smooth, pd, up = _layer(n, k, 32, gen)
+    bias = torch.randn(n, generator=gen)
+    x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
+    y = smf.linear(x.to(DEV), **_operands(q, ws, wc, smooth, pd, up, bias), out_dtype=torch.float32, dot=dot)
+    want, bound = _want(x.float(), q, ws, wc, smooth, pd, up, bias, dot)
+    _check(y, want, bound, f"m={m} dot={dot}")
+
+
 @pytest.mark.parametrize("m,dot", [(2, False), (9, True)])
 def test_workers_and_producers_walk_several_k_tiles(m, dot):
     """One worker a group walking all 40 k-tiles (the plan at one SM, one CTA an SM) and producers of two
@@ -274,7 +291,7 @@ out = {}
 for label, bm, rb, dot, meas in (("1", 1, 32, False, 0), ("2", 2, 32, False, 0), ("d16", 16, 32, True, 0),
                                  ("d64", 64, 32, True, 0), ("1r128", 1, 128, False, 0), ("d64r128", 64, 128, True, 0),
                                  ("d16trace", 16, 32, True, 1)):
-    cx = dict(BM=bm, RB=rb, RC=min(rb, 32), CK=max(16, min(128, 2048 // bm)), HAS_BIAS=True, HAS_LORA=True, ASM=True,
+    cx = dict(BM=bm, RB=rb, RC=min(rb, 32), **smf.chunks(bm, rb), HAS_BIAS=True, HAS_LORA=True, ASM=True,
               NUM_STAGES=3, DOT=dot, POLL=meas, TRACE=bool(meas))
     fn = smf._fast_small_m_kernel
     full = {a: ("constexpr" if a in cx else sig[a]) for a in fn.arg_names}

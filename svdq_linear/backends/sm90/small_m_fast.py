@@ -37,8 +37,9 @@ wait for:
   significant bits between fp32 promotions), the deviation ``nvfp4``'s fast contract allows (the quack
   GEMM's too: ``tests/test_sm90_fast.py``'s bound).
 - **The sum and the epilogue.** Each worker writes its fp32 partial ``[64, BM]``; the last worker of a
-  group (a counter) waits for the ``lora_act`` count, adds the partials in split order and the
-  producers' partials in chunk order (the result does not depend on scheduling) and writes ``acc * sa
+  group (a counter) waits for the ``lora_act`` count, adds the partials and the producers' partials
+  in a fixed order (chunks loaded at once, each summed as a tree: the result does not depend on
+  scheduling) and writes ``acc * sa
   * (2**e * wcscale) + bias + lora_act @ proj_up^T`` (above two tokens on bf16 tensor cores: proj_up in
   bf16, ``lora_act`` as two bf16 parts). The last CTA to finish zeroes the ticket, the counts and the
   amax words, so the next launch on the stream needs no memset; a launch captured in a CUDA graph has
@@ -66,7 +67,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 MAX_M = 64  # tokens this kernel serves
 FMA_MAX_M = 2  # up to this many tokens the workers quantize their own activations and multiply-add (else FP8 dots)
-CTAS_PER_SM = 8  # the grid the split-K aims at, as small_m's
+# workers an SM the split-K aims at: all resident at once with the producers and quantizers (7 CTAs an SM
+# fit the multiply-adds, 6 the dots). Traced on the H200 (docs/perf.md, thirteenth session): at 8 a
+# 12288-deep layer's grid ran past one wave and its last CTAs started 10-16 us late.
+CTAS_PER_SM = 5
 PRODUCERS_MAX = 32  # k-chunks of the row-wide work (amax, lora_act)
 # sync words: ticket, amax count, lora count, done count, the tokens' amax bits, then a counter a group
 # (each polled or updated word on its own 128-byte line)
@@ -254,8 +258,8 @@ def _bf16(v, ASM: tl.constexpr):
 
 @triton.jit
 def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, trace_ptr, p, M, K, R, stride_xm, stride_pd, k_per_prod,
-              BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, HAS_LORA: tl.constexpr,
-              DOT: tl.constexpr, ASM: tl.constexpr, TRACE: tl.constexpr):
+              BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, CKA: tl.constexpr,
+              HAS_LORA: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, TRACE: tl.constexpr):
     """Chunk ``p`` of K: the tokens' partial max of ``|x / smooth|``, then its ``x @ (proj_down / smooth)``
     partial ``[BM, RB]`` (R in chunks of RC columns), each published with a count. Waits for nothing."""
     k_lo = p * k_per_prod
@@ -263,8 +267,8 @@ def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, trace_ptr, p, M, K, R
     rm = tl.arange(0, BM)
     m_ok = rm < M
     mx = tl.zeros([BM], tl.int32)
-    for k0 in range(k_lo, k_hi, CK):
-        rk = k0 + tl.arange(0, CK)
+    for k0 in range(k_lo, k_hi, CKA):  # (every worker waits for this: one load a chunk of up to CKA)
+        rk = k0 + tl.arange(0, CKA)
         k_ok = rk < k_hi
         mask = m_ok[:, None] & k_ok[None, :]
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -391,11 +395,13 @@ def _words(lo, hi):
 def _fast_small_m_kernel(
     x_ptr, inv_ptr, blob_ptr, strip_ptr, cs_ptr, bias_ptr, pd_ptr, up_ptr, out_ptr, part_ptr, lpart_ptr, a8_ptr,
     sync_ptr, trace_ptr, M, N, K, R, stride_xm, stride_pd, stride_om, tiles_per_split, S, P, k_per_prod,
-    BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_LORA: tl.constexpr, ASM: tl.constexpr, NUM_STAGES: tl.constexpr, DOT: tl.constexpr,
-    POLL: tl.constexpr = 0, TRACE: tl.constexpr = False,
+    BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, CKA: tl.constexpr, SC: tl.constexpr,
+    PC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, ASM: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DOT: tl.constexpr, POLL: tl.constexpr = 0, TRACE: tl.constexpr = False,
 ):
-    # CK: the k-chunk of the producers' and quantizers' [BM, CK] tiles (2048 elements: no spills at 64 rows)
+    # CK: the k-chunk of the producers' low-rank and the quantizers' [BM, CK] tiles (2048 elements: no spills at
+    # 64 rows); CKA the producers' amax chunk (up to 512: one load at a few tokens); SC / PC: the split partials
+    # / the producers' lora_act partials the epilogue loads at once (``_finish``)
     # Roles by ticket: [0, P) producers; with DOT (16-64 token rows) [P, 2 P) quantizers, which write the
     # E4M3 activations (the GEMM's k order) for workers that run FP8 dots on the decoded tile; the rest
     # workers (without DOT, 1-2 tokens, they quantize their own activations and multiply-add)
@@ -409,7 +415,7 @@ def _fast_small_m_kernel(
         tl.store(trace_ptr + tl.program_id(0) * 8 + 7, t.to(tl.int64))
     if t < P:
         _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, trace_ptr, t, M, K, R, stride_xm, stride_pd,
-                  k_per_prod, BM, RB, RC, CK, HAS_LORA, DOT, ASM, TRACE)
+                  k_per_prod, BM, RB, RC, CK, CKA, HAS_LORA, DOT, ASM, TRACE)
     elif t < P + Q:
         _quantizer(x_ptr, inv_ptr, a8_ptr, sync_ptr, trace_ptr, t - P, P, M, K, stride_xm, k_per_prod, BM, CK, ASM,
                    POLL, TRACE)
@@ -483,7 +489,7 @@ def _fast_small_m_kernel(
             acc = tl.where(rm[None, :] == 0, a_0[:, None], a_1[:, None])  # [64, BM]
         _stamp(trace_ptr, 2, t, TRACE)
         _finish(acc, sa, g, s, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, out_ptr, part_ptr, lpart_ptr,
-                sync_ptr, trace_ptr, t, stride_om, BM, RB, RC, HAS_BIAS, HAS_LORA, ASM, POLL, TRACE)
+                sync_ptr, trace_ptr, t, stride_om, BM, RB, RC, SC, PC, HAS_BIAS, HAS_LORA, ASM, POLL, TRACE)
     # the last CTA to finish leaves the sync words at zero for the next launch
     tl.debug_barrier()
     fin = tl.atomic_add(sync_ptr + _DONE, 1, sem="acq_rel")
@@ -500,11 +506,14 @@ def _fast_small_m_kernel(
 
 @triton.jit
 def _finish(acc, sa, g, s, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, out_ptr, part_ptr, lpart_ptr, sync_ptr,
-            trace_ptr, t, stride_om, BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, HAS_BIAS: tl.constexpr,
-            HAS_LORA: tl.constexpr, ASM: tl.constexpr, POLL: tl.constexpr, TRACE: tl.constexpr):
-    """A worker's fp32 partial ``[64, BM]`` written; the last of its group sums the partials in split order
-    and writes ``acc * sa * (2**e * wcscale) + bias + lora_act @ proj_up^T`` (``lora_act`` the producers'
-    partials summed in chunk order, R in chunks of RC columns)."""
+            trace_ptr, t, stride_om, BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, SC: tl.constexpr,
+            PC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, ASM: tl.constexpr, POLL: tl.constexpr,
+            TRACE: tl.constexpr):
+    """A worker's fp32 partial ``[64, BM]`` written; the last of its group sums the partials and writes ``acc
+    * sa * (2**e * wcscale) + bias + lora_act @ proj_up^T`` (``lora_act`` the producers' partials summed, R in
+    chunks of RC columns). Both sums load SC splits / PC producers at once (one round trip to L2 a chunk: a
+    partial at a time made the epilogue a chain of S + P round trips, 3.5 us of a 10 us launch) and add each
+    chunk as a tree, chunks in order: a fixed order, whatever the scheduling."""
     rl = tl.arange(0, 64)
     local = rl[:, None] * BM + rm[None, :]
     tl.store(part_ptr + (s * G + g) * (64 * BM) + local, acc)
@@ -513,8 +522,10 @@ def _finish(acc, sa, g, s, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, ou
     _stamp(trace_ptr, 3, t, TRACE)
     if done == S - 1:  # the last split of this group: sum in split order, then the epilogue
         y = tl.zeros([64, BM], tl.float32)
-        for si in range(S):
-            y += tl.load(part_ptr + (si * G + g) * (64 * BM) + local, cache_modifier=".cg")
+        for s0 in range(0, S, SC):
+            rs = s0 + tl.arange(0, SC)
+            y += tl.sum(tl.load(part_ptr + (rs[:, None, None] * G + g) * (64 * BM) + local[None, :, :],
+                                mask=(rs < S)[:, None, None], other=0.0, cache_modifier=".cg"), axis=0)
         tl.atomic_xchg(sync_ptr + _GROUPS + g, 0)  # ready for the next launch
         rn = g * 64 + rl
         y = y * sa[None, :] * tl.load(cs_ptr + rn)[:, None]
@@ -525,9 +536,12 @@ def _finish(acc, sa, g, s, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, ou
             _wait(sync_ptr + _LORA_CNT, P, POLL)
             for r0 in tl.static_range(0, RB, RC):
                 rr = r0 + tl.arange(0, RC)
-                la = tl.load(lpart_ptr + rm[:, None] * RB + rr[None, :], cache_modifier=".cg")  # [BM, RC]
-                for pi in range(1, P):
-                    la += tl.load(lpart_ptr + (pi * BM + rm[:, None]) * RB + rr[None, :], cache_modifier=".cg")
+                la = tl.zeros([BM, RC], tl.float32)
+                for p0 in range(0, P, PC):
+                    rp = p0 + tl.arange(0, PC)
+                    la += tl.sum(tl.load(lpart_ptr + (rp[:, None, None] * BM + rm[None, :, None]) * RB
+                                         + rr[None, None, :], mask=(rp < P)[:, None, None], other=0.0,
+                                         cache_modifier=".cg"), axis=0)
                 up = tl.load(up_ptr + rn[:, None] * R + rr[None, :], mask=(rr < R)[None, :], other=0.0).to(tl.float32)
                 if BM >= 16:  # bf16 tensor cores: proj_up in bf16 (the contract's allowance), lora_act as two bf16
                     lh = _bf16(la, ASM)  # parts (hi + lo: 16 significant bits), exact products, fp32 sums
@@ -655,10 +669,19 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
         proj_down if r else dummy, proj_up if r else dummy, out, part, lpart, a8, sync,
         trace if trace is not None else sync,
         m, n, k, r, x.stride(0), proj_down.stride(0) if r else 0, out.stride(0), per, split, producers, k_per_prod,
-        BM=bm, RB=rb, RC=min(rb, 32), CK=max(16, min(128, 2048 // bm)), HAS_BIAS=bias is not None, HAS_LORA=bool(r), ASM=not _INTERPRET,
+        BM=bm, RB=rb, RC=min(rb, 32), **chunks(bm, rb), HAS_BIAS=bias is not None, HAS_LORA=bool(r), ASM=not _INTERPRET,
         NUM_STAGES=num_stages, DOT=dot, POLL=poll, TRACE=trace is not None, num_warps=4,
     )
     return out
+
+
+def chunks(bm: int, rb: int) -> dict[str, int]:
+    """The kernel's chunk sizes for ``bm`` token rows and ``rb`` low-rank columns: ``CK`` (producers' low-rank
+    and quantizers' k-chunk: [bm, CK] tiles of 2048 elements, dividing 128), ``CKA`` (the amax's, up to 512),
+    ``SC`` / ``PC`` (split / producer partials the epilogue loads at once: 4096 / 2048 elements)."""
+    rc = min(rb, 32)
+    return dict(CK=max(16, min(128, 2048 // bm)), CKA=max(16, min(512, 2048 // bm)),
+                SC=max(1, min(16, 4096 // (64 * bm))), PC=max(1, min(PRODUCERS_MAX, 2048 // (bm * rc))))
 
 
 def grid_size(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM,
