@@ -149,6 +149,10 @@ def test_one_launch_plans_the_split_and_the_producers():
         assert producers <= smf.PRODUCERS_MAX and kp % 128 == 0 and producers * kp >= k > (producers - 1) * kp
         assert (n // 64) * split <= max(smf.CTAS_PER_SM * 132 * 1.5, n // 64), (n, k, split)
     assert smf.plan(1, 3072, 12288)[0] > 1  # K is split where the row groups alone leave SMs idle
+    # the partials one CTA a group adds: at most SPLIT_ROWS splits x token rows, and the rule binds at 64 rows
+    for m, rows in ((1, 1), (2, 2), (16, 16), (33, 64), (64, 64)):
+        assert smf.plan(m, 3072, 12288)[0] * rows <= smf.SPLIT_ROWS, m
+    assert smf.plan(64, 3072, 12288)[0] == smf.SPLIT_ROWS // 64 < smf.plan(16, 3072, 12288)[0]
 
 
 @pytest.mark.parametrize("dot", [False, True])

@@ -13,7 +13,8 @@ wait for:
   *producers*: each owns a k-chunk (whole k-tiles), publishes the tokens' partial max of
   ``|x / smooth|`` (``atomic_max`` on the float's bits: a NaN's bits exceed +Inf's, so a NaN wins as
   ``amax`` propagates it) and counts itself in, then writes its chunk's ``x @ (proj_down / smooth)``
-  partial (``[P, BM, R]`` fp32) and counts itself in again. Above two tokens the next ``P`` are
+  partial (``[P, BM, R]`` fp32) and counts itself in again; the last to do so adds the ``P`` partials
+  into ``lora_act`` while the workers run and counts once more. Above two tokens the next ``P`` are
   *quantizers*: once every producer's max is in, each writes its chunk of ``a8 = e4m3(x / smooth * r)``
   in the GEMM's k order (``fast_layout``) and counts itself in. The rest are *workers* ``(64-row
   group, split)``. Producers wait for nothing, quantizers only for producers, workers only for those
@@ -37,11 +38,11 @@ wait for:
   significant bits between fp32 promotions), the deviation ``nvfp4``'s fast contract allows (the quack
   GEMM's too: ``tests/test_sm90_fast.py``'s bound).
 - **The sum and the epilogue.** Each worker writes its fp32 partial ``[64, BM]``; the last worker of a
-  group (a counter) waits for the ``lora_act`` count, adds the partials and the producers' partials
-  in a fixed order (chunks loaded at once, each summed as a tree: the result does not depend on
-  scheduling) and writes ``acc * sa
-  * (2**e * wcscale) + bias + lora_act @ proj_up^T`` (above two tokens on bf16 tensor cores: proj_up in
-  bf16, ``lora_act`` as two bf16 parts). The last CTA to finish zeroes the ticket, the counts and the
+  group (a counter) adds the partials in a fixed order (chunks loaded at once, each summed as a tree,
+  chunks in order: the result does not depend on scheduling; the producers' sum likewise), waits for
+  ``lora_act`` and writes ``acc * sa * (2**e * wcscale) + bias + lora_act @ proj_up^T`` (above two
+  tokens on bf16 tensor cores: proj_up in bf16, ``lora_act`` as two bf16 parts). The last CTA to
+  finish zeroes the ticket, the counts and the
   amax words, so the next launch on the stream needs no memset; a launch captured in a CUDA graph has
   words of its own (``small_m.sync_words``: zeroed beforehand, outside the capture).
 
@@ -72,6 +73,7 @@ FMA_MAX_M = 2  # up to this many tokens the workers quantize their own activatio
 # 12288-deep layer's grid ran past one wave and its last CTAs started 10-16 us late.
 CTAS_PER_SM = 5
 PRODUCERS_MAX = 32  # k-chunks of the row-wide work (amax, lora_act)
+SPLIT_ROWS = 512  # splits x token rows at most (plan): the partials one CTA a group adds up
 # sync words: ticket, amax count, lora count, done count, the tokens' amax bits, then a counter a group
 # (each polled or updated word on its own 128-byte line)
 _TICKET, _AMAX_CNT, _LORA_CNT, _A8_CNT, _DONE = (tl.constexpr(32 * i) for i in range(5))
@@ -257,11 +259,13 @@ def _bf16(v, ASM: tl.constexpr):
 
 
 @triton.jit
-def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, trace_ptr, p, M, K, R, stride_xm, stride_pd, k_per_prod,
-              BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, CKA: tl.constexpr,
-              HAS_LORA: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, TRACE: tl.constexpr):
+def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, trace_ptr, p, P, M, K, R, stride_xm, stride_pd,
+              k_per_prod, BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, CKA: tl.constexpr,
+              PC: tl.constexpr, HAS_LORA: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, TRACE: tl.constexpr):
     """Chunk ``p`` of K: the tokens' partial max of ``|x / smooth|``, then its ``x @ (proj_down / smooth)``
-    partial ``[BM, RB]`` (R in chunks of RC columns), each published with a count. Waits for nothing."""
+    partial ``[BM, RB]`` (R in chunks of RC columns), each published with a count. The last producer to count
+    its partial adds the ``P`` partials (PC at a time, each chunk as a tree, chunks in order) into
+    ``lora_act`` (slot ``P``) while the workers run, and counts once more. Waits for nothing."""
     k_lo = p * k_per_prod
     k_hi = tl.minimum(K, k_lo + k_per_prod)
     rm = tl.arange(0, BM)
@@ -309,7 +313,19 @@ def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, trace_ptr, p, M, K, R
                             acc1 += tl.sum(x1[:, None] * pd, axis=0)
                         tl.store(lpart_ptr + (p * BM + mi) * RB + rr, acc1)
         tl.debug_barrier()
-        tl.atomic_add(sync_ptr + _LORA_CNT, 1, sem="release")
+        c = tl.atomic_add(sync_ptr + _LORA_CNT, 1, sem="acq_rel")
+        if c == P - 1:  # every partial is in: their sum, off the epilogue's path (it read them one by one)
+            for r0 in tl.static_range(0, RB, RC):
+                rr = r0 + tl.arange(0, RC)
+                la = tl.zeros([BM, RC], tl.float32)
+                for p0 in range(0, P, PC):
+                    rp = p0 + tl.arange(0, PC)
+                    la += tl.sum(tl.load(lpart_ptr + (rp[:, None, None] * BM + rm[None, :, None]) * RB
+                                         + rr[None, None, :], mask=(rp < P)[:, None, None], other=0.0,
+                                         cache_modifier=".cg"), axis=0)
+                tl.store(lpart_ptr + (P * BM + rm[:, None]) * RB + rr[None, :], la)
+            tl.debug_barrier()
+            tl.atomic_add(sync_ptr + _LORA_CNT, 1, sem="release")
         _stamp(trace_ptr, 2, p, TRACE)
 
 
@@ -414,8 +430,8 @@ def _fast_small_m_kernel(
     if TRACE:
         tl.store(trace_ptr + tl.program_id(0) * 8 + 7, t.to(tl.int64))
     if t < P:
-        _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, trace_ptr, t, M, K, R, stride_xm, stride_pd,
-                  k_per_prod, BM, RB, RC, CK, CKA, HAS_LORA, DOT, ASM, TRACE)
+        _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, trace_ptr, t, P, M, K, R, stride_xm, stride_pd,
+                  k_per_prod, BM, RB, RC, CK, CKA, PC, HAS_LORA, DOT, ASM, TRACE)
     elif t < P + Q:
         _quantizer(x_ptr, inv_ptr, a8_ptr, sync_ptr, trace_ptr, t - P, P, M, K, stride_xm, k_per_prod, BM, CK, ASM,
                    POLL, TRACE)
@@ -489,7 +505,7 @@ def _fast_small_m_kernel(
             acc = tl.where(rm[None, :] == 0, a_0[:, None], a_1[:, None])  # [64, BM]
         _stamp(trace_ptr, 2, t, TRACE)
         _finish(acc, sa, g, s, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, out_ptr, part_ptr, lpart_ptr,
-                sync_ptr, trace_ptr, t, stride_om, BM, RB, RC, SC, PC, HAS_BIAS, HAS_LORA, ASM, POLL, TRACE)
+                sync_ptr, trace_ptr, t, stride_om, BM, RB, RC, SC, HAS_BIAS, HAS_LORA, ASM, POLL, TRACE)
     # the last CTA to finish leaves the sync words at zero for the next launch
     tl.debug_barrier()
     fin = tl.atomic_add(sync_ptr + _DONE, 1, sem="acq_rel")
@@ -507,13 +523,13 @@ def _fast_small_m_kernel(
 @triton.jit
 def _finish(acc, sa, g, s, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, out_ptr, part_ptr, lpart_ptr, sync_ptr,
             trace_ptr, t, stride_om, BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, SC: tl.constexpr,
-            PC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, ASM: tl.constexpr, POLL: tl.constexpr,
+            HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, ASM: tl.constexpr, POLL: tl.constexpr,
             TRACE: tl.constexpr):
     """A worker's fp32 partial ``[64, BM]`` written; the last of its group sums the partials and writes ``acc
-    * sa * (2**e * wcscale) + bias + lora_act @ proj_up^T`` (``lora_act`` the producers' partials summed, R in
-    chunks of RC columns). Both sums load SC splits / PC producers at once (one round trip to L2 a chunk: a
-    partial at a time made the epilogue a chain of S + P round trips, 3.5 us of a 10 us launch) and add each
-    chunk as a tree, chunks in order: a fixed order, whatever the scheduling."""
+    * sa * (2**e * wcscale) + bias + lora_act @ proj_up^T`` (``lora_act`` summed by the last producer, R in
+    chunks of RC columns). The partials load SC splits at once (one round trip to L2 a chunk: a partial at a
+    time, with the producers' partials after them, made the epilogue a chain of S + P round trips, 3.5 us of
+    a 10 us launch), each chunk added as a tree, chunks in order: a fixed order, whatever the scheduling."""
     rl = tl.arange(0, 64)
     local = rl[:, None] * BM + rm[None, :]
     tl.store(part_ptr + (s * G + g) * (64 * BM) + local, acc)
@@ -533,15 +549,10 @@ def _finish(acc, sa, g, s, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, ou
             y += tl.load(bias_ptr + rn).to(tl.float32)[:, None]
         _stamp(trace_ptr, 4, t, TRACE)
         if HAS_LORA:
-            _wait(sync_ptr + _LORA_CNT, P, POLL)
+            _wait(sync_ptr + _LORA_CNT, P + 1, POLL)  # the last producer's sum is in
             for r0 in tl.static_range(0, RB, RC):
                 rr = r0 + tl.arange(0, RC)
-                la = tl.zeros([BM, RC], tl.float32)
-                for p0 in range(0, P, PC):
-                    rp = p0 + tl.arange(0, PC)
-                    la += tl.sum(tl.load(lpart_ptr + (rp[:, None, None] * BM + rm[None, :, None]) * RB
-                                         + rr[None, None, :], mask=(rp < P)[:, None, None], other=0.0,
-                                         cache_modifier=".cg"), axis=0)
+                la = tl.load(lpart_ptr + (P * BM + rm[:, None]) * RB + rr[None, :], cache_modifier=".cg")
                 up = tl.load(up_ptr + rn[:, None] * R + rr[None, :], mask=(rr < R)[None, :], other=0.0).to(tl.float32)
                 if BM >= 16:  # bf16 tensor cores: proj_up in bf16 (the contract's allowance), lora_act as two bf16
                     lh = _bf16(la, ASM)  # parts (hi + lo: 16 significant bits), exact products, fp32 sums
@@ -573,9 +584,11 @@ def _sync(device: torch.device, groups: int) -> torch.Tensor:
 def plan(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM) -> tuple[int, int, int, int]:
     """``(split, k-tiles a split, producers, k a producer)`` for ``m`` tokens of an ``n x k`` weight: about
     ``ctas_per_sm`` workers an SM, every split holding a k-tile (no empty split), and up to
-    ``PRODUCERS_MAX`` producers of whole k-tiles."""
+    ``PRODUCERS_MAX`` producers of whole k-tiles. At most ``SPLIT_ROWS // next_pow2(m)`` splits: one CTA a
+    group reads every split's ``[64, rows]`` partial (traced on the H200 at 64 tokens and 14 splits, that sum
+    took 13 of the launch's 33 us)."""
     groups, kt = n // 64, k // TILE_K
-    want = max(1, round(ctas_per_sm * sms / groups))
+    want = max(1, min(round(ctas_per_sm * sms / groups), SPLIT_ROWS // next_pow2(m)))
     per = -(-kt // min(want, kt))
     split = -(-kt // per)
     p_tiles = -(-kt // min(PRODUCERS_MAX, kt))
@@ -657,7 +670,7 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
     rb = max(16, next_pow2(r)) if r else 16
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
     part = torch.empty(split * n * bm, device=x.device, dtype=torch.float32)
-    lpart = torch.empty(producers * bm * rb, device=x.device, dtype=torch.float32) if r else part
+    lpart = torch.empty((producers + 1) * bm * rb, device=x.device, dtype=torch.float32) if r else part
     a8 = torch.empty(m, k, device=x.device, dtype=torch.uint8) if dot else part
     sync = _sync(x.device, groups)
     dummy = cs
