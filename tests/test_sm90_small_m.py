@@ -50,6 +50,25 @@ def test_w4a16_canonical_any_k(m, split):
     _close(y, ref, f"W4A16 m={m} split={split}")
 
 
+@pytest.mark.parametrize("m", [1, 9, 33])
+def test_split_sum_adds_more_partials_than_it_loads_at_once(m):
+    """20 splits: more than the epilogue loads at once (16 partials at one token, 4 at 9-16 rows; one at 33-64),
+    the last chunk partly masked; every split's partial is added and the counters are left at zero."""
+    gen = torch.Generator().manual_seed(70 + m)
+    n, k, r = 96, 1280, 20
+    q, ws = _weight(n, k, gen)
+    wc, bias = torch.rand(n, generator=gen) + 0.5, torch.randn(n, generator=gen).bfloat16()
+    up, lora, lr = _lowrank(m, n, r, gen)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    ref = (x.double() @ nvfp4.dequantize_nvfp4(q, ws).double().T) * wc.double() + lr + bias.double()
+    to = dict(device=DEV)
+    y = sm.linear(x.to(**to), sm.CANONICAL, q.to(**to), ws.to(**to), wc.to(**to), n, act=sm.ACT_X,
+                  out_dtype=torch.float32, bias=bias.to(**to), proj_up=up.to(**to), lora_act=lora.to(**to),
+                  split_k=20, block_k=64)
+    _close(y, ref, f"W4A16 m={m} split=20")
+    assert int(sm._counters(x.to(**to).device, 64).abs().sum()) == 0, "a counter was left nonzero"
+
+
 @pytest.mark.parametrize("m,act,k_step", [(1, "x", 64), (1, "x", 128), (2, "x", 256), (1, "nvfp4", 128),
                                           (3, "x", 256), (4, "nvfp4", 128)])
 def test_word_decode_is_the_byte_decode(m, act, k_step):
@@ -120,7 +139,7 @@ for words, (block_n, block_k), bm in ((True, sm.WORDS_TILE[sm.ACT_X], 1), (False
                                       (True, sm.WORDS_TILE[sm.ACT_X], 2)):
     cx = dict(LAYOUT=sm.CANONICAL, ACT=sm.ACT_X, BLOCK_N=block_n, BLOCK_M=bm, BLOCK_K=block_k, RC=16, EVEN_K=True, NUM_STAGES=3,
               IS_SPLIT=True, HAS_BIAS=False, HAS_LORA=False, USE_DOT=False, DOT_F32=False, WORDS=words, ASM=words,
-              PREFETCH=False, CHAIN=words and sm.WORDS_CHAIN)
+              PREFETCH=False, CHAIN=words and sm.WORDS_CHAIN, SC=max(1, min(16, 4096 // (block_n * bm))))
     fn = sm._small_m_kernel
     full = {a: ("constexpr" if a in cx else sig[a]) for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a not in cx and a not in ("M", "R")}

@@ -311,7 +311,7 @@ def _small_m_kernel(
     BLOCK_K: tl.constexpr, RC: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, IS_SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
     WORDS: tl.constexpr = False, ASM: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-    CHAIN: tl.constexpr = False,
+    CHAIN: tl.constexpr = False, SC: tl.constexpr = 1,
 ):
     # WORDS (canonical layout, multiply-adds, K % BLOCK_K == 0): the codes read and decoded a 32-bit
     # word at a time (_word_values), the activations gathered to match, block scales x 64. PREFETCH
@@ -433,11 +433,17 @@ def _small_m_kernel(
         tl.store(part_ptr + (pid_k * num_n + pid_n) * tile + local, acc)
         tl.debug_barrier()  # every thread's partial is written before the counter moves
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-        if done == SPLIT_K - 1:  # the last split of this tile: sum in split order, then the epilogue
+        if done == SPLIT_K - 1:  # the last split of this tile: the partials' sum, then the epilogue
+            # SC partials loaded at once (one round trip to L2 a chunk, not one a split), each chunk added as a
+            # tree, chunks in order: a fixed order
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in range(SPLIT_K):
-                acc += tl.load(part_ptr + (s * num_n + pid_n) * tile + local, cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next call
+            for s0 in range(0, SPLIT_K, SC):
+                rs = s0 + tl.arange(0, SC)
+                acc += tl.sum(tl.load(part_ptr + (rs[:, None, None] * num_n + pid_n) * tile + local[None, :, :],
+                                      mask=(rs < SPLIT_K)[:, None, None], other=0.0, cache_modifier=".cg"), axis=0)
+            # ready for the next call: a plain store (no other CTA touches the counter again in this launch;
+            # the next launch follows this one)
+            tl.store(cnt_ptr + pid_n, 0)
             _epilogue(acc, rn, rm, M, N, R, cs_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_lm,
                       stride_om, BLOCK_N, BLOCK_M, RC, HAS_BIAS, HAS_LORA, USE_DOT, DOT_F32)
 
@@ -623,7 +629,8 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         RC=min(64, max(16, next_pow2(r or 16))), EVEN_K=k % bk == 0, NUM_STAGES=num_stages,
         IS_SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=bool(r),
         USE_DOT=use_dot, DOT_F32=_INTERPRET, WORDS=bool(words), ASM=bool(words) and not _INTERPRET,
-        PREFETCH=bool(prefetch), CHAIN=chain, num_warps=num_warps,
+        PREFETCH=bool(prefetch), CHAIN=chain, SC=max(1, min(16, 4096 // (block_n * bm))) if split > 1 else 1,
+        num_warps=num_warps,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     return out

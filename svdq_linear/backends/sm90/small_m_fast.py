@@ -510,14 +510,10 @@ def _fast_small_m_kernel(
     tl.debug_barrier()
     fin = tl.atomic_add(sync_ptr + _DONE, 1, sem="acq_rel")
     _stamp(trace_ptr, 6, t, TRACE)
-    if fin == total - 1:
-        tl.atomic_xchg(sync_ptr + _TICKET, 0)
-        tl.atomic_xchg(sync_ptr + _AMAX_CNT, 0)
-        tl.atomic_xchg(sync_ptr + _LORA_CNT, 0)
-        tl.atomic_xchg(sync_ptr + _A8_CNT, 0)
-        rz = tl.arange(0, BM)
-        tl.atomic_xchg(sync_ptr + _AMAX + rz, tl.zeros([BM], tl.int32), mask=rz < BM)
-        tl.atomic_xchg(sync_ptr + _DONE, 0)
+    if fin == total - 1:  # every CTA has counted itself out: plain stores (the next launch follows this one;
+        # six acq_rel exchanges, each a fence and a round trip, were on the launch's tail)
+        rz = tl.arange(0, _GROUPS)
+        tl.store(sync_ptr + rz, tl.zeros([_GROUPS], tl.int32))  # ticket, counts, done, amax
 
 
 @triton.jit
@@ -542,7 +538,7 @@ def _finish(acc, sa, g, s, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, ou
             rs = s0 + tl.arange(0, SC)
             y += tl.sum(tl.load(part_ptr + (rs[:, None, None] * G + g) * (64 * BM) + local[None, :, :],
                                 mask=(rs < S)[:, None, None], other=0.0, cache_modifier=".cg"), axis=0)
-        tl.atomic_xchg(sync_ptr + _GROUPS + g, 0)  # ready for the next launch
+        tl.store(sync_ptr + _GROUPS + g, 0)  # ready for the next launch (no CTA touches it again in this one)
         rn = g * 64 + rl
         y = y * sa[None, :] * tl.load(cs_ptr + rn)[:, None]
         if HAS_BIAS:
