@@ -158,7 +158,8 @@ for words, (block_n, block_k), bm in ((True, sm.WORDS_TILE[sm.ACT_X], 1), (False
     body = max(bodies, key=len)
     out[str(words) + ("" if bm == 1 else str(bm))] = dict(n=len(body), per_value=len(body) / (block_n * block_k / 128), values=block_n * block_k // 128,
                            unpack=sum("F2FP.F16.E4M3.UNPACK_B" in t for t in body),
-                           shfl=sum("SHFL" in t for t in body))
+                           shfl=sum("SHFL" in t for t in body), membar=sass.count("MEMBAR"),
+                           exch=sass.count("ATOMG.E.EXCH"))
 print(json.dumps(out))
 """
 
@@ -187,6 +188,8 @@ def test_word_decode_compiles_to_hardware_e4m3_converts_and_fewer_instructions(t
     words, byte = res["True"], res["False"]
     assert words["values"] // 2 <= words["unpack"] <= words["values"] // 2 + 4  # the values' and the block scales'
     assert words["shfl"] == 0, words
+    # the split-K counter: one acq_rel add (a fence) a CTA; reset by a plain store, not a fenced exchange
+    assert all(v["exch"] == 0 and v["membar"] == 1 for v in res.values()), res
     per_value, per_value_bytes = words["per_value"], byte["per_value"]
     assert per_value <= 5.25, per_value
     assert per_value <= 0.6 * per_value_bytes, (per_value, per_value_bytes)

@@ -321,6 +321,7 @@ for label, bm, rb, dot, meas in (("1", 1, 32, False, 0), ("2", 2, 32, False, 0),
                       local=sum(v for o, v in whole.items() if o.startswith(("LDL", "STL"))),
                       atomics=sum(v for o, v in whole.items() if o.startswith(("ATOM", "RED"))),
                       prefetch=whole["CCTL.E.PF2"], timer=len(re.findall(r"SR_GLOBALTIMER", sass)),
+                      membar=whole["MEMBAR.ALL.GPU"], exch=sum(v for o, v in whole.items() if ".EXCH" in o),
                       nanosleep=whole["NANOSLEEP"])
 print(json.dumps(out))
 """
@@ -359,6 +360,11 @@ def test_one_launch_compiles_to_table_lookups_and_fp8_wgmma(tmp_path):
         st = out[label]
         assert st["qgmma"] == 4 and st["ffma"] == 0 and st["unpack"] == 0, (label, st)
         assert st["per_value"] <= 3.25, (label, st)
+    # the fences: the counts' releases / acquires only (one MEMBAR each: the amax count, the low-rank count
+    # and its sum's, the group counter, the done count); the sync words reset by plain stores, not exchanges
+    # (six fenced exchanges made the launch's tail a chain of round trips)
+    for label, st in out.items():
+        assert st["exch"] == 0 and st["membar"] <= 6, (label, st)
     # the measurement build reads the global timer at its phase ends and sleeps between load polls; the
     # default builds do neither, and its worker loop is the same code
     assert out["d16trace"]["timer"] >= 6 and out["d16trace"]["nanosleep"] >= 1, out["d16trace"]
