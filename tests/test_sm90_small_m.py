@@ -669,13 +669,15 @@ def test_gpu_mma_unrolled_loop_gives_the_same_bits(mode):
         run(depth=4 if mode == "exact" else 2, unroll=True, split=8)
 
 
-def test_splitk_epilogue_sums_in_order_and_applies_both_scales():
+@pytest.mark.parametrize("s,m", [(3, 16), (9, 5), (9, 16), (5, 40)])
+def test_splitk_epilogue_sums_in_order_and_applies_both_scales(s, m):
     """``kernels.splitk_epilogue`` (the Triton GEMM's split-K and both small_m_mma modes): the partials'
-    sum times the per-token and per-column factors, plus the low-rank product and the bias."""
+    sum times the per-token and per-column factors, plus the low-rank product and the bias; more splits
+    than it loads at once (4 at 16 token rows, the last chunk partly masked) and masked token rows."""
     from svdq_linear.backends.sm90 import kernels
 
-    gen = torch.Generator().manual_seed(3)
-    s, m, n, r = 3, 16, 64, 16
+    gen = torch.Generator().manual_seed(3 + s + m)
+    n, r = 64, 16
     part = torch.randn(s, m, n, generator=gen)
     cs, rs, bias = torch.rand(n, generator=gen) + 0.5, torch.rand(m, generator=gen) + 0.5, torch.randn(n, generator=gen)
     up, lora, lr = _lowrank(m, n, r, gen)

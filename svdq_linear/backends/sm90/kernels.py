@@ -465,14 +465,19 @@ def _splitk_epilogue_kernel(
     part_ptr, wc_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, M, N, R, stride_om,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, DOT_F32: tl.constexpr, rs_ptr, HAS_RS: tl.constexpr,
+    SC: tl.constexpr = 1,
 ):
     # HAS_RS: a per-token factor too (the fast mode's sa), applied to the sum before the epilogue
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask = (rn < N)[:, None] & (rm < M)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for s in range(SPLIT_K):  # fixed order: the result does not depend on scheduling
-        acc += tl.load(part_ptr + s * M * N + rm[None, :] * N + rn[:, None], mask=mask, other=0.0)
+    # SC partials loaded at once (one round trip a chunk, not one a split), each chunk added as a tree, chunks
+    # in order: a fixed order, so the result does not depend on scheduling
+    for s0 in range(0, SPLIT_K, SC):
+        rs = s0 + tl.arange(0, SC)
+        acc += tl.sum(tl.load(part_ptr + rs[:, None, None] * M * N + (rm[None, :] * N + rn[:, None])[None, :, :],
+                              mask=(rs < SPLIT_K)[:, None, None] & mask[None, :, :], other=0.0), axis=0)
     if HAS_RS:
         acc = acc * tl.load(rs_ptr + rm, mask=rm < M, other=0.0)[None, :]
     _epilogue(acc, rn, rm, N, M, R, wc_ptr, bias_ptr, up_ptr, lora_ptr, out_ptr, stride_om,
@@ -879,7 +884,8 @@ def w4_gemm(
 def splitk_epilogue(part: torch.Tensor, out: torch.Tensor, colscale: torch.Tensor, bias=None, proj_up=None,
                     lora_act=None, rowscale=None) -> torch.Tensor:
     """``out [M, N] = (sum_s part[s]) (* rowscale[m]) * colscale[n] + lora_act @ proj_up^T + bias``, the
-    partials ``part [S, M, N]`` fp32 summed in split order (the result does not depend on scheduling)."""
+    partials ``part [S, M, N]`` fp32 summed in a fixed order (chunks of partials loaded at once, each added as
+    a tree, chunks in order: the result does not depend on scheduling)."""
     split, m, n = part.shape
     r = 0 if proj_up is None else proj_up.shape[1]
     bn, bm = 64, min(64, max(16, next_pow2(m)))
@@ -888,7 +894,7 @@ def splitk_epilogue(part: torch.Tensor, out: torch.Tensor, colscale: torch.Tenso
         out, m, n, r, out.stride(0),
         SPLIT_K=split, BLOCK_N=bn, BLOCK_M=bm, BLOCK_R=_block_r(r), HAS_BIAS=bias is not None, HAS_LORA=bool(r),
         DOT_F32=_INTERPRET, rs_ptr=part if rowscale is None else rowscale, HAS_RS=rowscale is not None,
-        num_warps=4,
+        SC=max(1, 4096 // (bn * bm)), num_warps=4,
     )
     return out
 

@@ -532,7 +532,7 @@ def _finish(acc, sa, g, s, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, ou
     tl.debug_barrier()  # every thread's partial is written before the counter moves
     done = tl.atomic_add(sync_ptr + _GROUPS + g, 1, sem="acq_rel")
     _stamp(trace_ptr, 3, t, TRACE)
-    if done == S - 1:  # the last split of this group: sum in split order, then the epilogue
+    if done == S - 1:  # the last split of this group: the partials' sum, then the epilogue
         y = tl.zeros([64, BM], tl.float32)
         for s0 in range(0, S, SC):
             rs = s0 + tl.arange(0, SC)
