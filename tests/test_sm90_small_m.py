@@ -34,11 +34,10 @@ def _close(y, ref, what):
     assert err < 1e-5, f"{what}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("m", [1, 5, 9, 33])
-@pytest.mark.parametrize("split", [1, 3, None])
-def test_w4a16_canonical_any_k(m, split):
-    gen = torch.Generator().manual_seed(m)
-    n, k, r = 96, 208, 20  # K not a multiple of the k-step: the tail is masked
+def _w4a16_case(m, k, seed, **kw):
+    """A canonical W4A16 layer (N 96, rank 20, bias) through ``sm.linear(**kw)`` against float64."""
+    gen = torch.Generator().manual_seed(seed)
+    n, r = 96, 20
     q, ws = _weight(n, k, gen)
     wc, bias = torch.rand(n, generator=gen) + 0.5, torch.randn(n, generator=gen).bfloat16()
     up, lora, lr = _lowrank(m, n, r, gen)
@@ -46,27 +45,22 @@ def test_w4a16_canonical_any_k(m, split):
     ref = (x.double() @ nvfp4.dequantize_nvfp4(q, ws).double().T) * wc.double() + lr + bias.double()
     to = dict(device=DEV)
     y = sm.linear(x.to(**to), sm.CANONICAL, q.to(**to), ws.to(**to), wc.to(**to), n, act=sm.ACT_X,
-                  out_dtype=torch.float32, bias=bias.to(**to), proj_up=up.to(**to), lora_act=lora.to(**to), split_k=split)
-    _close(y, ref, f"W4A16 m={m} split={split}")
+                  out_dtype=torch.float32, bias=bias.to(**to), proj_up=up.to(**to), lora_act=lora.to(**to), **kw)
+    _close(y, ref, f"W4A16 m={m} {kw}")
+
+
+@pytest.mark.parametrize("m", [1, 5, 9, 33])
+@pytest.mark.parametrize("split", [1, 3, None])
+def test_w4a16_canonical_any_k(m, split):
+    _w4a16_case(m, 208, m, split_k=split)  # K not a multiple of the k-step: the tail is masked
 
 
 @pytest.mark.parametrize("m", [1, 9, 33])
 def test_split_sum_adds_more_partials_than_it_loads_at_once(m):
     """20 splits: more than the epilogue loads at once (16 partials at one token, 4 at 9-16 rows; one at 33-64),
     the last chunk partly masked; every split's partial is added and the counters are left at zero."""
-    gen = torch.Generator().manual_seed(70 + m)
-    n, k, r = 96, 1280, 20
-    q, ws = _weight(n, k, gen)
-    wc, bias = torch.rand(n, generator=gen) + 0.5, torch.randn(n, generator=gen).bfloat16()
-    up, lora, lr = _lowrank(m, n, r, gen)
-    x = torch.randn(m, k, generator=gen).bfloat16()
-    ref = (x.double() @ nvfp4.dequantize_nvfp4(q, ws).double().T) * wc.double() + lr + bias.double()
-    to = dict(device=DEV)
-    y = sm.linear(x.to(**to), sm.CANONICAL, q.to(**to), ws.to(**to), wc.to(**to), n, act=sm.ACT_X,
-                  out_dtype=torch.float32, bias=bias.to(**to), proj_up=up.to(**to), lora_act=lora.to(**to),
-                  split_k=20, block_k=64)
-    _close(y, ref, f"W4A16 m={m} split=20")
-    assert int(sm._counters(x.to(**to).device, 64).abs().sum()) == 0, "a counter was left nonzero"
+    _w4a16_case(m, 1280, 70 + m, split_k=20, block_k=64)
+    assert int(sm._counters(torch.empty(0, device=DEV).device, 64).abs().sum()) == 0, "a counter was left nonzero"
 
 
 @pytest.mark.parametrize("m,act,k_step", [(1, "x", 64), (1, "x", 128), (2, "x", 256), (1, "nvfp4", 128),
