@@ -57,9 +57,10 @@ def test_w4a16_canonical_any_k(m, split):
 
 @pytest.mark.parametrize("m", [1, 9, 33])
 def test_split_sum_adds_more_partials_than_it_loads_at_once(m):
-    """20 splits: more than the epilogue loads at once (16 partials at one token, 4 at 9-16 rows; one at 33-64),
-    the last chunk partly masked; every split's partial is added and the counters are left at zero."""
-    _w4a16_case(m, 1280, 70 + m, split_k=20, block_k=64)
+    """18 splits of one 64-deep k-step each: more than the epilogue loads at once (16 partials at one token,
+    4 at 9-16 rows: 18 is a multiple of neither, so the last chunk is partly masked; one at 33-64); every
+    split's partial is added and the counters are left at zero."""
+    _w4a16_case(m, 1152, 70 + m, split_k=18, block_k=64)
     assert int(sm._counters(torch.empty(0, device=DEV).device, 64).abs().sum()) == 0, "a counter was left nonzero"
 
 

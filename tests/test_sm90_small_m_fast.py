@@ -139,6 +139,30 @@ def test_workers_and_producers_walk_several_k_tiles(m, dot):
     _check(y, want, bound, f"m={m} dot={dot}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,dot", [(1, False), (16, True)])
+def test_gpu_epilogues_wait_for_the_last_producers_sum(m, dot):
+    """The last producer's ``lora_act`` sum held back 200 us (``delay_ns``): every group's epilogue is then
+    ready first and must wait for the sum's count (P + 1), not read slot P early. Slot P of the partials'
+    buffer most likely holds another input's sum from the call before (same sizes: the allocator's cached
+    block), so an early read gives wrong outputs, not a lucky right one. Under the interpreter the programs run in ticket order
+    (producers first), so only the GPU sees this order."""
+    gen = torch.Generator().manual_seed(70 + m)
+    n, k, r = 3072, 3072, 32
+    q, ws, wc, smooth, pd, up = _layer(n, k, r, gen)
+    ops = _operands(q, ws, wc, smooth, pd, up, torch.randn(n, generator=gen))
+    x, other = ((torch.randn(m, k, generator=gen) * 3).bfloat16() for _ in range(2))
+    want = smf.linear(x.cuda(), **ops, dot=dot, out_dtype=torch.float32)
+    smf.linear(other.cuda(), **ops, dot=dot, out_dtype=torch.float32, delay_ns=200_000)  # compiles the build
+    for _ in range(3):
+        smf.linear(other.cuda(), **ops, dot=dot, out_dtype=torch.float32)  # slot P: the other input's sum
+        y = smf.linear(x.cuda(), **ops, dot=dot, out_dtype=torch.float32, delay_ns=200_000)
+        torch.cuda.synchronize()
+        assert torch.equal(y, want)
+    _check(y, *_want(x.float(), q, ws, wc, smooth, pd, up, ops["bias"].cpu(), dot), f"m={m} dot={dot}")
+    assert all(int(b.abs().sum()) == 0 for b in small_m._SYNC_WORDS.values()), "sync words left nonzero"
+
+
 def test_one_launch_plans_the_split_and_the_producers():
     """Every worker has a k-tile, producers cover K in whole k-tiles, at most PRODUCERS_MAX of them, and
     the grid aims at CTAS_PER_SM workers an SM."""
@@ -149,9 +173,18 @@ def test_one_launch_plans_the_split_and_the_producers():
         assert producers <= smf.PRODUCERS_MAX and kp % 128 == 0 and producers * kp >= k > (producers - 1) * kp
         assert (n // 64) * split <= max(smf.CTAS_PER_SM * 132 * 1.5, n // 64), (n, k, split)
     assert smf.plan(1, 3072, 12288)[0] > 1  # K is split where the row groups alone leave SMs idle
+    # the Flux.1 / SD3.5 layers' grids fit one wave on 132 SMs (6 CTAs an SM fit the dots: registers)
+    for n, k in [(3072, 3072), (12288, 3072), (3072, 12288), (18432, 3072), (9216, 3072), (21504, 3072),
+                 (3072, 15360), (3840, 3072), (15360, 3840), (3072, 10240), (3840, 15360)]:
+        assert all(smf.grid_size(m, n, k) <= 6 * 132 for m in (1, 2, 3, 16, 33, 64)), (n, k)
     # the partials one CTA a group adds: at most SPLIT_ROWS splits x token rows, and the rule binds at 64 rows
-    for m, rows in ((1, 1), (2, 2), (16, 16), (33, 64), (64, 64)):
-        assert smf.plan(m, 3072, 12288)[0] * rows <= smf.SPLIT_ROWS, m
+    # (rows are the padded tile rows: at least 16 with the FP8 dots, so 3 tokens count as 16)
+    for m, rows in ((1, 1), (2, 2), (3, 16), (16, 16), (33, 64), (64, 64)):
+        assert smf.rows(m) == rows, m
+        for n in (3072, 64):
+            assert smf.plan(m, n, 12288)[0] * rows <= smf.SPLIT_ROWS, (m, n)
+    assert smf.plan(3, 64, 12288)[0] == smf.SPLIT_ROWS // 16  # one group: the rule binds on the padded rows
+    assert smf.plan(2, 64, 12288, dot=True)[0] == smf.SPLIT_ROWS // 16 < smf.plan(2, 64, 12288, dot=False)[0]
     assert smf.plan(64, 3072, 12288)[0] == smf.SPLIT_ROWS // 64 < smf.plan(16, 3072, 12288)[0]
 
 
@@ -219,6 +252,8 @@ def test_bad_calls_name_the_problem():
         smf.linear(x[0], **ops)
     with pytest.raises(ValueError, match="contiguous uint8"):
         smf.linear(x[:1], **{**ops, "blob": ops["blob"].view(torch.int8)})
+    with pytest.raises(ValueError, match="delay_ns"):
+        smf.linear(x[:1], **ops, delay_ns=-1)
 
 
 def test_sync_words_grow_and_stay_per_kernel_and_stream():
@@ -291,12 +326,12 @@ sig = dict(x_ptr="*bf16", inv_ptr="*fp32", blob_ptr="*u8", strip_ptr="*u8", cs_p
            tiles_per_split="i32", S="i32", P="i32", k_per_prod="i32")
 out = {}
 # (label, BM, RB, DOT, measurement): the multiply-adds at 1 and 2 tokens, the FP8 dots at 16 and 64 token rows,
-# rank 128; the traced build with load polls (measurement: poll=1, trace)
+# rank 128; the traced build with load polls (measurement: poll=1, trace); the delayed last producer (tests)
 for label, bm, rb, dot, meas in (("1", 1, 32, False, 0), ("2", 2, 32, False, 0), ("d16", 16, 32, True, 0),
                                  ("d64", 64, 32, True, 0), ("1r128", 1, 128, False, 0), ("d64r128", 64, 128, True, 0),
-                                 ("d16trace", 16, 32, True, 1)):
+                                 ("d16trace", 16, 32, True, 1), ("1delay", 1, 32, False, 2)):
     cx = dict(BM=bm, RB=rb, RC=min(rb, 32), **smf.chunks(bm, rb), HAS_BIAS=True, HAS_LORA=True, ASM=True,
-              NUM_STAGES=3, DOT=dot, POLL=meas, TRACE=bool(meas))
+              NUM_STAGES=3, DOT=dot, POLL=int(meas == 1), TRACE=meas == 1, DELAY=50000 if meas == 2 else 0)
     fn = smf._fast_small_m_kernel
     full = {a: ("constexpr" if a in cx else sig[a]) for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
@@ -322,7 +357,7 @@ for label, bm, rb, dot, meas in (("1", 1, 32, False, 0), ("2", 2, 32, False, 0),
                       atomics=sum(v for o, v in whole.items() if o.startswith(("ATOM", "RED"))),
                       prefetch=whole["CCTL.E.PF2"], timer=len(re.findall(r"SR_GLOBALTIMER", sass)),
                       membar=whole["MEMBAR.ALL.GPU"], exch=sum(v for o, v in whole.items() if ".EXCH" in o),
-                      nanosleep=whole["NANOSLEEP"])
+                      nanosleep=whole["NANOSLEEP"], ivall=whole["CCTL.IVALL"])
 print(json.dumps(out))
 """
 
@@ -330,8 +365,8 @@ print(json.dumps(out))
 def test_one_launch_compiles_to_table_lookups_and_fp8_wgmma(tmp_path):
     """Compiled for sm_90a here (no GPU; the real compiler, in a child process). Both forms build four
     tables a k-tile with the hardware E4M3 converts, touch no local memory (rank 128 included: the
-    low-rank tiles go 32 columns at a time), prefetch the worker's weight lines into L2 before it waits
-    and keep the ticket, counts, amax and done words in atomics. The multiply-adds (1-2 tokens) widen the
+    low-rank tiles go 32 columns at a time), prefetch the worker's weight lines into L2 before it waits,
+    count in atomics and fence only at the counts (the sync words are reset by plain stores). The multiply-adds (1-2 tokens) widen the
     decoded bytes two at a time and issue one FFMA a weight value a token, nothing across threads (5.1
     instructions a value at one token, 6.6 at two, Triton 3.9). The FP8 dots hand the decoded bytes to
     ``wgmma`` from registers (four ``QGMMA`` a k-tile, no FFMA, no widening) at about 3 instructions a
@@ -360,16 +395,23 @@ def test_one_launch_compiles_to_table_lookups_and_fp8_wgmma(tmp_path):
         st = out[label]
         assert st["qgmma"] == 4 and st["ffma"] == 0 and st["unpack"] == 0, (label, st)
         assert st["per_value"] <= 3.25, (label, st)
-    # the fences: the counts' releases / acquires only (one MEMBAR each: the amax count, the low-rank count
-    # and its sum's, the group counter, the done count); the sync words reset by plain stores, not exchanges
-    # (six fenced exchanges made the launch's tail a chain of round trips)
+    # the fences, exactly the counts' own (six fenced exchanges that reset the sync words made the launch's
+    # tail a chain of round trips; they are plain stores now). A release is a MEMBAR, an acquire an L1
+    # invalidation (CCTL.IVALL), acq_rel both. Multiply-adds: MEMBAR at the amax count, the low-rank count
+    # (acq_rel), its sum's count, the group counter (acq_rel) and the done count (acq_rel); IVALL at those three
+    # acq_rel and the two waits' acquires (amax, lora_act). The FP8 dots add the quantizers' count (release)
+    # and their wait for the amax (acquire).
     for label, st in out.items():
-        assert st["exch"] == 0 and st["membar"] <= 6, (label, st)
+        fences = 6 if label.startswith("d") else 5
+        assert st["exch"] == 0 and st["membar"] == fences and st["ivall"] == fences, (label, st)
     # the measurement build reads the global timer at its phase ends and sleeps between load polls; the
     # default builds do neither, and its worker loop is the same code
     assert out["d16trace"]["timer"] >= 6 and out["d16trace"]["nanosleep"] >= 1, out["d16trace"]
     assert all(out[label]["timer"] == 0 and out[label]["nanosleep"] == 0 for label in ("1", "d16")), out
     assert out["d16trace"]["per_value"] == out["d16"]["per_value"], out
+    # the test's delayed last producer spins on the timer; its worker loop is the default's
+    assert out["1delay"]["timer"] >= 2 and out["1delay"]["nanosleep"] == 0, out["1delay"]
+    assert out["1delay"]["per_value"] == out["1"]["per_value"], out
 
 
 @pytest.mark.gpu

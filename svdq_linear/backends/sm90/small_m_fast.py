@@ -13,8 +13,8 @@ wait for:
   *producers*: each owns a k-chunk (whole k-tiles), publishes the tokens' partial max of
   ``|x / smooth|`` (``atomic_max`` on the float's bits: a NaN's bits exceed +Inf's, so a NaN wins as
   ``amax`` propagates it) and counts itself in, then writes its chunk's ``x @ (proj_down / smooth)``
-  partial (``[P, BM, R]`` fp32) and counts itself in again; the last to do so adds the ``P`` partials
-  into ``lora_act`` while the workers run and counts once more. Above two tokens the next ``P`` are
+  partial (slot ``p`` of ``P + 1`` fp32 ``[BM, R]`` slots) and counts itself in again; the last to do so
+  adds the ``P`` partials into slot ``P`` (``lora_act``) while the workers run and counts once more. Above two tokens the next ``P`` are
   *quantizers*: once every producer's max is in, each writes its chunk of ``a8 = e4m3(x / smooth * r)``
   in the GEMM's k order (``fast_layout``) and counts itself in. The rest are *workers* ``(64-row
   group, split)``. Producers wait for nothing, quantizers only for producers, workers only for those
@@ -68,9 +68,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 MAX_M = 64  # tokens this kernel serves
 FMA_MAX_M = 2  # up to this many tokens the workers quantize their own activations and multiply-add (else FP8 dots)
-# workers an SM the split-K aims at: all resident at once with the producers and quantizers (7 CTAs an SM
-# fit the multiply-adds, 6 the dots). Traced on the H200 (docs/perf.md, thirteenth session): at 8 a
-# 12288-deep layer's grid ran past one wave and its last CTAs started 10-16 us late.
+# workers an SM the split-K aims at (``plan`` rounds, so a grid may hold up to half a group's splits more).
+# With the producers and quantizers, every Flux.1 / SD3.5 layer's grid at 1-64 tokens is at most 780 CTAs,
+# within one wave on 132 SMs (6 CTAs an SM fit the dots, 7 the multiply-adds); a much wider layer may not be.
+# Traced on the H200 (docs/perf.md, thirteenth session): at 8 a 12288-deep layer's grid ran past one wave
+# and its last CTAs started 10-16 us late.
 CTAS_PER_SM = 5
 PRODUCERS_MAX = 32  # k-chunks of the row-wide work (amax, lora_act)
 SPLIT_ROWS = 512  # splits x token rows at most (plan): the partials one CTA a group adds up
@@ -240,6 +242,17 @@ def _stamp(trace_ptr, slot, t, TRACE: tl.constexpr):
 
 
 @triton.jit
+def _sleep(ns: tl.constexpr):
+    """Spin on the global timer for ``ns`` nanoseconds (a test's delay)."""
+    t0 = tl.inline_asm_elementwise(asm="mov.u64 $0, %globaltimer;", constraints="=l,r", args=[ns],
+                                   dtype=tl.int64, is_pure=False, pack=1)
+    now = t0
+    while now - t0 < ns:
+        now = tl.inline_asm_elementwise(asm="mov.u64 $0, %globaltimer;", constraints="=l,r", args=[t0],
+                                        dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
 def _token_scales(sync_ptr, rm, m_ok, BM: tl.constexpr):
     """The tokens' ``(sa, r)`` from the published amax bits, as ``nvfp4.fast_act``: ``sa = amax / 448`` (1 for
     an all-zero row and where a NaN is in the row), ``r = min(1 / sa, FLT_MAX)``."""
@@ -261,11 +274,13 @@ def _bf16(v, ASM: tl.constexpr):
 @triton.jit
 def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, trace_ptr, p, P, M, K, R, stride_xm, stride_pd,
               k_per_prod, BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, CKA: tl.constexpr,
-              PC: tl.constexpr, HAS_LORA: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, TRACE: tl.constexpr):
+              PC: tl.constexpr, HAS_LORA: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, TRACE: tl.constexpr,
+              DELAY: tl.constexpr = 0):
     """Chunk ``p`` of K: the tokens' partial max of ``|x / smooth|``, then its ``x @ (proj_down / smooth)``
     partial ``[BM, RB]`` (R in chunks of RC columns), each published with a count. The last producer to count
     its partial adds the ``P`` partials (PC at a time, each chunk as a tree, chunks in order) into
-    ``lora_act`` (slot ``P``) while the workers run, and counts once more. Waits for nothing."""
+    ``lora_act`` (slot ``P``) while the workers run, and counts once more. Waits for nothing. ``DELAY`` (ns,
+    for tests) holds that last producer back before its sum, so the epilogues run first and must wait."""
     k_lo = p * k_per_prod
     k_hi = tl.minimum(K, k_lo + k_per_prod)
     rm = tl.arange(0, BM)
@@ -315,6 +330,8 @@ def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, trace_ptr, p, P, M, K
         tl.debug_barrier()
         c = tl.atomic_add(sync_ptr + _LORA_CNT, 1, sem="acq_rel")
         if c == P - 1:  # every partial is in: their sum, off the epilogue's path (it read them one by one)
+            if DELAY > 0:
+                _sleep(DELAY)
             for r0 in tl.static_range(0, RB, RC):
                 rr = r0 + tl.arange(0, RC)
                 la = tl.zeros([BM, RC], tl.float32)
@@ -413,11 +430,12 @@ def _fast_small_m_kernel(
     sync_ptr, trace_ptr, M, N, K, R, stride_xm, stride_pd, stride_om, tiles_per_split, S, P, k_per_prod,
     BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, CKA: tl.constexpr, SC: tl.constexpr,
     PC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, ASM: tl.constexpr, NUM_STAGES: tl.constexpr,
-    DOT: tl.constexpr, POLL: tl.constexpr = 0, TRACE: tl.constexpr = False,
+    DOT: tl.constexpr, POLL: tl.constexpr = 0, TRACE: tl.constexpr = False, DELAY: tl.constexpr = 0,
 ):
-    # CK: the k-chunk of the producers' low-rank and the quantizers' [BM, CK] tiles (2048 elements: no spills at
-    # 64 rows); CKA the producers' amax chunk (up to 512: one load at a few tokens); SC / PC: the split partials
-    # / the producers' lora_act partials the epilogue loads at once (``_finish``)
+    # CK: the k-chunk of the producers' low-rank and the quantizers' [BM, CK] tiles (at most 2048 elements: no
+    # spills at 64 rows); CKA the producers' amax chunk (up to 512: one load at a few tokens); SC: the split
+    # partials the epilogue loads at once (``_finish``); PC: the producers' lora_act partials the last producer
+    # loads at once (``_producer``)
     # Roles by ticket: [0, P) producers; with DOT (16-64 token rows) [P, 2 P) quantizers, which write the
     # E4M3 activations (the GEMM's k order) for workers that run FP8 dots on the decoded tile; the rest
     # workers (without DOT, 1-2 tokens, they quantize their own activations and multiply-add)
@@ -431,7 +449,7 @@ def _fast_small_m_kernel(
         tl.store(trace_ptr + tl.program_id(0) * 8 + 7, t.to(tl.int64))
     if t < P:
         _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, trace_ptr, t, P, M, K, R, stride_xm, stride_pd,
-                  k_per_prod, BM, RB, RC, CK, CKA, PC, HAS_LORA, DOT, ASM, TRACE)
+                  k_per_prod, BM, RB, RC, CK, CKA, PC, HAS_LORA, DOT, ASM, TRACE, DELAY)
     elif t < P + Q:
         _quantizer(x_ptr, inv_ptr, a8_ptr, sync_ptr, trace_ptr, t - P, P, M, K, stride_xm, k_per_prod, BM, CK, ASM,
                    POLL, TRACE)
@@ -577,14 +595,22 @@ def _sync(device: torch.device, groups: int) -> torch.Tensor:
     return sync_words(device, _GROUPS_AT + groups, "small_m_fast")
 
 
-def plan(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM) -> tuple[int, int, int, int]:
+def rows(m: int, dot: bool | None = None) -> int:
+    """Token rows a tile holds (``BM``) for ``m`` tokens: a power of two, at least 16 for the FP8 dots
+    (``dot``: by default above ``FMA_MAX_M`` tokens)."""
+    dot = m > FMA_MAX_M if dot is None else dot
+    return max(16, next_pow2(m)) if dot else next_pow2(m)
+
+
+def plan(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM,
+         dot: bool | None = None) -> tuple[int, int, int, int]:
     """``(split, k-tiles a split, producers, k a producer)`` for ``m`` tokens of an ``n x k`` weight: about
     ``ctas_per_sm`` workers an SM, every split holding a k-tile (no empty split), and up to
-    ``PRODUCERS_MAX`` producers of whole k-tiles. At most ``SPLIT_ROWS // next_pow2(m)`` splits: one CTA a
-    group reads every split's ``[64, rows]`` partial (traced on the H200 at 64 tokens and 14 splits, that sum
-    took 13 of the launch's 33 us)."""
+    ``PRODUCERS_MAX`` producers of whole k-tiles. At most ``SPLIT_ROWS // rows(m, dot)`` splits (the padded
+    rows a partial holds): one CTA a group reads every split's ``[64, rows]`` partial (traced on the H200 at
+    64 tokens and 14 splits, that sum took 13 of the launch's 33 us)."""
     groups, kt = n // 64, k // TILE_K
-    want = max(1, min(round(ctas_per_sm * sms / groups), SPLIT_ROWS // next_pow2(m)))
+    want = max(1, min(round(ctas_per_sm * sms / groups), SPLIT_ROWS // rows(m, dot)))
     per = -(-kt // min(want, kt))
     split = -(-kt // per)
     p_tiles = -(-kt // min(PRODUCERS_MAX, kt))
@@ -632,7 +658,8 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
            bias: torch.Tensor | None = None, proj_down: torch.Tensor | None = None,
            proj_up: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
            num_stages: int = 3, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM,
-           dot: bool | None = None, poll: int = 0, trace: torch.Tensor | None = None) -> torch.Tensor:
+           dot: bool | None = None, poll: int = 0, trace: torch.Tensor | None = None,
+           delay_ns: int = 0) -> torch.Tensor:
     """``nvfp4.w4a8_fast_linear`` for 1 to ``MAX_M`` tokens in one launch.
 
     ``x [M, K]`` (any float, unit stride along K); ``inv_smooth [K]`` fp32 ``1 / smooth``; ``blob`` /
@@ -643,13 +670,16 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
     (at most ``FMA_MAX_M``); ``num_stages`` (k-tiles in flight), ``ctas_per_sm`` (the split's target),
     ``poll`` (how waits poll: ``_wait``) and ``trace`` (an int64 tensor of ``grid x 8`` elements or more,
     ``grid_size``: each CTA's global-timer stamps at its phase ends, its ticket in column 7; ``_stamp``)
-    are for measurement."""
+    are for measurement; ``delay_ns`` holds the last producer back before its ``lora_act`` sum (a test of
+    the epilogue's wait: ``_producer``)."""
     check(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up)
     m, k = x.shape
     n = cs.numel()
     out_dtype = out_dtype or x.dtype
     if trace is not None and (_INTERPRET or trace.dtype != torch.int64 or trace.device != x.device):
         raise ValueError("trace needs an int64 tensor on x's GPU (the global timer is read by PTX)")
+    if delay_ns and (_INTERPRET or delay_ns < 0):
+        raise ValueError(f"delay_ns reads the GPU's global timer: a positive delay on a GPU, got {delay_ns}")
     if _INTERPRET and out_dtype != torch.float32:
         # the CPU interpreter's fp32 -> 16-bit conversion does not round to nearest: cast outside
         return linear(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, torch.float32, num_stages,
@@ -660,9 +690,9 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
     if x.stride(1) != 1:
         x = x.contiguous()
     r = 0 if proj_up is None else proj_up.shape[1]
-    split, per, producers, k_per_prod = plan(m, n, k, sms, ctas_per_sm)
+    split, per, producers, k_per_prod = plan(m, n, k, sms, ctas_per_sm, dot)
     groups = n // 64
-    bm = max(16, next_pow2(m)) if dot else next_pow2(m)
+    bm = rows(m, dot)
     rb = max(16, next_pow2(r)) if r else 16
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
     part = torch.empty(split * n * bm, device=x.device, dtype=torch.float32)
@@ -679,15 +709,16 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
         trace if trace is not None else sync,
         m, n, k, r, x.stride(0), proj_down.stride(0) if r else 0, out.stride(0), per, split, producers, k_per_prod,
         BM=bm, RB=rb, RC=min(rb, 32), **chunks(bm, rb), HAS_BIAS=bias is not None, HAS_LORA=bool(r), ASM=not _INTERPRET,
-        NUM_STAGES=num_stages, DOT=dot, POLL=poll, TRACE=trace is not None, num_warps=4,
+        NUM_STAGES=num_stages, DOT=dot, POLL=poll, TRACE=trace is not None, DELAY=delay_ns, num_warps=4,
     )
     return out
 
 
 def chunks(bm: int, rb: int) -> dict[str, int]:
     """The kernel's chunk sizes for ``bm`` token rows and ``rb`` low-rank columns: ``CK`` (producers' low-rank
-    and quantizers' k-chunk: [bm, CK] tiles of 2048 elements, dividing 128), ``CKA`` (the amax's, up to 512),
-    ``SC`` / ``PC`` (split / producer partials the epilogue loads at once: 4096 / 2048 elements)."""
+    and quantizers' k-chunk: [bm, CK] tiles of at most 2048 elements, 16 to 128), ``CKA`` (the amax's, up to
+    512), ``SC`` (split partials the epilogue loads at once: at most 4096 elements, 16 partials) and ``PC``
+    (producer partials the last producer loads at once for ``lora_act``: at most 2048 elements)."""
     rc = min(rb, 32)
     return dict(CK=max(16, min(128, 2048 // bm)), CKA=max(16, min(512, 2048 // bm)),
                 SC=max(1, min(16, 4096 // (64 * bm))), PC=max(1, min(PRODUCERS_MAX, 2048 // (bm * rc))))
@@ -696,6 +727,6 @@ def chunks(bm: int, rb: int) -> dict[str, int]:
 def grid_size(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM,
               dot: bool | None = None) -> int:
     """CTAs of one launch (producers, quantizers with the dots, workers): the rows of a ``trace``."""
-    split, _, producers, _ = plan(m, n, k, sms, ctas_per_sm)
+    split, _, producers, _ = plan(m, n, k, sms, ctas_per_sm, dot)
     dot = m > FMA_MAX_M if dot is None else dot
     return producers * (2 if dot else 1) + n // 64 * split
