@@ -27,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _table import emit  # noqa: E402
 from bench_small_m import graph_time  # noqa: E402
+from bench_small_m_fast import fast_layers  # noqa: E402
 from test_conformance import random_w4a4  # noqa: E402
-from test_sm90_small_m_fast import _check, _layer, _operands, _want  # noqa: E402
+from test_sm90_small_m_fast import _check, _want  # noqa: E402
 
 from svdq_linear import NVFP4W4A16Linear  # noqa: E402
 from svdq_linear.backends.sm90 import kernels, small_m, small_m_fast  # noqa: E402
@@ -63,12 +64,7 @@ def fast_rows(base) -> list[str]:
             "| layer | K | N | M | cuBLAS bf16 | baseline | now | now vs baseline | now vs cuBLAS |",
             "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
-    gen = torch.Generator().manual_seed(0)
-    for label, k, n in FAST_SHAPES:
-        q, ws, wc, smooth, pd, up = _layer(n, k, 32, gen)
-        bias = torch.randn(n, generator=gen)
-        ops = _operands(q, ws, wc, smooth, pd, up, bias)
-        lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+    for label, k, n, gen, (q, ws, wc, smooth, pd, up), bias, ops, lin in fast_layers(FAST_SHAPES):
         for m in FAST_TOKENS:
             x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
             xc = x.cuda()

@@ -31,6 +31,17 @@ from svdq_linear.backends.sm90 import small_m_fast  # noqa: E402
 SHAPES = (("attn", 3072, 3072), ("ff up", 3072, 12288), ("ff down", 12288, 3072), ("single out", 15360, 3072))
 
 
+def fast_layers(shapes, seed: int = 0):
+    """Per ``(label, K, N)``: a random NVFP4 layer of rank 32 with a bias (``_layer``), the kernel's operands
+    on the GPU and a bf16 ``nn.Linear`` of the same shape; the generator goes on to make the inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    for label, k, n in shapes:
+        layer = _layer(n, k, 32, gen)
+        bias = torch.randn(n, generator=gen)
+        ops = _operands(*layer, bias)
+        yield label, k, n, gen, layer, bias, ops, torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+
+
 @torch.no_grad()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -42,12 +53,7 @@ def main() -> None:
             f"CUDA-graph replays; device copy {copy_gbs:.0f} GB/s (read + write); rank 32, bias", "",
             "| layer | K | N | M | cuBLAS bf16 us | one launch us (form) | ratio | weight GB/s | % of copy | other form us | check |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    gen = torch.Generator().manual_seed(0)
-    for label, k, n in SHAPES:
-        q, ws, wc, smooth, pd, up = _layer(n, k, 32, gen)
-        bias = torch.randn(n, generator=gen)
-        ops = _operands(q, ws, wc, smooth, pd, up, bias)
-        lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+    for label, k, n, gen, (q, ws, wc, smooth, pd, up), bias, ops, lin in fast_layers(SHAPES):
         wbytes = n * k // 2 + n * k // 16
         for m in (int(t) for t in args.tokens.split(",")):
             x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
