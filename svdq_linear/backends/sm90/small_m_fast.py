@@ -14,8 +14,8 @@ wait for:
   ``|x / smooth|`` (``atomic_max`` on the float's bits: a NaN's bits exceed +Inf's, so a NaN wins as
   ``amax`` propagates it) and counts itself in, then writes its chunk's ``x @ (proj_down / smooth)``
   partial (slot ``p`` of ``P + 1`` fp32 ``[BM, R]`` slots) and counts itself in again; the last to do so
-  adds the ``P`` partials into slot ``P`` (``lora_act``) while the workers run and counts once more. Above two tokens the next ``P`` are
-  *quantizers*: once every producer's max is in, each writes its chunk of ``a8 = e4m3(x / smooth * r)``
+  adds the ``P`` partials into slot ``P`` (``lora_act``) while the workers run and counts once more. Above
+  two tokens the next ``P`` are *quantizers*: once every producer's max is in, each writes its chunk of ``a8 = e4m3(x / smooth * r)``
   in the GEMM's k order (``fast_layout``) and counts itself in. The rest are *workers* ``(64-row
   group, split)``. Producers wait for nothing, quantizers only for producers, workers only for those
   two: every CTA waited for holds a lower ticket and so is running, whatever the launch order or the
@@ -232,24 +232,27 @@ def _wait(ptr, target, POLL: tl.constexpr = 0):
 
 
 @triton.jit
+def _now(dep):
+    """The global timer (ns); ``dep`` orders the read after the value it depends on."""
+    return tl.inline_asm_elementwise(asm="mov.u64 $0, %globaltimer;", constraints="=l,r", args=[dep],
+                                     dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
 def _stamp(trace_ptr, slot, t, TRACE: tl.constexpr):
     """With ``TRACE``: the global timer (ns) into ``trace[program, slot]`` (``[grid, 8]`` int64, for
     measurement: where a launch's time goes)."""
     if TRACE:
-        now = tl.inline_asm_elementwise(asm="mov.u64 $0, %globaltimer;", constraints="=l,r", args=[t],
-                                        dtype=tl.int64, is_pure=False, pack=1)
-        tl.store(trace_ptr + tl.program_id(0) * 8 + slot, now)
+        tl.store(trace_ptr + tl.program_id(0) * 8 + slot, _now(t))
 
 
 @triton.jit
 def _sleep(ns: tl.constexpr):
     """Spin on the global timer for ``ns`` nanoseconds (a test's delay)."""
-    t0 = tl.inline_asm_elementwise(asm="mov.u64 $0, %globaltimer;", constraints="=l,r", args=[ns],
-                                   dtype=tl.int64, is_pure=False, pack=1)
+    t0 = _now(ns)
     now = t0
     while now - t0 < ns:
-        now = tl.inline_asm_elementwise(asm="mov.u64 $0, %globaltimer;", constraints="=l,r", args=[t0],
-                                        dtype=tl.int64, is_pure=False, pack=1)
+        now = _now(t0)
 
 
 @triton.jit
