@@ -57,9 +57,10 @@ def test_w4a16_canonical_any_k(m, split):
 
 @pytest.mark.parametrize("m", [1, 9, 33])
 def test_split_sum_adds_more_partials_than_it_loads_at_once(m):
-    """18 splits of one 64-deep k-step each: more than the epilogue loads at once (16 partials at one token,
-    4 at 9-16 rows: 18 is a multiple of neither, so the last chunk is partly masked; one at 33-64); every
-    split's partial is added and the counters are left at zero."""
+    """18 splits of one 64-deep k-step each: more than the epilogue loads at once at one token (16 partials:
+    the last chunk is partly masked; the dot's 9-64 rows load one at a time); every split's partial is added
+    in order and the counters are left at zero."""
+    assert sm.sum_chunk(64, 1, False) == 16 and sm.sum_chunk(64, 16, True) == 1
     _w4a16_case(m, 1152, 70 + m, split_k=18, block_k=64)
     assert int(sm._counters(torch.empty(0, device=DEV).device, 64).abs().sum()) == 0, "a counter was left nonzero"
 
@@ -134,7 +135,7 @@ for words, (block_n, block_k), bm in ((True, sm.WORDS_TILE[sm.ACT_X], 1), (False
                                       (True, sm.WORDS_TILE[sm.ACT_X], 2)):
     cx = dict(LAYOUT=sm.CANONICAL, ACT=sm.ACT_X, BLOCK_N=block_n, BLOCK_M=bm, BLOCK_K=block_k, RC=16, EVEN_K=True, NUM_STAGES=3,
               IS_SPLIT=True, HAS_BIAS=False, HAS_LORA=False, USE_DOT=False, DOT_F32=False, WORDS=words, ASM=words,
-              PREFETCH=False, CHAIN=words and sm.WORDS_CHAIN, SC=max(1, min(16, 4096 // (block_n * bm))))
+              PREFETCH=False, CHAIN=words and sm.WORDS_CHAIN, SC=sm.sum_chunk(block_n, bm, False))
     fn = sm._small_m_kernel
     full = {a: ("constexpr" if a in cx else sig[a]) for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a not in cx and a not in ("M", "R")}

@@ -72,6 +72,13 @@ def use_fma(m: int, n: int, k: int) -> bool:
     return m <= FMA_MAX_M  # (no tokens: nothing to launch either way)
 
 
+def sum_chunk(block_n: int, bm: int, use_dot: bool) -> int:
+    """Split-K partials the last split loads at once (``SC``). Multiply-adds (1-2 tokens): up to 16, 4096 floats
+    a chunk; on the H100 (docs/perf.md, 2026-12-05 fifteenth session, against loading one at a time) 1.04-1.11x
+    at 1-2 tokens. The dot: one a time, since chunks of 4 at 16 rows measured 0.92-0.96x at 4-16 tokens."""
+    return 1 if use_dot else max(1, min(16, 4096 // (block_n * bm)))
+
+
 @triton.jit
 def _nvfp4_values(xs, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """``xs [ROWS, BLOCK_K]`` fp32 -> its NVFP4 values (per-16 E4M3 scale times the nearest-even E2M1
@@ -629,7 +636,7 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
         RC=min(64, max(16, next_pow2(r or 16))), EVEN_K=k % bk == 0, NUM_STAGES=num_stages,
         IS_SPLIT=split > 1, HAS_BIAS=bias is not None, HAS_LORA=bool(r),
         USE_DOT=use_dot, DOT_F32=_INTERPRET, WORDS=bool(words), ASM=bool(words) and not _INTERPRET,
-        PREFETCH=bool(prefetch), CHAIN=chain, SC=max(1, min(16, 4096 // (block_n * bm))) if split > 1 else 1,
+        PREFETCH=bool(prefetch), CHAIN=chain, SC=sum_chunk(block_n, bm, use_dot) if split > 1 else 1,
         num_warps=num_warps,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
