@@ -259,21 +259,22 @@ FAST_ONE_SHAPES = (("attn", 3072, 3072), ("ff up", 3072, 12288), ("ff down", 122
                    ("single out", 15360, 3072))
 
 
-def fast_one_table(copy_gbs: float) -> list[str]:
-    """The fast mode at 1-64 tokens: routed (up to five launches) against small_m_fast (one), and its sweep."""
+def fast_one_table(copy_gbs: float, sweep: bool = True) -> list[str]:
+    """The fast mode at 1-64 tokens: routed (up to five launches) against small_m_fast (one), and (``sweep``)
+    the kernel at each split target x pipeline depth."""
     from test_sm90_fast import _assert_fast_formula
 
     from svdq_linear import backends
     from svdq_linear.backends.sm90 import ENV_FAST_ONE_LAUNCH, small_m_fast
 
-    ctas, stages = (4, 8, 16), (2, 3, 4)
+    ctas, stages = ((4, 8, 16), (2, 3, 4)) if sweep else ((), ())
     rows = ["", "The fast mode at 1-64 tokens (us; ratio = cuBLAS bf16 / ours): 'routed' = the default path (FP8 pass, "
             "cuBLAS lora_act, small_m_mma or quack's GEMM, split-K epilogue); 'one launch' = small_m_fast "
             "(SVDQ_SM90_FAST_ONE_LAUNCH=1: multiply-adds at 1-2 tokens, FP8 dots above; 'check' = its output against "
             "the fast formula in float64); 'dots' = the FP8-dot form forced at 1-2 tokens; then the kernel at c CTAs "
             f"an SM (split target; default {small_m_fast.CTAS_PER_SM}) x s pipeline stages (default 3), us (weight GB/s)",
-            "", "| layer | K | N | M | cuBLAS bf16 | routed | one launch | check | weight GB/s | % of copy | dots | "
-            + " | ".join(f"c{c} s{st}" for c in ctas for st in stages) + " |",
+            "", "| layer | K | N | M | cuBLAS bf16 | routed | one launch | check | weight GB/s | % of copy | dots |"
+            + "".join(f" c{c} s{st} |" for c in ctas for st in stages),
             "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * (len(ctas) * len(stages))]
     for label, k, n in FAST_ONE_SHAPES:
         lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
@@ -311,7 +312,7 @@ def fast_one_table(copy_gbs: float) -> list[str]:
             gbs = wbytes / (t_one * 1e-3) / 1e9
             rows.append(f"| {label} | {k} | {n} | {m} | {t_ref * 1e3:.1f} | {t_def * 1e3:.1f} ({t_ref / t_def:.2f}x) | "
                         f"{t_one * 1e3:.1f} ({t_ref / t_one:.2f}x) | {check} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | "
-                        f"{dots} | " + " | ".join(cells) + " |")
+                        f"{dots} |" + "".join(f" {c} |" for c in cells))
             print(rows[-1], flush=True)
     return rows
 
@@ -336,6 +337,7 @@ def main() -> None:
                         "three tiles, kernel alone (what small_m.use_fma is set from)")
     p.add_argument("--fast-one", action="store_true",
                    help="only the fast mode at 1-64 tokens: the routed path against small_m_fast's one launch")
+    p.add_argument("--no-sweep", action="store_true", help="with --fast-one: the default form only")
     p.add_argument("--tokens-modes", default="w4a16,exact-canonical",
                    help="with --tokens: the modes of TOKENS_CASES to run (comma-separated)")
     args = p.parse_args()
@@ -350,7 +352,7 @@ def main() -> None:
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     have_fast = sm90._quack_fast_module() is not None
     if args.fast_one:
-        rows = rows[:2] + fast_one_table(copy_gbs)
+        rows = rows[:2] + fast_one_table(copy_gbs, not args.no_sweep)
         emit(rows, args.out)
         return
     if args.words or args.tokens:
