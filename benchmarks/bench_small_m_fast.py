@@ -58,7 +58,7 @@ def main() -> None:
         for m in (int(t) for t in args.tokens.split(",")):
             x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
             xc = x.cuda()
-            dot = m > small_m_fast.FMA_MAX_M
+            dot = small_m_fast.use_dots(m, n, k)  # the default form
             check = []
             for form in ((dot, not dot) if m <= small_m_fast.FMA_MAX_M else (dot,)):
                 y = small_m_fast.linear(xc, **ops, out_dtype=torch.float32, dot=form)

@@ -86,7 +86,7 @@ def main() -> None:
             tr.fill_(-1)
             smf.linear(x, **ops, poll=poll, ctas_per_sm=cps, trace=tr)
             torch.cuda.synchronize()
-            ph = phases(tr.cpu(), prods, prods if m > smf.FMA_MAX_M else 0)
+            ph = phases(tr.cpu(), prods, prods if smf.use_dots(m, n, k) else 0)
             rows.append(f"| {label} | {m} | {poll} | {cps} | {grid} | {t_ref * 1e3:.1f} | {t * 1e3:.1f}"
                         f"{'' if same else ' (DIFFERS)'} | {t_ref / t:.2f}x | " + " | ".join(f"{v:.1f}" for v in ph) + " |")
             print(rows[-1], flush=True)

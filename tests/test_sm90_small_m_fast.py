@@ -182,10 +182,19 @@ def test_one_launch_plans_the_split_and_the_producers():
     for m, rows in ((1, 1), (2, 2), (3, 16), (16, 16), (33, 64), (64, 64)):
         assert smf.rows(m) == rows, m
         for n in (3072, 64):
-            assert smf.plan(m, n, 12288)[0] * rows <= smf.SPLIT_ROWS, (m, n)
+            padded = smf.rows(m, smf.use_dots(m, n, 12288))
+            assert smf.plan(m, n, 12288)[0] * padded <= smf.SPLIT_ROWS, (m, n)
     assert smf.plan(3, 64, 12288)[0] == smf.SPLIT_ROWS // 16  # one group: the rule binds on the padded rows
     assert smf.plan(2, 64, 12288, dot=True)[0] == smf.SPLIT_ROWS // 16 < smf.plan(2, 64, 12288, dot=False)[0]
     assert smf.plan(64, 3072, 12288)[0] == smf.SPLIT_ROWS // 64 < smf.plan(16, 3072, 12288)[0]
+    # the default form: multiply-adds at one token; at two, the dots for the large layers only (measured)
+    for n, k, two in ((3072, 3072, False), (12288, 3072, True), (3072, 12288, True), (64, 256, False)):
+        assert not smf.use_dots(1, n, k) and smf.use_dots(2, n, k) == two and smf.use_dots(3, n, k), (n, k)
+        for m in (1, 2, 3):
+            dot = smf.use_dots(m, n, k)
+            assert smf.plan(m, n, k) == smf.plan(m, n, k, dot=dot) and smf.grid_size(m, n, k) == smf.grid_size(
+                m, n, k, dot=dot), (m, n, k)
+    assert smf.grid_size(2, 12288, 3072) != smf.grid_size(2, 12288, 3072, dot=False)  # the quantizers' CTAs
 
 
 @pytest.mark.parametrize("dot", [False, True])
@@ -309,7 +318,7 @@ def test_backend_takes_the_one_launch_kernel_when_asked(m, monkeypatch):
     y = sm90.Sm90Backend().run_w4a4_fast(x_dev, q, ws, smooth, pd, up, wc, bias, extra)
     assert calls and calls[0][6].shape == (k, r), "the call did not take the kernel with R columns"
     assert y.dtype == x.dtype and y.device == x_dev.device
-    want, bound = _want(x.float(), *host, m > smf.FMA_MAX_M)
+    want, bound = _want(x.float(), *host, smf.use_dots(m, n, k))
     _check(y.float(), want, bound + 2.0**-8 * want.abs(), f"m={m}")
 
 

@@ -74,8 +74,9 @@ def use_fma(m: int, n: int, k: int) -> bool:
 
 def sum_chunk(block_n: int, bm: int, use_dot: bool) -> int:
     """Split-K partials the last split loads at once (``SC``). Multiply-adds (1-2 tokens): up to 16, 4096 floats
-    a chunk; on the H100 (docs/perf.md, 2026-12-05 fifteenth session, against loading one at a time) 1.04-1.11x
-    at 1-2 tokens. The dot: one a time, since chunks of 4 at 16 rows measured 0.92-0.96x at 4-16 tokens."""
+    a chunk; on the H100 (docs/perf.md, 2026-12-05 fifteenth session, against loading one at a time) 1.01-1.12x
+    at 1-2 tokens. The dot: one a time (1.01-1.09x at 4-16 tokens, with the counter's store reset), since chunks
+    of 4 at 16 rows measured 0.92-0.96x there."""
     return 1 if use_dot else max(1, min(16, 4096 // (block_n * bm)))
 
 

@@ -68,6 +68,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 MAX_M = 64  # tokens this kernel serves
 FMA_MAX_M = 2  # up to this many tokens the workers quantize their own activations and multiply-add (else FP8 dots)
+DOTS_AT_2_MIN_WEIGHTS = 1 << 24  # at 2 tokens, weights of at least this many values take the FP8 dots (use_dots)
 # workers an SM the split-K aims at (``plan`` rounds, so a grid may hold up to half a group's splits more).
 # With the producers and quantizers, every Flux.1 / SD3.5 layer's grid at 1-64 tokens is at most 780 CTAs,
 # within one wave on 132 SMs (6 CTAs an SM fit the dots, 7 the multiply-adds); a much wider layer may not be.
@@ -598,9 +599,19 @@ def _sync(device: torch.device, groups: int) -> torch.Tensor:
     return sync_words(device, _GROUPS_AT + groups, "small_m_fast")
 
 
+def use_dots(m: int, n: int, k: int) -> bool:
+    """The FP8 dots (else the multiply-adds) for ``m`` tokens of an ``n x k`` weight: above ``FMA_MAX_M``
+    tokens, and at 2 tokens for weights of ``DOTS_AT_2_MIN_WEIGHTS`` values or more. Same run on the H100
+    (docs/perf.md, 2026-12-05 fifteenth session, ``bench_small_m_fast.py --tokens 2,1``), multiply-adds
+    against dots, us: at 2 tokens 14.9 / 16.8 at 3072x3072, 28.2 / 20.0 at 3072x12288 (N x K 12288x3072),
+    29.8 / 26.6 at 12288x3072, 32.6 / 30.8 at 15360x3072; at one token the multiply-adds won everywhere
+    (10.3 / 15.5 to 21.3 / 29.3)."""
+    return m > FMA_MAX_M or (m == FMA_MAX_M and n * k >= DOTS_AT_2_MIN_WEIGHTS)
+
+
 def rows(m: int, dot: bool | None = None) -> int:
     """Token rows a tile holds (``BM``) for ``m`` tokens: a power of two, at least 16 for the FP8 dots
-    (``dot``: by default above ``FMA_MAX_M`` tokens)."""
+    (``dot``; if not given, above ``FMA_MAX_M`` tokens: callers that know the weight pass ``use_dots``)."""
     dot = m > FMA_MAX_M if dot is None else dot
     return max(16, next_pow2(m)) if dot else next_pow2(m)
 
@@ -613,6 +624,7 @@ def plan(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PE
     rows a partial holds): one CTA a group reads every split's ``[64, rows]`` partial (traced on the H200 at
     64 tokens and 14 splits, that sum took 13 of the launch's 33 us)."""
     groups, kt = n // 64, k // TILE_K
+    dot = use_dots(m, n, k) if dot is None else dot
     want = max(1, min(round(ctas_per_sm * sms / groups), SPLIT_ROWS // rows(m, dot)))
     per = -(-kt // min(want, kt))
     split = -(-kt // per)
@@ -669,8 +681,8 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
     ``strip`` the fast layout's (``fast_layout.repack_fast_weight`` / ``fast_scales``); ``cs [N]`` fp32
     ``2**e * wcscale``; ``bias [N]``; ``proj_down [K, >= R]`` the smoothed ``proj_down / smooth`` (its
     first ``R`` columns are read) with ``proj_up [N, R]`` contiguous. The output is ``out_dtype`` (x's
-    by default). ``dot`` picks the FP8 dots (default above ``FMA_MAX_M`` tokens) or the multiply-adds
-    (at most ``FMA_MAX_M``); ``num_stages`` (k-tiles in flight), ``ctas_per_sm`` (the split's target),
+    by default). ``dot`` picks the FP8 dots or the multiply-adds (at most ``FMA_MAX_M`` tokens; default
+    ``use_dots``); ``num_stages`` (k-tiles in flight), ``ctas_per_sm`` (the split's target),
     ``poll`` (how waits poll: ``_wait``) and ``trace`` (an int64 tensor of ``grid x 8`` elements or more,
     ``grid_size``: each CTA's global-timer stamps at its phase ends, its ticket in column 7; ``_stamp``)
     are for measurement; ``delay_ns`` holds the last producer back before its ``lora_act`` sum (a test of
@@ -687,7 +699,7 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
         # the CPU interpreter's fp32 -> 16-bit conversion does not round to nearest: cast outside
         return linear(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, torch.float32, num_stages,
                       sms, ctas_per_sm, dot, poll).to(out_dtype)
-    dot = m > FMA_MAX_M if dot is None else dot
+    dot = use_dots(m, n, k) if dot is None else dot
     if not dot and m > FMA_MAX_M:
         raise ValueError(f"the multiply-add form serves at most {FMA_MAX_M} tokens, got {m}")
     if x.stride(1) != 1:
@@ -730,6 +742,6 @@ def chunks(bm: int, rb: int) -> dict[str, int]:
 def grid_size(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM,
               dot: bool | None = None) -> int:
     """CTAs of one launch (producers, quantizers with the dots, workers): the rows of a ``trace``."""
+    dot = use_dots(m, n, k) if dot is None else dot
     split, _, producers, _ = plan(m, n, k, sms, ctas_per_sm, dot)
-    dot = m > FMA_MAX_M if dot is None else dot
     return producers * (2 if dot else 1) + n // 64 * split
