@@ -270,7 +270,7 @@ def fast_one_table(copy_gbs: float, sweep: bool = True) -> list[str]:
     ctas, stages = ((4, 8, 16), (2, 3, 4)) if sweep else ((), ())
     rows = ["", "The fast mode at 1-64 tokens (us; ratio = cuBLAS bf16 / ours): 'routed' = the default path (FP8 pass, "
             "cuBLAS lora_act, small_m_mma or quack's GEMM, split-K epilogue); 'one launch' = small_m_fast "
-            "(SVDQ_SM90_FAST_ONE_LAUNCH=1: multiply-adds at 1-2 tokens, FP8 dots above; 'check' = its output against "
+            "(SVDQ_SM90_FAST_ONE_LAUNCH=1: its default form, small_m_fast.use_dots; 'check' = its output against "
             "the fast formula in float64); 'dots' = the FP8-dot form forced at 1-2 tokens; then the kernel at c CTAs "
             f"an SM (split target; default {small_m_fast.CTAS_PER_SM}) x s pipeline stages (default 3), us (weight GB/s)",
             "", "| layer | K | N | M | cuBLAS bf16 | routed | one launch | check | weight GB/s | % of copy | dots |"

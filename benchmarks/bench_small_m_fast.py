@@ -1,11 +1,11 @@
 """The fast mode's one-launch kernel alone (``sm90/small_m_fast.py``) against cuBLAS bf16, CUDA-graph replays.
 
-    python benchmarks/bench_small_m_fast.py [--out FILE]
+    python benchmarks/bench_small_m_fast.py [--out FILE] [--tokens 1,2,8,16,64]
 
 Needs no quack-kernels: the operands are made from random NVFP4 layers (``tests/test_sm90_small_m_fast``'s
 helpers) and each launch is checked against the fast formula in float64 first. Per layer and token
-count: cuBLAS bf16 ``F.linear``; the kernel in its default form (multiply-adds at 1-2 tokens, FP8 dots
-above) and in the other form where it applies; weight GB/s (codes and scales read once) against a
+count: cuBLAS bf16 ``F.linear``; the kernel in its default form (``small_m_fast.use_dots``) and, at 1-2
+tokens, in the other one too; weight GB/s (codes and scales read once) against a
 device-to-device copy measured in the same run. ``bench_small_m.py --fast-one`` times it against the
 routed path through the module (that needs quack).
 """

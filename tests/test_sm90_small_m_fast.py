@@ -411,7 +411,7 @@ def test_one_launch_compiles_to_table_lookups_and_fp8_wgmma(tmp_path):
     # (acq_rel), its sum's count, the group counter (acq_rel) and the done count (acq_rel); IVALL at those three
     # acq_rel and the two waits' acquires (amax, lora_act). The FP8 dots add the quantizers' count (release)
     # and their wait for the amax (acquire). Triton 3.9 gives one IVALL at each of those; Triton 3.6 (the
-    # H200's) gives 3 at the multiply-add build, so the invalidations are bounded, not counted.
+    # device image's) gives 3 at the multiply-add build, so the invalidations are bounded, not counted.
     for label, st in out.items():
         fences = 6 if label.startswith("d") else 5
         assert st["exch"] == 0 and st["membar"] == fences and 1 <= st["ivall"] <= fences, (label, st)

@@ -603,9 +603,9 @@ def use_dots(m: int, n: int, k: int) -> bool:
     """The FP8 dots (else the multiply-adds) for ``m`` tokens of an ``n x k`` weight: above ``FMA_MAX_M``
     tokens, and at 2 tokens for weights of ``DOTS_AT_2_MIN_WEIGHTS`` values or more. Same run on the H100
     (docs/perf.md, 2026-12-05 fifteenth session, ``bench_small_m_fast.py --tokens 2,1``), multiply-adds
-    against dots, us: at 2 tokens 14.9 / 16.8 at 3072x3072, 28.2 / 20.0 at 3072x12288 (N x K 12288x3072),
-    29.8 / 26.6 at 12288x3072, 32.6 / 30.8 at 15360x3072; at one token the multiply-adds won everywhere
-    (10.3 / 15.5 to 21.3 / 29.3)."""
+    against dots, us, at 2 tokens (N x K): attn 3072x3072 14.9 / 16.8, ff up 12288x3072 28.2 / 20.0, ff
+    down 3072x12288 29.8 / 26.6, single out 3072x15360 32.6 / 30.8; at one token the multiply-adds won at
+    every layer (attn 10.3 / 15.5 to single out 21.3 / 29.3)."""
     return m > FMA_MAX_M or (m == FMA_MAX_M and n * k >= DOTS_AT_2_MIN_WEIGHTS)
 
 
