@@ -609,10 +609,9 @@ def use_dots(m: int, n: int, k: int) -> bool:
     return m > FMA_MAX_M or (m == FMA_MAX_M and n * k >= DOTS_AT_2_MIN_WEIGHTS)
 
 
-def rows(m: int, dot: bool | None = None) -> int:
+def rows(m: int, dot: bool) -> int:
     """Token rows a tile holds (``BM``) for ``m`` tokens: a power of two, at least 16 for the FP8 dots
-    (``dot``; if not given, above ``FMA_MAX_M`` tokens: callers that know the weight pass ``use_dots``)."""
-    dot = m > FMA_MAX_M if dot is None else dot
+    (``dot``, as ``use_dots`` picks by default)."""
     return max(16, next_pow2(m)) if dot else next_pow2(m)
 
 
