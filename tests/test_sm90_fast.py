@@ -577,9 +577,10 @@ def test_gpu_fast_linear_on_the_narrow_prefill_tile(r):
 def test_gpu_fast_small_m_on_warp_tensor_cores(tokens, monkeypatch):
     """``SVDQ_SM90_SMALL_M_MMA=1``: up to 64 tokens take ``small_m_mma.linear_fast`` (the table decode
     feeding ``mma.sync``), held to the same bound as the FP8 GEMM."""
-    from svdq_linear.backends.sm90 import ENV_SMALL_M_MMA
+    from svdq_linear.backends.sm90 import ENV_FAST_ONE_LAUNCH, ENV_SMALL_M_MMA
 
     monkeypatch.setenv(ENV_SMALL_M_MMA, "1")
+    monkeypatch.setenv(ENV_FAST_ONE_LAUNCH, "0")  # one token would take the one-launch kernel
     test_gpu_fast_linear_matches_the_fast_formula(tokens, 3072, 3072, 32, torch.bfloat16)
 
 
