@@ -8,8 +8,10 @@ split's target): cuBLAS bf16 and the kernel in CUDA-graph replays (us), then fro
 times (us, from the first CTA's start) at which: the last CTA started; the producers' amax were all in;
 their ``lora_act`` partials were all in; the quantizers' ``a8`` were all in (FP8 dots); the workers left
 their wait (first / median / last); finished their k-loop (median / last); counted their partial (last);
-the last epilogue ended; the last CTA ended. The median worker's k-loop time (us) comes last. The global
-timer ticks in ns but may advance in steps of up to 1 us on some parts: read the figures as such.
+the last epilogue ended; the last CTA ended. Then the workers' k-loop times (us: median, 90th percentile,
+longest), the SMs the grid landed on, the most CTAs one SM held, and the median k-loop time of the workers
+on SMs holding that many against those on the other SMs (whether the slow loops are the crowded SMs'). The
+global timer ticks in ns but may advance in steps of up to 1 us on some parts: read the figures as such.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def _q(v: torch.Tensor, f: float) -> float:
 
 def phases(tr: torch.Tensor, p: int, q: int) -> list[float]:
     """The phase-end times (us) of one traced launch (``tr [grid, 8]``, -1 where a CTA did not stamp)."""
-    t = tr[:, 7]
+    t, sm = tr[:, 7] & 0xFFFFFFFF, tr[:, 7] >> 32
     t0 = tr[:, 0].min()
     rel = torch.where(tr[:, :7] >= 0, tr[:, :7] - t0, torch.full_like(tr[:, :7], -1))
     prod, quant, work = rel[t < p], rel[(t >= p) & (t < p + q)], rel[t >= p + q]
@@ -50,9 +52,13 @@ def phases(tr: torch.Tensor, p: int, q: int) -> list[float]:
         return v[v >= 0]
 
     loop = (work[:, 2] - work[:, 1]).float()
+    per_sm = torch.bincount(sm, minlength=int(sm.max()) + 1)  # CTAs an SM held over the launch
+    crowd = per_sm[sm[t >= p + q]]
+    top = int(per_sm.max())
     return [_q(rel[:, 0], 1), _q(col(prod, 1), 1), _q(col(prod, 2), 1), _q(col(quant, 2), 1) if q else float("nan"),
             _q(col(work, 1), 0), _q(col(work, 1), 0.5), _q(col(work, 1), 1), _q(col(work, 2), 0.5), _q(col(work, 2), 1),
-            _q(col(work, 3), 1), _q(col(work, 5), 1), _q(rel[:, 6], 1), float(loop.median()) / 1e3]
+            _q(col(work, 3), 1), _q(col(work, 5), 1), _q(rel[:, 6], 1), _q(loop, 0.5), _q(loop, 0.9), _q(loop, 1),
+            int((per_sm > 0).sum()), top, _q(loop[crowd == top], 0.5), _q(loop[crowd < top], 0.5)]
 
 
 @torch.no_grad()
@@ -61,7 +67,8 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     heads = ["last start", "amax in", "lora in", "a8 in", "wait first", "wait med", "wait last", "loop med",
-             "loop last", "counted last", "epi last", "end", "loop us"]
+             "loop last", "counted last", "epi last", "end", "loop us", "loop p90", "loop max", "SMs", "most an SM",
+             "loop med there", "loop med elsewhere"]
     rows = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}; "
             "rank 32, bias; times in us (graph: CUDA-graph replays; the rest from one traced launch, from the first "
             "CTA's start)", "",
@@ -88,7 +95,7 @@ def main() -> None:
             torch.cuda.synchronize()
             ph = phases(tr.cpu(), prods, prods if smf.use_dots(m, n, k) else 0)
             rows.append(f"| {label} | {m} | {poll} | {cps} | {grid} | {t_ref * 1e3:.1f} | {t * 1e3:.1f}"
-                        f"{'' if same else ' (DIFFERS)'} | {t_ref / t:.2f}x | " + " | ".join(f"{v:.1f}" for v in ph) + " |")
+                        f"{'' if same else ' (DIFFERS)'} | {t_ref / t:.2f}x | " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in ph) + " |")
             print(rows[-1], flush=True)
     emit(rows, args.out)
 

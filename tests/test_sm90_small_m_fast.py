@@ -565,3 +565,30 @@ def test_gpu_graphs_replayed_at_once_on_several_streams_keep_their_own_sync_word
     res = subprocess.run([sys.executable, "-c", _CONCURRENT, str(pathlib.Path(__file__).parent)], capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpu_trace_stamps_every_cta_with_its_ticket_and_sm(m):
+    """The measurement build (``trace=``, what ``benchmarks/trace_small_m_fast.py`` reads) gives the default
+    build's bits, stamps every CTA with a distinct ticket and the SM it ran on, and each worker's phase ends
+    in order: start, wait, k-loop, counted, end."""
+    if not torch.cuda.is_available():
+        pytest.skip("the global timer and %smid are read on a GPU")
+    gen = torch.Generator().manual_seed(70 + m)
+    n, k = 256, 1024
+    ops = _operands(*_layer(n, k, 16, gen), torch.randn(n, generator=gen))
+    x = torch.randn(m, k, generator=gen).bfloat16().cuda()
+    want = smf.linear(x, **ops)
+    grid = smf.grid_size(m, n, k)
+    tr = torch.full((grid, 8), -1, dtype=torch.int64, device="cuda")
+    assert torch.equal(smf.linear(x, **ops, trace=tr), want)
+    tr = tr.cpu()
+    tick, sm = tr[:, 7] & 0xFFFFFFFF, tr[:, 7] >> 32
+    assert sorted(tick.tolist()) == list(range(grid))
+    assert int(sm.min()) >= 0 and int(sm.max()) < torch.cuda.get_device_properties(0).multi_processor_count
+    _, _, prods, _ = smf.plan(m, n, k)
+    work = tr[tick >= prods * (2 if smf.use_dots(m, n, k) else 1)]
+    assert len(work) == grid - prods * (2 if smf.use_dots(m, n, k) else 1) and len(work) > 0
+    for c0, c1 in ((0, 1), (1, 2), (2, 3), (3, 6)):
+        assert bool((work[:, c0] > 0).all() and (work[:, c1] >= work[:, c0]).all()), (c0, c1, work[:, :7])

@@ -449,8 +449,10 @@ def _fast_small_m_kernel(
     total = P + Q + G * S
     t = tl.atomic_add(sync_ptr + _TICKET, 1, sem="relaxed")
     _stamp(trace_ptr, 0, t, TRACE)
-    if TRACE:
-        tl.store(trace_ptr + tl.program_id(0) * 8 + 7, t.to(tl.int64))
+    if TRACE:  # the ticket, and above it the SM the CTA runs on
+        sm = tl.inline_asm_elementwise(asm="mov.u32 $0, %smid;", constraints="=r,r", args=[t], dtype=tl.int32,
+                                       is_pure=False, pack=1)
+        tl.store(trace_ptr + tl.program_id(0) * 8 + 7, t.to(tl.int64) | (sm.to(tl.int64) << 32))
     if t < P:
         _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, trace_ptr, t, P, M, K, R, stride_xm, stride_pd,
                   k_per_prod, BM, RB, RC, CK, CKA, PC, HAS_LORA, DOT, ASM, TRACE, DELAY)
@@ -683,7 +685,8 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
     by default). ``dot`` picks the FP8 dots or the multiply-adds (at most ``FMA_MAX_M`` tokens; default
     ``use_dots``); ``num_stages`` (k-tiles in flight), ``ctas_per_sm`` (the split's target),
     ``poll`` (how waits poll: ``_wait``) and ``trace`` (an int64 tensor of ``grid x 8`` elements or more,
-    ``grid_size``: each CTA's global-timer stamps at its phase ends, its ticket in column 7; ``_stamp``)
+    ``grid_size``: each CTA's global-timer stamps at its phase ends, its ticket in column 7's low 32 bits
+    and its SM above them; ``_stamp``)
     are for measurement; ``delay_ns`` holds the last producer back before its ``lora_act`` sum (a test of
     the epilogue's wait: ``_producer``)."""
     check(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up)
