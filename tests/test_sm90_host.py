@@ -44,7 +44,8 @@ def test_exact_state_stands_in_and_the_triton_gemm_rebuilds_per_call():
     from svdq_linear.backends.sm90 import Sm90Backend, Sm90Prepared
 
     backend = Sm90Backend()
-    m = random_w4a4(256, 128, 16, torch.bfloat16, "cpu")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton GEMM launches where the state lives
+    m = random_w4a4(256, 128, 16, torch.bfloat16, dev)
     qw = quack_gemm.prepare(m.qweight, m.wscales, m.wcscale, m.bias)
     pds = (m.proj_down.float() / m.smooth[:, None]).bfloat16()
     prep = Sm90Prepared(pds, m.proj_up.bfloat16(), qw)
@@ -52,7 +53,7 @@ def test_exact_state_stands_in_and_the_triton_gemm_rebuilds_per_call():
     assert set(rebuild) == {"qweight", "wscales"}
     assert torch.equal(rebuild["qweight"](), m.qweight)
     assert torch.equal(rebuild["wscales"]().view(torch.uint8), m.wscales.view(torch.uint8))
-    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    x = torch.randn(5, 256, dtype=torch.bfloat16, device=dev)
     args = (m.smooth, m.proj_down, m.proj_up, m.wcscale, m.bias, backend.extra_tensors(prep))
     want = backend.run_w4a4(x, m.qweight, m.wscales, *args)
     empty_q, empty_s = m.qweight.new_empty(0, 0), m.wscales.new_empty(0, 0)
