@@ -435,7 +435,7 @@ def test_one_launch_compiles_to_table_lookups_and_fp8_wgmma(tmp_path):
 
 
 def test_one_launch_routing_follows_the_measured_crossover(monkeypatch):
-    """``tuning.use_fast_one_launch`` (the H100's same-run table, docs/perf.md sixteenth session): by
+    """``tuning.use_fast_one_launch`` (the same-run tables, docs/perf.md sixteenth session): by
     default one token takes the one-launch kernel on a GPU, two or more do not, and the Triton
     interpreter's CPU calls keep the routed path; ``SVDQ_SM90_FAST_ONE_LAUNCH`` forces it on ("1", any device,
     1-64 tokens) or off ("0")."""

@@ -124,14 +124,17 @@ ONE_LAUNCH_MAX_M = 1  # tokens up to which the fast mode's one-launch kernel is 
 
 def use_fast_one_launch(m: int) -> bool:
     """Whether a fast-mode call of ``m`` tokens runs ``small_m_fast`` (one launch) instead of the routed
-    path (the FP8 activation pass, cuBLAS ``lora_act``, small_m_mma or quack's FP8 GEMM), from the same-run
-    table on the H100 (docs/perf.md, 2026-12-05 sixteenth session, ``bench_small_m.py --fast-one``; module
-    forward in CUDA graphs):
+    path (the FP8 activation pass, cuBLAS ``lora_act``, small_m_mma or quack's FP8 GEMM), from same-run
+    tables on the H100 and the H200 (docs/perf.md, 2026-12-05 sixteenth session, ``bench_small_m.py
+    --fast-one``; module forward in CUDA graphs):
 
-    - one token: the one launch won at every Flux layer, 10.2 / 17.5 / 17.8 / 21.1 us against 15.2 / 20.0 /
-      21.4 / 24.7 (3072x3072, 3072x12288, 12288x3072, 15360x3072: 1.15-1.49x);
-    - two tokens: within 2 % at 3072x3072 and 3072x12288, 18-22 % slower at 12288x3072 and 15360x3072;
-      8 and 64 tokens: slower everywhere (up to 1.5x); 16 tokens: within 4 %. The routed path keeps those.
+    - one token: the one launch won at every Flux layer on both cards: H100 10.2 / 17.5 / 17.8 / 21.1 us
+      against 15.2 / 20.0 / 21.4 / 24.7 (3072x3072, 3072x12288, 12288x3072, 15360x3072: 1.15-1.49x), H200
+      9.6 / 17.0 / 17.2 / 20.3 against 15.0 / 19.9 / 21.2 / 24.6 (1.17-1.56x);
+    - two tokens: within 2 % at 3072x3072 and 3072x12288, 16-22 % slower at 12288x3072 and 15360x3072;
+      8 and 64 tokens: slower everywhere (up to 1.6x); 16 tokens: 1-6 % faster on the three large
+      layers, 7-8 % slower at 3072x3072, and nothing measured between 9 and 32 tokens. The routed path
+      keeps all of those.
     """
     return 1 <= m <= ONE_LAUNCH_MAX_M
 
