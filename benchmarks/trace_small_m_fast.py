@@ -10,7 +10,10 @@ their ``lora_act`` partials were all in; the quantizers' ``a8`` were all in (FP8
 their wait (first / median / last); finished their k-loop (median / last); counted their partial (last);
 the last epilogue ended; the last CTA ended. Then the workers' k-loop times (us: median, 90th percentile,
 longest), the SMs the grid landed on, the most CTAs one SM held, and the median k-loop time of the workers
-on SMs holding that many against those on the other SMs (whether the slow loops are the crowded SMs'). The
+on SMs holding that many against those on the other SMs (whether the slow loops are the crowded SMs'). Then,
+for the slowest tenth of the k-loops against the rest (medians): when the loop started, the latency of a
+probe load of the split's first and last k-tile's weight word right after the wait (in L2 by then, or still
+coming from DRAM), and the split's position (0 first, 1 last). The
 global timer ticks in ns but may advance in steps of up to 1 us on some parts: read the figures as such.
 """
 
@@ -40,8 +43,9 @@ def _q(v: torch.Tensor, f: float) -> float:
     return float(v.float().quantile(f)) / 1e3 if v.numel() else float("nan")
 
 
-def phases(tr: torch.Tensor, p: int, q: int) -> list[float]:
-    """The phase-end times (us) of one traced launch (``tr [grid, 8]``, -1 where a CTA did not stamp)."""
+def phases(tr: torch.Tensor, p: int, q: int, split: int = 1) -> list[float]:
+    """The phase-end times (us) of one traced launch (``tr [grid, TRACE_COLS]``, -1 where a CTA did not
+    stamp; ``p`` producers, ``q`` quantizers, ``split`` splits a group)."""
     t, sm = tr[:, 7] & 0xFFFFFFFF, tr[:, 7] >> 32
     t0 = tr[:, 0].min()
     rel = torch.where(tr[:, :7] >= 0, tr[:, :7] - t0, torch.full_like(tr[:, :7], -1))
@@ -55,10 +59,20 @@ def phases(tr: torch.Tensor, p: int, q: int) -> list[float]:
     per_sm = torch.bincount(sm, minlength=int(sm.max()) + 1)  # CTAs an SM held over the launch
     crowd = per_sm[sm[t >= p + q]]
     top = int(per_sm.max())
+    slow = loop >= loop.quantile(0.9)
+    wt = tr[t >= p + q]
+    probe1, probe2 = (wt[:, 8] - wt[:, 1]).float(), (wt[:, 9] - wt[:, 1]).float()
+    pos = ((t[t >= p + q] - p - q) % split).float() / max(split - 1, 1) * 1e3  # (_q divides by 1e3)
+    start = work[:, 1].float()
+
+    def two(v):
+        return f"{_q(v[slow], 0.5):.1f} / {_q(v[~slow], 0.5):.1f}"
+
     return [_q(rel[:, 0], 1), _q(col(prod, 1), 1), _q(col(prod, 2), 1), _q(col(quant, 2), 1) if q else float("nan"),
             _q(col(work, 1), 0), _q(col(work, 1), 0.5), _q(col(work, 1), 1), _q(col(work, 2), 0.5), _q(col(work, 2), 1),
             _q(col(work, 3), 1), _q(col(work, 5), 1), _q(rel[:, 6], 1), _q(loop, 0.5), _q(loop, 0.9), _q(loop, 1),
-            int((per_sm > 0).sum()), top, _q(loop[crowd == top], 0.5), _q(loop[crowd < top], 0.5)]
+            int((per_sm > 0).sum()), top, _q(loop[crowd == top], 0.5), _q(loop[crowd < top], 0.5),
+            two(start), two(probe1), two(probe2), f"{_q(pos[slow], 0.5):.2f} / {_q(pos[~slow], 0.5):.2f}"]
 
 
 @torch.no_grad()
@@ -68,7 +82,8 @@ def main() -> None:
     args = ap.parse_args()
     heads = ["last start", "amax in", "lora in", "a8 in", "wait first", "wait med", "wait last", "loop med",
              "loop last", "counted last", "epi last", "end", "loop us", "loop p90", "loop max", "SMs", "most an SM",
-             "loop med there", "loop med elsewhere"]
+             "loop med there", "loop med elsewhere", "loop start slow / rest", "probe first slow / rest",
+             "probe last slow / rest", "split pos slow / rest"]
     rows = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}; "
             "rank 32, bias; times in us (graph: CUDA-graph replays; the rest from one traced launch, from the first "
             "CTA's start)", "",
@@ -88,12 +103,12 @@ def main() -> None:
             t = graph_time(lambda: smf.linear(x, **ops, poll=poll, ctas_per_sm=cps))
             grid = smf.grid_size(m, n, k, ctas_per_sm=cps)
             split, _, prods, _ = smf.plan(m, n, k, ctas_per_sm=cps)
-            tr = torch.full((grid, 8), -1, dtype=torch.int64, device="cuda")
+            tr = torch.full((grid, smf.TRACE_COLS), -1, dtype=torch.int64, device="cuda")
             smf.linear(x, **ops, poll=poll, ctas_per_sm=cps, trace=tr)  # compiles the traced build
             tr.fill_(-1)
             smf.linear(x, **ops, poll=poll, ctas_per_sm=cps, trace=tr)
             torch.cuda.synchronize()
-            ph = phases(tr.cpu(), prods, prods if smf.use_dots(m, n, k) else 0)
+            ph = phases(tr.cpu(), prods, prods if smf.use_dots(m, n, k) else 0, split)
             rows.append(f"| {label} | {m} | {poll} | {cps} | {grid} | {t_ref * 1e3:.1f} | {t * 1e3:.1f}"
                         f"{'' if same else ' (DIFFERS)'} | {t_ref / t:.2f}x | " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in ph) + " |")
             print(rows[-1], flush=True)

@@ -572,7 +572,7 @@ def test_gpu_graphs_replayed_at_once_on_several_streams_keep_their_own_sync_word
 def test_gpu_trace_stamps_every_cta_with_its_ticket_and_sm(m):
     """The measurement build (``trace=``, what ``benchmarks/trace_small_m_fast.py`` reads) gives the default
     build's bits, stamps every CTA with a distinct ticket and the SM it ran on, and each worker's phase ends
-    in order: start, wait, k-loop, counted, end."""
+    in order: start, wait, its two weight probes, k-loop, counted, end; a trace too short is refused."""
     if not torch.cuda.is_available():
         pytest.skip("the global timer and %smid are read on a GPU")
     gen = torch.Generator().manual_seed(70 + m)
@@ -581,7 +581,7 @@ def test_gpu_trace_stamps_every_cta_with_its_ticket_and_sm(m):
     x = torch.randn(m, k, generator=gen).bfloat16().cuda()
     want = smf.linear(x, **ops)
     grid = smf.grid_size(m, n, k)
-    tr = torch.full((grid, 8), -1, dtype=torch.int64, device="cuda")
+    tr = torch.full((grid, smf.TRACE_COLS), -1, dtype=torch.int64, device="cuda")
     assert torch.equal(smf.linear(x, **ops, trace=tr), want)
     tr = tr.cpu()
     tick, sm = tr[:, 7] & 0xFFFFFFFF, tr[:, 7] >> 32
@@ -590,5 +590,8 @@ def test_gpu_trace_stamps_every_cta_with_its_ticket_and_sm(m):
     _, _, prods, _ = smf.plan(m, n, k)
     work = tr[tick >= prods * (2 if smf.use_dots(m, n, k) else 1)]
     assert len(work) == grid - prods * (2 if smf.use_dots(m, n, k) else 1) and len(work) > 0
-    for c0, c1 in ((0, 1), (1, 2), (2, 3), (3, 6)):
-        assert bool((work[:, c0] > 0).all() and (work[:, c1] >= work[:, c0]).all()), (c0, c1, work[:, :7])
+    # start, wait, the two weight probes, k-loop, counted, end
+    for c0, c1 in ((0, 1), (1, 8), (1, 9), (8, 2), (9, 2), (2, 3), (3, 6)):
+        assert bool((work[:, c0] > 0).all() and (work[:, c1] >= work[:, c0]).all()), (c0, c1, work[:, :10])
+    with pytest.raises(ValueError, match="trace needs"):
+        smf.linear(x, **ops, trace=tr.cuda()[:-1])

@@ -84,6 +84,8 @@ _AMAX = tl.constexpr(160)  # the tokens' amax bits (up to MAX_M)
 _GROUPS_AT = 256
 _GROUPS = tl.constexpr(_GROUPS_AT)
 _TK = tl.constexpr(TILE_K)
+TRACE_COLS = 16  # a traced launch's int64 columns a CTA (linear's ``trace``)
+_TRACE_COLS = tl.constexpr(TRACE_COLS)
 
 # the decode's PTX (fast_layout): the tables of strip bytes 0-3 and the code-word lookup
 _TABLE0, _TABLE1, _TABLE2, _TABLE3 = (tl.constexpr(table_asm(q)) for q in range(4))
@@ -241,10 +243,19 @@ def _now(dep):
 
 @triton.jit
 def _stamp(trace_ptr, slot, t, TRACE: tl.constexpr):
-    """With ``TRACE``: the global timer (ns) into ``trace[program, slot]`` (``[grid, 8]`` int64, for
-    measurement: where a launch's time goes)."""
+    """With ``TRACE``: the global timer (ns) into ``trace[program, slot]`` (``[grid, TRACE_COLS]`` int64,
+    for measurement: where a launch's time goes)."""
     if TRACE:
-        tl.store(trace_ptr + tl.program_id(0) * 8 + slot, _now(t))
+        tl.store(trace_ptr + tl.program_id(0) * _TRACE_COLS + slot, _now(t))
+
+
+@triton.jit
+def _probe(trace_ptr, slot, ptr, TRACE: tl.constexpr):
+    """With ``TRACE``: one int32 load at ``ptr`` past L1 and the global timer when it has arrived into
+    ``trace[program, slot]`` (whether a split's weight lines were in L2 yet, or still coming from DRAM)."""
+    if TRACE:
+        w = tl.load(ptr, cache_modifier=".cg")
+        tl.store(trace_ptr + tl.program_id(0) * _TRACE_COLS + slot, _now(w))
 
 
 @triton.jit
@@ -452,7 +463,7 @@ def _fast_small_m_kernel(
     if TRACE:  # the ticket, and above it the SM the CTA runs on
         sm = tl.inline_asm_elementwise(asm="mov.u32 $0, %smid;", constraints="=r,r", args=[t], dtype=tl.int32,
                                        is_pure=False, pack=1)
-        tl.store(trace_ptr + tl.program_id(0) * 8 + 7, t.to(tl.int64) | (sm.to(tl.int64) << 32))
+        tl.store(trace_ptr + tl.program_id(0) * _TRACE_COLS + 7, t.to(tl.int64) | (sm.to(tl.int64) << 32))
     if t < P:
         _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, trace_ptr, t, P, M, K, R, stride_xm, stride_pd,
                   k_per_prod, BM, RB, RC, CK, CKA, PC, HAS_LORA, DOT, ASM, TRACE, DELAY)
@@ -478,6 +489,8 @@ def _fast_small_m_kernel(
         if DOT:
             _wait(sync_ptr + _A8_CNT, P, POLL)
             _stamp(trace_ptr, 1, t, TRACE)
+            _probe(trace_ptr, 8, wbase + (g * KT + kt_lo) * 1024, TRACE)  # the split's first and last k-tile
+            _probe(trace_ptr, 9, wbase + (g * KT + kt_hi - 1) * 1024, TRACE)
             sa, rinv = _token_scales(sync_ptr, rm, m_ok, BM)
             acc = tl.zeros([64, BM], tl.float32)
             pos = tl.arange(0, 128)
@@ -496,6 +509,8 @@ def _fast_small_m_kernel(
         else:
             _wait(sync_ptr + _AMAX_CNT, P, POLL)
             _stamp(trace_ptr, 1, t, TRACE)
+            _probe(trace_ptr, 8, wbase + (g * KT + kt_lo) * 1024, TRACE)  # the split's first and last k-tile
+            _probe(trace_ptr, 9, wbase + (g * KT + kt_hi - 1) * 1024, TRACE)
             sa, rinv = _token_scales(sync_ptr, rm, m_ok, BM)
             r0 = tl.sum(tl.where(rm == 0, rinv, 0.0), axis=0)
             r1 = tl.sum(tl.where(rm == 1, rinv, 0.0), axis=0)
@@ -684,9 +699,10 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
     first ``R`` columns are read) with ``proj_up [N, R]`` contiguous. The output is ``out_dtype`` (x's
     by default). ``dot`` picks the FP8 dots or the multiply-adds (at most ``FMA_MAX_M`` tokens; default
     ``use_dots``); ``num_stages`` (k-tiles in flight), ``ctas_per_sm`` (the split's target),
-    ``poll`` (how waits poll: ``_wait``) and ``trace`` (an int64 tensor of ``grid x 8`` elements or more,
-    ``grid_size``: each CTA's global-timer stamps at its phase ends, its ticket in column 7's low 32 bits
-    and its SM above them; ``_stamp``)
+    ``poll`` (how waits poll: ``_wait``) and ``trace`` (an int64 tensor of ``grid x TRACE_COLS``
+    elements or more, ``grid_size``: each CTA's global-timer stamps at its phase ends, its ticket in column
+    7's low 32 bits and its SM above them, a worker's two weight probes in columns 8 and 9; ``_stamp``,
+    ``_probe``)
     are for measurement; ``delay_ns`` holds the last producer back before its ``lora_act`` sum (a test of
     the epilogue's wait: ``_producer``)."""
     check(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up)
@@ -718,8 +734,8 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
     sync = _sync(x.device, groups)
     dummy = cs
     grid = producers * (2 if dot else 1) + groups * split
-    if trace is not None and trace.numel() < grid * 8:
-        raise ValueError(f"trace needs {grid * 8} elements (grid_size), got {trace.numel()}")
+    if trace is not None and trace.numel() < grid * TRACE_COLS:
+        raise ValueError(f"trace needs {grid * TRACE_COLS} elements (grid_size x TRACE_COLS), got {trace.numel()}")
     _fast_small_m_kernel[(grid,)](
         x, inv_smooth, blob, strip, cs, bias if bias is not None else dummy,
         proj_down if r else dummy, proj_up if r else dummy, out, part, lpart, a8, sync,
