@@ -322,6 +322,27 @@ def test_backend_takes_the_one_launch_kernel_when_asked(m, monkeypatch):
     _check(y.float(), want, bound + 2.0**-8 * want.abs(), f"m={m}")
 
 
+@pytest.mark.parametrize("m,workers", [(1, 1), (1, 5), (2, 3), (16, 2), (16, 1000)])
+def test_queued_workers_give_the_same_bits(m, workers):
+    """``workers=``: that many worker CTAs take the chunks (a group's split) from a counter. The output is
+    the one-CTA-a-chunk launch's, bit for bit (one worker for all chunks, fewer workers than chunks, more
+    than there are chunks), and the launch leaves the sync words at zero (the queue counter included)."""
+    gen = torch.Generator().manual_seed(90 + m)
+    n, k = 256, 1024
+    ops = _operands(*_layer(n, k, 16, gen), torch.randn(n, generator=gen))
+    x = (torch.randn(m, k, generator=gen) * 3).bfloat16().to(DEV)
+    split, _, _, _ = smf.plan(m, n, k, ctas_per_sm=1)
+    assert split > 1  # chunks of more than one split a group
+    want = smf.linear(x, **ops, out_dtype=torch.float32, ctas_per_sm=1)
+    got = smf.linear(x, **ops, out_dtype=torch.float32, ctas_per_sm=1, workers=workers)
+    assert torch.equal(got, want)
+    assert all(int(b.abs().sum()) == 0 for b in small_m._SYNC_WORDS.values()), "sync words left nonzero"
+    assert smf.grid_size(m, n, k, ctas_per_sm=1, workers=workers) == smf.grid_size(m, n, k, ctas_per_sm=1) \
+        - n // 64 * split + workers
+    with pytest.raises(ValueError, match="workers"):
+        smf.linear(x, **ops, workers=0)
+
+
 _SASS = r"""
 import collections, json, re, subprocess, sys
 import triton
@@ -333,19 +354,22 @@ from svdq_linear.precompile import _nvidia_bin
 sig = dict(x_ptr="*bf16", inv_ptr="*fp32", blob_ptr="*u8", strip_ptr="*u8", cs_ptr="*fp32", bias_ptr="*fp32",
            pd_ptr="*bf16", up_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", lpart_ptr="*fp32", a8_ptr="*u8",
            sync_ptr="*i32", trace_ptr="*i64", M="i32", N="i32", K="i32", R="i32", stride_xm="i32", stride_pd="i32", stride_om="i32",
-           tiles_per_split="i32", S="i32", P="i32", k_per_prod="i32")
+           tiles_per_split="i32", S="i32", P="i32", k_per_prod="i32", W="i32")
 out = {}
 # (label, BM, RB, DOT, measurement): the multiply-adds at 1 and 2 tokens, the FP8 dots at 16 and 64 token rows,
-# rank 128; the traced build with load polls (measurement: poll=1, trace); the delayed last producer (tests)
+# rank 128; the traced build with load polls (measurement: poll=1, trace); the delayed last producer (tests);
+# the queued workers (workers=)
 for label, bm, rb, dot, meas in (("1", 1, 32, False, 0), ("2", 2, 32, False, 0), ("d16", 16, 32, True, 0),
                                  ("d64", 64, 32, True, 0), ("1r128", 1, 128, False, 0), ("d64r128", 64, 128, True, 0),
-                                 ("d16trace", 16, 32, True, 1), ("1delay", 1, 32, False, 2)):
+                                 ("d16trace", 16, 32, True, 1), ("1delay", 1, 32, False, 2), ("1queue", 1, 32, False, 3),
+                                 ("d16queue", 16, 32, True, 3)):
     cx = dict(BM=bm, RB=rb, RC=min(rb, 32), **smf.chunks(bm, rb), HAS_BIAS=True, HAS_LORA=True, ASM=True,
-              NUM_STAGES=3, DOT=dot, POLL=int(meas == 1), TRACE=meas == 1, DELAY=50000 if meas == 2 else 0)
+              NUM_STAGES=3, DOT=dot, POLL=int(meas == 1), TRACE=meas == 1, DELAY=50000 if meas == 2 else 0,
+              QUEUE=meas == 3)
     fn = smf._fast_small_m_kernel
     full = {a: ("constexpr" if a in cx else sig[a]) for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-             if a not in cx and a not in ("M", "R", "S", "P", "tiles_per_split")}
+             if a not in cx and a not in ("M", "R", "S", "P", "tiles_per_split", "W")}
     ck = triton.compile(ASTSource(fn, full, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                         options=dict(num_warps=4))
     cub = sys.argv[1] + f"/f{label}.cubin"
@@ -432,6 +456,10 @@ def test_one_launch_compiles_to_table_lookups_and_fp8_wgmma(tmp_path):
     # the test's delayed last producer spins on the timer; its worker loop is the default's
     assert out["1delay"]["timer"] >= 2 and out["1delay"]["nanosleep"] == 0, out["1delay"]
     assert same_loop("1delay", "1"), out
+    # the queued workers run the same k-loop, a chunk at a time, and take their chunks with relaxed atomics
+    # (no fence added)
+    assert same_loop("1queue", "1") and same_loop("d16queue", "d16"), out
+    assert out["1queue"]["atomics"] > out["1"]["atomics"], out
 
 
 def test_one_launch_routing_follows_the_measured_crossover(monkeypatch):

@@ -81,6 +81,7 @@ SPLIT_ROWS = 512  # splits x token rows at most (plan): the partials one CTA a g
 # (each polled or updated word on its own 128-byte line)
 _TICKET, _AMAX_CNT, _LORA_CNT, _A8_CNT, _DONE = (tl.constexpr(32 * i) for i in range(5))
 _AMAX = tl.constexpr(160)  # the tokens' amax bits (up to MAX_M)
+_QUEUE = tl.constexpr(224)  # the next chunk a queued worker takes (linear's ``workers``)
 _GROUPS_AT = 256
 _GROUPS = tl.constexpr(_GROUPS_AT)
 _TK = tl.constexpr(TILE_K)
@@ -440,12 +441,73 @@ def _words(lo, hi):
 
 
 @triton.jit
+def _product(x_ptr, inv_ptr, blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K, stride_xm, rm, m_ok, rinv,
+             BM: tl.constexpr, ASM: tl.constexpr, NUM_STAGES: tl.constexpr, DOT: tl.constexpr):
+    """One chunk's partial product ``[64, BM]`` (fp32): group ``g``'s weight rows over k-tiles ``[kt_lo,
+    kt_hi)``, the FP8 dots on the quantizers' activations (``DOT``) or the multiply-adds on activations
+    quantized here (``rinv``: the tokens' ``1 / sa``)."""
+    # a thread-slot's words: blob [G, KT, 128 (32 wrq + c), 8 (4 B + word)] int32; strip [G, KT, 128]
+    o_w = (tl.arange(0, 32)[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]) * 8 + tl.arange(0, 8)[None, None, :]
+    o_s = tl.arange(0, 32)[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]  # [32, 4, 1]
+    wbase = blob_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    sbase = strip_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    if DOT:
+        acc = tl.zeros([64, BM], tl.float32)
+        pos = tl.arange(0, 128)
+        for kt in tl.range(kt_lo, kt_hi, num_stages=NUM_STAGES):
+            tile = g * KT + kt
+            word = tl.load(wbase + tile * 1024 + o_w)  # [32, 4, 8]
+            sw = tl.load(sbase + tile * 128 + o_s)  # [32, 4, 1]
+            a = tl.load(a8_ptr + rm[None, :] * K + pos[:, None] + kt * _TK, mask=m_ok[None, :], other=0,
+                        cache_modifier=".cg")  # [128, BM], written by the producers in this launch
+            w8 = _decode_tile(word, sw, ASM)
+            if ASM:
+                acc = tl.dot(w8, a.to(tl.float8e4nv, bitcast=True), acc)
+            else:  # the interpreter: E4M3 values in fp32, exact products (its cast reads 0x7F as 480, not NaN)
+                av = tl.where((a & 0x7F) == 0x7F, float("nan"), a.to(tl.float8e4nv, bitcast=True).to(tl.float32))
+                acc = tl.dot(w8, av, acc, input_precision="ieee")
+    else:
+        r0 = tl.sum(tl.where(rm == 0, rinv, 0.0), axis=0)
+        r1 = tl.sum(tl.where(rm == 1, rinv, 0.0), axis=0)
+        # per token, rows r / r + 8 (p), block half B: [32 (8 w + rq), 4 (c), 4 (word)] multiply-add slots
+        c000 = tl.zeros([32, 4, 4], tl.float32)  # token 0: p = 0, B = 0
+        c001 = tl.zeros([32, 4, 4], tl.float32)  # p = 0, B = 1
+        c010 = tl.zeros([32, 4, 4], tl.float32)  # p = 1, B = 0
+        c011 = tl.zeros([32, 4, 4], tl.float32)  # p = 1, B = 1
+        c100 = tl.zeros([32, 4, 4], tl.float32)  # token 1 (a second token's slots cost nothing at one)
+        c101 = tl.zeros([32, 4, 4], tl.float32)
+        c110 = tl.zeros([32, 4, 4], tl.float32)
+        c111 = tl.zeros([32, 4, 4], tl.float32)
+        for kt in tl.range(kt_lo, kt_hi, num_stages=NUM_STAGES):
+            tile = g * KT + kt
+            word = tl.load(wbase + tile * 1024 + o_w)  # [32, 4, 8]
+            sw = tl.load(sbase + tile * 128 + o_s)  # [32, 4, 1]
+            w_lo, w_hi = tl.split(tl.permute(tl.reshape(word, [32, 4, 2, 4]), [0, 1, 3, 2]))  # B = 0 / 1
+            a00, a01, a02, a03, a10, a11, a12, a13 = _tile_acts(x_ptr, inv_ptr, 0, kt * _TK, stride_xm, r0, ASM)
+            c000, c010 = _half_fma(w_lo, sw, a00, a01, a02, a03, c000, c010, 0, ASM)
+            c001, c011 = _half_fma(w_hi, sw, a10, a11, a12, a13, c001, c011, 1, ASM)
+            if BM > 1:  # (BM = 2 only for two tokens)
+                a00, a01, a02, a03, a10, a11, a12, a13 = _tile_acts(x_ptr, inv_ptr, 1, kt * _TK, stride_xm, r1,
+                                                                    ASM)
+                c100, c110 = _half_fma(w_lo, sw, a00, a01, a02, a03, c100, c110, 0, ASM)
+                c101, c111 = _half_fma(w_hi, sw, a10, a11, a12, a13, c101, c111, 1, ASM)
+        # slot i = 8 w + rq holds rows 16 w + rq (p = 0) and + 8 (p = 1): [64] rows in order, a token each
+        a_0 = tl.reshape(tl.permute(tl.reshape(tl.join(_slots(c000, c001), _slots(c010, c011)), [4, 8, 2]),
+                                    [0, 2, 1]), [64])
+        a_1 = tl.reshape(tl.permute(tl.reshape(tl.join(_slots(c100, c101), _slots(c110, c111)), [4, 8, 2]),
+                                    [0, 2, 1]), [64])
+        acc = tl.where(rm[None, :] == 0, a_0[:, None], a_1[:, None])  # [64, BM]
+    return acc
+
+
+@triton.jit
 def _fast_small_m_kernel(
     x_ptr, inv_ptr, blob_ptr, strip_ptr, cs_ptr, bias_ptr, pd_ptr, up_ptr, out_ptr, part_ptr, lpart_ptr, a8_ptr,
-    sync_ptr, trace_ptr, M, N, K, R, stride_xm, stride_pd, stride_om, tiles_per_split, S, P, k_per_prod,
+    sync_ptr, trace_ptr, M, N, K, R, stride_xm, stride_pd, stride_om, tiles_per_split, S, P, k_per_prod, W,
     BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, CKA: tl.constexpr, SC: tl.constexpr,
     PC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, ASM: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT: tl.constexpr, POLL: tl.constexpr = 0, TRACE: tl.constexpr = False, DELAY: tl.constexpr = 0,
+    QUEUE: tl.constexpr = False,
 ):
     # CK: the k-chunk of the producers' low-rank and the quantizers' [BM, CK] tiles (at most 2048 elements: no
     # spills at 64 rows); CKA the producers' amax chunk (up to 512: one load at a few tokens); SC: the split
@@ -453,11 +515,13 @@ def _fast_small_m_kernel(
     # loads at once (``_producer``)
     # Roles by ticket: [0, P) producers; with DOT (16-64 token rows) [P, 2 P) quantizers, which write the
     # E4M3 activations (the GEMM's k order) for workers that run FP8 dots on the decoded tile; the rest
-    # workers (without DOT, 1-2 tokens, they quantize their own activations and multiply-add)
+    # workers (without DOT, 1-2 tokens, they quantize their own activations and multiply-add). A chunk is a
+    # group's split (G x S of them); W workers: one a chunk by ticket, or (QUEUE) each takes chunks from a
+    # counter until none is left. A chunk's partial is the same whichever CTA computes it.
     G = N // 64
     KT = K // _TK
     Q = P if DOT else 0
-    total = P + Q + G * S
+    total = P + Q + W
     t = tl.atomic_add(sync_ptr + _TICKET, 1, sem="relaxed")
     _stamp(trace_ptr, 0, t, TRACE)
     if TRACE:  # the ticket, and above it the SM the CTA runs on
@@ -471,80 +535,56 @@ def _fast_small_m_kernel(
         _quantizer(x_ptr, inv_ptr, a8_ptr, sync_ptr, trace_ptr, t - P, P, M, K, stride_xm, k_per_prod, BM, CK, ASM,
                    POLL, TRACE)
     elif t < total:  # (a ticket past the grid would mean sync words not left at zero: such a CTA does nothing)
-        item = t - P - Q
-        g = item // S
-        s = item - g * S
+        GS = G * S
+        if QUEUE:
+            c = tl.atomic_add(sync_ptr + _QUEUE, 1, sem="relaxed")
+            c1 = tl.minimum(c, GS - 1)  # (a queued worker may find no chunk left: what it touches stays in bounds)
+        else:
+            c = t - P - Q
+            c1 = c
         rm = tl.arange(0, BM)
         m_ok = rm < M
-        kt_lo = s * tiles_per_split
+        g1 = c1 // S
+        kt_lo = (c1 - g1 * S) * tiles_per_split
         kt_hi = tl.minimum(KT, kt_lo + tiles_per_split)
-        if ASM:  # the split's weight bytes start coming into L2 while the producers publish
-            _prefetch_l2(blob_ptr + (g * KT + kt_lo) * 4096, (kt_hi - kt_lo) * 4096)
-            _prefetch_l2(strip_ptr + (g * KT + kt_lo) * 512, (kt_hi - kt_lo) * 512)
-        # a thread-slot's words: blob [G, KT, 128 (32 wrq + c), 8 (4 B + word)] int32; strip [G, KT, 128]
-        o_w = (tl.arange(0, 32)[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]) * 8 + tl.arange(0, 8)[None, None, :]
-        o_s = tl.arange(0, 32)[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]  # [32, 4, 1]
+        if ASM:  # the chunk's weight bytes start coming into L2 while the producers publish
+            _prefetch_l2(blob_ptr + (g1 * KT + kt_lo) * 4096, (kt_hi - kt_lo) * 4096)
+            _prefetch_l2(strip_ptr + (g1 * KT + kt_lo) * 512, (kt_hi - kt_lo) * 512)
+            if QUEUE:  # and the chunk one round later (whichever worker takes it)
+                c2 = tl.minimum(c + W, GS - 1)
+                g2 = c2 // S
+                lo2 = (c2 - g2 * S) * tiles_per_split
+                hi2 = tl.minimum(KT, lo2 + tiles_per_split)
+                _prefetch_l2(blob_ptr + (g2 * KT + lo2) * 4096, (hi2 - lo2) * 4096)
+                _prefetch_l2(strip_ptr + (g2 * KT + lo2) * 512, (hi2 - lo2) * 512)
         wbase = blob_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        sbase = strip_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         if DOT:
             _wait(sync_ptr + _A8_CNT, P, POLL)
-            _stamp(trace_ptr, 1, t, TRACE)
-            _probe(trace_ptr, 8, wbase + (g * KT + kt_lo) * 1024, TRACE)  # the split's first and last k-tile
-            _probe(trace_ptr, 9, wbase + (g * KT + kt_hi - 1) * 1024, TRACE)
-            sa, rinv = _token_scales(sync_ptr, rm, m_ok, BM)
-            acc = tl.zeros([64, BM], tl.float32)
-            pos = tl.arange(0, 128)
-            for kt in tl.range(kt_lo, kt_hi, num_stages=NUM_STAGES):
-                tile = g * KT + kt
-                word = tl.load(wbase + tile * 1024 + o_w)  # [32, 4, 8]
-                sw = tl.load(sbase + tile * 128 + o_s)  # [32, 4, 1]
-                a = tl.load(a8_ptr + rm[None, :] * K + pos[:, None] + kt * _TK, mask=m_ok[None, :], other=0,
-                            cache_modifier=".cg")  # [128, BM], written by the producers in this launch
-                w8 = _decode_tile(word, sw, ASM)
-                if ASM:
-                    acc = tl.dot(w8, a.to(tl.float8e4nv, bitcast=True), acc)
-                else:  # the interpreter: E4M3 values in fp32, exact products (its cast reads 0x7F as 480, not NaN)
-                    av = tl.where((a & 0x7F) == 0x7F, float("nan"), a.to(tl.float8e4nv, bitcast=True).to(tl.float32))
-                    acc = tl.dot(w8, av, acc, input_precision="ieee")
         else:
             _wait(sync_ptr + _AMAX_CNT, P, POLL)
-            _stamp(trace_ptr, 1, t, TRACE)
-            _probe(trace_ptr, 8, wbase + (g * KT + kt_lo) * 1024, TRACE)  # the split's first and last k-tile
-            _probe(trace_ptr, 9, wbase + (g * KT + kt_hi - 1) * 1024, TRACE)
-            sa, rinv = _token_scales(sync_ptr, rm, m_ok, BM)
-            r0 = tl.sum(tl.where(rm == 0, rinv, 0.0), axis=0)
-            r1 = tl.sum(tl.where(rm == 1, rinv, 0.0), axis=0)
-            # per token, rows r / r + 8 (p), block half B: [32 (8 w + rq), 4 (c), 4 (word)] multiply-add slots
-            c000 = tl.zeros([32, 4, 4], tl.float32)  # token 0: p = 0, B = 0
-            c001 = tl.zeros([32, 4, 4], tl.float32)  # p = 0, B = 1
-            c010 = tl.zeros([32, 4, 4], tl.float32)  # p = 1, B = 0
-            c011 = tl.zeros([32, 4, 4], tl.float32)  # p = 1, B = 1
-            c100 = tl.zeros([32, 4, 4], tl.float32)  # token 1 (a second token's slots cost nothing at one)
-            c101 = tl.zeros([32, 4, 4], tl.float32)
-            c110 = tl.zeros([32, 4, 4], tl.float32)
-            c111 = tl.zeros([32, 4, 4], tl.float32)
-            for kt in tl.range(kt_lo, kt_hi, num_stages=NUM_STAGES):
-                tile = g * KT + kt
-                word = tl.load(wbase + tile * 1024 + o_w)  # [32, 4, 8]
-                sw = tl.load(sbase + tile * 128 + o_s)  # [32, 4, 1]
-                w_lo, w_hi = tl.split(tl.permute(tl.reshape(word, [32, 4, 2, 4]), [0, 1, 3, 2]))  # B = 0 / 1
-                a00, a01, a02, a03, a10, a11, a12, a13 = _tile_acts(x_ptr, inv_ptr, 0, kt * _TK, stride_xm, r0, ASM)
-                c000, c010 = _half_fma(w_lo, sw, a00, a01, a02, a03, c000, c010, 0, ASM)
-                c001, c011 = _half_fma(w_hi, sw, a10, a11, a12, a13, c001, c011, 1, ASM)
-                if BM > 1:  # (BM = 2 only for two tokens)
-                    a00, a01, a02, a03, a10, a11, a12, a13 = _tile_acts(x_ptr, inv_ptr, 1, kt * _TK, stride_xm, r1,
-                                                                        ASM)
-                    c100, c110 = _half_fma(w_lo, sw, a00, a01, a02, a03, c100, c110, 0, ASM)
-                    c101, c111 = _half_fma(w_hi, sw, a10, a11, a12, a13, c101, c111, 1, ASM)
-            # slot i = 8 w + rq holds rows 16 w + rq (p = 0) and + 8 (p = 1): [64] rows in order, a token each
-            a_0 = tl.reshape(tl.permute(tl.reshape(tl.join(_slots(c000, c001), _slots(c010, c011)), [4, 8, 2]),
-                                        [0, 2, 1]), [64])
-            a_1 = tl.reshape(tl.permute(tl.reshape(tl.join(_slots(c100, c101), _slots(c110, c111)), [4, 8, 2]),
-                                        [0, 2, 1]), [64])
-            acc = tl.where(rm[None, :] == 0, a_0[:, None], a_1[:, None])  # [64, BM]
-        _stamp(trace_ptr, 2, t, TRACE)
-        _finish(acc, sa, g, s, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, out_ptr, part_ptr, lpart_ptr,
-                sync_ptr, trace_ptr, t, stride_om, BM, RB, RC, SC, HAS_BIAS, HAS_LORA, ASM, POLL, TRACE)
+        _stamp(trace_ptr, 1, t, TRACE)
+        _probe(trace_ptr, 8, wbase + (g1 * KT + kt_lo) * 1024, TRACE)  # the chunk's first and last k-tile
+        _probe(trace_ptr, 9, wbase + (g1 * KT + kt_hi - 1) * 1024, TRACE)
+        sa, rinv = _token_scales(sync_ptr, rm, m_ok, BM)
+        if QUEUE:
+            while c < GS:
+                g = c // S
+                s = c - g * S
+                lo = s * tiles_per_split
+                acc = _product(x_ptr, inv_ptr, blob_ptr, strip_ptr, a8_ptr, g, lo, tl.minimum(KT, lo + tiles_per_split),
+                               KT, K, stride_xm, rm, m_ok, rinv, BM, ASM, NUM_STAGES, DOT)
+                _stamp(trace_ptr, 2, t, TRACE)
+                _finish(acc, sa, g, s, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, out_ptr, part_ptr,
+                        lpart_ptr, sync_ptr, trace_ptr, t, stride_om, BM, RB, RC, SC, HAS_BIAS, HAS_LORA, ASM, POLL,
+                        TRACE)
+                c = tl.atomic_add(sync_ptr + _QUEUE, 1, sem="relaxed")
+        else:
+            s1 = c1 - g1 * S
+            acc = _product(x_ptr, inv_ptr, blob_ptr, strip_ptr, a8_ptr, g1, kt_lo, kt_hi, KT, K, stride_xm, rm, m_ok,
+                           rinv, BM, ASM, NUM_STAGES, DOT)
+            _stamp(trace_ptr, 2, t, TRACE)
+            _finish(acc, sa, g1, s1, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, out_ptr, part_ptr, lpart_ptr,
+                    sync_ptr, trace_ptr, t, stride_om, BM, RB, RC, SC, HAS_BIAS, HAS_LORA, ASM, POLL, TRACE)
     # the last CTA to finish leaves the sync words at zero for the next launch
     tl.debug_barrier()
     fin = tl.atomic_add(sync_ptr + _DONE, 1, sem="acq_rel")
@@ -690,7 +730,7 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
            proj_up: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
            num_stages: int = 3, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM,
            dot: bool | None = None, poll: int = 0, trace: torch.Tensor | None = None,
-           delay_ns: int = 0) -> torch.Tensor:
+           delay_ns: int = 0, workers: int | None = None) -> torch.Tensor:
     """``nvfp4.w4a8_fast_linear`` for 1 to ``MAX_M`` tokens in one launch.
 
     ``x [M, K]`` (any float, unit stride along K); ``inv_smooth [K]`` fp32 ``1 / smooth``; ``blob`` /
@@ -704,7 +744,9 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
     7's low 32 bits and its SM above them, a worker's two weight probes in columns 8 and 9; ``_stamp``,
     ``_probe``)
     are for measurement; ``delay_ns`` holds the last producer back before its ``lora_act`` sum (a test of
-    the epilogue's wait: ``_producer``)."""
+    the epilogue's wait: ``_producer``). ``workers``: that many worker CTAs take the chunks (a group's split)
+    from a counter until none is left, instead of one CTA a chunk (the same bits: a chunk's partial and
+    the split sum's order do not depend on which CTA computes what; not yet timed)."""
     check(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up)
     m, k = x.shape
     n = cs.numel()
@@ -716,10 +758,12 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
     if _INTERPRET and out_dtype != torch.float32:
         # the CPU interpreter's fp32 -> 16-bit conversion does not round to nearest: cast outside
         return linear(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, torch.float32, num_stages,
-                      sms, ctas_per_sm, dot, poll).to(out_dtype)
+                      sms, ctas_per_sm, dot, poll, workers=workers).to(out_dtype)
     dot = use_dots(m, n, k) if dot is None else dot
     if not dot and m > FMA_MAX_M:
         raise ValueError(f"the multiply-add form serves at most {FMA_MAX_M} tokens, got {m}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers must be at least 1 (or None: one CTA a chunk), got {workers}")
     if x.stride(1) != 1:
         x = x.contiguous()
     r = 0 if proj_up is None else proj_up.shape[1]
@@ -733,16 +777,18 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
     a8 = torch.empty(m, k, device=x.device, dtype=torch.uint8) if dot else part
     sync = _sync(x.device, groups)
     dummy = cs
-    grid = producers * (2 if dot else 1) + groups * split
+    w = groups * split if workers is None else workers
+    grid = producers * (2 if dot else 1) + w
     if trace is not None and trace.numel() < grid * TRACE_COLS:
         raise ValueError(f"trace needs {grid * TRACE_COLS} elements (grid_size x TRACE_COLS), got {trace.numel()}")
     _fast_small_m_kernel[(grid,)](
         x, inv_smooth, blob, strip, cs, bias if bias is not None else dummy,
         proj_down if r else dummy, proj_up if r else dummy, out, part, lpart, a8, sync,
         trace if trace is not None else sync,
-        m, n, k, r, x.stride(0), proj_down.stride(0) if r else 0, out.stride(0), per, split, producers, k_per_prod,
+        m, n, k, r, x.stride(0), proj_down.stride(0) if r else 0, out.stride(0), per, split, producers, k_per_prod, w,
         BM=bm, RB=rb, RC=min(rb, 32), **chunks(bm, rb), HAS_BIAS=bias is not None, HAS_LORA=bool(r), ASM=not _INTERPRET,
-        NUM_STAGES=num_stages, DOT=dot, POLL=poll, TRACE=trace is not None, DELAY=delay_ns, num_warps=4,
+        NUM_STAGES=num_stages, DOT=dot, POLL=poll, TRACE=trace is not None, DELAY=delay_ns, QUEUE=workers is not None,
+        num_warps=4,
     )
     return out
 
@@ -758,8 +804,8 @@ def chunks(bm: int, rb: int) -> dict[str, int]:
 
 
 def grid_size(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM,
-              dot: bool | None = None) -> int:
+              dot: bool | None = None, workers: int | None = None) -> int:
     """CTAs of one launch (producers, quantizers with the dots, workers): the rows of a ``trace``."""
     dot = use_dots(m, n, k) if dot is None else dot
     split, _, producers, _ = plan(m, n, k, sms, ctas_per_sm, dot)
-    return producers * (2 if dot else 1) + n // 64 * split
+    return producers * (2 if dot else 1) + (n // 64 * split if workers is None else workers)
