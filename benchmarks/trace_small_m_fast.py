@@ -1,7 +1,7 @@
 """Where the one-launch fast kernel's time goes (``sm90/small_m_fast.py``): each CTA's global-timer stamps
 at its phase ends, from one traced launch, beside CUDA-graph times of the untraced kernel.
 
-    python benchmarks/trace_small_m_fast.py [--out FILE]
+    python benchmarks/trace_small_m_fast.py [--out FILE] [--quick]
 
 Per layer and token count, and per measurement setting (``poll``: how waits poll; ``ctas_per_sm``: the
 split's target; ``workers``: queued worker CTAs, '-' one a chunk): cuBLAS bf16 and the kernel in CUDA-graph replays (us), then from one traced launch the
@@ -83,7 +83,11 @@ def phases(tr: torch.Tensor, p: int, q: int, split: int = 1) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out")
+    ap.add_argument("--quick", action="store_true",
+                    help="one token at attn and ff down, the default setting against the queued workers only")
     args = ap.parse_args()
+    cases = [c for c in CASES if c[3] == 1] if args.quick else CASES
+    settings = [st for st in SETTINGS if st[2] is not None or st[:2] == (0, C)] if args.quick else SETTINGS
     heads = ["last start", "amax in", "lora in", "a8 in", "wait first", "wait med", "wait last", "loop med",
              "loop last", "counted last", "epi last", "end", "loop us", "loop p90", "loop max", "SMs", "most an SM",
              "loop med there", "loop med elsewhere", "loop start slow / rest", "probe first slow / rest",
@@ -94,14 +98,14 @@ def main() -> None:
             "| layer | M | poll | CTAs/SM | workers | grid | cuBLAS | graph us | ratio | " + " | ".join(heads) + " |",
             "|---|---|---|---|---|---|---|---|---|" + "---|" * len(heads)]
     gen = torch.Generator().manual_seed(0)
-    for label, k, n, m in CASES:
+    for label, k, n, m in cases:
         q, ws, wc, smooth, pd, up = _layer(n, k, 32, gen)
         ops = _operands(q, ws, wc, smooth, pd, up, torch.randn(n, generator=gen))
         x = (torch.randn(m, k, generator=gen) * 3).bfloat16().cuda()
         lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
         t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
         want = smf.linear(x, **ops)
-        for poll, cps, wk in SETTINGS:
+        for poll, cps, wk in settings:
             y = smf.linear(x, **ops, poll=poll, ctas_per_sm=cps, workers=wk)
             same = torch.equal(y, want) if cps == smf.CTAS_PER_SM else True  # (another split sums in another order)
             t = graph_time(lambda: smf.linear(x, **ops, poll=poll, ctas_per_sm=cps, workers=wk))
