@@ -578,7 +578,7 @@ def _fast_small_m_kernel(
                         lpart_ptr, sync_ptr, trace_ptr, t, stride_om, BM, RB, RC, SC, HAS_BIAS, HAS_LORA, ASM, POLL,
                         TRACE)
                 c = tl.atomic_add(sync_ptr + _QUEUE, 1, sem="relaxed")
-        else:
+        else:  # (not the queue's loop run once: the default build's code stays the one that was timed)
             s1 = c1 - g1 * S
             acc = _product(x_ptr, inv_ptr, blob_ptr, strip_ptr, a8_ptr, g1, kt_lo, kt_hi, KT, K, stride_xm, rm, m_ok,
                            rinv, BM, ASM, NUM_STAGES, DOT)
