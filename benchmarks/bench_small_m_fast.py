@@ -1,13 +1,16 @@
 """The fast mode's one-launch kernel alone (``sm90/small_m_fast.py``) against cuBLAS bf16, CUDA-graph replays.
 
-    python benchmarks/bench_small_m_fast.py [--out FILE] [--tokens 1,2,8,16,64]
+    python benchmarks/bench_small_m_fast.py [--out FILE] [--tokens 1,2,8,16,64] [--configs 4:0:5,8:0:3]
 
 Needs no quack-kernels: the operands are made from random NVFP4 layers (``tests/test_sm90_small_m_fast``'s
 helpers) and each launch is checked against the fast formula in float64 first. Per layer and token
 count: cuBLAS bf16 ``F.linear``; the kernel in its default form (``small_m_fast.use_dots``) and, at 1-2
 tokens, in the other one too; weight GB/s (codes and scales read once) against a
 device-to-device copy measured in the same run. ``bench_small_m.py --fast-one`` times it against the
-routed path through the module (that needs quack).
+routed path through the module (that needs quack). ``--configs`` times the default form instead under
+other occupancies, each ``warps:maxnreg:ctas_per_sm`` (maxnreg 0: the compiler's choice; ctas_per_sm 0: the
+default, what the compiled kernel lets stay resident, shown as ``fit``), the first the
+baseline of the ratio column, each launch checked too.
 """
 
 from __future__ import annotations
@@ -47,7 +50,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out")
     p.add_argument("--tokens", default="1,2,8,16,64")
+    p.add_argument("--configs", help="warps:maxnreg:ctas_per_sm,... (occupancy sweep of the default form)")
     args = p.parse_args()
+    if args.configs:
+        return sweep(args)
     copy_gbs = copy_gbs_now()
     rows = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}, "
             f"CUDA-graph replays; device copy {copy_gbs:.0f} GB/s (read + write); rank 32, bias", "",
@@ -77,6 +83,41 @@ def main() -> None:
             gbs = wbytes / (t * 1e-3) / 1e9
             rows.append(f"| {label} | {k} | {n} | {m} | {t_ref * 1e3:.1f} | {t * 1e3:.1f} ({'dots' if dot else 'fma'}) "
                         f"| {t_ref / t:.2f}x | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | {other} | {', '.join(check)} |")
+            print(rows[-1], flush=True)
+    emit(rows, args.out)
+
+
+def sweep(args) -> None:
+    """The default form under each ``warps:maxnreg:ctas_per_sm`` of ``--configs`` (same run, CUDA graphs)."""
+    configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
+    rows = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}, "
+            "CUDA-graph replays (us); rank 32, bias; config warps:maxnreg:ctas_per_sm (maxnreg 0: the compiler's; ctas 0: fitted), "
+            f"ratio against {args.configs.split(',')[0]}", "",
+            "| layer | M | cuBLAS bf16 | " + " | ".join(args.configs.split(",")) + " | best vs cuBLAS |",
+            "|---|---|---|" + "---|" * len(configs) + "---|"]
+    for label, k, n, gen, (q, ws, wc, smooth, pd, up), bias, ops, lin in fast_layers(SHAPES):
+        for m in (int(t) for t in args.tokens.split(",")):
+            x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
+            xc = x.cuda()
+            dot = small_m_fast.use_dots(m, n, k)
+            want, bound = _want(x.float(), q, ws, wc, smooth, pd, up, bias, dot)
+            t_ref = graph_time(lambda: F.linear(xc, lin.weight, lin.bias))
+            cells, best, t0 = [], float("inf"), None
+            for w, reg, c in configs:
+                kw = dict(num_warps=w, maxnreg=reg or None, ctas_per_sm=c or None)
+                try:
+                    _check(small_m_fast.linear(xc, **ops, out_dtype=torch.float32, **kw), want, bound, f"{label} {m}")
+                except AssertionError as e:
+                    cells.append(f"WRONG ({str(e)[:60]})")
+                    continue
+                t = graph_time(lambda: small_m_fast.linear(xc, **ops, **kw))
+                t0 = t0 or t
+                best = min(best, t)
+                fit = [v for (_, _, items), v in small_m_fast._FITTED.items() if (lambda d: d["BM"] == small_m_fast.rows(
+                    m, dot) and d["DOT"] == dot and d["num_warps"] == w and d.get("maxnreg") == (reg or None)
+                    and not d["TRACE"])(dict(items))]
+                cells.append(f"{t * 1e3:.1f} ({t0 / t:.2f}x)" + (f" fit {fit[0]}" if not c and fit else ""))
+            rows.append(f"| {label} | {m} | {t_ref * 1e3:.1f} | " + " | ".join(cells) + f" | {t_ref / best:.2f}x |")
             print(rows[-1], flush=True)
     emit(rows, args.out)
 

@@ -4,7 +4,7 @@ at its phase ends, from one traced launch, beside CUDA-graph times of the untrac
     python benchmarks/trace_small_m_fast.py [--out FILE] [--quick]
 
 Per layer and token count, and per measurement setting (``poll``: how waits poll; ``ctas_per_sm``: the
-split's target; ``workers``: queued worker CTAs, '-' one a chunk): cuBLAS bf16 and the kernel in CUDA-graph replays (us), then from one traced launch the
+split's target, ``fit N`` the default's, what the compiled kernel lets stay resident): cuBLAS bf16 and the kernel in CUDA-graph replays (us), then from one traced launch the
 times (us, from the first CTA's start) at which: the last CTA started; the producers' amax were all in;
 their ``lora_act`` partials were all in; the quantizers' ``a8`` were all in (FP8 dots); the workers left
 their wait (first / median / last); finished their k-loop (median / last); counted their partial (last);
@@ -13,8 +13,7 @@ longest), the SMs the grid landed on, the most CTAs one SM held, and the median 
 on SMs holding that many against those on the other SMs (whether the slow loops are the crowded SMs'). Then,
 for the slowest tenth of the k-loops against the rest (medians): when the loop started, the latency of a
 probe load of the split's first and last k-tile's weight word right after the wait (in L2 by then, or still
-coming from DRAM), and the split's position (0 first, 1 last; for queued workers the ticket does not name the
-chunk, so that column means nothing there, and the k-loop time is a worker's whole run of chunks). The
+coming from DRAM), and the split's position (0 first, 1 last). The
 global timer ticks in ns but may advance in steps of up to 1 us on some parts: read the figures as such.
 """
 
@@ -37,10 +36,8 @@ from test_sm90_small_m_fast import _layer, _operands  # noqa: E402
 from svdq_linear.backends.sm90 import small_m_fast as smf  # noqa: E402
 
 CASES = (("attn", 3072, 3072, 1), ("ff down", 12288, 3072, 1), ("ff down", 12288, 3072, 16), ("attn", 3072, 3072, 64))
-C = smf.CTAS_PER_SM
-# (poll, ctas_per_sm, workers): None = one CTA a chunk; else that many CTAs take finer chunks from a counter
-SETTINGS = ((0, C, None), (0, 4, None), (0, 6, None), (1, C, None), (0, 2 * C, C * smf.SM_COUNT),
-            (0, 4 * C, C * smf.SM_COUNT))
+# (poll, ctas_per_sm): None = the default's fitted target
+SETTINGS = ((0, None), (0, 4), (0, 5), (0, 6), (1, None))
 
 
 def _q(v: torch.Tensor, f: float) -> float:
@@ -84,10 +81,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true",
-                    help="one token at attn and ff down, the default setting against the queued workers only")
+                    help="one token at attn and ff down, the default against the fixed target of 5 only")
     args = ap.parse_args()
     cases = [c for c in CASES if c[3] == 1] if args.quick else CASES
-    settings = [st for st in SETTINGS if st[2] is not None or st[:2] == (0, C)] if args.quick else SETTINGS
+    settings = [(0, None), (0, 5)] if args.quick else SETTINGS
     heads = ["last start", "amax in", "lora in", "a8 in", "wait first", "wait med", "wait last", "loop med",
              "loop last", "counted last", "epi last", "end", "loop us", "loop p90", "loop max", "SMs", "most an SM",
              "loop med there", "loop med elsewhere", "loop start slow / rest", "probe first slow / rest",
@@ -95,8 +92,8 @@ def main() -> None:
     rows = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}; "
             "rank 32, bias; times in us (graph: CUDA-graph replays; the rest from one traced launch, from the first "
             "CTA's start)", "",
-            "| layer | M | poll | CTAs/SM | workers | grid | cuBLAS | graph us | ratio | " + " | ".join(heads) + " |",
-            "|---|---|---|---|---|---|---|---|---|" + "---|" * len(heads)]
+            "| layer | M | poll | CTAs/SM | grid | cuBLAS | graph us | ratio | " + " | ".join(heads) + " |",
+            "|---|---|---|---|---|---|---|---|" + "---|" * len(heads)]
     gen = torch.Generator().manual_seed(0)
     for label, k, n, m in cases:
         q, ws, wc, smooth, pd, up = _layer(n, k, 32, gen)
@@ -104,20 +101,23 @@ def main() -> None:
         x = (torch.randn(m, k, generator=gen) * 3).bfloat16().cuda()
         lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
         t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
+        smf._FITTED.clear()
         want = smf.linear(x, **ops)
-        for poll, cps, wk in settings:
-            y = smf.linear(x, **ops, poll=poll, ctas_per_sm=cps, workers=wk)
-            same = torch.equal(y, want) if cps == smf.CTAS_PER_SM else True  # (another split sums in another order)
-            t = graph_time(lambda: smf.linear(x, **ops, poll=poll, ctas_per_sm=cps, workers=wk))
-            grid = smf.grid_size(m, n, k, ctas_per_sm=cps, workers=wk)
+        (fit,) = smf._FITTED.values()
+        for poll, setting in settings:
+            cps = setting or fit
+            y = smf.linear(x, **ops, poll=poll, ctas_per_sm=setting)
+            same = torch.equal(y, want) if cps == fit else True  # (another split sums in another order)
+            t = graph_time(lambda: smf.linear(x, **ops, poll=poll, ctas_per_sm=setting))
+            grid = smf.grid_size(m, n, k, ctas_per_sm=cps)
             split, _, prods, _ = smf.plan(m, n, k, ctas_per_sm=cps)
             tr = torch.full((grid, smf.TRACE_COLS), -1, dtype=torch.int64, device="cuda")
-            smf.linear(x, **ops, poll=poll, ctas_per_sm=cps, trace=tr, workers=wk)  # compiles the traced build
+            smf.linear(x, **ops, poll=poll, ctas_per_sm=setting, trace=tr)  # compiles the traced build
             tr.fill_(-1)
-            smf.linear(x, **ops, poll=poll, ctas_per_sm=cps, trace=tr, workers=wk)
+            smf.linear(x, **ops, poll=poll, ctas_per_sm=setting, trace=tr)
             torch.cuda.synchronize()
             ph = phases(tr.cpu(), prods, prods if smf.use_dots(m, n, k) else 0, split)
-            rows.append(f"| {label} | {m} | {poll} | {cps} | {wk or '-'} | {grid} | {t_ref * 1e3:.1f} | {t * 1e3:.1f}"
+            rows.append(f"| {label} | {m} | {poll} | {cps if setting else f'fit {fit}'} | {grid} | {t_ref * 1e3:.1f} | {t * 1e3:.1f}"
                         f"{'' if same else ' (DIFFERS)'} | {t_ref / t:.2f}x | " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in ph) + " |")
             print(rows[-1], flush=True)
     emit(rows, args.out)

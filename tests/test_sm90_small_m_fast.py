@@ -173,10 +173,15 @@ def test_one_launch_plans_the_split_and_the_producers():
         assert producers <= smf.PRODUCERS_MAX and kp % 128 == 0 and producers * kp >= k > (producers - 1) * kp
         assert (n // 64) * split <= max(smf.CTAS_PER_SM * 132 * 1.5, n // 64), (n, k, split)
     assert smf.plan(1, 3072, 12288)[0] > 1  # K is split where the row groups alone leave SMs idle
-    # the Flux.1 / SD3.5 layers' grids fit one wave on 132 SMs (6 CTAs an SM fit the dots: registers)
+    # about the target: at most half a group's splits over it, whatever the target (the Flux.1 / SD3.5 layers)
     for n, k in [(3072, 3072), (12288, 3072), (3072, 12288), (18432, 3072), (9216, 3072), (21504, 3072),
                  (3072, 15360), (3840, 3072), (15360, 3840), (3072, 10240), (3840, 15360)]:
-        assert all(smf.grid_size(m, n, k) <= 6 * 132 for m in (1, 2, 3, 16, 33, 64)), (n, k)
+        for cps in (4, 5, 6):
+            for m in (1, 2, 3, 16, 33, 64):
+                split, _, prods, _ = smf.plan(m, n, k, ctas_per_sm=cps)
+                assert n // 64 * (split - 0.5) <= cps * 132, (n, k, cps, m)
+                assert smf.grid_size(m, n, k, ctas_per_sm=cps) == n // 64 * split + prods * (
+                    2 if smf.use_dots(m, n, k) else 1)
     # the partials one CTA a group adds: at most SPLIT_ROWS splits x token rows, and the rule binds at 64 rows
     # (rows are the padded tile rows: at least 16 with the FP8 dots, so 3 tokens count as 16)
     for m, rows in ((1, 1), (2, 2), (3, 16), (16, 16), (33, 64), (64, 64)):
@@ -195,6 +200,21 @@ def test_one_launch_plans_the_split_and_the_producers():
             assert smf.plan(m, n, k) == smf.plan(m, n, k, dot=dot) and smf.grid_size(m, n, k) == smf.grid_size(
                 m, n, k, dot=dot), (m, n, k)
     assert smf.grid_size(2, 12288, 3072) != smf.grid_size(2, 12288, 3072, dot=False)  # the quantizers' CTAs
+
+
+def test_resident_ctas_follow_hopper_occupancy_rules():
+    """``resident``: CTAs an H100 / H200 SM holds, worked by hand from the CUDA occupancy rules (65536
+    registers allocated 256 a warp, 228 KiB of shared memory with 1 KiB reserved a CTA, 2048 threads,
+    32 CTAs): the builds' register counts seen for sm_90a (Triton 3.9: 80 at one token, 106 with the
+    dots at 16 rows, 127-128 at two tokens and 64 rows; 64-104 at eight warps)."""
+    # 80 regs: 2560 a warp -> 25 warps -> 6 CTAs of 4; 106 -> 3392 -> 3584 -> 18 warps -> 4; 127 -> 4064 -> 4096
+    for regs, warps, want in ((80, 4, 6), (106, 4, 4), (127, 4, 4), (128, 4, 4), (64, 4, 8), (64, 8, 4),
+                              (104, 8, 2), (72, 4, 7), (255, 4, 2), (32, 4, 16)):
+        assert smf.resident(regs, warps, 10752) == want, (regs, warps)
+    # shared memory binds: 100 KiB a CTA -> 2; 227 KiB -> 1 (the reserved KiB counts); threads bind at 16 warps
+    assert smf.resident(64, 4, 100 * 1024) == 2 and smf.resident(64, 4, 227 * 1024) == 1
+    assert smf.resident(32, 16, 0) == 4 and smf.resident(16, 1, 0) == 32 and smf.resident(16, 1, 10752) == 19
+    assert smf.resident(80, 4, 10752, sm_regs=32768) == 3  # another part's register file
 
 
 @pytest.mark.parametrize("dot", [False, True])
@@ -322,26 +342,6 @@ def test_backend_takes_the_one_launch_kernel_when_asked(m, monkeypatch):
     _check(y.float(), want, bound + 2.0**-8 * want.abs(), f"m={m}")
 
 
-@pytest.mark.parametrize("m,workers", [(1, 1), (1, 5), (2, 3), (16, 2), (16, 1000)])
-def test_queued_workers_give_the_same_bits(m, workers):
-    """``workers=``: that many worker CTAs take the chunks (a group's split) from a counter. The output is
-    the one-CTA-a-chunk launch's, bit for bit (one worker for all chunks, fewer workers than chunks, more
-    than there are chunks), and the launch leaves the sync words at zero (the queue counter included)."""
-    gen = torch.Generator().manual_seed(90 + m)
-    n, k = 256, 1024
-    ops = _operands(*_layer(n, k, 16, gen), torch.randn(n, generator=gen))
-    x = (torch.randn(m, k, generator=gen) * 3).bfloat16().to(DEV)
-    split, _, _, _ = smf.plan(m, n, k, ctas_per_sm=1)
-    assert split > 1  # chunks of more than one split a group
-    want = smf.linear(x, **ops, out_dtype=torch.float32, ctas_per_sm=1)
-    got = smf.linear(x, **ops, out_dtype=torch.float32, ctas_per_sm=1, workers=workers)
-    assert torch.equal(got, want)
-    assert all(int(b.abs().sum()) == 0 for b in small_m._SYNC_WORDS.values()), "sync words left nonzero"
-    assert smf.grid_size(m, n, k, ctas_per_sm=1, workers=workers) == smf.grid_size(m, n, k, ctas_per_sm=1) \
-        - n // 64 * split + workers
-    with pytest.raises(ValueError, match="workers"):
-        smf.linear(x, **ops, workers=0)
-
 
 _SASS = r"""
 import collections, json, re, subprocess, sys
@@ -354,22 +354,19 @@ from svdq_linear.precompile import _nvidia_bin
 sig = dict(x_ptr="*bf16", inv_ptr="*fp32", blob_ptr="*u8", strip_ptr="*u8", cs_ptr="*fp32", bias_ptr="*fp32",
            pd_ptr="*bf16", up_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", lpart_ptr="*fp32", a8_ptr="*u8",
            sync_ptr="*i32", trace_ptr="*i64", M="i32", N="i32", K="i32", R="i32", stride_xm="i32", stride_pd="i32", stride_om="i32",
-           tiles_per_split="i32", S="i32", P="i32", k_per_prod="i32", W="i32")
+           tiles_per_split="i32", S="i32", P="i32", k_per_prod="i32")
 out = {}
 # (label, BM, RB, DOT, measurement): the multiply-adds at 1 and 2 tokens, the FP8 dots at 16 and 64 token rows,
-# rank 128; the traced build with load polls (measurement: poll=1, trace); the delayed last producer (tests);
-# the queued workers (workers=)
+# rank 128; the traced build with load polls (measurement: poll=1, trace); the delayed last producer (tests)
 for label, bm, rb, dot, meas in (("1", 1, 32, False, 0), ("2", 2, 32, False, 0), ("d16", 16, 32, True, 0),
                                  ("d64", 64, 32, True, 0), ("1r128", 1, 128, False, 0), ("d64r128", 64, 128, True, 0),
-                                 ("d16trace", 16, 32, True, 1), ("1delay", 1, 32, False, 2), ("1queue", 1, 32, False, 3),
-                                 ("d16queue", 16, 32, True, 3)):
+                                 ("d16trace", 16, 32, True, 1), ("1delay", 1, 32, False, 2)):
     cx = dict(BM=bm, RB=rb, RC=min(rb, 32), **smf.chunks(bm, rb), HAS_BIAS=True, HAS_LORA=True, ASM=True,
-              NUM_STAGES=3, DOT=dot, POLL=int(meas == 1), TRACE=meas == 1, DELAY=50000 if meas == 2 else 0,
-              QUEUE=meas == 3)
+              NUM_STAGES=3, DOT=dot, POLL=int(meas == 1), TRACE=meas == 1, DELAY=50000 if meas == 2 else 0)
     fn = smf._fast_small_m_kernel
     full = {a: ("constexpr" if a in cx else sig[a]) for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-             if a not in cx and a not in ("M", "R", "S", "P", "tiles_per_split", "W")}
+             if a not in cx and a not in ("M", "R", "S", "P", "tiles_per_split")}
     ck = triton.compile(ASTSource(fn, full, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                         options=dict(num_warps=4))
     cub = sys.argv[1] + f"/f{label}.cubin"
@@ -456,10 +453,6 @@ def test_one_launch_compiles_to_table_lookups_and_fp8_wgmma(tmp_path):
     # the test's delayed last producer spins on the timer; its worker loop is the default's
     assert out["1delay"]["timer"] >= 2 and out["1delay"]["nanosleep"] == 0, out["1delay"]
     assert same_loop("1delay", "1"), out
-    # the queued workers run the same k-loop, a chunk at a time, and take their chunks with relaxed atomics
-    # (no fence added)
-    assert same_loop("1queue", "1") and same_loop("d16queue", "d16"), out
-    assert out["1queue"]["atomics"] > out["1"]["atomics"], out
 
 
 def test_one_launch_routing_follows_the_measured_crossover(monkeypatch):
@@ -485,6 +478,30 @@ def test_one_launch_routing_follows_the_measured_crossover(monkeypatch):
     assert not sm90._route_fast_one_launch(_X(0)) and not sm90._route_fast_one_launch(_X(smf.MAX_M + 1))
     monkeypatch.setenv(sm90.ENV_FAST_ONE_LAUNCH, "0")
     assert not sm90._route_fast_one_launch(_X(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,dot", [(1, False), (2, False), (16, True)])
+def test_gpu_default_split_fits_the_compiled_kernels_residency(m, dot):
+    """By default the split aims at the workers an SM the compiled kernel lets stay resident (at most
+    CTAS_PER_SM_MAX), found once a build from the compiled kernel's registers and shared memory on this
+    device's Triton; the default launch meets the formula."""
+    gen = torch.Generator().manual_seed(70 + m)
+    n, k = 3072, 3072
+    q, ws, wc, smooth, pd, up = _layer(n, k, 32, gen)
+    bias = torch.randn(n, generator=gen)
+    ops = _operands(q, ws, wc, smooth, pd, up, bias)
+    x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
+    smf._FITTED.clear()
+    y = smf.linear(x.to(DEV), **ops, out_dtype=torch.float32, dot=dot)
+    _check(y, *_want(x.float(), q, ws, wc, smooth, pd, up, bias, dot), f"m={m} dot={dot}")
+    fits = list(smf._FITTED.values())
+    assert len(fits) == 1, smf._FITTED  # one build, found once
+    ((_, dtypes, items),) = smf._FITTED
+    assert dtypes == (torch.bfloat16, torch.float32) and dict(items)["BM"] == smf.rows(m, dot), smf._FITTED
+    smf.linear(x.to(DEV), **ops, out_dtype=torch.float32, dot=dot, poll=1)  # a measurement build: the same fit
+    assert list(smf._FITTED.values()) == fits, smf._FITTED
+    assert 4 <= fits[0] <= smf.CTAS_PER_SM_MAX, fits  # at most 128 registers: four CTAs of four warps fit
 
 
 @pytest.mark.gpu
@@ -607,19 +624,23 @@ def test_gpu_trace_stamps_every_cta_with_its_ticket_and_sm(m):
     n, k = 256, 1024
     ops = _operands(*_layer(n, k, 16, gen), torch.randn(n, generator=gen))
     x = torch.randn(m, k, generator=gen).bfloat16().cuda()
+    smf._FITTED.clear()
     want = smf.linear(x, **ops)
-    grid = smf.grid_size(m, n, k)
-    tr = torch.full((grid, smf.TRACE_COLS), -1, dtype=torch.int64, device="cuda")
+    (cps,) = smf._FITTED.values()  # the default's split target: the traced launch splits alike
+    grid = smf.grid_size(m, n, k, ctas_per_sm=cps)
+    tr = torch.full((grid + 8, smf.TRACE_COLS), -1, dtype=torch.int64, device="cuda")
     assert torch.equal(smf.linear(x, **ops, trace=tr), want)
     tr = tr.cpu()
+    assert bool((tr[grid:] == -1).all())  # no CTA past the grid
+    tr = tr[:grid]
     tick, sm = tr[:, 7] & 0xFFFFFFFF, tr[:, 7] >> 32
     assert sorted(tick.tolist()) == list(range(grid))
     assert int(sm.min()) >= 0 and int(sm.max()) < torch.cuda.get_device_properties(0).multi_processor_count
-    _, _, prods, _ = smf.plan(m, n, k)
+    _, _, prods, _ = smf.plan(m, n, k, ctas_per_sm=cps)
     work = tr[tick >= prods * (2 if smf.use_dots(m, n, k) else 1)]
     assert len(work) == grid - prods * (2 if smf.use_dots(m, n, k) else 1) and len(work) > 0
     # start, wait, the two weight probes, k-loop, counted, end
     for c0, c1 in ((0, 1), (1, 8), (1, 9), (8, 2), (9, 2), (2, 3), (3, 6)):
         assert bool((work[:, c0] > 0).all() and (work[:, c1] >= work[:, c0]).all()), (c0, c1, work[:, :10])
     with pytest.raises(ValueError, match="trace needs"):
-        smf.linear(x, **ops, trace=tr.cuda()[:-1])
+        smf.linear(x, **ops, trace=tr.cuda()[:-1], ctas_per_sm=cps)

@@ -69,19 +69,21 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_M = 64  # tokens this kernel serves
 FMA_MAX_M = 2  # up to this many tokens the workers quantize their own activations and multiply-add (else FP8 dots)
 DOTS_AT_2_MIN_WEIGHTS = 1 << 24  # at 2 tokens, weights of at least this many values take the FP8 dots (use_dots)
-# workers an SM the split-K aims at (``plan`` rounds, so a grid may hold up to half a group's splits more).
-# With the producers and quantizers, every Flux.1 / SD3.5 layer's grid at 1-64 tokens is at most 780 CTAs,
-# within one wave on 132 SMs (6 CTAs an SM fit the dots, 7 the multiply-adds); a much wider layer may not be.
-# Traced on the H200 (docs/perf.md, thirteenth session): at 8 a 12288-deep layer's grid ran past one wave
-# and its last CTAs started 10-16 us late.
+# Workers an SM the split-K aims at. By default ``linear`` takes as many as the compiled kernel's registers and
+# shared memory let stay resident on an SM (``fitted_ctas_per_sm``), up to CTAS_PER_SM_MAX (a grid planned for
+# more than fits runs its last workers in a second wave: traced on the H200, thirteenth session, 8 an SM
+# started the last CTAs 10-16 us late). Same run on the H100 (docs/perf.md, seventeenth session,
+# ``bench_small_m_fast.py --configs``): the fixed 5 it replaces was up to 1.17x slower where 4 or 6 fit; 7 or 8
+# under a register cap spilled and lost up to 40 %; eight warps a CTA lost at 1-16 tokens.
+# CTAS_PER_SM stays the target where no compiled kernel says what fits (the interpreter, ``grid_size``).
 CTAS_PER_SM = 5
+CTAS_PER_SM_MAX = 6
 PRODUCERS_MAX = 32  # k-chunks of the row-wide work (amax, lora_act)
 SPLIT_ROWS = 512  # splits x token rows at most (plan): the partials one CTA a group adds up
 # sync words: ticket, amax count, lora count, done count, the tokens' amax bits, then a counter a group
 # (each polled or updated word on its own 128-byte line)
 _TICKET, _AMAX_CNT, _LORA_CNT, _A8_CNT, _DONE = (tl.constexpr(32 * i) for i in range(5))
 _AMAX = tl.constexpr(160)  # the tokens' amax bits (up to MAX_M)
-_QUEUE = tl.constexpr(224)  # the next chunk a queued worker takes (linear's ``workers``)
 _GROUPS_AT = 256
 _GROUPS = tl.constexpr(_GROUPS_AT)
 _TK = tl.constexpr(TILE_K)
@@ -503,11 +505,10 @@ def _product(x_ptr, inv_ptr, blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K
 @triton.jit
 def _fast_small_m_kernel(
     x_ptr, inv_ptr, blob_ptr, strip_ptr, cs_ptr, bias_ptr, pd_ptr, up_ptr, out_ptr, part_ptr, lpart_ptr, a8_ptr,
-    sync_ptr, trace_ptr, M, N, K, R, stride_xm, stride_pd, stride_om, tiles_per_split, S, P, k_per_prod, W,
+    sync_ptr, trace_ptr, M, N, K, R, stride_xm, stride_pd, stride_om, tiles_per_split, S, P, k_per_prod,
     BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, CKA: tl.constexpr, SC: tl.constexpr,
     PC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, ASM: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT: tl.constexpr, POLL: tl.constexpr = 0, TRACE: tl.constexpr = False, DELAY: tl.constexpr = 0,
-    QUEUE: tl.constexpr = False,
 ):
     # CK: the k-chunk of the producers' low-rank and the quantizers' [BM, CK] tiles (at most 2048 elements: no
     # spills at 64 rows); CKA the producers' amax chunk (up to 512: one load at a few tokens); SC: the split
@@ -516,12 +517,11 @@ def _fast_small_m_kernel(
     # Roles by ticket: [0, P) producers; with DOT (16-64 token rows) [P, 2 P) quantizers, which write the
     # E4M3 activations (the GEMM's k order) for workers that run FP8 dots on the decoded tile; the rest
     # workers (without DOT, 1-2 tokens, they quantize their own activations and multiply-add). A chunk is a
-    # group's split (G x S of them); W workers: one a chunk by ticket, or (QUEUE) each takes chunks from a
-    # counter until none is left. A chunk's partial is the same whichever CTA computes it.
+    # group's split (G x S of them, one a worker by ticket).
     G = N // 64
     KT = K // _TK
     Q = P if DOT else 0
-    total = P + Q + W
+    total = P + Q + G * S
     t = tl.atomic_add(sync_ptr + _TICKET, 1, sem="relaxed")
     _stamp(trace_ptr, 0, t, TRACE)
     if TRACE:  # the ticket, and above it the SM the CTA runs on
@@ -535,56 +535,29 @@ def _fast_small_m_kernel(
         _quantizer(x_ptr, inv_ptr, a8_ptr, sync_ptr, trace_ptr, t - P, P, M, K, stride_xm, k_per_prod, BM, CK, ASM,
                    POLL, TRACE)
     elif t < total:  # (a ticket past the grid would mean sync words not left at zero: such a CTA does nothing)
-        GS = G * S
-        if QUEUE:
-            c = tl.atomic_add(sync_ptr + _QUEUE, 1, sem="relaxed")
-            c1 = tl.minimum(c, GS - 1)  # (a queued worker may find no chunk left: what it touches stays in bounds)
-        else:
-            c = t - P - Q
-            c1 = c
+        c = t - P - Q
         rm = tl.arange(0, BM)
         m_ok = rm < M
-        g1 = c1 // S
-        kt_lo = (c1 - g1 * S) * tiles_per_split
+        g = c // S
+        kt_lo = (c - g * S) * tiles_per_split
         kt_hi = tl.minimum(KT, kt_lo + tiles_per_split)
         if ASM:  # the chunk's weight bytes start coming into L2 while the producers publish
-            _prefetch_l2(blob_ptr + (g1 * KT + kt_lo) * 4096, (kt_hi - kt_lo) * 4096)
-            _prefetch_l2(strip_ptr + (g1 * KT + kt_lo) * 512, (kt_hi - kt_lo) * 512)
-            if QUEUE:  # and the chunk one round later (whichever worker takes it)
-                c2 = tl.minimum(c + W, GS - 1)
-                g2 = c2 // S
-                lo2 = (c2 - g2 * S) * tiles_per_split
-                hi2 = tl.minimum(KT, lo2 + tiles_per_split)
-                _prefetch_l2(blob_ptr + (g2 * KT + lo2) * 4096, (hi2 - lo2) * 4096)
-                _prefetch_l2(strip_ptr + (g2 * KT + lo2) * 512, (hi2 - lo2) * 512)
+            _prefetch_l2(blob_ptr + (g * KT + kt_lo) * 4096, (kt_hi - kt_lo) * 4096)
+            _prefetch_l2(strip_ptr + (g * KT + kt_lo) * 512, (kt_hi - kt_lo) * 512)
         wbase = blob_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         if DOT:
             _wait(sync_ptr + _A8_CNT, P, POLL)
         else:
             _wait(sync_ptr + _AMAX_CNT, P, POLL)
         _stamp(trace_ptr, 1, t, TRACE)
-        _probe(trace_ptr, 8, wbase + (g1 * KT + kt_lo) * 1024, TRACE)  # the chunk's first and last k-tile
-        _probe(trace_ptr, 9, wbase + (g1 * KT + kt_hi - 1) * 1024, TRACE)
+        _probe(trace_ptr, 8, wbase + (g * KT + kt_lo) * 1024, TRACE)  # the chunk's first and last k-tile
+        _probe(trace_ptr, 9, wbase + (g * KT + kt_hi - 1) * 1024, TRACE)
         sa, rinv = _token_scales(sync_ptr, rm, m_ok, BM)
-        if QUEUE:
-            while c < GS:
-                g = c // S
-                s = c - g * S
-                lo = s * tiles_per_split
-                acc = _product(x_ptr, inv_ptr, blob_ptr, strip_ptr, a8_ptr, g, lo, tl.minimum(KT, lo + tiles_per_split),
-                               KT, K, stride_xm, rm, m_ok, rinv, BM, ASM, NUM_STAGES, DOT)
-                _stamp(trace_ptr, 2, t, TRACE)
-                _finish(acc, sa, g, s, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, out_ptr, part_ptr,
-                        lpart_ptr, sync_ptr, trace_ptr, t, stride_om, BM, RB, RC, SC, HAS_BIAS, HAS_LORA, ASM, POLL,
-                        TRACE)
-                c = tl.atomic_add(sync_ptr + _QUEUE, 1, sem="relaxed")
-        else:  # (not the queue's loop run once: the default build's code stays the one that was timed)
-            s1 = c1 - g1 * S
-            acc = _product(x_ptr, inv_ptr, blob_ptr, strip_ptr, a8_ptr, g1, kt_lo, kt_hi, KT, K, stride_xm, rm, m_ok,
-                           rinv, BM, ASM, NUM_STAGES, DOT)
-            _stamp(trace_ptr, 2, t, TRACE)
-            _finish(acc, sa, g1, s1, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, out_ptr, part_ptr, lpart_ptr,
-                    sync_ptr, trace_ptr, t, stride_om, BM, RB, RC, SC, HAS_BIAS, HAS_LORA, ASM, POLL, TRACE)
+        acc = _product(x_ptr, inv_ptr, blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K, stride_xm, rm, m_ok,
+                       rinv, BM, ASM, NUM_STAGES, DOT)
+        _stamp(trace_ptr, 2, t, TRACE)
+        _finish(acc, sa, g, c - g * S, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, out_ptr, part_ptr,
+                lpart_ptr, sync_ptr, trace_ptr, t, stride_om, BM, RB, RC, SC, HAS_BIAS, HAS_LORA, ASM, POLL, TRACE)
     # the last CTA to finish leaves the sync words at zero for the next launch
     tl.debug_barrier()
     fin = tl.atomic_add(sync_ptr + _DONE, 1, sem="acq_rel")
@@ -675,7 +648,9 @@ def rows(m: int, dot: bool) -> int:
 def plan(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM,
          dot: bool | None = None) -> tuple[int, int, int, int]:
     """``(split, k-tiles a split, producers, k a producer)`` for ``m`` tokens of an ``n x k`` weight: about
-    ``ctas_per_sm`` workers an SM, every split holding a k-tile (no empty split), and up to
+    ``ctas_per_sm`` workers an SM (rounded: up to half a group's splits more, e.g. 864 at 18432 x 3072 and 6
+    an SM; rounding down would leave a 21504-wide layer one worker a group), every split holding a k-tile
+    (no empty split), and up to
     ``PRODUCERS_MAX`` producers of whole k-tiles. At most ``SPLIT_ROWS // rows(m, dot)`` splits (the padded
     rows a partial holds): one CTA a group reads every split's ``[64, rows]`` partial (traced on the H200 at
     64 tokens and 14 splits, that sum took 13 of the launch's 33 us)."""
@@ -728,9 +703,10 @@ def check(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip: 
 def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip: torch.Tensor, cs: torch.Tensor,
            bias: torch.Tensor | None = None, proj_down: torch.Tensor | None = None,
            proj_up: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-           num_stages: int = 3, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM,
+           num_stages: int = 3, sms: int = SM_COUNT, ctas_per_sm: int | None = None,
            dot: bool | None = None, poll: int = 0, trace: torch.Tensor | None = None,
-           delay_ns: int = 0, workers: int | None = None) -> torch.Tensor:
+           delay_ns: int = 0, num_warps: int = 4,
+           maxnreg: int | None = None) -> torch.Tensor:
     """``nvfp4.w4a8_fast_linear`` for 1 to ``MAX_M`` tokens in one launch.
 
     ``x [M, K]`` (any float, unit stride along K); ``inv_smooth [K]`` fp32 ``1 / smooth``; ``blob`` /
@@ -738,15 +714,15 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
     ``2**e * wcscale``; ``bias [N]``; ``proj_down [K, >= R]`` the smoothed ``proj_down / smooth`` (its
     first ``R`` columns are read) with ``proj_up [N, R]`` contiguous. The output is ``out_dtype`` (x's
     by default). ``dot`` picks the FP8 dots or the multiply-adds (at most ``FMA_MAX_M`` tokens; default
-    ``use_dots``); ``num_stages`` (k-tiles in flight), ``ctas_per_sm`` (the split's target),
+    ``use_dots``); ``num_stages`` (k-tiles in flight), ``ctas_per_sm`` (the split's target; by default what
+    the compiled kernel lets stay resident, at most ``CTAS_PER_SM_MAX``: ``fitted_ctas_per_sm``),
     ``poll`` (how waits poll: ``_wait``) and ``trace`` (an int64 tensor of ``grid x TRACE_COLS``
     elements or more, ``grid_size``: each CTA's global-timer stamps at its phase ends, its ticket in column
     7's low 32 bits and its SM above them, a worker's two weight probes in columns 8 and 9; ``_stamp``,
     ``_probe``)
     are for measurement; ``delay_ns`` holds the last producer back before its ``lora_act`` sum (a test of
-    the epilogue's wait: ``_producer``). ``workers``: that many worker CTAs take the chunks (a group's split)
-    from a counter until none is left, instead of one CTA a chunk (the same bits: a chunk's partial and
-    the split sum's order do not depend on which CTA computes what; not yet timed)."""
+    the epilogue's wait: ``_producer``). ``num_warps`` (4 or 8) and ``maxnreg`` (a register cap) are
+    for measurement too: the occupancy the split's ``ctas_per_sm`` can count on."""
     check(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up)
     m, k = x.shape
     n = cs.numel()
@@ -758,39 +734,81 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
     if _INTERPRET and out_dtype != torch.float32:
         # the CPU interpreter's fp32 -> 16-bit conversion does not round to nearest: cast outside
         return linear(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, torch.float32, num_stages,
-                      sms, ctas_per_sm, dot, poll, workers=workers).to(out_dtype)
+                      sms, ctas_per_sm, dot, poll, num_warps=num_warps).to(out_dtype)
     dot = use_dots(m, n, k) if dot is None else dot
     if not dot and m > FMA_MAX_M:
         raise ValueError(f"the multiply-add form serves at most {FMA_MAX_M} tokens, got {m}")
-    if workers is not None and workers < 1:
-        raise ValueError(f"workers must be at least 1 (or None: one CTA a chunk), got {workers}")
+    if num_warps not in (4, 8):
+        raise ValueError(f"num_warps must be 4 or 8 (a warpgroup's multiple), got {num_warps}")
     if x.stride(1) != 1:
         x = x.contiguous()
     r = 0 if proj_up is None else proj_up.shape[1]
-    split, per, producers, k_per_prod = plan(m, n, k, sms, ctas_per_sm, dot)
     groups = n // 64
     bm = rows(m, dot)
     rb = max(16, next_pow2(r)) if r else 16
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
-    part = torch.empty(split * n * bm, device=x.device, dtype=torch.float32)
-    lpart = torch.empty((producers + 1) * bm * rb, device=x.device, dtype=torch.float32) if r else part
-    a8 = torch.empty(m, k, device=x.device, dtype=torch.uint8) if dot else part
+    a8 = torch.empty(m, k, device=x.device, dtype=torch.uint8) if dot else None
     sync = _sync(x.device, groups)
     dummy = cs
-    w = groups * split if workers is None else workers
-    grid = producers * (2 if dot else 1) + w
+    meta = dict(BM=bm, RB=rb, RC=min(rb, 32), **chunks(bm, rb), HAS_BIAS=bias is not None, HAS_LORA=bool(r),
+                ASM=not _INTERPRET, NUM_STAGES=num_stages, DOT=dot, POLL=poll, TRACE=trace is not None, DELAY=delay_ns,
+                num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}))
+
+    def launch_args(ctas: int, default_build: bool = False) -> tuple[int, tuple]:
+        split, per, producers, k_per_prod = plan(m, n, k, sms, ctas, dot)
+        part = torch.empty(split * n * bm, device=x.device, dtype=torch.float32)
+        lpart = torch.empty((producers + 1) * bm * rb, device=x.device, dtype=torch.float32) if r else part
+        return producers * (2 if dot else 1) + groups * split, (
+            x, inv_smooth, blob, strip, cs, bias if bias is not None else dummy,
+            proj_down if r else dummy, proj_up if r else dummy, out, part, lpart, part if a8 is None else a8, sync,
+            sync if trace is None or default_build else trace, m, n, k, r, x.stride(0), proj_down.stride(0) if r else 0, out.stride(0),
+            per, split, producers, k_per_prod)
+
+    if ctas_per_sm is None:
+        ctas_per_sm = CTAS_PER_SM if _INTERPRET else fitted_ctas_per_sm(
+            meta, lambda: launch_args(CTAS_PER_SM, default_build=True)[1], x.device, (x.dtype, out_dtype))
+    grid, args = launch_args(ctas_per_sm)
     if trace is not None and trace.numel() < grid * TRACE_COLS:
         raise ValueError(f"trace needs {grid * TRACE_COLS} elements (grid_size x TRACE_COLS), got {trace.numel()}")
-    _fast_small_m_kernel[(grid,)](
-        x, inv_smooth, blob, strip, cs, bias if bias is not None else dummy,
-        proj_down if r else dummy, proj_up if r else dummy, out, part, lpart, a8, sync,
-        trace if trace is not None else sync,
-        m, n, k, r, x.stride(0), proj_down.stride(0) if r else 0, out.stride(0), per, split, producers, k_per_prod, w,
-        BM=bm, RB=rb, RC=min(rb, 32), **chunks(bm, rb), HAS_BIAS=bias is not None, HAS_LORA=bool(r), ASM=not _INTERPRET,
-        NUM_STAGES=num_stages, DOT=dot, POLL=poll, TRACE=trace is not None, DELAY=delay_ns, QUEUE=workers is not None,
-        num_warps=4,
-    )
+    _fast_small_m_kernel[(grid,)](*args, **meta)
     return out
+
+
+def resident(n_regs: int, num_warps: int, shared: int, sm_regs: int = 65536, sm_shared: int = 233472,
+             sm_threads: int = 2048) -> int:
+    """CTAs of ``num_warps`` warps, ``n_regs`` registers a thread and ``shared`` bytes of shared memory that
+    one SM holds at once (Hopper's rules: registers allocated 256 a warp, 1 KiB of shared memory reserved a
+    CTA, at most 32 CTAs; defaults: an H100 / H200 SM)."""
+    per_warp = -(-n_regs * 32 // 256) * 256
+    by_regs = sm_regs // per_warp // num_warps if n_regs else 32
+    return max(0, min(by_regs, sm_shared // (shared + 1024), sm_threads // (32 * num_warps), 32))
+
+
+_FITTED: dict[tuple, int] = {}
+
+
+_MEASURE = dict(POLL=0, TRACE=False, DELAY=0)  # the measurement constexprs' default values
+
+
+def fitted_ctas_per_sm(meta: dict, args, device: torch.device, dtypes: tuple = ()) -> int:
+    """The split's target for a build (``meta``: its constexprs and launch options): the CTAs of the compiled
+    kernel that stay resident on one of ``device``'s SMs (``resident``), at most ``CTAS_PER_SM_MAX`` and at
+    least 1. It is the default build's (the measurement constexprs ``_MEASURE`` at their defaults), so a
+    traced, polled or delayed launch splits as the default does and gives its bits; ``args()``
+    gives the default build's arguments to compile it with (a provisional plan's: the registers do not depend
+    on the plan's numbers). Kept per device, build and ``dtypes`` (the input's and output's: ``_FITTED``)."""
+    meta = {**meta, **_MEASURE}
+    key = (device.index, dtypes, tuple(sorted(meta.items())))
+    if key not in _FITTED:
+        ck = _fast_small_m_kernel.warmup(*args(), grid=(1,), **meta)
+        ck._init_handles()  # loads the module: its register count
+        props = torch.cuda.get_device_properties(device)
+        fit = resident(ck.n_regs, meta["num_warps"], ck.metadata.shared,
+                       getattr(props, "regs_per_multiprocessor", 65536),
+                       getattr(props, "shared_memory_per_multiprocessor", 233472),
+                       getattr(props, "max_threads_per_multi_processor", 2048))
+        _FITTED[key] = max(1, min(CTAS_PER_SM_MAX, fit))
+    return _FITTED[key]
 
 
 def chunks(bm: int, rb: int) -> dict[str, int]:
@@ -804,8 +822,8 @@ def chunks(bm: int, rb: int) -> dict[str, int]:
 
 
 def grid_size(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM,
-              dot: bool | None = None, workers: int | None = None) -> int:
+              dot: bool | None = None) -> int:
     """CTAs of one launch (producers, quantizers with the dots, workers): the rows of a ``trace``."""
     dot = use_dots(m, n, k) if dot is None else dot
     split, _, producers, _ = plan(m, n, k, sms, ctas_per_sm, dot)
-    return producers * (2 if dot else 1) + (n // 64 * split if workers is None else workers)
+    return producers * (2 if dot else 1) + n // 64 * split
