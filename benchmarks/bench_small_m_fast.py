@@ -91,7 +91,8 @@ def sweep(args) -> None:
     """The default form under each ``warps:maxnreg:ctas_per_sm`` of ``--configs`` (same run, CUDA graphs)."""
     configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
     rows = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}, "
-            "CUDA-graph replays (us); rank 32, bias; config warps:maxnreg:ctas_per_sm (maxnreg 0: the compiler's; ctas 0: fitted), "
+            "CUDA-graph replays (us); rank 32, bias; config warps:maxnreg:ctas_per_sm (maxnreg 0: the compiler's; "
+            "ctas 0: fitted), "
             f"ratio against {args.configs.split(',')[0]}", "",
             "| layer | M | cuBLAS bf16 | " + " | ".join(args.configs.split(",")) + " | best vs cuBLAS |",
             "|---|---|---|" + "---|" * len(configs) + "---|"]
@@ -105,6 +106,7 @@ def sweep(args) -> None:
             cells, best, t0 = [], float("inf"), None
             for w, reg, c in configs:
                 kw = dict(num_warps=w, maxnreg=reg or None, ctas_per_sm=c or None)
+                small_m_fast._FITTED.clear()
                 try:
                     _check(small_m_fast.linear(xc, **ops, out_dtype=torch.float32, **kw), want, bound, f"{label} {m}")
                 except AssertionError as e:
@@ -113,9 +115,7 @@ def sweep(args) -> None:
                 t = graph_time(lambda: small_m_fast.linear(xc, **ops, **kw))
                 t0 = t0 or t
                 best = min(best, t)
-                fit = [v for (_, _, items), v in small_m_fast._FITTED.items() if (lambda d: d["BM"] == small_m_fast.rows(
-                    m, dot) and d["DOT"] == dot and d["num_warps"] == w and d.get("maxnreg") == (reg or None)
-                    and not d["TRACE"])(dict(items))]
+                fit = list(small_m_fast._FITTED.values())  # (one build since the clear below)
                 cells.append(f"{t * 1e3:.1f} ({t0 / t:.2f}x)" + (f" fit {fit[0]}" if not c and fit else ""))
             rows.append(f"| {label} | {m} | {t_ref * 1e3:.1f} | " + " | ".join(cells) + f" | {t_ref / best:.2f}x |")
             print(rows[-1], flush=True)

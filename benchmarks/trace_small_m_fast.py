@@ -4,7 +4,8 @@ at its phase ends, from one traced launch, beside CUDA-graph times of the untrac
     python benchmarks/trace_small_m_fast.py [--out FILE] [--quick]
 
 Per layer and token count, and per measurement setting (``poll``: how waits poll; ``ctas_per_sm``: the
-split's target, ``fit N`` the default's, what the compiled kernel lets stay resident): cuBLAS bf16 and the kernel in CUDA-graph replays (us), then from one traced launch the
+split's target, ``fit N`` the default's, what the compiled kernel lets stay resident): cuBLAS bf16 and the
+kernel in CUDA-graph replays (us), then from one traced launch the
 times (us, from the first CTA's start) at which: the last CTA started; the producers' amax were all in;
 their ``lora_act`` partials were all in; the quantizers' ``a8`` were all in (FP8 dots); the workers left
 their wait (first / median / last); finished their k-loop (median / last); counted their partial (last);

@@ -761,8 +761,8 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
         return producers * (2 if dot else 1) + groups * split, (
             x, inv_smooth, blob, strip, cs, bias if bias is not None else dummy,
             proj_down if r else dummy, proj_up if r else dummy, out, part, lpart, part if a8 is None else a8, sync,
-            sync if trace is None or default_build else trace, m, n, k, r, x.stride(0), proj_down.stride(0) if r else 0, out.stride(0),
-            per, split, producers, k_per_prod)
+            sync if trace is None or default_build else trace, m, n, k, r, x.stride(0),
+            proj_down.stride(0) if r else 0, out.stride(0), per, split, producers, k_per_prod)
 
     if ctas_per_sm is None:
         ctas_per_sm = CTAS_PER_SM if _INTERPRET else fitted_ctas_per_sm(
@@ -798,7 +798,7 @@ def fitted_ctas_per_sm(meta: dict, args, device: torch.device, dtypes: tuple = (
     gives the default build's arguments to compile it with (a provisional plan's: the registers do not depend
     on the plan's numbers). Kept per device, build and ``dtypes`` (the input's and output's: ``_FITTED``)."""
     meta = {**meta, **_MEASURE}
-    key = (device.index, dtypes, tuple(sorted(meta.items())))
+    key = (device.index, dtypes, tuple(meta.items()))  # (linear builds meta in one order: no sort a call)
     if key not in _FITTED:
         ck = _fast_small_m_kernel.warmup(*args(), grid=(1,), **meta)
         ck._init_handles()  # loads the module: its register count
