@@ -74,7 +74,8 @@ DOTS_AT_2_MIN_WEIGHTS = 1 << 24  # at 2 tokens, weights of at least this many va
 # more than fits runs its last workers in a second wave: traced on the H200, thirteenth session, 8 an SM
 # started the last CTAs 10-16 us late). Same run on the H100 (docs/perf.md, seventeenth session,
 # ``bench_small_m_fast.py --configs``): the fixed 5 it replaces was up to 1.17x slower where 4 or 6 fit; 7 or 8
-# under a register cap spilled and lost up to 40 %; eight warps a CTA lost at 1-16 tokens.
+# under a register cap spilled and lost up to 40 %; eight warps a CTA lost at 1-2 tokens and on the large
+# layers at 16 (won up to 1.09x at 64 tokens and at the 3072 x 3072 layer with 16).
 # CTAS_PER_SM stays the target where no compiled kernel says what fits (the interpreter, ``grid_size``).
 CTAS_PER_SM = 5
 CTAS_PER_SM_MAX = 6
