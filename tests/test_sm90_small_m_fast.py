@@ -342,7 +342,6 @@ def test_backend_takes_the_one_launch_kernel_when_asked(m, monkeypatch):
     _check(y.float(), want, bound + 2.0**-8 * want.abs(), f"m={m}")
 
 
-
 _SASS = r"""
 import collections, json, re, subprocess, sys
 import triton
