@@ -217,6 +217,17 @@ def test_resident_ctas_follow_hopper_occupancy_rules():
     assert smf.resident(80, 4, 10752, sm_regs=32768) == 3  # another part's register file
 
 
+def test_measurement_knobs_refuse_what_the_kernel_cannot_run():
+    """``num_warps`` is a warpgroup's multiple the kernel was laid out for (4 or 8): anything else is refused
+    by name before a launch."""
+    gen = torch.Generator().manual_seed(3)
+    ops = _operands(*_layer(64, 256, 16, gen), None)
+    x = torch.randn(1, 256, generator=gen).bfloat16().to(DEV)
+    for bad in (2, 6, 16):
+        with pytest.raises(ValueError, match="num_warps must be 4 or 8"):
+            smf.linear(x, **ops, num_warps=bad)
+
+
 @pytest.mark.parametrize("dot", [False, True])
 def test_special_rows_follow_the_contract(dot):
     """A token holding a NaN has NaN outputs (sa = 1, its NaN codes); one holding +-Inf too; an all-zero

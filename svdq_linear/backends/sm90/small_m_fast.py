@@ -824,7 +824,9 @@ def chunks(bm: int, rb: int) -> dict[str, int]:
 
 def grid_size(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM,
               dot: bool | None = None) -> int:
-    """CTAs of one launch (producers, quantizers with the dots, workers): the rows of a ``trace``."""
+    """CTAs of one launch (producers, quantizers with the dots, workers): the rows of a ``trace``. Pass the
+    launch's own ``ctas_per_sm``: a launch left at the default splits for ``fitted_ctas_per_sm``, not for
+    ``CTAS_PER_SM`` (``linear`` refuses a trace too short for its grid)."""
     dot = use_dots(m, n, k) if dot is None else dot
     split, _, producers, _ = plan(m, n, k, sms, ctas_per_sm, dot)
     return producers * (2 if dot else 1) + n // 64 * split
