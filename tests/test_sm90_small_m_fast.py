@@ -228,6 +228,30 @@ def test_measurement_knobs_refuse_what_the_kernel_cannot_run():
             smf.linear(x, **ops, num_warps=bad)
 
 
+@pytest.mark.parametrize("m", [3, 16, 33])
+def test_workers_quantizing_their_own_tile_give_the_quantizers_bits(m):
+    """``self_a8``: the FP8 dots' workers quantize their own ``[128, rows]`` activation tile in the GEMM's k
+    order, with no quantizer CTAs (a smaller grid). Their E4M3 bytes are the quantizers', so the output is
+    bit for bit the default's, NaN and -Inf tokens included, and meets the fast formula."""
+    gen = torch.Generator().manual_seed(300 + m)
+    n, k, r = 128, 768, 32
+    q, ws, wc, smooth, pd, up = _layer(n, k, r, gen)
+    bias = torch.randn(n, generator=gen)
+    x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
+    x[0, 5] = float("nan")
+    x[1, 9] = float("-inf")
+    x[2] = 0
+    ops = _operands(q, ws, wc, smooth, pd, up, bias)
+    assert smf.grid_size(m, n, k, self_a8=True) == smf.grid_size(m, n, k) - smf.plan(m, n, k)[2]
+    y = smf.linear(x.to(DEV), **ops, out_dtype=torch.float32, dot=True, self_a8=True)
+    base = smf.linear(x.to(DEV), **ops, out_dtype=torch.float32, dot=True)
+    assert torch.equal(y.isnan(), base.isnan()) and torch.equal(y.nan_to_num(), base.nan_to_num())
+    assert y[:2].isnan().all() and y[3:].isfinite().all()
+    want, bound = _want(x.float(), q, ws, wc, smooth, pd, up, bias, True)
+    _check(y, want, bound, f"m={m}")
+    assert all(int(b.abs().sum()) == 0 for b in small_m._SYNC_WORDS.values()), "sync words left nonzero"
+
+
 @pytest.mark.parametrize("dot", [False, True])
 def test_special_rows_follow_the_contract(dot):
     """A token holding a NaN has NaN outputs (sa = 1, its NaN codes); one holding +-Inf too; an all-zero
@@ -372,7 +396,7 @@ for label, bm, rb, dot, meas in (("1", 1, 32, False, 0), ("2", 2, 32, False, 0),
                                  ("d64", 64, 32, True, 0), ("1r128", 1, 128, False, 0), ("d64r128", 64, 128, True, 0),
                                  ("d16trace", 16, 32, True, 1), ("1delay", 1, 32, False, 2)):
     cx = dict(BM=bm, RB=rb, RC=min(rb, 32), **smf.chunks(bm, rb), HAS_BIAS=True, HAS_LORA=True, ASM=True,
-              NUM_STAGES=3, DOT=dot, POLL=int(meas == 1), TRACE=meas == 1, DELAY=50000 if meas == 2 else 0)
+              NUM_STAGES=3, DOT=dot, SELF_A8=False, POLL=int(meas == 1), TRACE=meas == 1, DELAY=50000 if meas == 2 else 0)
     fn = smf._fast_small_m_kernel
     full = {a: ("constexpr" if a in cx else sig[a]) for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
