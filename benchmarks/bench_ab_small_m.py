@@ -59,13 +59,13 @@ def load_base(folder: str) -> dict[str, object]:
     return mods
 
 
-def fast_rows(base) -> list[str]:
+def fast_rows(base, tokens=FAST_TOKENS) -> list[str]:
     rows = ["", "The one-launch fast kernel (`small_m_fast.linear`, default form), rank 32, bias; us", "",
             "| layer | K | N | M | cuBLAS bf16 | baseline | now | now vs baseline | now vs cuBLAS |",
             "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
     for label, k, n, gen, (q, ws, wc, smooth, pd, up), bias, ops, lin in fast_layers(FAST_SHAPES):
-        for m in FAST_TOKENS:
+        for m in tokens:
             x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
             xc = x.cuda()
             want, bound = _want(x.float(), q, ws, wc, smooth, pd, up, bias, small_m_fast.use_dots(m, n, k))  # (the looser bound)
@@ -126,6 +126,7 @@ def main() -> None:
     p.add_argument("--base", required=True, help="a folder holding the baseline's small_m.py and small_m_fast.py")
     p.add_argument("--out")
     p.add_argument("--only", choices=("fast", "small"))
+    p.add_argument("--fast-tokens", default=",".join(map(str, FAST_TOKENS)), help="the one-launch kernel's token counts")
     args = p.parse_args()
     mods = load_base(args.base)
     rev = (Path(args.base) / "REV").read_text().strip() if (Path(args.base) / "REV").exists() else "?"
@@ -135,7 +136,7 @@ def main() -> None:
         if hasattr(mod, "reserve_sync_words"):
             mod.reserve_sync_words(torch.device("cuda"))
     if args.only != "small":
-        rows += fast_rows(mods["small_m_fast"])
+        rows += fast_rows(mods["small_m_fast"], tuple(int(t) for t in args.fast_tokens.split(",")))
     if args.only != "fast":
         rows += small_rows(mods["small_m"])
     emit(rows, args.out)

@@ -259,9 +259,9 @@ FAST_ONE_SHAPES = (("attn", 3072, 3072), ("ff up", 3072, 12288), ("ff down", 122
                    ("single out", 15360, 3072))
 
 
-def fast_one_table(copy_gbs: float, sweep: bool = True) -> list[str]:
-    """The fast mode at 1-64 tokens: routed (up to five launches) against small_m_fast (one), and (``sweep``)
-    the kernel at each split target x pipeline depth."""
+def fast_one_table(copy_gbs: float, sweep: bool = True, tokens: tuple = (1, 2, 8, 16, 64)) -> list[str]:
+    """The fast mode at ``tokens`` (1-64): routed (up to five launches) against small_m_fast (one), and
+    (``sweep``) the kernel at each split target x pipeline depth."""
     from test_sm90_fast import _assert_fast_formula
 
     from svdq_linear import backends
@@ -280,7 +280,7 @@ def fast_one_table(copy_gbs: float, sweep: bool = True) -> list[str]:
         lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
         q = random_w4a4(k, n, 32, torch.bfloat16, "cuda").set_mode("fast")
         wbytes = n * k // 2 + n * k // 16
-        for m in (1, 2, 8, 16, 64):
+        for m in tokens:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
             t_def = env_time(lambda: q(x), ENV_FAST_ONE_LAUNCH, "0")
@@ -338,6 +338,7 @@ def main() -> None:
     p.add_argument("--fast-one", action="store_true",
                    help="only the fast mode at 1-64 tokens: the routed path against small_m_fast's one launch")
     p.add_argument("--no-sweep", action="store_true", help="with --fast-one: the default form only")
+    p.add_argument("--fast-one-tokens", default="1,2,8,16,64", help="with --fast-one: the token counts (1-64)")
     p.add_argument("--tokens-modes", default="w4a16,exact-canonical",
                    help="with --tokens: the modes of TOKENS_CASES to run (comma-separated)")
     args = p.parse_args()
@@ -352,7 +353,8 @@ def main() -> None:
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     have_fast = sm90._quack_fast_module() is not None
     if args.fast_one:
-        rows = rows[:2] + fast_one_table(copy_gbs, not args.no_sweep)
+        rows = rows[:2] + fast_one_table(copy_gbs, not args.no_sweep,
+                                         tuple(int(t) for t in args.fast_one_tokens.split(",")))
         emit(rows, args.out)
         return
     if args.words or args.tokens:

@@ -8,10 +8,9 @@ count: cuBLAS bf16 ``F.linear``; the kernel in its default form (``small_m_fast.
 tokens, in the other one too; weight GB/s (codes and scales read once) against a
 device-to-device copy measured in the same run. ``bench_small_m.py --fast-one`` times it against the
 routed path through the module (that needs quack). ``--configs`` times the default form instead under
-other builds, each ``warps:maxnreg:ctas_per_sm[:self_a8]`` (maxnreg 0: the compiler's choice; ctas_per_sm 0: the
-default, what the compiled kernel lets stay resident, shown as ``fit``; self_a8 1: the FP8 dots' workers quantize
-their own activation tile, no quantizer CTAs), the first the baseline of the ratio column, each launch checked
-too.
+other occupancies, each ``warps:maxnreg:ctas_per_sm`` (maxnreg 0: the compiler's choice; ctas_per_sm 0: the
+default, what the compiled kernel lets stay resident, shown as ``fit``), the first the
+baseline of the ratio column, each launch checked too.
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out")
     p.add_argument("--tokens", default="1,2,8,16,64")
-    p.add_argument("--configs", help="warps:maxnreg:ctas_per_sm[:self_a8],... (builds of the default form)")
+    p.add_argument("--configs", help="warps:maxnreg:ctas_per_sm,... (occupancy sweep of the default form)")
     args = p.parse_args()
     if args.configs:
         return sweep(args)
@@ -89,12 +88,11 @@ def main() -> None:
 
 
 def sweep(args) -> None:
-    """The default form under each ``warps:maxnreg:ctas_per_sm[:self_a8]`` of ``--configs`` (same run, CUDA
-    graphs)."""
-    configs = [(tuple(int(v) for v in c.split(":")) + (0,))[:4] for c in args.configs.split(",")]
+    """The default form under each ``warps:maxnreg:ctas_per_sm`` of ``--configs`` (same run, CUDA graphs)."""
+    configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
     rows = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}, "
-            "CUDA-graph replays (us); rank 32, bias; config warps:maxnreg:ctas_per_sm[:self_a8] (maxnreg 0: the "
-            "compiler's; ctas 0: fitted; self_a8 1: the dots' workers quantize their own tile), "
+            "CUDA-graph replays (us); rank 32, bias; config warps:maxnreg:ctas_per_sm (maxnreg 0: the compiler's; "
+            "ctas 0: fitted), "
             f"ratio against {args.configs.split(',')[0]}", "",
             "| layer | M | cuBLAS bf16 | " + " | ".join(args.configs.split(",")) + " | best vs cuBLAS |",
             "|---|---|---|" + "---|" * len(configs) + "---|"]
@@ -106,8 +104,8 @@ def sweep(args) -> None:
             want, bound = _want(x.float(), q, ws, wc, smooth, pd, up, bias, dot)
             t_ref = graph_time(lambda: F.linear(xc, lin.weight, lin.bias))
             cells, best, t0 = [], float("inf"), None
-            for w, reg, c, sa8 in configs:
-                kw = dict(num_warps=w, maxnreg=reg or None, ctas_per_sm=c or None, self_a8=bool(sa8))
+            for w, reg, c in configs:
+                kw = dict(num_warps=w, maxnreg=reg or None, ctas_per_sm=c or None)
                 small_m_fast._FITTED.clear()
                 try:
                     _check(small_m_fast.linear(xc, **ops, out_dtype=torch.float32, **kw), want, bound, f"{label} {m}")

@@ -1,11 +1,10 @@
 """Where the one-launch fast kernel's time goes (``sm90/small_m_fast.py``): each CTA's global-timer stamps
 at its phase ends, from one traced launch, beside CUDA-graph times of the untraced kernel.
 
-    python benchmarks/trace_small_m_fast.py [--out FILE] [--quick] [--self-a8] [--tokens 1,16]
+    python benchmarks/trace_small_m_fast.py [--out FILE] [--quick | --tokens 9,16]
 
 Per layer and token count, and per measurement setting (``poll``: how waits poll; ``ctas_per_sm``: the
-split's target, ``fit N`` the default's, what the compiled kernel lets stay resident; with ``--self-a8`` each setting
-of the FP8 dots again with workers that quantize their own activation tile, ``+self``): cuBLAS bf16 and the
+split's target, ``fit N`` the default's, what the compiled kernel lets stay resident): cuBLAS bf16 and the
 kernel in CUDA-graph replays (us), then from one traced launch the
 times (us, from the first CTA's start) at which: the last CTA started; the producers' amax were all in;
 their ``lora_act`` partials were all in; the quantizers' ``a8`` were all in (FP8 dots); the workers left
@@ -84,14 +83,13 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true",
                     help="one token at attn and ff down, the default against the fixed target of 5 only")
-    ap.add_argument("--self-a8", action="store_true",
-                    help="each setting of the FP8 dots also with workers that quantize their own tile (no quantizers)")
-    ap.add_argument("--tokens", help="only the cases of these token counts (e.g. 16)")
+    ap.add_argument("--tokens", help="instead: ff down (12288 -> 3072) at these token counts, default setting only")
     args = ap.parse_args()
     cases = [c for c in CASES if c[3] == 1] if args.quick else CASES
-    if args.tokens:
-        cases = [c for c in cases if str(c[3]) in args.tokens.split(",")]
     settings = [(0, None), (0, 5)] if args.quick else SETTINGS
+    if args.tokens:
+        cases = [("ff down", 12288, 3072, int(t)) for t in args.tokens.split(",")]
+        settings = [(0, None)]
     heads = ["last start", "amax in", "lora in", "a8 in", "wait first", "wait med", "wait last", "loop med",
              "loop last", "counted last", "epi last", "end", "loop us", "loop p90", "loop max", "SMs", "most an SM",
              "loop med there", "loop med elsewhere", "loop start slow / rest", "probe first slow / rest",
@@ -111,29 +109,20 @@ def main() -> None:
         smf._FITTED.clear()
         want = smf.linear(x, **ops)
         (fit,) = smf._FITTED.values()
-        dot = smf.use_dots(m, n, k)
-        for (poll, setting), sa8 in [(st, s8) for st in settings for s8 in ((False, True) if args.self_a8 and dot
-                                                                             else (False,))]:
+        for poll, setting in settings:
             cps = setting or fit
-            if sa8 and not setting:  # the self-quantizing build's own fit
-                smf._FITTED.clear()
-                smf.linear(x, **ops, self_a8=True)
-                (cps,) = smf._FITTED.values()
-            kw = dict(poll=poll, ctas_per_sm=setting, self_a8=sa8)
-            y = smf.linear(x, **ops, **kw)
-            # (another split sums in another order; the workers' own a8 are the quantizers' bits)
-            same = torch.equal(y, want) if cps == fit else True
-            t = graph_time(lambda: smf.linear(x, **ops, **kw))
-            grid = smf.grid_size(m, n, k, ctas_per_sm=cps, self_a8=sa8)
+            y = smf.linear(x, **ops, poll=poll, ctas_per_sm=setting)
+            same = torch.equal(y, want) if cps == fit else True  # (another split sums in another order)
+            t = graph_time(lambda: smf.linear(x, **ops, poll=poll, ctas_per_sm=setting))
+            grid = smf.grid_size(m, n, k, ctas_per_sm=cps)
             split, _, prods, _ = smf.plan(m, n, k, ctas_per_sm=cps)
             tr = torch.full((grid, smf.TRACE_COLS), -1, dtype=torch.int64, device="cuda")
-            smf.linear(x, **ops, **kw, trace=tr)  # compiles the traced build
+            smf.linear(x, **ops, poll=poll, ctas_per_sm=setting, trace=tr)  # compiles the traced build
             tr.fill_(-1)
-            smf.linear(x, **ops, **kw, trace=tr)
+            smf.linear(x, **ops, poll=poll, ctas_per_sm=setting, trace=tr)
             torch.cuda.synchronize()
-            ph = phases(tr.cpu(), prods, prods if dot and not sa8 else 0, split)
-            cell = (str(cps) if setting else f"fit {cps}") + (" +self" if sa8 else "")
-            rows.append(f"| {label} | {m} | {poll} | {cell} | {grid} | {t_ref * 1e3:.1f} | {t * 1e3:.1f}"
+            ph = phases(tr.cpu(), prods, prods if smf.use_dots(m, n, k) else 0, split)
+            rows.append(f"| {label} | {m} | {poll} | {cps if setting else f'fit {fit}'} | {grid} | {t_ref * 1e3:.1f} | {t * 1e3:.1f}"
                         f"{'' if same else ' (DIFFERS)'} | {t_ref / t:.2f}x | " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in ph) + " |")
             print(rows[-1], flush=True)
     emit(rows, args.out)

@@ -228,30 +228,6 @@ def test_measurement_knobs_refuse_what_the_kernel_cannot_run():
             smf.linear(x, **ops, num_warps=bad)
 
 
-@pytest.mark.parametrize("m", [3, 16, 33])
-def test_workers_quantizing_their_own_tile_give_the_quantizers_bits(m):
-    """``self_a8``: the FP8 dots' workers quantize their own ``[128, rows]`` activation tile in the GEMM's k
-    order, with no quantizer CTAs (a smaller grid). Their E4M3 bytes are the quantizers', so the output is
-    bit for bit the default's, NaN and -Inf tokens included, and meets the fast formula."""
-    gen = torch.Generator().manual_seed(300 + m)
-    n, k, r = 128, 768, 32
-    q, ws, wc, smooth, pd, up = _layer(n, k, r, gen)
-    bias = torch.randn(n, generator=gen)
-    x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
-    x[0, 5] = float("nan")
-    x[1, 9] = float("-inf")
-    x[2] = 0
-    ops = _operands(q, ws, wc, smooth, pd, up, bias)
-    assert smf.grid_size(m, n, k, self_a8=True) == smf.grid_size(m, n, k) - smf.plan(m, n, k)[2]
-    y = smf.linear(x.to(DEV), **ops, out_dtype=torch.float32, dot=True, self_a8=True)
-    base = smf.linear(x.to(DEV), **ops, out_dtype=torch.float32, dot=True)
-    assert torch.equal(y.isnan(), base.isnan()) and torch.equal(y.nan_to_num(), base.nan_to_num())
-    assert y[:2].isnan().all() and y[3:].isfinite().all()
-    want, bound = _want(x.float(), q, ws, wc, smooth, pd, up, bias, True)
-    _check(y, want, bound, f"m={m}")
-    assert all(int(b.abs().sum()) == 0 for b in small_m._SYNC_WORDS.values()), "sync words left nonzero"
-
-
 @pytest.mark.parametrize("dot", [False, True])
 def test_special_rows_follow_the_contract(dot):
     """A token holding a NaN has NaN outputs (sa = 1, its NaN codes); one holding +-Inf too; an all-zero
@@ -396,7 +372,7 @@ for label, bm, rb, dot, meas in (("1", 1, 32, False, 0), ("2", 2, 32, False, 0),
                                  ("d64", 64, 32, True, 0), ("1r128", 1, 128, False, 0), ("d64r128", 64, 128, True, 0),
                                  ("d16trace", 16, 32, True, 1), ("1delay", 1, 32, False, 2)):
     cx = dict(BM=bm, RB=rb, RC=min(rb, 32), **smf.chunks(bm, rb), HAS_BIAS=True, HAS_LORA=True, ASM=True,
-              NUM_STAGES=3, DOT=dot, SELF_A8=False, POLL=int(meas == 1), TRACE=meas == 1, DELAY=50000 if meas == 2 else 0)
+              NUM_STAGES=3, DOT=dot, POLL=int(meas == 1), TRACE=meas == 1, DELAY=50000 if meas == 2 else 0)
     fn = smf._fast_small_m_kernel
     full = {a: ("constexpr" if a in cx else sig[a]) for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
@@ -490,28 +466,34 @@ def test_one_launch_compiles_to_table_lookups_and_fp8_wgmma(tmp_path):
 
 
 def test_one_launch_routing_follows_the_measured_crossover(monkeypatch):
-    """``tuning.use_fast_one_launch`` (the same-run tables, docs/perf.md sixteenth session): by
-    default one token takes the one-launch kernel on a GPU, two or more do not, and the Triton
-    interpreter's CPU calls keep the routed path; ``SVDQ_SM90_FAST_ONE_LAUNCH`` forces it on ("1", any device,
-    1-64 tokens) or off ("0")."""
+    """``tuning.use_fast_one_launch`` (the same-run tables, docs/perf.md sixteenth and eighteenth sessions):
+    by default one token takes the one-launch kernel on a GPU, and so do 9-16 tokens of a weight of 2**24
+    values or more (3072 x 12288), not of 3072 x 3072; 2-8 and 17-64 tokens do not; the Triton
+    interpreter's CPU calls keep the routed path; ``SVDQ_SM90_FAST_ONE_LAUNCH`` forces it on ("1", any
+    device, 1-64 tokens) or off ("0")."""
     from svdq_linear.backends import sm90
     from svdq_linear.backends.sm90 import tuning
 
     class _X:  # the shape and device of an input, without a GPU
-        def __init__(self, m, cuda=True):
-            self.shape, self.is_cuda = (m, 3072), cuda
+        def __init__(self, m, cuda=True, k=3072):
+            self.shape, self.is_cuda = (m, k), cuda
 
     monkeypatch.delenv(sm90.ENV_FAST_ONE_LAUNCH, raising=False)
-    assert tuning.use_fast_one_launch(1) and not tuning.use_fast_one_launch(2)
-    assert not tuning.use_fast_one_launch(0) and not tuning.use_fast_one_launch(16)
-    assert sm90._route_fast_one_launch(_X(1))
-    assert not any(sm90._route_fast_one_launch(_X(m)) for m in (0, 2, 8, 64, 65))
-    assert not sm90._route_fast_one_launch(_X(1, cuda=False))
+    big, small = (12288, 3072), (3072, 3072)  # (n, k)
+    assert tuning.use_fast_one_launch(1, *small) and tuning.use_fast_one_launch(1, *big)
+    assert [m for m in range(0, 66) if tuning.use_fast_one_launch(m, *big)] == [1] + list(range(9, 17))
+    assert [m for m in range(0, 66) if tuning.use_fast_one_launch(m, *small)] == [1]
+    assert tuning.use_fast_one_launch(12, 4096, 4096) and not tuning.use_fast_one_launch(12, 4096, 4095)
+    assert sm90._route_fast_one_launch(_X(1), 3072) and sm90._route_fast_one_launch(_X(12), 12288)
+    assert sm90._route_fast_one_launch(_X(16, k=12288), 3072) and not sm90._route_fast_one_launch(_X(12), 3072)
+    assert not any(sm90._route_fast_one_launch(_X(m), 12288) for m in (0, 2, 8, 17, 64, 65))
+    assert not sm90._route_fast_one_launch(_X(1, cuda=False), 3072)
+    assert not sm90._route_fast_one_launch(_X(12, cuda=False), 12288)
     monkeypatch.setenv(sm90.ENV_FAST_ONE_LAUNCH, "1")
-    assert all(sm90._route_fast_one_launch(_X(m, cuda)) for m in (1, 2, 64) for cuda in (True, False))
-    assert not sm90._route_fast_one_launch(_X(0)) and not sm90._route_fast_one_launch(_X(smf.MAX_M + 1))
+    assert all(sm90._route_fast_one_launch(_X(m, cuda), 3072) for m in (1, 2, 64) for cuda in (True, False))
+    assert not sm90._route_fast_one_launch(_X(0), 3072) and not sm90._route_fast_one_launch(_X(smf.MAX_M + 1), 3072)
     monkeypatch.setenv(sm90.ENV_FAST_ONE_LAUNCH, "0")
-    assert not sm90._route_fast_one_launch(_X(1))
+    assert not sm90._route_fast_one_launch(_X(1), 3072) and not sm90._route_fast_one_launch(_X(12), 12288)
 
 
 @pytest.mark.gpu
@@ -539,10 +521,12 @@ def test_gpu_default_split_fits_the_compiled_kernels_residency(m, dot):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2])
-def test_gpu_backend_takes_the_one_launch_kernel_by_default_at_one_token(m, monkeypatch):
-    """With no setting the module's fast-mode forward of one token runs the one-launch kernel and meets
-    the fast formula; two tokens take the routed path."""
+@pytest.mark.parametrize("m,k,n,one", [(1, 3072, 3072, True), (2, 3072, 3072, False), (12, 3072, 3072, False),
+                                       (12, 3072, 12288, True), (8, 3072, 12288, False)])
+def test_gpu_backend_takes_the_one_launch_kernel_by_default_where_it_won(m, k, n, one, monkeypatch):
+    """With no setting the module's fast-mode forward runs the one-launch kernel where
+    ``tuning.use_fast_one_launch`` measured it faster (one token; 9-16 tokens of a large weight) and meets
+    the fast formula; the other calls take the routed path."""
     pytest.importorskip("quack")
     from test_conformance import random_w4a4
     from test_sm90_fast import _assert_fast_formula
@@ -551,13 +535,13 @@ def test_gpu_backend_takes_the_one_launch_kernel_by_default_at_one_token(m, monk
 
     monkeypatch.delenv(sm90.ENV_FAST_ONE_LAUNCH, raising=False)
     torch.manual_seed(5 + m)
-    mod = random_w4a4(3072, 3072, 32, torch.bfloat16, "cuda").set_mode("fast")
-    x = torch.randn(m, 3072, device="cuda", dtype=torch.bfloat16)
+    mod = random_w4a4(k, n, 32, torch.bfloat16, "cuda").set_mode("fast")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     calls = []
     run = smf.linear
     monkeypatch.setattr(smf, "linear", lambda *a, **kw: calls.append(1) or run(*a, **kw))
     y = mod(x)
-    assert bool(calls) == (m == 1), f"m={m}: one-launch calls {len(calls)}"
+    assert bool(calls) == one, f"m={m} {n}x{k}: one-launch calls {len(calls)}"
     _assert_fast_formula(mod, x, y)
 
 

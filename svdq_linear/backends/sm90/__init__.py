@@ -69,8 +69,8 @@ ENV_SMALL_M_MMA = "SVDQ_SM90_SMALL_M_MMA"
 # state has the accumulator form; off by default until the H200 has checked and timed it
 ENV_MMA_FUSED = "SVDQ_SM90_MMA_FUSED"
 # the fast mode's one-launch kernel (small_m_fast: the activation pass, lora_act, the product and the
-# epilogue in one launch) serves the calls where tuning.use_fast_one_launch measured it faster (one token);
-# "1": every call of 1-64 tokens; "0": none
+# epilogue in one launch) serves the calls where tuning.use_fast_one_launch measured it faster (one token;
+# 9-16 tokens of a large weight); "1": every call of 1-64 tokens; "0": none
 ENV_FAST_ONE_LAUNCH = "SVDQ_SM90_FAST_ONE_LAUNCH"
 # "1": under torch.compile, the fast mode's activation pass of a call above MMA_TOKENS tokens is traced
 # as PyTorch ops (fast_layout.fast_act_ops) that the compiler fuses into the kernels producing the
@@ -92,15 +92,15 @@ def _route_small_m_mma(mode: str, x: torch.Tensor, n: int) -> bool:
     return env == "1" or tuning.use_small_m_mma(mode, m, n, k)
 
 
-def _route_fast_one_launch(x: torch.Tensor) -> bool:
-    """Whether this fast-mode call of ``x [M, K]`` runs small_m_fast. By default only on a GPU (under the
-    Triton interpreter on the CPU the routed path is the one that finishes in reasonable time); the
-    setting "1" takes it anywhere, the tests' interpreter runs included."""
+def _route_fast_one_launch(x: torch.Tensor, n: int) -> bool:
+    """Whether this fast-mode call of ``x [M, K]`` (``n`` outputs) runs small_m_fast. By default only on a
+    GPU (under the Triton interpreter on the CPU the routed path is the one that finishes in reasonable
+    time); the setting "1" takes it anywhere, the tests' interpreter runs included."""
     env = getenv(ENV_FAST_ONE_LAUNCH)  # read per call (benchmarks toggle it)
-    m = x.shape[0]
+    m, k = x.shape
     if env == "0" or not 1 <= m <= 64:  # small_m_fast.MAX_M
         return False
-    return env == "1" or (x.is_cuda and tuning.use_fast_one_launch(m))
+    return env == "1" or (x.is_cuda and tuning.use_fast_one_launch(m, n, k))
 
 
 LOWRANK_MAX_WINDOW = 64  # widest low-rank window a weight tile reads in the accumulator path (docs/perf.md)
@@ -463,7 +463,7 @@ class Sm90Backend(Backend):
         inv, extra = extra[-1], extra[:-1]  # Sm90Prepared.tensors(): inv_smooth comes last
         fw = quack_fast.weight(extra[-4:])
         out_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
-        if _route_fast_one_launch(x):
+        if _route_fast_one_launch(x, fw.cs.numel()):
             from . import small_m_fast
 
             # the prepared proj_down / smooth: its first r columns (the accumulator path pads at the end)

@@ -369,7 +369,8 @@ def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, trace_ptr, p, P, M, K
 def _quantizer(x_ptr, inv_ptr, a8_ptr, sync_ptr, trace_ptr, q, P, M, K, stride_xm, k_per_prod, BM: tl.constexpr,
                CK: tl.constexpr, ASM: tl.constexpr, POLL: tl.constexpr, TRACE: tl.constexpr):
     """Chunk ``q`` of K (whole k-tiles) as E4M3 activations in the GEMM's k order, once every producer's max
-    is in (the producers hold lower tickets: they are running), published with a count."""
+    is in (the producers hold lower tickets: they are running), published with a count. All ``BM`` rows are
+    written, the padding rows past ``M`` as zeros, so the workers load whole tiles with no row mask."""
     _wait(sync_ptr + _AMAX_CNT, P, POLL)
     _stamp(trace_ptr, 1, q, TRACE)
     rm = tl.arange(0, BM)
@@ -385,9 +386,9 @@ def _quantizer(x_ptr, inv_ptr, a8_ptr, sync_ptr, trace_ptr, q, P, M, K, stride_x
         ptrs = a8_ptr + rm[:, None] * K + pos[None, :]
         if ASM:  # the hardware convert saturates +-Inf at 448: the contract's NaN (0x7F) instead
             v = tl.where(tl.abs(v) < float("inf"), v, float("nan"))
-            tl.store(ptrs, v.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m_ok[:, None])
+            tl.store(ptrs, v.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
         else:
-            tl.store(ptrs, _e4m3_bits(v), mask=m_ok[:, None])
+            tl.store(ptrs, _e4m3_bits(v))
     tl.debug_barrier()
     tl.atomic_add(sync_ptr + _A8_CNT, 1, sem="release")
     _stamp(trace_ptr, 2, q, TRACE)
@@ -445,12 +446,10 @@ def _words(lo, hi):
 
 @triton.jit
 def _product(x_ptr, inv_ptr, blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K, stride_xm, rm, m_ok, rinv,
-             BM: tl.constexpr, ASM: tl.constexpr, NUM_STAGES: tl.constexpr, DOT: tl.constexpr,
-             SELF_A8: tl.constexpr):
+             BM: tl.constexpr, ASM: tl.constexpr, NUM_STAGES: tl.constexpr, DOT: tl.constexpr):
     """One chunk's partial product ``[64, BM]`` (fp32): group ``g``'s weight rows over k-tiles ``[kt_lo,
-    kt_hi)``, the FP8 dots (``DOT``) on the quantizers' activations or, with ``SELF_A8``, on the tile's
-    activations quantized here; else the multiply-adds on activations quantized here (``rinv``: the tokens'
-    ``1 / sa``)."""
+    kt_hi)``, the FP8 dots on the quantizers' activations (``DOT``) or the multiply-adds on activations
+    quantized here (``rinv``: the tokens' ``1 / sa``)."""
     # a thread-slot's words: blob [G, KT, 128 (32 wrq + c), 8 (4 B + word)] int32; strip [G, KT, 128]
     o_w = (tl.arange(0, 32)[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]) * 8 + tl.arange(0, 8)[None, None, :]
     o_s = tl.arange(0, 32)[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]  # [32, 4, 1]
@@ -463,26 +462,15 @@ def _product(x_ptr, inv_ptr, blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K
             tile = g * KT + kt
             word = tl.load(wbase + tile * 1024 + o_w)  # [32, 4, 8]
             sw = tl.load(sbase + tile * 128 + o_s)  # [32, 4, 1]
-            if SELF_A8:  # the tile's activations [128, BM] in the GEMM's k order, as the quantizers write them
-                lk = _gemm_k(pos + kt * _TK, True)
-                xv = tl.load(x_ptr + rm[None, :] * stride_xm + lk[:, None], mask=m_ok[None, :], other=0.0)
-                v = xv.to(tl.float32) * tl.load(inv_ptr + lk)[:, None] * rinv[None, :]
-                if ASM:  # (no +-Inf here: a row whose max is finite keeps |v| <= 448 r sa, one with +-Inf
-                    a8 = v.to(tl.float8e4nv)  # has r = 0, so v is 0 or NaN; the convert keeps NaN)
-                else:
-                    a8 = _act_e4m3(v, False)
-            else:
-                a = tl.load(a8_ptr + rm[None, :] * K + pos[:, None] + kt * _TK, mask=m_ok[None, :], other=0,
-                            cache_modifier=".cg")  # [128, BM], written by the quantizers in this launch
-                if ASM:
-                    a8 = a.to(tl.float8e4nv, bitcast=True)
-                else:  # E4M3 values in fp32 (the interpreter's cast reads 0x7F as 480, not NaN)
-                    a8 = tl.where((a & 0x7F) == 0x7F, float("nan"), a.to(tl.float8e4nv, bitcast=True).to(tl.float32))
+            # [128, BM], written by the quantizers in this launch: all BM rows (with a row mask the loop ran
+            # 22-30 % slower at 9 and 17 tokens than at 16 and 32: docs/perf.md, eighteenth session)
+            a = tl.load(a8_ptr + rm[None, :] * K + pos[:, None] + kt * _TK, cache_modifier=".cg")
             w8 = _decode_tile(word, sw, ASM)
             if ASM:
-                acc = tl.dot(w8, a8, acc)
-            else:  # the interpreter: E4M3 values in fp32, exact products
-                acc = tl.dot(w8, a8, acc, input_precision="ieee")
+                acc = tl.dot(w8, a.to(tl.float8e4nv, bitcast=True), acc)
+            else:  # the interpreter: E4M3 values in fp32, exact products (its cast reads 0x7F as 480, not NaN)
+                av = tl.where((a & 0x7F) == 0x7F, float("nan"), a.to(tl.float8e4nv, bitcast=True).to(tl.float32))
+                acc = tl.dot(w8, av, acc, input_precision="ieee")
     else:
         r0 = tl.sum(tl.where(rm == 0, rinv, 0.0), axis=0)
         r1 = tl.sum(tl.where(rm == 1, rinv, 0.0), axis=0)
@@ -523,8 +511,7 @@ def _fast_small_m_kernel(
     sync_ptr, trace_ptr, M, N, K, R, stride_xm, stride_pd, stride_om, tiles_per_split, S, P, k_per_prod,
     BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, CKA: tl.constexpr, SC: tl.constexpr,
     PC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, ASM: tl.constexpr, NUM_STAGES: tl.constexpr,
-    DOT: tl.constexpr, SELF_A8: tl.constexpr, POLL: tl.constexpr = 0, TRACE: tl.constexpr = False,
-    DELAY: tl.constexpr = 0,
+    DOT: tl.constexpr, POLL: tl.constexpr = 0, TRACE: tl.constexpr = False, DELAY: tl.constexpr = 0,
 ):
     # CK: the k-chunk of the producers' low-rank and the quantizers' [BM, CK] tiles (at most 2048 elements: no
     # spills at 64 rows); CKA the producers' amax chunk (up to 512: one load at a few tokens); SC: the split
@@ -536,7 +523,7 @@ def _fast_small_m_kernel(
     # group's split (G x S of them, one a worker by ticket).
     G = N // 64
     KT = K // _TK
-    Q = P if DOT and not SELF_A8 else 0
+    Q = P if DOT else 0
     total = P + Q + G * S
     t = tl.atomic_add(sync_ptr + _TICKET, 1, sem="relaxed")
     _stamp(trace_ptr, 0, t, TRACE)
@@ -561,7 +548,7 @@ def _fast_small_m_kernel(
             _prefetch_l2(blob_ptr + (g * KT + kt_lo) * 4096, (kt_hi - kt_lo) * 4096)
             _prefetch_l2(strip_ptr + (g * KT + kt_lo) * 512, (kt_hi - kt_lo) * 512)
         wbase = blob_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        if DOT and not SELF_A8:
+        if DOT:
             _wait(sync_ptr + _A8_CNT, P, POLL)
         else:
             _wait(sync_ptr + _AMAX_CNT, P, POLL)
@@ -570,7 +557,7 @@ def _fast_small_m_kernel(
         _probe(trace_ptr, 9, wbase + (g * KT + kt_hi - 1) * 1024, TRACE)
         sa, rinv = _token_scales(sync_ptr, rm, m_ok, BM)
         acc = _product(x_ptr, inv_ptr, blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K, stride_xm, rm, m_ok,
-                       rinv, BM, ASM, NUM_STAGES, DOT, SELF_A8)
+                       rinv, BM, ASM, NUM_STAGES, DOT)
         _stamp(trace_ptr, 2, t, TRACE)
         _finish(acc, sa, g, c - g * S, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, out_ptr, part_ptr,
                 lpart_ptr, sync_ptr, trace_ptr, t, stride_om, BM, RB, RC, SC, HAS_BIAS, HAS_LORA, ASM, POLL, TRACE)
@@ -722,7 +709,7 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
            num_stages: int = 3, sms: int = SM_COUNT, ctas_per_sm: int | None = None,
            dot: bool | None = None, poll: int = 0, trace: torch.Tensor | None = None,
            delay_ns: int = 0, num_warps: int = 4,
-           maxnreg: int | None = None, self_a8: bool = False) -> torch.Tensor:
+           maxnreg: int | None = None) -> torch.Tensor:
     """``nvfp4.w4a8_fast_linear`` for 1 to ``MAX_M`` tokens in one launch.
 
     ``x [M, K]`` (any float, unit stride along K); ``inv_smooth [K]`` fp32 ``1 / smooth``; ``blob`` /
@@ -750,7 +737,7 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
     if _INTERPRET and out_dtype != torch.float32:
         # the CPU interpreter's fp32 -> 16-bit conversion does not round to nearest: cast outside
         return linear(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, torch.float32, num_stages,
-                      sms, ctas_per_sm, dot, poll, num_warps=num_warps, self_a8=self_a8).to(out_dtype)
+                      sms, ctas_per_sm, dot, poll, num_warps=num_warps).to(out_dtype)
     dot = use_dots(m, n, k) if dot is None else dot
     if not dot and m > FMA_MAX_M:
         raise ValueError(f"the multiply-add form serves at most {FMA_MAX_M} tokens, got {m}")
@@ -763,21 +750,18 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
     bm = rows(m, dot)
     rb = max(16, next_pow2(r)) if r else 16
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
-    self_a8 = bool(self_a8 and dot)
-    quantizers = dot and not self_a8
-    a8 = torch.empty(m, k, device=x.device, dtype=torch.uint8) if quantizers else None
+    a8 = torch.empty(bm, k, device=x.device, dtype=torch.uint8) if dot else None  # (padding rows: zeros)
     sync = _sync(x.device, groups)
     dummy = cs
     meta = dict(BM=bm, RB=rb, RC=min(rb, 32), **chunks(bm, rb), HAS_BIAS=bias is not None, HAS_LORA=bool(r),
-                ASM=not _INTERPRET, NUM_STAGES=num_stages, DOT=dot, SELF_A8=self_a8, POLL=poll,
-                TRACE=trace is not None, DELAY=delay_ns,
+                ASM=not _INTERPRET, NUM_STAGES=num_stages, DOT=dot, POLL=poll, TRACE=trace is not None, DELAY=delay_ns,
                 num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}))
 
     def launch_args(ctas: int, default_build: bool = False) -> tuple[int, tuple]:
         split, per, producers, k_per_prod = plan(m, n, k, sms, ctas, dot)
         part = torch.empty(split * n * bm, device=x.device, dtype=torch.float32)
         lpart = torch.empty((producers + 1) * bm * rb, device=x.device, dtype=torch.float32) if r else part
-        return producers * (2 if quantizers else 1) + groups * split, (
+        return producers * (2 if dot else 1) + groups * split, (
             x, inv_smooth, blob, strip, cs, bias if bias is not None else dummy,
             proj_down if r else dummy, proj_up if r else dummy, out, part, lpart, part if a8 is None else a8, sync,
             sync if trace is None or default_build else trace, m, n, k, r, x.stride(0),
@@ -841,10 +825,10 @@ def chunks(bm: int, rb: int) -> dict[str, int]:
 
 
 def grid_size(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM,
-              dot: bool | None = None, self_a8: bool = False) -> int:
+              dot: bool | None = None) -> int:
     """CTAs of one launch (producers, quantizers with the dots, workers): the rows of a ``trace``. Pass the
     launch's own ``ctas_per_sm``: a launch left at the default splits for ``fitted_ctas_per_sm``, not for
     ``CTAS_PER_SM`` (``linear`` refuses a trace too short for its grid)."""
     dot = use_dots(m, n, k) if dot is None else dot
     split, _, producers, _ = plan(m, n, k, sms, ctas_per_sm, dot)
-    return producers * (2 if dot and not self_a8 else 1) + n // 64 * split
+    return producers * (2 if dot else 1) + n // 64 * split

@@ -120,23 +120,29 @@ def use_small_m_mma(mode: str, m: int, n: int, k: int) -> bool:
 
 
 ONE_LAUNCH_MAX_M = 1  # tokens up to which the fast mode's one-launch kernel is the default (use_fast_one_launch)
+# and the token range where it is the default for large weights (its FP8 dots on 16 token rows)
+ONE_LAUNCH_DOTS_M = (9, 16)
+ONE_LAUNCH_DOTS_MIN_WEIGHTS = 1 << 24  # weight values (N x K) from which that range takes it
 
 
-def use_fast_one_launch(m: int) -> bool:
-    """Whether a fast-mode call of ``m`` tokens runs ``small_m_fast`` (one launch) instead of the routed
-    path (the FP8 activation pass, cuBLAS ``lora_act``, small_m_mma or quack's FP8 GEMM), from same-run
-    tables on the H100 and the H200 (docs/perf.md, 2026-12-05 sixteenth session, ``bench_small_m.py
-    --fast-one``; module forward in CUDA graphs):
+def use_fast_one_launch(m: int, n: int, k: int) -> bool:
+    """Whether a fast-mode call of ``m`` tokens of an ``n x k`` weight runs ``small_m_fast`` (one launch)
+    instead of the routed path (the FP8 activation pass, cuBLAS ``lora_act``, small_m_mma or quack's FP8
+    GEMM), from same-run tables on the H100 and the H200 (``bench_small_m.py --fast-one``; module forward
+    in CUDA graphs):
 
-    - one token: the one launch won at every Flux layer on both cards: H100 10.2 / 17.5 / 17.8 / 21.1 us
-      against 15.2 / 20.0 / 21.4 / 24.7 (3072x3072, 3072x12288, 12288x3072, 15360x3072: 1.15-1.49x), H200
-      9.6 / 17.0 / 17.2 / 20.3 against 15.0 / 19.9 / 21.2 / 24.6 (1.17-1.56x);
-    - two tokens: within 2 % at 3072x3072 and 3072x12288, 16-22 % slower at 12288x3072 and 15360x3072;
-      8 and 64 tokens: slower everywhere (up to 1.6x); 16 tokens: 1-6 % faster on the three large
-      layers, 7-8 % slower at 3072x3072, and nothing measured between 9 and 32 tokens. The routed path
-      keeps all of those.
+    - one token: the one launch won at every Flux layer on both cards (docs/perf.md, sixteenth session): H100
+      10.2 / 17.5 / 17.8 / 21.1 us against 15.2 / 20.0 / 21.4 / 24.7 (3072x3072, 3072x12288, 12288x3072,
+      15360x3072: 1.15-1.49x), H200 9.6 / 17.0 / 17.2 / 20.3 against 15.0 / 19.9 / 21.2 / 24.6 (1.17-1.56x);
+    - 9 to 16 tokens (``ONE_LAUNCH_DOTS_M``) on weights of ``ONE_LAUNCH_DOTS_MIN_WEIGHTS`` values or more:
+      both paths run 16 token rows there (the one launch's FP8 dots, quack's 16-token tile), and the one
+      launch won at 16 tokens on the three large layers on both cards (H200, eighteenth session: 19.1 / 25.1
+      / 28.7 us against 20.2 / 27.7 / 31.2, 1.06-1.10x; H100, sixteenth: 1-6 %); at 3072x3072 it lost 7-8 %;
+    - two tokens: within 2 % at 3072x3072 and 3072x12288, 13-22 % slower at 12288x3072 and 15360x3072;
+      8 and 64 tokens: slower everywhere (up to 1.6x). The routed path keeps those.
     """
-    return 1 <= m <= ONE_LAUNCH_MAX_M
+    lo, hi = ONE_LAUNCH_DOTS_M
+    return 1 <= m <= ONE_LAUNCH_MAX_M or (lo <= m <= hi and n * k >= ONE_LAUNCH_DOTS_MIN_WEIGHTS)
 
 
 @functools.lru_cache(maxsize=None)
