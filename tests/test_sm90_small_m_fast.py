@@ -165,7 +165,7 @@ def test_gpu_epilogues_wait_for_the_last_producers_sum(m, dot):
 
 def test_one_launch_plans_the_split_and_the_producers():
     """Every worker has a k-tile, producers cover K in whole k-tiles, at most PRODUCERS_MAX of them, and
-    the grid aims at CTAS_PER_SM workers an SM."""
+    the grid aims at CTAS_PER_SM workers an SM, all of it resident at once."""
     for n, k in [(3072, 3072), (3072, 12288), (12288, 3072), (128, 768), (64, 128), (18432, 3072)]:
         split, per, producers, kp = smf.plan(1, n, k)
         kt = k // 128
@@ -180,8 +180,15 @@ def test_one_launch_plans_the_split_and_the_producers():
             for m in (1, 2, 3, 16, 33, 64):
                 split, _, prods, _ = smf.plan(m, n, k, ctas_per_sm=cps)
                 assert n // 64 * (split - 0.5) <= cps * 132, (n, k, cps, m)
-                assert smf.grid_size(m, n, k, ctas_per_sm=cps) == n // 64 * split + prods * (
-                    2 if smf.use_dots(m, n, k) else 1)
+                grid = smf.grid_size(m, n, k, ctas_per_sm=cps)
+                others = prods * (2 if smf.use_dots(m, n, k) else 1)  # producers (and quantizers)
+                assert grid == n // 64 * split + others
+                # the whole grid resident (no second wave) wherever one worker a group leaves room for it
+                assert grid <= cps * 132 or n // 64 + others > cps * 132, (n, k, cps, m, grid)
+    # rounding to the nearest split would take these past the resident slots: rounded down instead
+    assert smf.plan(16, 12288, 3072, ctas_per_sm=6)[0] == 3  # 192 groups x 4 + 48 > 792
+    assert smf.plan(16, 3072, 12288, ctas_per_sm=6)[0] == 14  # 48 x 16 + 64 > 792: 15 rounds to 14 of 7 tiles
+    assert smf.plan(1, 12288, 3072, ctas_per_sm=6)[0] == 4  # 192 x 4 + 24 = 792 fits
     # the partials one CTA a group adds: at most SPLIT_ROWS splits x token rows, and the rule binds at 64 rows
     # (rows are the padded tile rows: at least 16 with the FP8 dots, so 3 tokens count as 16)
     for m, rows in ((1, 1), (2, 2), (3, 16), (16, 16), (33, 64), (64, 64)):
@@ -467,8 +474,8 @@ def test_one_launch_compiles_to_table_lookups_and_fp8_wgmma(tmp_path):
 
 def test_one_launch_routing_follows_the_measured_crossover(monkeypatch):
     """``tuning.use_fast_one_launch`` (the same-run tables, docs/perf.md sixteenth and eighteenth sessions):
-    by default one token takes the one-launch kernel on a GPU, and so do 9-16 tokens of a weight of 2**24
-    values or more (3072 x 12288), not of 3072 x 3072; 2-8 and 17-64 tokens do not; the Triton
+    by default one token takes the one-launch kernel on a GPU, and so do 16 tokens of a weight of 2**24
+    values or more (3072 x 12288), not of 3072 x 3072; 2-15 and 17-64 tokens do not; the Triton
     interpreter's CPU calls keep the routed path; ``SVDQ_SM90_FAST_ONE_LAUNCH`` forces it on ("1", any
     device, 1-64 tokens) or off ("0")."""
     from svdq_linear.backends import sm90
@@ -481,19 +488,19 @@ def test_one_launch_routing_follows_the_measured_crossover(monkeypatch):
     monkeypatch.delenv(sm90.ENV_FAST_ONE_LAUNCH, raising=False)
     big, small = (12288, 3072), (3072, 3072)  # (n, k)
     assert tuning.use_fast_one_launch(1, *small) and tuning.use_fast_one_launch(1, *big)
-    assert [m for m in range(0, 66) if tuning.use_fast_one_launch(m, *big)] == [1] + list(range(9, 17))
+    assert [m for m in range(0, 66) if tuning.use_fast_one_launch(m, *big)] == [1, 16]
     assert [m for m in range(0, 66) if tuning.use_fast_one_launch(m, *small)] == [1]
-    assert tuning.use_fast_one_launch(12, 4096, 4096) and not tuning.use_fast_one_launch(12, 4096, 4095)
-    assert sm90._route_fast_one_launch(_X(1), 3072) and sm90._route_fast_one_launch(_X(12), 12288)
-    assert sm90._route_fast_one_launch(_X(16, k=12288), 3072) and not sm90._route_fast_one_launch(_X(12), 3072)
-    assert not any(sm90._route_fast_one_launch(_X(m), 12288) for m in (0, 2, 8, 17, 64, 65))
+    assert tuning.use_fast_one_launch(16, 4096, 4096) and not tuning.use_fast_one_launch(16, 4096, 4095)
+    assert sm90._route_fast_one_launch(_X(1), 3072) and sm90._route_fast_one_launch(_X(16), 12288)
+    assert sm90._route_fast_one_launch(_X(16, k=12288), 3072) and not sm90._route_fast_one_launch(_X(16), 3072)
+    assert not any(sm90._route_fast_one_launch(_X(m), 12288) for m in (0, 2, 8, 9, 12, 15, 17, 64, 65))
     assert not sm90._route_fast_one_launch(_X(1, cuda=False), 3072)
-    assert not sm90._route_fast_one_launch(_X(12, cuda=False), 12288)
+    assert not sm90._route_fast_one_launch(_X(16, cuda=False), 12288)
     monkeypatch.setenv(sm90.ENV_FAST_ONE_LAUNCH, "1")
     assert all(sm90._route_fast_one_launch(_X(m, cuda), 3072) for m in (1, 2, 64) for cuda in (True, False))
     assert not sm90._route_fast_one_launch(_X(0), 3072) and not sm90._route_fast_one_launch(_X(smf.MAX_M + 1), 3072)
     monkeypatch.setenv(sm90.ENV_FAST_ONE_LAUNCH, "0")
-    assert not sm90._route_fast_one_launch(_X(1), 3072) and not sm90._route_fast_one_launch(_X(12), 12288)
+    assert not sm90._route_fast_one_launch(_X(1), 3072) and not sm90._route_fast_one_launch(_X(16), 12288)
 
 
 @pytest.mark.gpu
@@ -521,11 +528,11 @@ def test_gpu_default_split_fits_the_compiled_kernels_residency(m, dot):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n,one", [(1, 3072, 3072, True), (2, 3072, 3072, False), (12, 3072, 3072, False),
-                                       (12, 3072, 12288, True), (8, 3072, 12288, False)])
+@pytest.mark.parametrize("m,k,n,one", [(1, 3072, 3072, True), (2, 3072, 3072, False), (16, 3072, 3072, False),
+                                       (16, 3072, 12288, True), (12, 3072, 12288, False)])
 def test_gpu_backend_takes_the_one_launch_kernel_by_default_where_it_won(m, k, n, one, monkeypatch):
     """With no setting the module's fast-mode forward runs the one-launch kernel where
-    ``tuning.use_fast_one_launch`` measured it faster (one token; 9-16 tokens of a large weight) and meets
+    ``tuning.use_fast_one_launch`` measured it faster (one token; 16 tokens of a large weight) and meets
     the fast formula; the other calls take the routed path."""
     pytest.importorskip("quack")
     from test_conformance import random_w4a4

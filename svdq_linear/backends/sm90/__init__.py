@@ -70,7 +70,7 @@ ENV_SMALL_M_MMA = "SVDQ_SM90_SMALL_M_MMA"
 ENV_MMA_FUSED = "SVDQ_SM90_MMA_FUSED"
 # the fast mode's one-launch kernel (small_m_fast: the activation pass, lora_act, the product and the
 # epilogue in one launch) serves the calls where tuning.use_fast_one_launch measured it faster (one token;
-# 9-16 tokens of a large weight); "1": every call of 1-64 tokens; "0": none
+# 16 tokens of a large weight); "1": every call of 1-64 tokens; "0": none
 ENV_FAST_ONE_LAUNCH = "SVDQ_SM90_FAST_ONE_LAUNCH"
 # "1": under torch.compile, the fast mode's activation pass of a call above MMA_TOKENS tokens is traced
 # as PyTorch ops (fast_layout.fast_act_ops) that the compiler fuses into the kernels producing the

@@ -462,8 +462,8 @@ def _product(x_ptr, inv_ptr, blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K
             tile = g * KT + kt
             word = tl.load(wbase + tile * 1024 + o_w)  # [32, 4, 8]
             sw = tl.load(sbase + tile * 128 + o_s)  # [32, 4, 1]
-            # [128, BM], written by the quantizers in this launch: all BM rows (with a row mask the loop ran
-            # 22-30 % slower at 9 and 17 tokens than at 16 and 32: docs/perf.md, eighteenth session)
+            # [128, BM], written by the quantizers in this launch: all BM rows, no row mask (1.02-1.09x at 9
+            # and 17 tokens on the H100: docs/perf.md, eighteenth session)
             a = tl.load(a8_ptr + rm[None, :] * K + pos[:, None] + kt * _TK, cache_modifier=".cg")
             w8 = _decode_tile(word, sw, ASM)
             if ASM:
@@ -650,20 +650,27 @@ def rows(m: int, dot: bool) -> int:
 
 def plan(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PER_SM,
          dot: bool | None = None) -> tuple[int, int, int, int]:
-    """``(split, k-tiles a split, producers, k a producer)`` for ``m`` tokens of an ``n x k`` weight: about
-    ``ctas_per_sm`` workers an SM (rounded: up to half a group's splits more, e.g. 864 at 18432 x 3072 and 6
-    an SM; rounding down would leave a 21504-wide layer one worker a group), every split holding a k-tile
-    (no empty split), and up to
-    ``PRODUCERS_MAX`` producers of whole k-tiles. At most ``SPLIT_ROWS // rows(m, dot)`` splits (the padded
-    rows a partial holds): one CTA a group reads every split's ``[64, rows]`` partial (traced on the H200 at
-    64 tokens and 14 splits, that sum took 13 of the launch's 33 us)."""
+    """``(split, k-tiles a split, producers, k a producer)`` for ``m`` tokens of an ``n x k`` weight: up to
+    ``PRODUCERS_MAX`` producers of whole k-tiles, and about ``ctas_per_sm`` workers an SM (rounded to the
+    nearest split: rounding down would leave a 21504-wide layer one worker a group), every split holding a
+    k-tile (no empty split). The whole grid stays resident: where the rounding would take the workers past
+    the ``ctas_per_sm x sms`` slots less the producers' and quantizers', the split is rounded down (those
+    CTAs hold their slots for most of a launch above two tokens: traced on the H100, eighteenth session, at
+    17-32 tokens the last workers of an 832-CTA grid at 6 an SM started 21-22 us late, after the
+    producers' ``lora_act``). At most ``SPLIT_ROWS // rows(m, dot)`` splits (the padded rows a partial
+    holds): one CTA a group reads every split's ``[64, rows]`` partial (traced on the H200 at 64 tokens and
+    14 splits, that sum took 13 of the launch's 33 us)."""
     groups, kt = n // 64, k // TILE_K
     dot = use_dots(m, n, k) if dot is None else dot
-    want = max(1, min(round(ctas_per_sm * sms / groups), SPLIT_ROWS // rows(m, dot)))
-    per = -(-kt // min(want, kt))
-    split = -(-kt // per)
     p_tiles = -(-kt // min(PRODUCERS_MAX, kt))
     producers = -(-kt // p_tiles)
+    slots = ctas_per_sm * sms - producers * (2 if dot else 1)  # the workers' resident slots
+    want = round(ctas_per_sm * sms / groups)
+    if want * groups > slots:
+        want = slots // groups
+    want = max(1, min(want, SPLIT_ROWS // rows(m, dot)))
+    per = -(-kt // min(want, kt))
+    split = -(-kt // per)
     return split, per, producers, p_tiles * TILE_K
 
 

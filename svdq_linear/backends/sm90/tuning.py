@@ -120,8 +120,8 @@ def use_small_m_mma(mode: str, m: int, n: int, k: int) -> bool:
 
 
 ONE_LAUNCH_MAX_M = 1  # tokens up to which the fast mode's one-launch kernel is the default (use_fast_one_launch)
-# and the token range where it is the default for large weights (its FP8 dots on 16 token rows)
-ONE_LAUNCH_DOTS_M = (9, 16)
+# and the token counts where it is the default for large weights (its FP8 dots on 16 token rows)
+ONE_LAUNCH_DOTS_M = (16, 16)
 ONE_LAUNCH_DOTS_MIN_WEIGHTS = 1 << 24  # weight values (N x K) from which that range takes it
 
 
@@ -134,12 +134,16 @@ def use_fast_one_launch(m: int, n: int, k: int) -> bool:
     - one token: the one launch won at every Flux layer on both cards (docs/perf.md, sixteenth session): H100
       10.2 / 17.5 / 17.8 / 21.1 us against 15.2 / 20.0 / 21.4 / 24.7 (3072x3072, 3072x12288, 12288x3072,
       15360x3072: 1.15-1.49x), H200 9.6 / 17.0 / 17.2 / 20.3 against 15.0 / 19.9 / 21.2 / 24.6 (1.17-1.56x);
-    - 9 to 16 tokens (``ONE_LAUNCH_DOTS_M``) on weights of ``ONE_LAUNCH_DOTS_MIN_WEIGHTS`` values or more:
-      both paths run 16 token rows there (the one launch's FP8 dots, quack's 16-token tile), and the one
-      launch won at 16 tokens on the three large layers on both cards (H200, eighteenth session: 19.1 / 25.1
-      / 28.7 us against 20.2 / 27.7 / 31.2, 1.06-1.10x; H100, sixteenth: 1-6 %); at 3072x3072 it lost 7-8 %;
+    - 16 tokens (``ONE_LAUNCH_DOTS_M``) on weights of ``ONE_LAUNCH_DOTS_MIN_WEIGHTS`` values or more: the
+      one launch won on the three large layers on both cards (docs/perf.md, eighteenth session; H200, same
+      run: 19.1 / 25.1 / 28.7 us against 20.2 / 27.7 / 31.2 at 3072x12288, 12288x3072, 15360x3072,
+      1.06-1.10x; H100: 19.2 / 24.9 / 28.5 against 19.9 / 27.6 / 32.2, 1.04-1.13x, routed and one launch
+      from two runs); at 3072x3072 it lost up to 7 %;
+    - 9 and 12 tokens: the one launch runs the same 16 token rows but its k-loop is slower than at 16 (9.4
+      against 7.1 us median at 12288x3072, cause not found): it lost by 9-20 % at 9 tokens and tied at 12
+      (H100); 13-15 not measured;
     - two tokens: within 2 % at 3072x3072 and 3072x12288, 13-22 % slower at 12288x3072 and 15360x3072;
-      8 and 64 tokens: slower everywhere (up to 1.6x). The routed path keeps those.
+      8, 17-64 tokens: slower everywhere (up to 1.6x). The routed path keeps those.
     """
     lo, hi = ONE_LAUNCH_DOTS_M
     return 1 <= m <= ONE_LAUNCH_MAX_M or (lo <= m <= hi and n * k >= ONE_LAUNCH_DOTS_MIN_WEIGHTS)
