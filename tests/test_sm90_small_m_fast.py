@@ -224,6 +224,32 @@ def test_resident_ctas_follow_hopper_occupancy_rules():
     assert smf.resident(80, 4, 10752, sm_regs=32768) == 3  # another part's register file
 
 
+def test_compiled_resources_fall_back_when_triton_does_not_say():
+    """The fit reads Triton internals (``_init_handles``, ``n_regs``): a kernel object that has them gives its
+    registers and shared memory; one that lacks them gives None and one warning (the fixed target then)."""
+    class _Meta:
+        shared = 18432
+
+    class _Full:
+        metadata = _Meta()
+
+        def _init_handles(self):
+            self.n_regs = 96
+
+    class _Bare:
+        metadata = _Meta()
+
+    assert smf.compiled_resources(_Full()) == (96, 18432)
+    smf._WARNED_RESOURCES.clear()
+    with pytest.warns(RuntimeWarning, match="registers"):
+        assert smf.compiled_resources(_Bare()) is None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert smf.compiled_resources(_Bare()) is None  # warned once
+
+
 def test_measurement_knobs_refuse_what_the_kernel_cannot_run():
     """``num_warps`` is a warpgroup's multiple the kernel was laid out for (4 or 8): anything else is refused
     by name before a launch."""

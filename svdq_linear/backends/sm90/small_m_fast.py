@@ -810,15 +810,37 @@ def fitted_ctas_per_sm(meta: dict, args, device: torch.device, dtypes: tuple = (
     meta = {**meta, **_MEASURE}
     key = (device.index, dtypes, tuple(meta.items()))  # (linear builds meta in one order: no sort a call)
     if key not in _FITTED:
-        ck = _fast_small_m_kernel.warmup(*args(), grid=(1,), **meta)
-        ck._init_handles()  # loads the module: its register count
-        props = torch.cuda.get_device_properties(device)
-        fit = resident(ck.n_regs, meta["num_warps"], ck.metadata.shared,
-                       getattr(props, "regs_per_multiprocessor", 65536),
-                       getattr(props, "shared_memory_per_multiprocessor", 233472),
-                       getattr(props, "max_threads_per_multi_processor", 2048))
-        _FITTED[key] = max(1, min(CTAS_PER_SM_MAX, fit))
+        use = compiled_resources(_fast_small_m_kernel.warmup(*args(), grid=(1,), **meta))
+        if use is None:  # a Triton that does not say: the fixed target (a second wave at worst, never wrong)
+            _FITTED[key] = CTAS_PER_SM
+        else:
+            props = torch.cuda.get_device_properties(device)
+            fit = resident(use[0], meta["num_warps"], use[1],
+                           getattr(props, "regs_per_multiprocessor", 65536),
+                           getattr(props, "shared_memory_per_multiprocessor", 233472),
+                           getattr(props, "max_threads_per_multi_processor", 2048))
+            _FITTED[key] = max(1, min(CTAS_PER_SM_MAX, fit))
     return _FITTED[key]
+
+
+_WARNED_RESOURCES = []
+
+
+def compiled_resources(ck) -> tuple[int, int] | None:
+    """``(registers a thread, shared memory bytes)`` of a compiled Triton kernel, or None (with one warning) where
+    this Triton does not expose them: ``_init_handles`` (it loads the module and reads its register count) and
+    ``n_regs`` are Triton internals (3.6 and 3.9 have them)."""
+    try:
+        ck._init_handles()
+        return int(ck.n_regs), int(ck.metadata.shared)
+    except AttributeError as e:
+        if not _WARNED_RESOURCES:
+            _WARNED_RESOURCES.append(True)
+            import warnings
+
+            warnings.warn(f"small_m_fast: this Triton does not give a kernel's registers ({e}); the split aims at "
+                          f"the fixed {CTAS_PER_SM} CTAs an SM", RuntimeWarning, stacklevel=3)
+        return None
 
 
 def chunks(bm: int, rb: int) -> dict[str, int]:
