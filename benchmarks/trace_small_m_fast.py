@@ -1,7 +1,7 @@
 """Where the one-launch fast kernel's time goes (``sm90/small_m_fast.py``): each CTA's global-timer stamps
 at its phase ends, from one traced launch, beside CUDA-graph times of the untraced kernel.
 
-    python benchmarks/trace_small_m_fast.py [--out FILE] [--quick | --tokens 9,16]
+    python benchmarks/trace_small_m_fast.py [--out FILE] [--quick | --tokens 9,9p,9r0,16]
 
 Per layer and token count, and per measurement setting (``poll``: how waits poll; ``ctas_per_sm``: the
 split's target, ``fit N`` the default's, what the compiled kernel lets stay resident): cuBLAS bf16 and the
@@ -83,12 +83,13 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true",
                     help="one token at attn and ff down, the default against the fixed target of 5 only")
-    ap.add_argument("--tokens", help="instead: ff down (12288 -> 3072) at these token counts, default setting only")
+    ap.add_argument("--tokens", help="instead: ff down (12288 -> 3072) at these token counts, default setting only; "
+                    "a count ending in p: its x padded with zero tokens to the tile's rows; in r0: no low-rank branch")
     args = ap.parse_args()
     cases = [c for c in CASES if c[3] == 1] if args.quick else CASES
     settings = [(0, None), (0, 5)] if args.quick else SETTINGS
     if args.tokens:
-        cases = [("ff down", 12288, 3072, int(t)) for t in args.tokens.split(",")]
+        cases = [("ff down", 12288, 3072, t) for t in args.tokens.split(",")]
         settings = [(0, None)]
     heads = ["last start", "amax in", "lora in", "a8 in", "wait first", "wait med", "wait last", "loop med",
              "loop last", "counted last", "epi last", "end", "loop us", "loop p90", "loop max", "SMs", "most an SM",
@@ -100,10 +101,18 @@ def main() -> None:
             "| layer | M | poll | CTAs/SM | grid | cuBLAS | graph us | ratio | " + " | ".join(heads) + " |",
             "|---|---|---|---|---|---|---|---|" + "---|" * len(heads)]
     gen = torch.Generator().manual_seed(0)
-    for label, k, n, m in cases:
+    for label, k, n, spec in cases:
+        m = int(str(spec).removesuffix("p").removesuffix("r0"))
         q, ws, wc, smooth, pd, up = _layer(n, k, 32, gen)
         ops = _operands(q, ws, wc, smooth, pd, up, torch.randn(n, generator=gen))
         x = (torch.randn(m, k, generator=gen) * 3).bfloat16().cuda()
+        if str(spec).endswith("r0"):  # no low-rank branch: no producers' lora_act beside the workers
+            ops.update(proj_down=None, proj_up=None)
+            label += " r0"
+        if str(spec).endswith("p"):  # the same tokens and zero ones up to the tile's rows: no row past M
+            x = torch.cat([x, x.new_zeros(smf.rows(m, smf.use_dots(m, n, k)) - m, k)])
+            label += f" {m} padded"
+            m = x.shape[0]
         lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
         t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
         smf._FITTED.clear()
