@@ -262,10 +262,10 @@ def preferred_name(module) -> str | None:
     return module._backend_pref or getenv(ENV_BACKEND) or None
 
 
-def _warn_once(key: tuple, msg: str) -> None:
+def _warn_once(key: tuple, msg: str, category: type[Warning] = UserWarning) -> None:
     if key not in _WARNED:
         _WARNED.add(key)
-        warnings.warn(msg, stacklevel=4)
+        warnings.warn(msg, category, stacklevel=4)
 
 
 def select_backend(device: torch.device | str, name: str | None = None, kind: str = "w4a4") -> Backend:

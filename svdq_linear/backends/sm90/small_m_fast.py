@@ -664,7 +664,7 @@ def plan(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PE
     dot = use_dots(m, n, k) if dot is None else dot
     p_tiles = -(-kt // min(PRODUCERS_MAX, kt))
     producers = -(-kt // p_tiles)
-    slots = ctas_per_sm * sms - producers * (2 if dot else 1)  # the workers' resident slots
+    slots = ctas_per_sm * sms - _row_ctas(producers, dot)  # the workers' resident slots
     want = round(ctas_per_sm * sms / groups)
     if want * groups > slots:
         want = slots // groups
@@ -768,7 +768,7 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
         split, per, producers, k_per_prod = plan(m, n, k, sms, ctas, dot)
         part = torch.empty(split * n * bm, device=x.device, dtype=torch.float32)
         lpart = torch.empty((producers + 1) * bm * rb, device=x.device, dtype=torch.float32) if r else part
-        return producers * (2 if dot else 1) + groups * split, (
+        return _row_ctas(producers, dot) + groups * split, (
             x, inv_smooth, blob, strip, cs, bias if bias is not None else dummy,
             proj_down if r else dummy, proj_up if r else dummy, out, part, lpart, part if a8 is None else a8, sync,
             sync if trace is None or default_build else trace, m, n, k, r, x.stride(0),
@@ -823,9 +823,6 @@ def fitted_ctas_per_sm(meta: dict, args, device: torch.device, dtypes: tuple = (
     return _FITTED[key]
 
 
-_WARNED_RESOURCES = []
-
-
 def compiled_resources(ck) -> tuple[int, int] | None:
     """``(registers a thread, shared memory bytes)`` of a compiled Triton kernel, or None (with one warning) where
     this Triton does not expose them: ``_init_handles`` (it loads the module and reads its register count) and
@@ -834,12 +831,10 @@ def compiled_resources(ck) -> tuple[int, int] | None:
         ck._init_handles()
         return int(ck.n_regs), int(ck.metadata.shared)
     except AttributeError as e:
-        if not _WARNED_RESOURCES:
-            _WARNED_RESOURCES.append(True)
-            import warnings
+        from .. import _warn_once
 
-            warnings.warn(f"small_m_fast: this Triton does not give a kernel's registers ({e}); the split aims at "
-                          f"the fixed {CTAS_PER_SM} CTAs an SM", RuntimeWarning, stacklevel=3)
+        _warn_once(("small_m_fast", "resources"), f"small_m_fast: this Triton does not give a kernel's registers "
+                   f"({e}); the split aims at the fixed {CTAS_PER_SM} CTAs an SM", RuntimeWarning)
         return None
 
 
@@ -860,4 +855,9 @@ def grid_size(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CT
     ``CTAS_PER_SM`` (``linear`` refuses a trace too short for its grid)."""
     dot = use_dots(m, n, k) if dot is None else dot
     split, _, producers, _ = plan(m, n, k, sms, ctas_per_sm, dot)
-    return producers * (2 if dot else 1) + n // 64 * split
+    return _row_ctas(producers, dot) + n // 64 * split
+
+
+def _row_ctas(producers: int, dot: bool) -> int:
+    """The CTAs of a launch that are not workers: the producers, and as many quantizers with the FP8 dots."""
+    return producers * (2 if dot else 1)
