@@ -72,6 +72,11 @@ ENV_MMA_FUSED = "SVDQ_SM90_MMA_FUSED"
 # epilogue in one launch) serves the calls where tuning.use_fast_one_launch measured it faster (one token;
 # 16 tokens of a large weight); "1": every call of 1-64 tokens; "0": none
 ENV_FAST_ONE_LAUNCH = "SVDQ_SM90_FAST_ONE_LAUNCH"
+# "1": the exact mode's one-launch kernel (small_m_fast.linear_exact: the activations' NVFP4 codes, lora_act,
+# integer dot products of the codes, the epilogue in one launch) serves exact calls of 1-2 tokens on quack's
+# blob; off by default until a GPU has timed it against the routed path (built in the nineteenth session,
+# when no GPU was lent)
+ENV_EXACT_ONE_LAUNCH = "SVDQ_SM90_EXACT_ONE_LAUNCH"
 # "1": under torch.compile, the fast mode's activation pass of a call above MMA_TOKENS tokens is traced
 # as PyTorch ops (fast_layout.fast_act_ops) that the compiler fuses into the kernels producing the
 # input, and only the GEMM is an opaque op (w4a8_fast_gemm); "0" (default; measured faster): the Triton
@@ -434,6 +439,15 @@ class Sm90Backend(Backend):
         layout, w, s = small_m.CANONICAL, qweight, wscales
         if qweight.numel() == 0:  # quack's repacked tensors stand in for the canonical ones (replaced)
             layout, w, s = small_m.QUACK, extra[-4], extra[-3]
+        if layout == small_m.QUACK and getenv(ENV_EXACT_ONE_LAUNCH) == "1" and 1 <= m <= 2:
+            from . import small_m_fast
+            from .quack_gemm import weight as quack_gemm_weight
+
+            qw = quack_gemm_weight(extra[-4:])  # its fp32 wcscale and bias (zeros without one): views, no launch
+            sm = smooth if smooth.dtype == torch.float32 and smooth.is_contiguous() else smooth.float().contiguous()
+            pds = _proj_down_smoothed(extra, proj_down, smooth)[:, :r] if r else None
+            return small_m_fast.linear_exact(x, sm, w, s, qw.wc.reshape(-1), qw.bias.reshape(-1), pds,
+                                             proj_up.contiguous() if r else None, out_dtype=x.dtype)
         mma = layout == small_m.QUACK and x.dtype == torch.bfloat16 and _route_small_m_mma("exact", x, n)
         if mma and getenv(ENV_MMA_FUSED) == "1" and len(extra) in (4, 7):  # no branch, or its accumulator form
             from .quack_gemm import weight as quack_gemm_weight

@@ -15,10 +15,10 @@ wait for:
   ``amax`` propagates it) and counts itself in, then writes its chunk's ``x @ (proj_down / smooth)``
   partial (slot ``p`` of ``P + 1`` fp32 ``[BM, R]`` slots) and counts itself in again; the last to do so
   adds the ``P`` partials into slot ``P`` (``lora_act``) while the workers run and counts once more. Above
-  two tokens the next ``P`` are *quantizers*: once every producer's max is in, each writes its chunk of ``a8 = e4m3(x / smooth * r)``
-  in the GEMM's k order (``fast_layout``) and counts itself in. The rest are *workers* ``(64-row
-  group, split)``. Producers wait for nothing, quantizers only for producers, workers only for those
-  two: every CTA waited for holds a lower ticket and so is running, whatever the launch order or the
+  two tokens the next ``P`` are *quantizers*: once every producer's max is in, each writes its chunk of
+  ``a8 = e4m3(x / smooth * r)`` in the GEMM's k order (``fast_layout``) and counts itself in. The rest are
+  *workers* ``(64-row group, split)``. Producers wait for nothing, quantizers only for producers, workers only
+  for those two: every CTA waited for holds a lower ticket and so is running, whatever the launch order or the
   occupancy. A ticket past the grid (sync words not left at zero) does nothing.
 - **Workers** prefetch their split's weight lines into L2, wait, take ``sa`` and ``r = min(1 / sa,
   FLT_MAX)`` as ``nvfp4.fast_act`` does, and walk their k-tiles of the fast blob: per k-tile the
@@ -45,6 +45,17 @@ wait for:
   finish zeroes the ticket, the counts and the
   amax words, so the next launch on the stream needs no memset; a launch captured in a CUDA graph has
   words of its own (``small_m.sync_words``: zeroed beforehand, outside the capture).
+
+**The exact mode at one or two tokens** (``linear_exact``, ``EXACT``) runs in the same launch structure on
+quack's exact blob and strip (what the exact mode's prepared state holds). NVFP4 blocks need no token-wide
+amax, so the producers write their chunk's activations at once: per token and 16-block the E4M3 scale and the
+E2M1 codes times 2 as int8, four to a word in the blob's k order, and the words' negations (``_exact_acts``).
+The workers look each weight code up as its magnitude times 2 with ``prmt`` (a negative code reads 0 in the
+sign-replicate mode; with the sign bits flipped, the positive ones do) and take ``dp4a`` products with the
+activation words and their negations: 12 instructions for 8 weight values, then per word one convert and
+one FFMA with the two block scales (``_idp``, ``_product_exact``). A block's sum is exact in int32 and its
+scaling exact in fp32, so the result differs from the contract only in fp32 summation order (and in
+``lora_act``'s bf16 operands, as everywhere). The epilogue is the fast mode's with 1/4 as the tokens' scale.
 
 Under Triton's interpreter the programs run one after another in ticket order (producers, quantizers,
 workers), so no wait ever spins there; the E4M3 conversions and the code-word lookups are done by
@@ -290,12 +301,168 @@ def _bf16(v, ASM: tl.constexpr):
     return _rne_bf16(v)
 
 
+# ---- the exact mode (``linear_exact``): NVFP4 x NVFP4 as integer dot products -----------------------
+# quack's nvfp4 blob (``quack_gemm.repack_weight``) as int32 words: [N/64, K/64, 128 slots (32 t2 + 4 t1 + t0),
+# 4 words (b)]; word b of a slot holds byte 2 p1 + p0 = the codes of row 16 t2 + 8 p0 + t1 at k 16 b + 8 p1 +
+# 2 t0 + nibble of its 64-k tile. So the low halves of bytes (0, 2) are row r's four codes at k 16 b + 2 t0 +
+# (0, 1, 8, 9), bytes (1, 3) row r + 8's at the same k. An activation word (int8 x 4) holds the token's codes
+# times 2 at those four k; its negation is kept beside it.
+_IDP_ASM = tl.constexpr("""{
+    .reg .b32 cr, cq, xr, xq, t0, t1, t2, t3;
+    prmt.b32 cr, $2, 0, 0x0020;
+    prmt.b32 cq, $2, 0, 0x0031;
+    xor.b32 xr, cr, 0x8888;
+    xor.b32 xq, cq, 0x8888;
+    prmt.b32 t0, $5, $6, cr;
+    prmt.b32 t1, $5, $6, xr;
+    prmt.b32 t2, $5, $6, cq;
+    prmt.b32 t3, $5, $6, xq;
+    dp4a.s32.s32 $0, t0, $3, 0;
+    dp4a.s32.s32 $0, t1, $4, $0;
+    dp4a.s32.s32 $1, t2, $3, 0;
+    dp4a.s32.s32 $1, t3, $4, $1;
+    }""")
+
+
 @triton.jit
-def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, trace_ptr, p, P, M, K, R, stride_xm, stride_pd,
+def _e2m1x2(code):
+    """E2M1 codes (sign in bit 3) -> their values times 2 as integers (-12..12)."""
+    mag = code & 7
+    v = tl.where(mag < 4, mag, (2 + (mag & 1)) << tl.maximum((mag >> 1) - 1, 0))
+    return tl.where((code & 8) != 0, -v, v)
+
+
+@triton.jit
+def _sbyte(w, j: tl.constexpr):
+    """Signed byte ``j`` of int32 ``w``."""
+    return (w << (24 - 8 * j)) >> 24
+
+
+@triton.jit
+def _idp(word, aw, an, ASM: tl.constexpr):
+    """Blob words x activation words -> ``(row r, row r + 8)`` int32 sums of the four products each (codes
+    times 2 on both sides: 4x the value). On the GPU ``prmt`` looks the codes up as magnitudes; a code with its
+    sign bit set reads 0 there (``prmt``'s sign-replicate mode on a table of non-negative bytes), so the
+    positive codes dot the activations and, with the sign bits flipped, the negative ones dot their negation:
+    two ``dp4a`` a row. The interpreter: the same sums by arithmetic."""
+    if ASM:
+        lo = tl.full(word.shape, 0x03020100, tl.int32)  # the table: E2M1 magnitudes times 2 (in registers, not
+        hi = tl.full(word.shape, 0x0C080604, tl.int32)  # re-made a use: ptxas did that for the asm's own movs)
+        return tl.inline_asm_elementwise(asm=_IDP_ASM, constraints="=r,=r,r,r,r,r,r", args=[word, aw, an, lo, hi],
+                                         dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    s_r = (_e2m1x2(word & 15) * _sbyte(aw, 0) + _e2m1x2((word >> 4) & 15) * _sbyte(aw, 1)
+           + _e2m1x2((word >> 16) & 15) * _sbyte(aw, 2) + _e2m1x2((word >> 20) & 15) * _sbyte(aw, 3))
+    s_q = (_e2m1x2((word >> 8) & 15) * _sbyte(aw, 0) + _e2m1x2((word >> 12) & 15) * _sbyte(aw, 1)
+           + _e2m1x2((word >> 24) & 15) * _sbyte(aw, 2) + _e2m1x2((word >> 28) & 15) * _sbyte(aw, 3))
+    return s_r, s_q
+
+
+@triton.jit
+def _pack_bytes(v):
+    """int ``[..., 4 t0, 2 p1, 2 nibble]`` (each -128..127) -> int32 ``[..., 4 t0]``: byte 2 p1 + nibble."""
+    n0, n1 = tl.split(v)  # nibble 0 / 1: [..., t0, p1]
+    b0, b2 = tl.split(n0)
+    b1, b3 = tl.split(n1)
+    return (b0 & 0xFF) | ((b1 & 0xFF) << 8) | ((b2 & 0xFF) << 16) | (b3 << 24)
+
+
+@triton.jit
+def _exact_acts(x_ptr, smooth_ptr, a8_ptr, k0, M, K, stride_xm, BM: tl.constexpr):
+    """The 128-k tile at ``k0`` of every token row's NVFP4 activations (``kernels.quantize_act``'s rules: ``x *
+    (1 / smooth)``, the E4M3 block scale of ``amax / 6`` nearest even, the nearest-even E2M1 code of ``xs *
+    (1 / scale)``) into ``a8``: int32 words ``[BM, K / 128, 2 (codes x 2, negated), 2 h, 4 b, 4 t0]`` (the blob's
+    k order: ``_idp``), then the block scales ``[BM, K / 16]`` fp32 (NaN for a block holding a NaN or an Inf).
+    Rows past ``M`` are written as zeros."""
+    rm = tl.arange(0, BM)
+    rk = k0 + tl.arange(0, _TK)
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None], other=0.0).to(tl.float32)
+    xs = x * tl.math.div_rn(tl.full([_TK], 1.0, tl.float32), tl.load(smooth_ptr + rk))[None, :]
+    xb = tl.reshape(xs, (BM, 8, 16))
+    mb = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)  # (integer order: a NaN or an Inf is >= Inf's)
+    finite = mb < 0x7F800000
+    sdiv = tl.math.div_rn(mb.to(tl.float32, bitcast=True), tl.full([BM, 8], 6.0, tl.float32))
+    sf = tl.where(finite, _round_e4m3(sdiv), 0.0)
+    r = tl.where(sf > 0, tl.math.div_rn(tl.full([BM, 8], 1.0, tl.float32), sf), 0.0)
+    q = xb * r[:, :, None]
+    a = tl.abs(q)
+    # nearest-even E2M1 times 2: the midpoints 0.25 (down), 0.75 (up), 1.25, 1.75, 2.5, 3.5, 5 alternate
+    v = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
+         + 2 * (a > 2.5).to(tl.int32) + 2 * (a >= 3.5).to(tl.int32) + 4 * (a > 5.0).to(tl.int32))
+    v = tl.where(q < 0, -v, v)
+    # k = 64 h + 16 b + 8 p1 + 2 t0 + nibble -> [BM, h, b, t0, p1, nibble]
+    v = tl.permute(tl.reshape(v, (BM, 2, 4, 2, 4, 2)), (0, 1, 2, 4, 3, 5))
+    kt = k0 // _TK
+    KT = K // _TK
+    ro = tl.arange(0, 32)
+    base = a8_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (rm[:, None] * KT + kt) * 64 + ro[None, :]
+    tl.store(base, tl.reshape(_pack_bytes(v), (BM, 32)))
+    tl.store(base + 32, tl.reshape(_pack_bytes(-v), (BM, 32)))
+    sa_ptr = a8_ptr.to(tl.pointer_type(tl.float32), bitcast=True) + BM * KT * 64
+    rb = tl.arange(0, 8)
+    tl.store(sa_ptr + rm[:, None] * (K // 16) + kt * 8 + rb[None, :], tl.where(finite, sf, float("nan")))
+
+
+@triton.jit
+def _slot_sums(c):
+    """``[2 h, 32 slots, 4 t0, 4 b]`` -> the sum per slot ``[32]``."""
+    return tl.sum(tl.sum(tl.sum(c, axis=3), axis=2), axis=0)
+
+
+@triton.jit
+def _product_exact(blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K, rm, BM: tl.constexpr,
+                   NUM_STAGES: tl.constexpr, ASM: tl.constexpr):
+    """The exact mode's partial product ``[64, BM]`` (fp32, 4x the value: ``linear_exact`` passes 1/4 as the
+    tokens' scale): group ``g``'s rows over 128-k tiles ``[kt_lo, kt_hi)`` of quack's blob and strip, on the
+    producers' activation words (``_exact_acts``). A block's 16 products sum exactly (int32 four at a time, at
+    most 16 x 144 in all), times its two E4M3 scales (exact in fp32): the fp32 sum order is the only difference
+    from the contract."""
+    # a 128-k tile: words [2 h, 32 (8 t2 + t1), 4 t0, 4 b]; strip bytes [2 h, 32, 4 b, 2 p0]
+    hh = tl.arange(0, 2)[:, None, None, None]
+    o_w = ((hh * 32 + tl.arange(0, 32)[None, :, None, None]) * 4 + tl.arange(0, 4)[None, None, :, None]) * 4 \
+        + tl.arange(0, 4)[None, None, None, :]
+    o_a = hh * 16 + tl.arange(0, 4)[None, None, :, None] + tl.arange(0, 4)[None, None, None, :] * 4  # [2, 1, t0, b]
+    o_s = (hh * 32 + tl.arange(0, 32)[None, :, None, None]) * 8 + tl.arange(0, 4)[None, None, None, :] * 2  # p0 = 0
+    o_b = hh * 4 + tl.arange(0, 4)[None, None, None, :]  # [2, 1, 1, 4]: block 4 h + b of the tile
+    wbase = blob_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    abase = a8_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    sa_ptr = a8_ptr.to(tl.pointer_type(tl.float32), bitcast=True) + BM * KT * 64
+    # fp32 sums a word slot (no sum across threads in the loop: the slots are summed once, after it)
+    c00 = tl.zeros([2, 32, 4, 4], tl.float32)  # token 0, row r
+    c01 = tl.zeros([2, 32, 4, 4], tl.float32)  # token 0, row r + 8
+    c10 = tl.zeros([2, 32, 4, 4], tl.float32)  # token 1 (its slots cost nothing at one token)
+    c11 = tl.zeros([2, 32, 4, 4], tl.float32)
+    for kt in tl.range(kt_lo, kt_hi, num_stages=NUM_STAGES):
+        tile = g * KT + kt
+        word = tl.load(wbase + tile * 1024 + o_w)
+        # rows r / r + 8: [2, 32, 1, 4 b] (as two loads: one of [.., 8] split in two went through shared memory)
+        s0 = tl.load(strip_ptr + tile * 512 + o_s).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        s1 = tl.load(strip_ptr + tile * 512 + o_s + 1).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        aw = tl.load(abase + kt * 64 + o_a, cache_modifier=".cg")
+        an = tl.load(abase + kt * 64 + 32 + o_a, cache_modifier=".cg")
+        sa = tl.load(sa_ptr + kt * 8 + o_b, cache_modifier=".cg")
+        d0, d1 = _idp(word, aw, an, ASM)
+        c00 += d0.to(tl.float32) * (s0 * sa)
+        c01 += d1.to(tl.float32) * (s1 * sa)
+        if BM > 1:
+            aw = tl.load(abase + (KT + kt) * 64 + o_a, cache_modifier=".cg")
+            an = tl.load(abase + (KT + kt) * 64 + 32 + o_a, cache_modifier=".cg")
+            sa = tl.load(sa_ptr + K // 16 + kt * 8 + o_b, cache_modifier=".cg")
+            d0, d1 = _idp(word, aw, an, ASM)
+            c10 += d0.to(tl.float32) * (s0 * sa)
+            c11 += d1.to(tl.float32) * (s1 * sa)
+    # slot i = 8 t2 + t1 holds rows 16 t2 + t1 (r) and + 8: [64] rows in order, a token each
+    a_0 = tl.reshape(tl.permute(tl.reshape(tl.join(_slot_sums(c00), _slot_sums(c01)), [4, 8, 2]), [0, 2, 1]), [64])
+    a_1 = tl.reshape(tl.permute(tl.reshape(tl.join(_slot_sums(c10), _slot_sums(c11)), [4, 8, 2]), [0, 2, 1]), [64])
+    return tl.where(rm[None, :] == 0, a_0[:, None], a_1[:, None])  # [64, BM]
+
+
+@triton.jit
+def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, a8_ptr, sync_ptr, trace_ptr, p, P, M, K, R, stride_xm, stride_pd,
               k_per_prod, BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, CKA: tl.constexpr,
               PC: tl.constexpr, HAS_LORA: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, TRACE: tl.constexpr,
-              DELAY: tl.constexpr = 0):
-    """Chunk ``p`` of K: the tokens' partial max of ``|x / smooth|``, then its ``x @ (proj_down / smooth)``
+              DELAY: tl.constexpr = 0, EXACT: tl.constexpr = False):
+    """Chunk ``p`` of K: the tokens' partial max of ``|x / smooth|`` (``EXACT``: its NVFP4 activations,
+    ``_exact_acts``), then its ``x @ (proj_down / smooth)``
     partial ``[BM, RB]`` (R in chunks of RC columns), each published with a count. The last producer to count
     its partial adds the ``P`` partials (PC at a time, each chunk as a tree, chunks in order) into
     ``lora_act`` (slot ``P``) while the workers run, and counts once more. Waits for nothing. ``DELAY`` (ns,
@@ -304,15 +471,19 @@ def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, trace_ptr, p, P, M, K
     k_hi = tl.minimum(K, k_lo + k_per_prod)
     rm = tl.arange(0, BM)
     m_ok = rm < M
-    mx = tl.zeros([BM], tl.int32)
-    for k0 in range(k_lo, k_hi, CKA):  # (every worker waits for this: one load a chunk of up to CKA)
-        rk = k0 + tl.arange(0, CKA)
-        k_ok = rk < k_hi
-        mask = m_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-        xs = x * tl.load(inv_ptr + rk, mask=k_ok, other=0.0)[None, :]
-        mx = tl.maximum(mx, tl.max(xs.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))  # NaN's bits win
-    tl.atomic_max(sync_ptr + _AMAX + rm, mx, mask=m_ok, sem="relaxed")
+    if EXACT:  # the chunk's NVFP4 activations (no token-wide amax: every worker waits for these)
+        for k0 in range(k_lo, k_hi, _TK):
+            _exact_acts(x_ptr, inv_ptr, a8_ptr, k0, M, K, stride_xm, BM)
+    else:
+        mx = tl.zeros([BM], tl.int32)
+        for k0 in range(k_lo, k_hi, CKA):  # (every worker waits for this: one load a chunk of up to CKA)
+            rk = k0 + tl.arange(0, CKA)
+            k_ok = rk < k_hi
+            mask = m_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+            xs = x * tl.load(inv_ptr + rk, mask=k_ok, other=0.0)[None, :]
+            mx = tl.maximum(mx, tl.max(xs.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))  # NaN's bits win
+        tl.atomic_max(sync_ptr + _AMAX + rm, mx, mask=m_ok, sem="relaxed")
     tl.debug_barrier()
     tl.atomic_add(sync_ptr + _AMAX_CNT, 1, sem="release")
     _stamp(trace_ptr, 1, p, TRACE)
@@ -512,6 +683,7 @@ def _fast_small_m_kernel(
     BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, CKA: tl.constexpr, SC: tl.constexpr,
     PC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, ASM: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT: tl.constexpr, POLL: tl.constexpr = 0, TRACE: tl.constexpr = False, DELAY: tl.constexpr = 0,
+    EXACT: tl.constexpr = False,
 ):
     # CK: the k-chunk of the producers' low-rank and the quantizers' [BM, CK] tiles (at most 2048 elements: no
     # spills at 64 rows); CKA the producers' amax chunk (up to 512: one load at a few tokens); SC: the split
@@ -532,8 +704,8 @@ def _fast_small_m_kernel(
                                        is_pure=False, pack=1)
         tl.store(trace_ptr + tl.program_id(0) * _TRACE_COLS + 7, t.to(tl.int64) | (sm.to(tl.int64) << 32))
     if t < P:
-        _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, sync_ptr, trace_ptr, t, P, M, K, R, stride_xm, stride_pd,
-                  k_per_prod, BM, RB, RC, CK, CKA, PC, HAS_LORA, DOT, ASM, TRACE, DELAY)
+        _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, a8_ptr, sync_ptr, trace_ptr, t, P, M, K, R, stride_xm,
+                  stride_pd, k_per_prod, BM, RB, RC, CK, CKA, PC, HAS_LORA, DOT, ASM, TRACE, DELAY, EXACT)
     elif t < P + Q:
         _quantizer(x_ptr, inv_ptr, a8_ptr, sync_ptr, trace_ptr, t - P, P, M, K, stride_xm, k_per_prod, BM, CK, ASM,
                    POLL, TRACE)
@@ -555,9 +727,13 @@ def _fast_small_m_kernel(
         _stamp(trace_ptr, 1, t, TRACE)
         _probe(trace_ptr, 8, wbase + (g * KT + kt_lo) * 1024, TRACE)  # the chunk's first and last k-tile
         _probe(trace_ptr, 9, wbase + (g * KT + kt_hi - 1) * 1024, TRACE)
-        sa, rinv = _token_scales(sync_ptr, rm, m_ok, BM)
-        acc = _product(x_ptr, inv_ptr, blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K, stride_xm, rm, m_ok,
-                       rinv, BM, ASM, NUM_STAGES, DOT)
+        if EXACT:  # (the products are 4x the value: codes times 2 on both sides)
+            sa = tl.full([BM], 0.25, tl.float32)
+            acc = _product_exact(blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K, rm, BM, NUM_STAGES, ASM)
+        else:
+            sa, rinv = _token_scales(sync_ptr, rm, m_ok, BM)
+            acc = _product(x_ptr, inv_ptr, blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K, stride_xm, rm, m_ok,
+                           rinv, BM, ASM, NUM_STAGES, DOT)
         _stamp(trace_ptr, 2, t, TRACE)
         _finish(acc, sa, g, c - g * S, G, S, P, R, M, rm, m_ok, cs_ptr, bias_ptr, up_ptr, out_ptr, part_ptr,
                 lpart_ptr, sync_ptr, trace_ptr, t, stride_om, BM, RB, RC, SC, HAS_BIAS, HAS_LORA, ASM, POLL, TRACE)
@@ -681,21 +857,31 @@ def check(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip: 
         raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
     m, k = x.shape
     n = cs.numel()
-    others = [t for t in (inv_smooth, blob, strip, cs, bias, proj_down, proj_up) if t is not None]
-    if any(t.device != x.device for t in others):
-        raise ValueError(f"every operand must be on x's device ({x.device})")
     if not 1 <= m <= MAX_M:
         raise ValueError(f"the one-launch fast kernel serves 1 to {MAX_M} tokens, got {m}")
-    if not x.is_floating_point():
-        raise ValueError(f"x must be a float tensor, got {x.dtype}")
     if n < 64 or k < TILE_K or n % 64 or k % TILE_K or blob.shape != (n // 64, k // TILE_K, 128, 32) \
             or strip.shape != (n // 64, k // TILE_K, 512):
         raise ValueError(f"expected the fast blob [N/64, K/128, 128, 32] and strip [N/64, K/128, 512] of a {n} x {k} "
                          f"weight (N, K > 0, N % 64 == 0, K % 128 == 0), got {tuple(blob.shape)} and "
                          f"{tuple(strip.shape)}")
+    _check_operands(x, ("inv_smooth", inv_smooth), blob, strip, cs, bias, proj_down, proj_up)
+
+
+def _check_operands(x: torch.Tensor, vec: tuple[str, torch.Tensor], blob: torch.Tensor, strip: torch.Tensor,
+                    cs: torch.Tensor, bias: torch.Tensor | None, proj_down: torch.Tensor | None,
+                    proj_up: torch.Tensor | None) -> None:
+    """What ``check`` and ``check_exact`` share: devices, x's dtype, the weight's bytes, the fp32 vectors (``vec``:
+    the [K] one's name and tensor), the low-rank pair."""
+    m, k = x.shape
+    n = cs.numel()
+    others = [t for t in (vec[1], blob, strip, cs, bias, proj_down, proj_up) if t is not None]
+    if any(t.device != x.device for t in others):
+        raise ValueError(f"every operand must be on x's device ({x.device})")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a float tensor, got {x.dtype}")
     if blob.dtype != torch.uint8 or strip.dtype != torch.uint8 or not (blob.is_contiguous() and strip.is_contiguous()):
         raise ValueError(f"the blob and strip must be contiguous uint8, got {blob.dtype} / {strip.dtype}")
-    for name, t, length in (("cs", cs, n), ("inv_smooth", inv_smooth, k), ("bias", bias, n)):
+    for name, t, length in (("cs", cs, n), (vec[0], vec[1], k), ("bias", bias, n)):
         if t is not None and (t.dtype != torch.float32 or t.numel() != length or not t.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous float32 tensor of {length} elements, got {t.dtype} "
                              f"{tuple(t.shape)} (contiguous: {t.is_contiguous()})")
@@ -734,6 +920,50 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
     the epilogue's wait: ``_producer``). ``num_warps`` (4 or 8) and ``maxnreg`` (a register cap) are
     for measurement too: the occupancy the split's ``ctas_per_sm`` can count on."""
     check(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up)
+    return _run(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, out_dtype, num_stages, sms, ctas_per_sm, dot,
+                poll, trace, delay_ns, num_warps, maxnreg, False)
+
+
+def check_exact(x: torch.Tensor, smooth: torch.Tensor, blob: torch.Tensor, strip: torch.Tensor, cs: torch.Tensor,
+                bias: torch.Tensor | None, proj_down: torch.Tensor | None, proj_up: torch.Tensor | None) -> None:
+    """``check`` for ``linear_exact``: quack's blob and strip, one or two tokens."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
+    m, k = x.shape
+    n = cs.numel()
+    if not 1 <= m <= FMA_MAX_M:
+        raise ValueError(f"the exact one-launch kernel serves 1 to {FMA_MAX_M} tokens, got {m}")
+    if n < 64 or k < TILE_K or n % 64 or k % TILE_K or blob.shape != (n // 64, k // 64, 128, 16) \
+            or strip.shape != (n // 64, k // 64, 32, 4, 2):
+        raise ValueError(f"expected quack's nvfp4 blob [N/64, K/64, 128, 16] and strip [N/64, K/64, 32, 4, 2] of a "
+                         f"{n} x {k} weight (N % 64 == 0, K % {TILE_K} == 0), got {tuple(blob.shape)} and "
+                         f"{tuple(strip.shape)}")
+    _check_operands(x, ("smooth", smooth), blob, strip, cs, bias, proj_down, proj_up)
+
+
+def linear_exact(x: torch.Tensor, smooth: torch.Tensor, blob: torch.Tensor, strip: torch.Tensor, cs: torch.Tensor,
+                 bias: torch.Tensor | None = None, proj_down: torch.Tensor | None = None,
+                 proj_up: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, num_stages: int = 3,
+                 sms: int = SM_COUNT, ctas_per_sm: int | None = None, poll: int = 0,
+                 trace: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
+    """The exact W4A4 linear (``nvfp4.svdq_w4a4_linear``'s contract) for one or two tokens in one launch.
+
+    ``x [M, K]``; ``smooth [K]`` fp32; ``blob`` / ``strip`` quack's nvfp4 repack of the weight
+    (``quack_gemm.repack_weight`` / ``repack_scales``: what the exact mode's prepared state holds); ``cs [N]``
+    fp32 ``wcscale``; ``bias [N]``; ``proj_down [K, >= R]`` the smoothed ``proj_down / smooth`` (bf16) with
+    ``proj_up [N, R]``. The producers write the activations' NVFP4 codes and scales (``_exact_acts``) and the
+    ``lora_act`` partials; the workers take integer dot products of the weight's and the activations' codes
+    (``_idp``, ``_product_exact``); the epilogue is the fast kernel's with 1/4 as the tokens' scale. Each block's
+    sum is exact, so the result differs from the reference only in the blocks' fp32 summation order and in
+    ``lora_act``'s bf16 operands (the contract's tensor-core allowance). The other arguments as ``linear``'s."""
+    check_exact(x, smooth, blob, strip, cs, bias, proj_down, proj_up)
+    return _run(x, smooth, blob, strip, cs, bias, proj_down, proj_up, out_dtype, num_stages, sms, ctas_per_sm, False,
+                poll, trace, 0, num_warps, None, True)
+
+
+def _run(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, out_dtype, num_stages, sms, ctas_per_sm, dot,
+         poll, trace, delay_ns, num_warps, maxnreg, exact: bool) -> torch.Tensor:
+    """``linear`` (``exact``: ``linear_exact``, ``inv_smooth`` then being ``smooth``) after its checks."""
     m, k = x.shape
     n = cs.numel()
     out_dtype = out_dtype or x.dtype
@@ -743,8 +973,8 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
         raise ValueError(f"delay_ns reads the GPU's global timer: a positive delay on a GPU, got {delay_ns}")
     if _INTERPRET and out_dtype != torch.float32:
         # the CPU interpreter's fp32 -> 16-bit conversion does not round to nearest: cast outside
-        return linear(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, torch.float32, num_stages,
-                      sms, ctas_per_sm, dot, poll, num_warps=num_warps).to(out_dtype)
+        return _run(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, torch.float32, num_stages, sms,
+                    ctas_per_sm, dot, poll, None, 0, num_warps, maxnreg, exact).to(out_dtype)
     dot = use_dots(m, n, k) if dot is None else dot
     if not dot and m > FMA_MAX_M:
         raise ValueError(f"the multiply-add form serves at most {FMA_MAX_M} tokens, got {m}")
@@ -757,11 +987,15 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
     bm = rows(m, dot)
     rb = max(16, next_pow2(r)) if r else 16
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
-    a8 = torch.empty(bm, k, device=x.device, dtype=torch.uint8) if dot else None  # (padding rows: zeros)
+    if exact:  # the activations' words and block scales (_exact_acts)
+        a8 = torch.empty(bm * (k // TILE_K * 64 + k // 16), device=x.device, dtype=torch.int32)
+    else:
+        a8 = torch.empty(bm, k, device=x.device, dtype=torch.uint8) if dot else None  # (padding rows: zeros)
     sync = _sync(x.device, groups)
     dummy = cs
     meta = dict(BM=bm, RB=rb, RC=min(rb, 32), **chunks(bm, rb), HAS_BIAS=bias is not None, HAS_LORA=bool(r),
                 ASM=not _INTERPRET, NUM_STAGES=num_stages, DOT=dot, POLL=poll, TRACE=trace is not None, DELAY=delay_ns,
+                EXACT=exact,
                 num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}))
 
     def launch_args(ctas: int, default_build: bool = False) -> tuple[int, tuple]:

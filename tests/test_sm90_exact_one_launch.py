@@ -1,0 +1,306 @@
+"""The exact mode's one-launch kernel for one or two tokens (``small_m_fast.linear_exact``): the producers'
+NVFP4 activation codes and scales, integer dot products of the weight's and the activations' codes on quack's
+blob, the fast kernel's split-K sum and epilogue. Against the contract (``nvfp4.w4a4_linear`` in float64, its
+tolerance ``nvfp4.tolerance``); the ``prmt`` / ``dp4a`` text of the product run by a small PTX model; the
+sm_90a build's SASS. On the CPU through Triton's interpreter (conftest); on a GPU compiled."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from svdq_linear import nvfp4
+
+pytest.importorskip("triton")
+smf = pytest.importorskip("svdq_linear.backends.sm90.small_m_fast")
+quack_gemm = pytest.importorskip("svdq_linear.backends.sm90.quack_gemm")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _layer(n, k, r, gen):
+    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    ws = (torch.rand(n, k // 16, generator=gen) * 0.9 + 0.01).to(torch.float8_e4m3fn)
+    ws[0, 1] = 0  # a zero block scale
+    ws[1, 2] = torch.tensor(2.0**-9).to(torch.float8_e4m3fn)  # the smallest subnormal one
+    ws[5, 3] = 448.0  # the largest
+    codes = torch.arange(16, dtype=torch.uint8)
+    q[2, :16] = codes | ((15 - codes) << 4)  # all 16 codes (both signs, -0 included) in either nibble
+    q[3] = 0  # an all-zero row
+    wc = torch.rand(n, generator=gen) + 0.5
+    smooth = torch.exp(torch.randn(k, generator=gen) * 0.3)
+    pd = torch.randn(k, r, generator=gen) * 0.1
+    up = (torch.randn(n, r, generator=gen) * 0.1).bfloat16()
+    return q, ws, wc, smooth, pd, up
+
+
+def _run(x, q, ws, wc, smooth, pd, up, bias, out_dtype):
+    """``linear_exact`` on what the exact mode's prepared state holds: quack's blob and strip, the bf16
+    ``proj_down / smooth``."""
+    r = pd.shape[1]
+    to = dict(device=DEV)
+    return smf.linear_exact(x.to(**to), smooth.to(**to), quack_gemm.repack_weight(q).to(**to),
+                            quack_gemm.repack_scales(ws).to(**to), wc.to(**to),
+                            None if bias is None else bias.to(**to),
+                            (pd / smooth[:, None]).bfloat16().to(**to) if r else None, up.to(**to) if r else None,
+                            out_dtype=out_dtype).cpu()
+
+
+def _assert_contract(y, x, q, ws, wc, smooth, pd, up, bias, what):
+    want = nvfp4.w4a4_linear(x, q, ws, smooth, pd, up.float(), wc, bias, torch.float64)
+    bound = nvfp4.tolerance(x, q, ws, smooth, pd, up.float(), wc, bias, y.dtype)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(y), nan), f"{what}: NaN where the contract has none, or none where it has"
+    err = (y.double() - want).abs()[~nan]
+    assert (err <= bound[~nan]).all(), f"{what}: {int((err > bound[~nan]).sum())} elements out of the contract's " \
+                                       f"tolerance (worst {(err / bound[~nan]).max().item():.2f}x)"
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("r", [0, 16, 32])
+@pytest.mark.parametrize("n,k,out_dtype", [(128, 256, torch.bfloat16), (64, 512, torch.float32)])
+def test_exact_one_launch_meets_the_contract(m, r, n, k, out_dtype):
+    gen = torch.Generator().manual_seed(100 * m + r + k)
+    q, ws, wc, smooth, pd, up = _layer(n, k, r, gen)
+    bias = torch.randn(n, generator=gen) if r != 16 else None
+    x = torch.randn(m, k, generator=gen).bfloat16() * 3
+    x[0, 16:32] = 0  # an all-zero block
+    x[-1, 40] = 900.0  # an outlier
+    x[0, 70] = 1e-30  # a tiny value in a block of normal ones
+    y = _run(x, q, ws, wc, smooth, pd, up, bias, out_dtype)
+    assert y.dtype == out_dtype and y.shape == (m, n)
+    _assert_contract(y, x, q, ws, wc, smooth, pd, up, bias, f"m={m} r={r} {n}x{k}")
+
+
+def test_exact_one_launch_keeps_nan_blocks_to_their_token():
+    """A NaN in token 0 and an Inf in token 1 make the contract's output NaN for that token; the other
+    token of a call stays finite."""
+    gen = torch.Generator().manual_seed(5)
+    n, k, r = 64, 256, 16
+    q, ws, wc, smooth, pd, up = _layer(n, k, r, gen)
+    for bad, row in ((float("nan"), 0), (float("inf"), 1)):
+        x = torch.randn(2, k, generator=gen)
+        x[row, 130] = bad
+        y = _run(x, q, ws, wc, smooth, pd, up, None, torch.float32)
+        assert torch.isnan(y[row]).all() and torch.isfinite(y[1 - row]).all(), bad
+        _assert_contract(y, x, q, ws, wc, smooth, pd, up, None, f"{bad} in token {row}")
+
+
+def test_exact_one_launch_leaves_its_sync_words_at_zero():
+    gen = torch.Generator().manual_seed(6)
+    n, k, r = 128, 512, 8
+    q, ws, wc, smooth, pd, up = _layer(n, k, r, gen)
+    x = torch.randn(1, k, generator=gen)
+    first = _run(x, q, ws, wc, smooth, pd, up, None, torch.float32)
+    sync = smf._sync(torch.device(DEV), n // 64)
+    assert int(sync.abs().sum()) == 0, "ticket, counts or group counters left set"
+    assert torch.equal(_run(x, q, ws, wc, smooth, pd, up, None, torch.float32), first)  # and a second call agrees
+
+
+def test_exact_one_launch_refuses_what_it_cannot_read():
+    n, k = 64, 256
+    x = torch.zeros(1, k)
+    blob = torch.zeros(n // 64, k // 64, 128, 16, dtype=torch.uint8)
+    strip = torch.zeros(n // 64, k // 64, 32, 4, 2, dtype=torch.uint8)
+    ones = torch.ones(k)
+    cs = torch.ones(n)
+    with pytest.raises(ValueError, match="1 to 2 tokens"):
+        smf.linear_exact(torch.zeros(3, k), ones, blob, strip, cs)
+    with pytest.raises(ValueError, match="quack's nvfp4 blob"):  # the fast blob is not the exact mode's
+        smf.linear_exact(x, ones, torch.zeros(n // 64, k // 128, 128, 32, dtype=torch.uint8),
+                         torch.zeros(n // 64, k // 128, 512, dtype=torch.uint8), cs)
+    with pytest.raises(ValueError, match="smooth must be a contiguous float32"):
+        smf.linear_exact(x, ones.half(), blob, strip, cs)
+    with pytest.raises(ValueError, match="K % 128"):
+        smf.linear_exact(torch.zeros(1, 192), torch.ones(192), torch.zeros(1, 3, 128, 16, dtype=torch.uint8),
+                         torch.zeros(1, 3, 32, 4, 2, dtype=torch.uint8), cs)
+    with pytest.raises(ValueError, match="come together"):
+        smf.linear_exact(x, ones, blob, strip, cs, proj_down=torch.zeros(k, 8, dtype=torch.bfloat16))
+
+
+# ---- the product's PTX, run by a model of the instructions it uses ------------------------------------------
+
+def _prmt(a, b, c):
+    """PTX ``prmt.b32`` (no mode): result byte i from selector nibble i of c's low 16 bits; its low 3 bits pick
+    a byte of (b:a), its bit 3 replicates that byte's sign bit instead of copying it."""
+    src = ((b & 0xFFFFFFFF) << 32) | (a & 0xFFFFFFFF)
+    out = 0
+    for i in range(4):
+        sel = (c >> (4 * i)) & 0xF
+        byte = (src >> (8 * (sel & 7))) & 0xFF
+        if sel & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def _dp4a(a, b, c):
+    """PTX ``dp4a.s32.s32``: c + the sum of the four signed byte products."""
+    s = c
+    for i in range(4):
+        x, y = (a >> (8 * i)) & 0xFF, (b >> (8 * i)) & 0xFF
+        s += (x - 256 if x > 127 else x) * (y - 256 if y > 127 else y)
+    return ((s + 2**31) % 2**32) - 2**31
+
+
+def _imm(tok, regs):
+    tok = tok.strip()
+    return regs[tok] if tok in regs else int(tok, 0)
+
+
+def _run_ptx(text, inputs):
+    """Executes the asm block's ``prmt`` / ``xor`` / ``dp4a`` lines on Python ints; ``$i`` are the operands."""
+    regs = dict(inputs)
+    for line in text.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        d, *src = [t.strip() for t in rest.split(",")]
+        v = [_imm(t, regs) for t in src]
+        if op == "prmt.b32":
+            regs[d] = _prmt(*v)
+        elif op == "xor.b32":
+            regs[d] = (v[0] ^ v[1]) & 0xFFFFFFFF
+        elif op == "dp4a.s32.s32":
+            regs[d] = _dp4a(*v)
+        else:
+            raise AssertionError(f"the model does not know {op}")
+    return regs
+
+
+def test_product_ptx_gives_the_signed_code_products():
+    """For every weight code pair and random activation codes, the asm's two outputs are row r's and row
+    r + 8's sums of (E2M1 value x 2) x (activation code value x 2) over the word's four k: bytes 0 and 2 of
+    the blob word (low nibble first) are row r's, bytes 1 and 3 row r + 8's (``quack_gemm``'s layout)."""
+    text = smf._IDP_ASM.value
+    e2m1x2 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12])
+    rng = np.random.default_rng(0)
+    words = [int(w) for w in rng.integers(0, 2**32, 2000, dtype=np.uint64)]
+    words += [sum(c << (4 * i) for i in range(8)) for c in range(16)]  # every code in every nibble
+    for w in words:
+        acts = [int(e2m1x2[c]) for c in rng.integers(0, 16, 4)]
+        aw = sum((a & 0xFF) << (8 * i) for i, a in enumerate(acts))
+        an = sum((-a & 0xFF) << (8 * i) for i, a in enumerate(acts))
+        regs = _run_ptx(text, {"$2": w, "$3": aw, "$4": an, "$5": 0x03020100, "$6": 0x0C080604})
+        nib = [(w >> (4 * i)) & 0xF for i in range(8)]
+        want_r = sum(int(e2m1x2[nib[j]]) * acts[i] for i, j in enumerate((0, 1, 4, 5)))
+        want_q = sum(int(e2m1x2[nib[j]]) * acts[i] for i, j in enumerate((2, 3, 6, 7)))
+        assert (regs["$0"], regs["$1"]) == (want_r, want_q), hex(w)
+
+
+def test_product_table_is_the_kernel_operand():
+    """The table registers the kernel hands the asm ($5, $6) are the E2M1 magnitudes times 2, non-negative
+    bytes (what the sign-replicate lookups of negative codes rely on to read 0)."""
+    src = open(smf.__file__).read()
+    assert "0x03020100" in src and "0x0C080604" in src
+    table = [(0x03020100 >> (8 * i)) & 0xFF for i in range(4)] + [(0x0C080604 >> (8 * i)) & 0xFF for i in range(4)]
+    assert table == [0, 1, 2, 3, 4, 6, 8, 12]
+
+
+# ---- the sm_90a build --------------------------------------------------------------------------------------
+
+_SASS = r"""
+import collections, json, re, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from svdq_linear.backends.sm90 import small_m_fast as smf
+from svdq_linear.precompile import _nvidia_bin
+
+sig = dict(x_ptr="*bf16", inv_ptr="*fp32", blob_ptr="*u8", strip_ptr="*u8", cs_ptr="*fp32", bias_ptr="*fp32",
+           pd_ptr="*bf16", up_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", lpart_ptr="*fp32", a8_ptr="*i32",
+           sync_ptr="*i32", trace_ptr="*i64", M="i32", N="i32", K="i32", R="i32", stride_xm="i32", stride_pd="i32",
+           stride_om="i32", tiles_per_split="i32", S="i32", P="i32", k_per_prod="i32")
+out = {}
+for bm in (1, 2):
+    cx = dict(BM=bm, RB=32, RC=32, **smf.chunks(bm, 32), HAS_BIAS=True, HAS_LORA=True, ASM=True, NUM_STAGES=3,
+              DOT=False, POLL=0, TRACE=False, DELAY=0, EXACT=True)
+    fn = smf._fast_small_m_kernel
+    full = {a: ("constexpr" if a in cx else sig[a]) for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if a not in cx and a not in ("M", "R", "S", "P", "tiles_per_split")}
+    ck = triton.compile(ASTSource(fn, full, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=4))
+    cub = sys.argv[1] + f"/e{bm}.cubin"
+    open(cub, "wb").write(ck.asm["cubin"])
+    sass = subprocess.run([_nvidia_bin("cuobjdump"), "--dump-sass", cub], capture_output=True, text=True,
+                          check=True).stdout
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = [(lo, addr) for addr, t in ins if (b := re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", t))
+             and (lo := int(b.group(1), 16)) < addr]
+    bodies = [[t for a, t in ins if lo <= a <= hi] for lo, hi in loops]
+    body = max((b for b in bodies if any("IDP.4A" in t for t in b)), key=len)  # the worker's k-loop
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body)
+    whole = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in ins)
+    out[bm] = dict(per_value=len(body) / 64, idp=ops["IDP.4A.S8.S8"], prmt=ops["PRMT"], ffma=ops["FFMA"],
+                   i2f=ops["I2FP.F32.S32"], shfl=sum(v for o, v in ops.items() if "SHFL" in o),
+                   local=sum(v for o, v in whole.items() if o.startswith(("LDL", "STL"))),
+                   prefetch=whole["CCTL.E.PF2"], body=len(body))
+print(json.dumps(out))
+"""
+
+
+def test_exact_one_launch_compiles_to_integer_dot_products(tmp_path):
+    """Compiled for sm_90a here (no GPU; the real compiler, in a child process). Per k-tile a thread takes 8
+    blob words (64 weight values): 6 ``PRMT`` a word (two gathers, four lookups) and 4 ``IDP.4A`` a word a
+    token, one convert and one FFMA a word and row a token, nothing across threads in the loop, no local
+    memory; the weight lines are prefetched into L2 before the wait. Triton 3.9: 249 instructions a k-tile at
+    one token (3.9 a weight value, against the fast mode's multiply-adds' 5.1)."""
+    from svdq_linear.precompile import _nvidia_bin
+
+    if not os.path.exists(_nvidia_bin("cuobjdump")):
+        pytest.skip("no cuobjdump in this Triton's CUDA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _SASS, str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    for bm, st in ((1, out["1"]), (2, out["2"])):
+        assert st["idp"] == 32 * bm and st["prmt"] == 48, (bm, st)  # the words are decoded once for both tokens
+        assert st["i2f"] == 16 * bm and st["ffma"] == 16 * bm, (bm, st)
+        assert st["shfl"] == 0 and st["local"] == 0 and st["prefetch"] >= 2, (bm, st)
+    assert out["1"]["per_value"] <= 4.25, out["1"]
+    assert out["2"]["per_value"] <= out["1"]["per_value"] + 1.5, out
+
+
+# ---- through the backend -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_backend_takes_the_exact_one_launch_kernel_when_asked(m, monkeypatch):
+    """``SVDQ_SM90_EXACT_ONE_LAUNCH=1``: an exact call of 1-2 tokens on quack's blob (the prepared state with
+    the canonical weight replaced) runs ``linear_exact`` with the prepared fp32 ``wcscale`` and bias and the
+    first R columns of the padded ``proj_down / smooth``, and meets the contract; without the setting it
+    does not."""
+    from svdq_linear.backends import sm90
+
+    gen = torch.Generator().manual_seed(50 + m)
+    n, k, r = 128, 256, 8
+    q, ws, wc, smooth, pd, up = _layer(n, k, r, gen)
+    bias = torch.randn(n, generator=gen)
+    qw = quack_gemm.prepare(q.to(DEV), ws.to(DEV), wc.to(DEV), bias.to(DEV))
+    pds = torch.nn.functional.pad((pd / smooth[:, None]).bfloat16(), (0, 8)).to(DEV)  # padded as the accumulator's
+    extra = sm90.Sm90Prepared(pds, up.to(DEV), qw, None).tensors()
+    x = (torch.randn(m, k, generator=gen) * 2).bfloat16()
+    calls = []
+    real = smf.linear_exact
+    monkeypatch.setattr(smf, "linear_exact", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    args = (x.to(DEV), torch.empty(0, dtype=torch.uint8, device=DEV), torch.empty(0, device=DEV), smooth.to(DEV),
+            pd.to(DEV), up.to(DEV), wc.to(DEV), bias.to(DEV), extra)
+    monkeypatch.setenv(sm90.ENV_EXACT_ONE_LAUNCH, "1")
+    y = sm90.Sm90Backend().run_w4a4(*args)
+    assert calls and calls[0][6].shape == (k, r) and calls[0][5].dtype == torch.float32, "not the kernel"
+    assert y.dtype == x.dtype and y.shape == (m, n)
+    want = nvfp4.w4a4_linear(x, q, ws, smooth, pd, up.float(), wc, bias, torch.float64)
+    bound = nvfp4.tolerance(x, q, ws, smooth, pd, up.float(), wc, bias, torch.bfloat16)
+    assert ((y.cpu().double() - want).abs() <= bound).all()
+    monkeypatch.delenv(sm90.ENV_EXACT_ONE_LAUNCH)
+    calls.clear()
+    monkeypatch.setattr(sm90, "_route_small_m_mma", lambda *a: False)  # (small_m_mma is a CUDA kernel)
+    sm90.Sm90Backend().run_w4a4(*args)
+    assert not calls, "the exact one launch is opt-in until a GPU has timed it"
