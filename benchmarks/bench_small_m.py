@@ -1,7 +1,7 @@
 """GPU time of the sm90 paths at a few tokens, without host overhead: CUDA-graph replays.
 
     python benchmarks/bench_small_m.py [--out FILE] [--sweep] [--crossover] [--mma] [--mma-sweep] [--words] [--tokens]
-                                       [--fast-one]
+                                       [--fast-one] [--exact-one]
 
 At M <= 64 one call is microseconds of GPU work behind ~0.2 ms of Python and launch overhead, so
 ``do_bench`` on the eager call measures the host. Here each variant is captured once in a CUDA graph
@@ -15,7 +15,9 @@ and with the warp tensor-core kernel (``small_m_mma``; ``SVDQ_SM90_SMALL_M_MMA``
 kernel alone; ``--mma-sweep`` times that kernel at each prefetch depth and CTAs an SM. ``--fast-one``
 times only the fast mode at 1-64 tokens: the module's routed path against ``small_m_fast``'s one launch
 (``SVDQ_SM90_FAST_ONE_LAUNCH=1``, checked against the fast formula first) and that kernel at each CTAs
-an SM and pipeline depth.
+an SM and pipeline depth. ``--exact-one`` times the exact mode at 1-2 tokens: the module's routed path against
+``small_m_fast.linear_exact`` (``SVDQ_SM90_EXACT_ONE_LAUNCH=1``, checked against the contract first) and that
+kernel at each CTAs an SM.
 """
 
 from __future__ import annotations
@@ -317,6 +319,55 @@ def fast_one_table(copy_gbs: float, sweep: bool = True, tokens: tuple = (1, 2, 8
     return rows
 
 
+def exact_one_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4, 5, 6)) -> list[str]:
+    """The exact mode at 1-2 tokens: the module's routed default (quantize_act, cuBLAS lora_act, small_m_mma or the
+    Triton small-M kernel) against ``small_m_fast.linear_exact`` (one launch, integer dot products), its output
+    checked against the contract (``nvfp4.tolerance``) first, and that kernel at ``ctas`` CTAs an SM."""
+    from svdq_linear import backends, nvfp4
+    from svdq_linear.backends.sm90 import ENV_EXACT_ONE_LAUNCH, small_m_fast
+
+    rows = ["", "The exact mode at 1-2 tokens (us; ratio = cuBLAS bf16 / ours): 'routed' = the default path; 'one "
+            "launch' = small_m_fast.linear_exact (SVDQ_SM90_EXACT_ONE_LAUNCH=1; 'check' = its output against the "
+            "contract's tolerance); then the kernel alone at c CTAs an SM (split target), us (weight GB/s)", "",
+            "| layer | K | N | M | cuBLAS bf16 | routed | one launch | check | weight GB/s | % of copy |"
+            + "".join(f" c{c} |" for c in ctas), "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(ctas)]
+    for label, k, n in FAST_ONE_SHAPES:
+        lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+        q = random_w4a4(k, n, 32, torch.bfloat16, "cuda").set_mode("exact")
+        wbytes = n * k // 2 + n * k // 16
+        for m in tokens:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
+            t_def = env_time(lambda: q(x), ENV_EXACT_ONE_LAUNCH, None)
+            os.environ[ENV_EXACT_ONE_LAUNCH] = "1"
+            try:
+                y = q(x)
+            finally:
+                os.environ.pop(ENV_EXACT_ONE_LAUNCH, None)
+            args = [t.cpu() if t is not None else None for t in
+                    (q.qweight, q.wscales, q.smooth, q.proj_down, q.proj_up, q.wcscale, q.bias)]
+            want = nvfp4.w4a4_linear(x.cpu(), *args, torch.float64)
+            bound = nvfp4.tolerance(x.cpu(), *args, torch.bfloat16)
+            worst = ((y.double().cpu() - want).abs() / bound).max().item()
+            check = "ok" if worst <= 1 else f"WRONG ({worst:.2f}x the tolerance)"
+            t_one = env_time(lambda: q(x), ENV_EXACT_ONE_LAUNCH, "1")
+            _, prep = backends.resolve(q, x)
+            ex = prep.tensors()
+            blob, sf, wc, bias = ex[-4:]
+            ops = (x, q.smooth.float().contiguous(), blob, sf, wc.reshape(-1), bias.reshape(-1), ex[0][:, :q.rank],
+                   q.proj_up.contiguous())
+            cells = []
+            for c in ctas:
+                t = graph_time(lambda: small_m_fast.linear_exact(*ops, ctas_per_sm=c))
+                cells.append(f"{t * 1e3:.1f} ({wbytes / (t * 1e-3) / 1e9:.0f})")
+            gbs = wbytes / (t_one * 1e-3) / 1e9
+            rows.append(f"| {label} | {k} | {n} | {m} | {t_ref * 1e3:.1f} | {t_def * 1e3:.1f} ({t_ref / t_def:.2f}x) | "
+                        f"{t_one * 1e3:.1f} ({t_ref / t_one:.2f}x) | {check} | {gbs:.0f} | "
+                        f"{100 * gbs / copy_gbs:.0f}% |" + "".join(f" {c} |" for c in cells))
+            print(rows[-1], flush=True)
+    return rows
+
+
 @torch.no_grad()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -337,6 +388,8 @@ def main() -> None:
                         "three tiles, kernel alone (what small_m.use_fma is set from)")
     p.add_argument("--fast-one", action="store_true",
                    help="only the fast mode at 1-64 tokens: the routed path against small_m_fast's one launch")
+    p.add_argument("--exact-one", action="store_true",
+                   help="only the exact mode at 1-2 tokens: the routed path against small_m_fast.linear_exact")
     p.add_argument("--no-sweep", action="store_true", help="with --fast-one: the default form only")
     p.add_argument("--fast-one-tokens", default="1,2,8,16,64", help="with --fast-one: the token counts (1-64)")
     p.add_argument("--tokens-modes", default="w4a16,exact-canonical",
@@ -352,6 +405,10 @@ def main() -> None:
             "| layer | M | K | N | cuBLAS bf16 | mode | linear | before | kernel | kernel vs bf16 | weight GB/s | % of copy |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     have_fast = sm90._quack_fast_module() is not None
+    if args.exact_one:
+        rows = rows[:2] + exact_one_table(copy_gbs)
+        emit(rows, args.out)
+        return
     if args.fast_one:
         rows = rows[:2] + fast_one_table(copy_gbs, not args.no_sweep,
                                          tuple(int(t) for t in args.fast_one_tokens.split(",")))

@@ -307,6 +307,8 @@ def _bf16(v, ASM: tl.constexpr):
 # 2 t0 + nibble of its 64-k tile. So the low halves of bytes (0, 2) are row r's four codes at k 16 b + 2 t0 +
 # (0, 1, 8, 9), bytes (1, 3) row r + 8's at the same k. An activation word (int8 x 4) holds the token's codes
 # times 2 at those four k; its negation is kept beside it.
+_TABLE_LO = tl.constexpr(0x03020100)  # E2M1 magnitudes 0..7 times 2, a byte each: 0, 1, 2, 3 | 4, 6, 8, 12
+_TABLE_HI = tl.constexpr(0x0C080604)
 _IDP_ASM = tl.constexpr("""{
     .reg .b32 cr, cq, xr, xq, t0, t1, t2, t3;
     prmt.b32 cr, $2, 0, 0x0020;
@@ -339,15 +341,15 @@ def _sbyte(w, j: tl.constexpr):
 
 
 @triton.jit
-def _idp(word, aw, an, ASM: tl.constexpr):
+def _idp(word, aw, an, lo, hi, ASM: tl.constexpr):
     """Blob words x activation words -> ``(row r, row r + 8)`` int32 sums of the four products each (codes
     times 2 on both sides: 4x the value). On the GPU ``prmt`` looks the codes up as magnitudes; a code with its
     sign bit set reads 0 there (``prmt``'s sign-replicate mode on a table of non-negative bytes), so the
     positive codes dot the activations and, with the sign bits flipped, the negative ones dot their negation:
-    two ``dp4a`` a row. The interpreter: the same sums by arithmetic."""
+    two ``dp4a`` a row. ``lo`` / ``hi``: the table (``_TABLE_LO`` / ``_TABLE_HI``), loaded from memory so that
+    ptxas keeps it in two registers (as an immediate it re-made it before each lookup: 22 more instructions a
+    k-tile). The interpreter: the same sums by arithmetic."""
     if ASM:
-        lo = tl.full(word.shape, 0x03020100, tl.int32)  # the table: E2M1 magnitudes times 2 (in registers, not
-        hi = tl.full(word.shape, 0x0C080604, tl.int32)  # re-made a use: ptxas did that for the asm's own movs)
         return tl.inline_asm_elementwise(asm=_IDP_ASM, constraints="=r,=r,r,r,r,r,r", args=[word, aw, an, lo, hi],
                                          dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
     s_r = (_e2m1x2(word & 15) * _sbyte(aw, 0) + _e2m1x2((word >> 4) & 15) * _sbyte(aw, 1)
@@ -421,9 +423,10 @@ def _product_exact(blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K, rm, BM: 
     o_w = ((hh * 32 + tl.arange(0, 32)[None, :, None, None]) * 4 + tl.arange(0, 4)[None, None, :, None]) * 4 \
         + tl.arange(0, 4)[None, None, None, :]
     o_a = hh * 16 + tl.arange(0, 4)[None, None, :, None] + tl.arange(0, 4)[None, None, None, :] * 4  # [2, 1, t0, b]
-    o_s = (hh * 32 + tl.arange(0, 32)[None, :, None, None]) * 8 + tl.arange(0, 4)[None, None, None, :] * 2  # p0 = 0
+    o_s = (hh * 32 + tl.arange(0, 32)[None, :, None, None]) * 2 + tl.arange(0, 2)[None, None, None, :]  # words
     o_b = hh * 4 + tl.arange(0, 4)[None, None, None, :]  # [2, 1, 1, 4]: block 4 h + b of the tile
     wbase = blob_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    sbase = strip_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     abase = a8_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     sa_ptr = a8_ptr.to(tl.pointer_type(tl.float32), bitcast=True) + BM * KT * 64
     # fp32 sums a word slot (no sum across threads in the loop: the slots are summed once, after it)
@@ -431,23 +434,27 @@ def _product_exact(blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K, rm, BM: 
     c01 = tl.zeros([2, 32, 4, 4], tl.float32)  # token 0, row r + 8
     c10 = tl.zeros([2, 32, 4, 4], tl.float32)  # token 1 (its slots cost nothing at one token)
     c11 = tl.zeros([2, 32, 4, 4], tl.float32)
+    lo = tl.load(abase + BM * (KT * 64 + K // 16))  # the lookup table (_idp)
+    hi = tl.load(abase + BM * (KT * 64 + K // 16) + 1)
     for kt in tl.range(kt_lo, kt_hi, num_stages=NUM_STAGES):
         tile = g * KT + kt
         word = tl.load(wbase + tile * 1024 + o_w)
-        # rows r / r + 8: [2, 32, 1, 4 b] (as two loads: one of [.., 8] split in two went through shared memory)
-        s0 = tl.load(strip_ptr + tile * 512 + o_s).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        s1 = tl.load(strip_ptr + tile * 512 + o_s + 1).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        # the strip as int32 words (pipelined like the blob; byte loads were not): word j of a slot holds blocks
+        # 2 j, 2 j + 1 of rows r and r + 8 -> [2, 32, 1, 4 b] scales of each row
+        f0, f1, f2, f3 = _e4m3x4_to_f32(tl.load(sbase + tile * 128 + o_s), ASM)
+        s0 = tl.reshape(tl.join(f0, f2), [2, 32, 1, 4])
+        s1 = tl.reshape(tl.join(f1, f3), [2, 32, 1, 4])
         aw = tl.load(abase + kt * 64 + o_a, cache_modifier=".cg")
         an = tl.load(abase + kt * 64 + 32 + o_a, cache_modifier=".cg")
         sa = tl.load(sa_ptr + kt * 8 + o_b, cache_modifier=".cg")
-        d0, d1 = _idp(word, aw, an, ASM)
+        d0, d1 = _idp(word, aw, an, lo, hi, ASM)
         c00 += d0.to(tl.float32) * (s0 * sa)
         c01 += d1.to(tl.float32) * (s1 * sa)
         if BM > 1:
             aw = tl.load(abase + (KT + kt) * 64 + o_a, cache_modifier=".cg")
             an = tl.load(abase + (KT + kt) * 64 + 32 + o_a, cache_modifier=".cg")
             sa = tl.load(sa_ptr + K // 16 + kt * 8 + o_b, cache_modifier=".cg")
-            d0, d1 = _idp(word, aw, an, ASM)
+            d0, d1 = _idp(word, aw, an, lo, hi, ASM)
             c10 += d0.to(tl.float32) * (s0 * sa)
             c11 += d1.to(tl.float32) * (s1 * sa)
     # slot i = 8 t2 + t1 holds rows 16 t2 + t1 (r) and + 8: [64] rows in order, a token each
@@ -474,6 +481,9 @@ def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, a8_ptr, sync_ptr, trace_ptr, p,
     if EXACT:  # the chunk's NVFP4 activations (no token-wide amax: every worker waits for these)
         for k0 in range(k_lo, k_hi, _TK):
             _exact_acts(x_ptr, inv_ptr, a8_ptr, k0, M, K, stride_xm, BM)
+        if p == 0:  # the lookup table the workers read (_idp), after the words and the scales
+            tab = a8_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + BM * (K // _TK * 64 + K // 16)
+            tl.store(tab + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, _TABLE_LO, _TABLE_HI))
     else:
         mx = tl.zeros([BM], tl.int32)
         for k0 in range(k_lo, k_hi, CKA):  # (every worker waits for this: one load a chunk of up to CKA)
@@ -988,7 +998,7 @@ def _run(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, out_dtype, nu
     rb = max(16, next_pow2(r)) if r else 16
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
     if exact:  # the activations' words and block scales (_exact_acts)
-        a8 = torch.empty(bm * (k // TILE_K * 64 + k // 16), device=x.device, dtype=torch.int32)
+        a8 = torch.empty(bm * (k // TILE_K * 64 + k // 16) + 2, device=x.device, dtype=torch.int32)
     else:
         a8 = torch.empty(bm, k, device=x.device, dtype=torch.uint8) if dot else None  # (padding rows: zeros)
     sync = _sync(x.device, groups)
