@@ -1,7 +1,7 @@
 """Where the one-launch fast kernel's time goes (``sm90/small_m_fast.py``): each CTA's global-timer stamps
 at its phase ends, from one traced launch, beside CUDA-graph times of the untraced kernel.
 
-    python benchmarks/trace_small_m_fast.py [--out FILE] [--quick | --tokens 9,9p,9r0,16]
+    python benchmarks/trace_small_m_fast.py [--out FILE] [--quick | --tokens 9,9p,9r0,16 | --exact]
 
 Per layer and token count, and per measurement setting (``poll``: how waits poll; ``ctas_per_sm``: the
 split's target, ``fit N`` the default's, what the compiled kernel lets stay resident): cuBLAS bf16 and the
@@ -36,6 +36,7 @@ from test_sm90_small_m_fast import _layer, _operands  # noqa: E402
 
 from svdq_linear.backends.sm90 import small_m_fast as smf  # noqa: E402
 
+EXACT_LAYERS = (("attn", 3072, 3072), ("ff up", 3072, 12288), ("ff down", 12288, 3072), ("single out", 15360, 3072))
 CASES = (("attn", 3072, 3072, 1), ("ff down", 12288, 3072, 1), ("ff down", 12288, 3072, 16), ("attn", 3072, 3072, 64))
 # (poll, ctas_per_sm): None = the default's fitted target
 SETTINGS = ((0, None), (0, 4), (0, 5), (0, 6), (1, None))
@@ -83,6 +84,9 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true",
                     help="one token at attn and ff down, the default against the fixed target of 5 only")
+    ap.add_argument("--exact", action="store_true",
+                    help="instead: the exact mode's one launch (linear_exact) at 1 and 2 tokens of the four Flux layers, "
+                         "default setting and 4-6 CTAs an SM ('amax in': the producers' activation codes)")
     ap.add_argument("--tokens", help="instead: ff down (12288 -> 3072) at these token counts, default setting only; "
                     "a count ending in p: its x padded with zero tokens to the tile's rows; in r0: no low-rank branch")
     args = ap.parse_args()
@@ -91,6 +95,11 @@ def main() -> None:
     if args.tokens:
         cases = [("ff down", 12288, 3072, t) for t in args.tokens.split(",")]
         settings = [(0, None)]
+    run = smf.linear
+    if args.exact:
+        cases = [(label, k, n, m) for label, k, n in EXACT_LAYERS for m in (1, 2)]
+        settings = [(0, None), (0, 4), (0, 5), (0, 6)]
+        run = smf.linear_exact
     heads = ["last start", "amax in", "lora in", "a8 in", "wait first", "wait med", "wait last", "loop med",
              "loop last", "counted last", "epi last", "end", "loop us", "loop p90", "loop max", "SMs", "most an SM",
              "loop med there", "loop med elsewhere", "loop start slow / rest", "probe first slow / rest",
@@ -105,6 +114,12 @@ def main() -> None:
         m = int(str(spec).removesuffix("p").removesuffix("r0"))
         q, ws, wc, smooth, pd, up = _layer(n, k, 32, gen)
         ops = _operands(q, ws, wc, smooth, pd, up, torch.randn(n, generator=gen))
+        if args.exact:  # what the exact mode's prepared state holds: quack's blob and strip, wcscale, smooth
+            from svdq_linear.backends.sm90 import quack_gemm
+
+            ops = dict(smooth=smooth.cuda(), blob=quack_gemm.repack_weight(q).cuda(),
+                       strip=quack_gemm.repack_scales(ws).cuda(), cs=wc.cuda(), bias=ops["bias"],
+                       proj_down=ops["proj_down"], proj_up=ops["proj_up"])
         x = (torch.randn(m, k, generator=gen) * 3).bfloat16().cuda()
         if str(spec).endswith("r0"):  # no low-rank branch: no producers' lora_act beside the workers
             ops.update(proj_down=None, proj_up=None)
@@ -116,21 +131,22 @@ def main() -> None:
         lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
         t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
         smf._FITTED.clear()
-        want = smf.linear(x, **ops)
+        want = run(x, **ops)
         (fit,) = smf._FITTED.values()
         for poll, setting in settings:
             cps = setting or fit
-            y = smf.linear(x, **ops, poll=poll, ctas_per_sm=setting)
+            y = run(x, **ops, poll=poll, ctas_per_sm=setting)
             same = torch.equal(y, want) if cps == fit else True  # (another split sums in another order)
-            t = graph_time(lambda: smf.linear(x, **ops, poll=poll, ctas_per_sm=setting))
-            grid = smf.grid_size(m, n, k, ctas_per_sm=cps)
-            split, _, prods, _ = smf.plan(m, n, k, ctas_per_sm=cps)
+            t = graph_time(lambda: run(x, **ops, poll=poll, ctas_per_sm=setting))
+            dot = False if args.exact else None
+            grid = smf.grid_size(m, n, k, ctas_per_sm=cps, dot=dot)
+            split, _, prods, _ = smf.plan(m, n, k, ctas_per_sm=cps, dot=dot)
             tr = torch.full((grid, smf.TRACE_COLS), -1, dtype=torch.int64, device="cuda")
-            smf.linear(x, **ops, poll=poll, ctas_per_sm=setting, trace=tr)  # compiles the traced build
+            run(x, **ops, poll=poll, ctas_per_sm=setting, trace=tr)  # compiles the traced build
             tr.fill_(-1)
-            smf.linear(x, **ops, poll=poll, ctas_per_sm=setting, trace=tr)
+            run(x, **ops, poll=poll, ctas_per_sm=setting, trace=tr)
             torch.cuda.synchronize()
-            ph = phases(tr.cpu(), prods, prods if smf.use_dots(m, n, k) else 0, split)
+            ph = phases(tr.cpu(), prods, prods if dot is None and smf.use_dots(m, n, k) else 0, split)
             rows.append(f"| {label} | {m} | {poll} | {cps if setting else f'fit {fit}'} | {grid} | {t_ref * 1e3:.1f} | {t * 1e3:.1f}"
                         f"{'' if same else ' (DIFFERS)'} | {t_ref / t:.2f}x | " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in ph) + " |")
             print(rows[-1], flush=True)
