@@ -328,9 +328,11 @@ def exact_one_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4, 5
 
     rows = ["", "The exact mode at 1-2 tokens (us; ratio = cuBLAS bf16 / ours): 'routed' = the default path; 'one "
             "launch' = small_m_fast.linear_exact (SVDQ_SM90_EXACT_ONE_LAUNCH=1; 'check' = its output against the "
-            "contract's tolerance); then the kernel alone at c CTAs an SM (split target), us (weight GB/s)", "",
-            "| layer | K | N | M | cuBLAS bf16 | routed | one launch | check | weight GB/s | % of copy |"
-            + "".join(f" c{c} |" for c in ctas), "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(ctas)]
+            "contract's tolerance); 'self acts' = the kernel alone with each worker quantizing its own k-range "
+            "(self_acts=True) instead of waiting for the producers'; then the kernel alone at c CTAs an SM (split "
+            "target), us (weight GB/s)", "",
+            "| layer | K | N | M | cuBLAS bf16 | routed | one launch | check | weight GB/s | % of copy | self acts |"
+            + "".join(f" c{c} |" for c in ctas), "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(ctas)]
     for label, k, n in FAST_ONE_SHAPES:
         lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
         q = random_w4a4(k, n, 32, torch.bfloat16, "cuda").set_mode("exact")
@@ -356,7 +358,9 @@ def exact_one_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4, 5
             blob, sf, wc, bias = ex[-4:]
             ops = (x, q.smooth.float().contiguous(), blob, sf, wc.reshape(-1), bias.reshape(-1), ex[0][:, :q.rank],
                    q.proj_up.contiguous())
-            cells = []
+            same = torch.equal(small_m_fast.linear_exact(*ops, self_acts=True), small_m_fast.linear_exact(*ops))
+            t = graph_time(lambda: small_m_fast.linear_exact(*ops, self_acts=True))
+            cells = [f"{t * 1e3:.1f} ({t_ref / t:.2f}x){'' if same else ' DIFFERS'}"]
             for c in ctas:
                 t = graph_time(lambda: small_m_fast.linear_exact(*ops, ctas_per_sm=c))
                 cells.append(f"{t * 1e3:.1f} ({wbytes / (t * 1e-3) / 1e9:.0f})")

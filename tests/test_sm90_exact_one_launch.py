@@ -37,7 +37,7 @@ def _layer(n, k, r, gen):
     return q, ws, wc, smooth, pd, up
 
 
-def _run(x, q, ws, wc, smooth, pd, up, bias, out_dtype):
+def _run(x, q, ws, wc, smooth, pd, up, bias, out_dtype, **kw):
     """``linear_exact`` on what the exact mode's prepared state holds: quack's blob and strip, the bf16
     ``proj_down / smooth``."""
     r = pd.shape[1]
@@ -46,7 +46,7 @@ def _run(x, q, ws, wc, smooth, pd, up, bias, out_dtype):
                             quack_gemm.repack_scales(ws).to(**to), wc.to(**to),
                             None if bias is None else bias.to(**to),
                             (pd / smooth[:, None]).bfloat16().to(**to) if r else None, up.to(**to) if r else None,
-                            out_dtype=out_dtype).cpu()
+                            out_dtype=out_dtype, **kw).cpu()
 
 
 def _assert_contract(y, x, q, ws, wc, smooth, pd, up, bias, what):
@@ -73,6 +73,25 @@ def test_exact_one_launch_meets_the_contract(m, r, n, k, out_dtype):
     y = _run(x, q, ws, wc, smooth, pd, up, bias, out_dtype)
     assert y.dtype == out_dtype and y.shape == (m, n)
     _assert_contract(y, x, q, ws, wc, smooth, pd, up, bias, f"m={m} r={r} {n}x{k}")
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("ctas", [1, 5])
+def test_workers_that_quantize_their_own_range_give_the_same_bits(m, ctas):
+    """``self_acts``: each worker writes its k-range's activation codes itself (over ranges of 6 and 1-2 tiles,
+    four tiles a pass: a partial last pass) instead of waiting for the producers'; the result has the same
+    bits, and meets the contract."""
+    gen = torch.Generator().manual_seed(60 + m + ctas)
+    n, k, r = 128, 768, 16
+    q, ws, wc, smooth, pd, up = _layer(n, k, r, gen)
+    x = torch.randn(m, k, generator=gen).bfloat16() * 2
+    x[-1, 300] = float("inf") if m == 2 else 1.0  # a NaN block in the second token's
+    kw = dict(ctas_per_sm=ctas, sms=8 if ctas == 1 else smf.SM_COUNT)
+    want = _run(x, q, ws, wc, smooth, pd, up, None, torch.float32, **kw)
+    got = _run(x, q, ws, wc, smooth, pd, up, None, torch.float32, self_acts=True, **kw)
+    assert smf.plan(m, n, k, kw["sms"], ctas, False)[0] == (1 if ctas == 1 else 6)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    _assert_contract(got, x, q, ws, wc, smooth, pd, up, None, f"self_acts m={m}")
 
 
 def test_exact_one_launch_keeps_nan_blocks_to_their_token():
@@ -216,16 +235,16 @@ sig = dict(x_ptr="*bf16", inv_ptr="*fp32", blob_ptr="*u8", strip_ptr="*u8", cs_p
            sync_ptr="*i32", trace_ptr="*i64", M="i32", N="i32", K="i32", R="i32", stride_xm="i32", stride_pd="i32",
            stride_om="i32", tiles_per_split="i32", S="i32", P="i32", k_per_prod="i32")
 out = {}
-for bm in (1, 2):
+for label, bm, self_acts in (("1", 1, False), ("2", 2, False), ("1s", 1, True)):
     cx = dict(BM=bm, RB=32, RC=32, **smf.chunks(bm, 32), HAS_BIAS=True, HAS_LORA=True, ASM=True, NUM_STAGES=3,
-              DOT=False, POLL=0, TRACE=False, DELAY=0, EXACT=True)
+              DOT=False, POLL=0, TRACE=False, DELAY=0, EXACT=True, SELF_ACTS=self_acts)
     fn = smf._fast_small_m_kernel
     full = {a: ("constexpr" if a in cx else sig[a]) for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
              if a not in cx and a not in ("M", "R", "S", "P", "tiles_per_split")}
     ck = triton.compile(ASTSource(fn, full, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                         options=dict(num_warps=4))
-    cub = sys.argv[1] + f"/e{bm}.cubin"
+    cub = sys.argv[1] + f"/e{label}.cubin"
     open(cub, "wb").write(ck.asm["cubin"])
     sass = subprocess.run([_nvidia_bin("cuobjdump"), "--dump-sass", cub], capture_output=True, text=True,
                           check=True).stdout
@@ -236,7 +255,7 @@ for bm in (1, 2):
     body = max((b for b in bodies if any("IDP.4A" in t for t in b)), key=len)  # the worker's k-loop
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body)
     whole = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in ins)
-    out[bm] = dict(per_value=len(body) / 64, idp=ops["IDP.4A.S8.S8"], prmt=ops["PRMT"], ffma=ops["FFMA"],
+    out[label] = dict(per_value=len(body) / 64, idp=ops["IDP.4A.S8.S8"], prmt=ops["PRMT"], ffma=ops["FFMA"],
                    i2f=ops["I2FP.F32.S32"], shfl=sum(v for o, v in ops.items() if "SHFL" in o),
                    local=sum(v for o, v in whole.items() if o.startswith(("LDL", "STL"))),
                    prefetch=whole["CCTL.E.PF2"], body=len(body),
@@ -269,6 +288,7 @@ def test_exact_one_launch_compiles_to_integer_dot_products(tmp_path):
         assert st["i2f"] == 16 * bm and st["ffma"] == 16 * bm, (bm, st)
         assert st["shfl"] == 0 and st["local"] == 0 and st["prefetch"] >= 2 and st["byte_loads"] == 0, (bm, st)
     assert out["1"]["per_value"] <= 3.75, out["1"]
+    assert out["1s"]["body"] <= out["1"]["body"] + 4 and out["1s"]["local"] == 0, out  # the same loop
     assert out["2"]["per_value"] <= out["1"]["per_value"] + 1.5, out
 
 

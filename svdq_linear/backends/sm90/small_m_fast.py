@@ -369,39 +369,48 @@ def _pack_bytes(v):
 
 
 @triton.jit
-def _exact_acts(x_ptr, smooth_ptr, a8_ptr, k0, M, K, stride_xm, BM: tl.constexpr):
-    """The 128-k tile at ``k0`` of every token row's NVFP4 activations (``kernels.quantize_act``'s rules: ``x *
-    (1 / smooth)``, the E4M3 block scale of ``amax / 6`` nearest even, the nearest-even E2M1 code of ``xs *
-    (1 / scale)``) into ``a8``: int32 words ``[BM, K / 128, 2 (codes x 2, negated), 2 h, 4 b, 4 t0]`` (the blob's
-    k order: ``_idp``), then the block scales ``[BM, K / 16]`` fp32 (NaN for a block holding a NaN or an Inf).
-    Rows past ``M`` are written as zeros."""
+def _exact_acts(x_ptr, smooth_ptr, a8_ptr, kt0, kt_hi, M, K, stride_xm, BM: tl.constexpr, NT: tl.constexpr):
+    """The 128-k tiles ``[kt0, min(kt0 + NT, kt_hi))`` of every token row's NVFP4 activations
+    (``kernels.quantize_act``'s rules: ``x * (1 / smooth)``, the E4M3 block scale of ``amax / 6`` nearest even,
+    the nearest-even E2M1 code of ``xs * (1 / scale)``) into ``a8``: int32 words ``[BM, K / 128, 2 (codes x 2,
+    negated), 2 h, 4 b, 4 t0]`` (the blob's k order: ``_idp``), then the block scales ``[BM, K / 16]`` fp32 (NaN
+    for a block holding a NaN or an Inf), then the lookup table's two words (``_idp``). Rows past ``M`` are
+    written as zeros. Another CTA writing the same tiles writes the same bytes."""
     rm = tl.arange(0, BM)
-    rk = k0 + tl.arange(0, _TK)
-    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None], other=0.0).to(tl.float32)
-    xs = x * tl.math.div_rn(tl.full([_TK], 1.0, tl.float32), tl.load(smooth_ptr + rk))[None, :]
-    xb = tl.reshape(xs, (BM, 8, 16))
+    rt = tl.arange(0, NT)
+    t_ok = kt0 + rt < kt_hi
+    rk = kt0 * _TK + tl.arange(0, NT * _TK)
+    k_ok = rk < kt_hi * _TK
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & k_ok[None, :],
+                other=0.0).to(tl.float32)
+    xs = x * tl.math.div_rn(tl.full([NT * _TK], 1.0, tl.float32), tl.load(smooth_ptr + rk, mask=k_ok, other=1.0))[None, :]
+    xb = tl.reshape(xs, (BM, NT * 8, 16))
     mb = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)  # (integer order: a NaN or an Inf is >= Inf's)
     finite = mb < 0x7F800000
-    sdiv = tl.math.div_rn(mb.to(tl.float32, bitcast=True), tl.full([BM, 8], 6.0, tl.float32))
+    sdiv = tl.math.div_rn(mb.to(tl.float32, bitcast=True), tl.full([BM, NT * 8], 6.0, tl.float32))
     sf = tl.where(finite, _round_e4m3(sdiv), 0.0)
-    r = tl.where(sf > 0, tl.math.div_rn(tl.full([BM, 8], 1.0, tl.float32), sf), 0.0)
+    r = tl.where(sf > 0, tl.math.div_rn(tl.full([BM, NT * 8], 1.0, tl.float32), sf), 0.0)
     q = xb * r[:, :, None]
     a = tl.abs(q)
     # nearest-even E2M1 times 2: the midpoints 0.25 (down), 0.75 (up), 1.25, 1.75, 2.5, 3.5, 5 alternate
     v = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
          + 2 * (a > 2.5).to(tl.int32) + 2 * (a >= 3.5).to(tl.int32) + 4 * (a > 5.0).to(tl.int32))
     v = tl.where(q < 0, -v, v)
-    # k = 64 h + 16 b + 8 p1 + 2 t0 + nibble -> [BM, h, b, t0, p1, nibble]
-    v = tl.permute(tl.reshape(v, (BM, 2, 4, 2, 4, 2)), (0, 1, 2, 4, 3, 5))
-    kt = k0 // _TK
+    # k = 128 nt + 64 h + 16 b + 8 p1 + 2 t0 + nibble -> [BM, nt, h, b, t0, p1, nibble]
+    v = tl.permute(tl.reshape(v, (BM, NT, 2, 4, 2, 4, 2)), (0, 1, 2, 3, 5, 4, 6))
     KT = K // _TK
     ro = tl.arange(0, 32)
-    base = a8_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (rm[:, None] * KT + kt) * 64 + ro[None, :]
-    tl.store(base, tl.reshape(_pack_bytes(v), (BM, 32)))
-    tl.store(base + 32, tl.reshape(_pack_bytes(-v), (BM, 32)))
+    base = (a8_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (rm[:, None, None] * KT + kt0 + rt[None, :, None]) * 64
+            + ro[None, None, :])
+    w_ok = t_ok[None, :, None] & (ro >= 0)[None, None, :]
+    tl.store(base, tl.reshape(_pack_bytes(v), (BM, NT, 32)), mask=w_ok)
+    tl.store(base + 32, tl.reshape(_pack_bytes(-v), (BM, NT, 32)), mask=w_ok)
     sa_ptr = a8_ptr.to(tl.pointer_type(tl.float32), bitcast=True) + BM * KT * 64
-    rb = tl.arange(0, 8)
-    tl.store(sa_ptr + rm[:, None] * (K // 16) + kt * 8 + rb[None, :], tl.where(finite, sf, float("nan")))
+    rb = tl.arange(0, NT * 8)
+    tl.store(sa_ptr + rm[:, None] * (K // 16) + kt0 * 8 + rb[None, :], tl.where(finite, sf, float("nan")),
+             mask=(kt0 * 8 + rb < kt_hi * 8)[None, :])
+    tab = a8_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + BM * (KT * 64 + K // 16)
+    tl.store(tab + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, _TABLE_LO, _TABLE_HI))
 
 
 @triton.jit
@@ -467,7 +476,7 @@ def _product_exact(blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K, rm, BM: 
 def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, a8_ptr, sync_ptr, trace_ptr, p, P, M, K, R, stride_xm, stride_pd,
               k_per_prod, BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, CKA: tl.constexpr,
               PC: tl.constexpr, HAS_LORA: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, TRACE: tl.constexpr,
-              DELAY: tl.constexpr = 0, EXACT: tl.constexpr = False):
+              DELAY: tl.constexpr = 0, EXACT: tl.constexpr = False, SELF_ACTS: tl.constexpr = False):
     """Chunk ``p`` of K: the tokens' partial max of ``|x / smooth|`` (``EXACT``: its NVFP4 activations,
     ``_exact_acts``), then its ``x @ (proj_down / smooth)``
     partial ``[BM, RB]`` (R in chunks of RC columns), each published with a count. The last producer to count
@@ -479,11 +488,9 @@ def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, a8_ptr, sync_ptr, trace_ptr, p,
     rm = tl.arange(0, BM)
     m_ok = rm < M
     if EXACT:  # the chunk's NVFP4 activations (no token-wide amax: every worker waits for these)
-        for k0 in range(k_lo, k_hi, _TK):
-            _exact_acts(x_ptr, inv_ptr, a8_ptr, k0, M, K, stride_xm, BM)
-        if p == 0:  # the lookup table the workers read (_idp), after the words and the scales
-            tab = a8_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + BM * (K // _TK * 64 + K // 16)
-            tl.store(tab + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, _TABLE_LO, _TABLE_HI))
+        if not SELF_ACTS:
+            for kt0 in range(k_lo // _TK, k_hi // _TK, 4):
+                _exact_acts(x_ptr, inv_ptr, a8_ptr, kt0, k_hi // _TK, M, K, stride_xm, BM, 4)
     else:
         mx = tl.zeros([BM], tl.int32)
         for k0 in range(k_lo, k_hi, CKA):  # (every worker waits for this: one load a chunk of up to CKA)
@@ -693,7 +700,7 @@ def _fast_small_m_kernel(
     BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, CKA: tl.constexpr, SC: tl.constexpr,
     PC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, ASM: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT: tl.constexpr, POLL: tl.constexpr = 0, TRACE: tl.constexpr = False, DELAY: tl.constexpr = 0,
-    EXACT: tl.constexpr = False,
+    EXACT: tl.constexpr = False, SELF_ACTS: tl.constexpr = False,
 ):
     # CK: the k-chunk of the producers' low-rank and the quantizers' [BM, CK] tiles (at most 2048 elements: no
     # spills at 64 rows); CKA the producers' amax chunk (up to 512: one load at a few tokens); SC: the split
@@ -715,7 +722,8 @@ def _fast_small_m_kernel(
         tl.store(trace_ptr + tl.program_id(0) * _TRACE_COLS + 7, t.to(tl.int64) | (sm.to(tl.int64) << 32))
     if t < P:
         _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, a8_ptr, sync_ptr, trace_ptr, t, P, M, K, R, stride_xm,
-                  stride_pd, k_per_prod, BM, RB, RC, CK, CKA, PC, HAS_LORA, DOT, ASM, TRACE, DELAY, EXACT)
+                  stride_pd, k_per_prod, BM, RB, RC, CK, CKA, PC, HAS_LORA, DOT, ASM, TRACE, DELAY, EXACT,
+                  SELF_ACTS)
     elif t < P + Q:
         _quantizer(x_ptr, inv_ptr, a8_ptr, sync_ptr, trace_ptr, t - P, P, M, K, stride_xm, k_per_prod, BM, CK, ASM,
                    POLL, TRACE)
@@ -732,6 +740,10 @@ def _fast_small_m_kernel(
         wbase = blob_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         if DOT:
             _wait(sync_ptr + _A8_CNT, P, POLL)
+        elif EXACT and SELF_ACTS:  # its own k-range's activations (the same bytes as any other worker's of it)
+            for kt0 in range(kt_lo, kt_hi, 4):
+                _exact_acts(x_ptr, inv_ptr, a8_ptr, kt0, kt_hi, M, K, stride_xm, BM, 4)
+            tl.debug_barrier()  # the CTA's writes are visible to its threads' loads after the barrier
         else:
             _wait(sync_ptr + _AMAX_CNT, P, POLL)
         _stamp(trace_ptr, 1, t, TRACE)
@@ -955,7 +967,7 @@ def linear_exact(x: torch.Tensor, smooth: torch.Tensor, blob: torch.Tensor, stri
                  bias: torch.Tensor | None = None, proj_down: torch.Tensor | None = None,
                  proj_up: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, num_stages: int = 3,
                  sms: int = SM_COUNT, ctas_per_sm: int | None = None, poll: int = 0,
-                 trace: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
+                 trace: torch.Tensor | None = None, num_warps: int = 4, self_acts: bool = False) -> torch.Tensor:
     """The exact W4A4 linear (``nvfp4.svdq_w4a4_linear``'s contract) for one or two tokens in one launch.
 
     ``x [M, K]``; ``smooth [K]`` fp32; ``blob`` / ``strip`` quack's nvfp4 repack of the weight
@@ -965,14 +977,16 @@ def linear_exact(x: torch.Tensor, smooth: torch.Tensor, blob: torch.Tensor, stri
     ``lora_act`` partials; the workers take integer dot products of the weight's and the activations' codes
     (``_idp``, ``_product_exact``); the epilogue is the fast kernel's with 1/4 as the tokens' scale. Each block's
     sum is exact, so the result differs from the reference only in the blocks' fp32 summation order and in
-    ``lora_act``'s bf16 operands (the contract's tensor-core allowance). The other arguments as ``linear``'s."""
+    ``lora_act``'s bf16 operands (the contract's tensor-core allowance). ``self_acts`` (for measurement): each
+    worker quantizes its own k-range's activations before its loop (the same bytes as every other worker of
+    that range writes) instead of waiting for the producers'. The other arguments as ``linear``'s."""
     check_exact(x, smooth, blob, strip, cs, bias, proj_down, proj_up)
     return _run(x, smooth, blob, strip, cs, bias, proj_down, proj_up, out_dtype, num_stages, sms, ctas_per_sm, False,
-                poll, trace, 0, num_warps, None, True)
+                poll, trace, 0, num_warps, None, True, self_acts)
 
 
 def _run(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, out_dtype, num_stages, sms, ctas_per_sm, dot,
-         poll, trace, delay_ns, num_warps, maxnreg, exact: bool) -> torch.Tensor:
+         poll, trace, delay_ns, num_warps, maxnreg, exact: bool, self_acts: bool = False) -> torch.Tensor:
     """``linear`` (``exact``: ``linear_exact``, ``inv_smooth`` then being ``smooth``) after its checks."""
     m, k = x.shape
     n = cs.numel()
@@ -984,7 +998,7 @@ def _run(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, out_dtype, nu
     if _INTERPRET and out_dtype != torch.float32:
         # the CPU interpreter's fp32 -> 16-bit conversion does not round to nearest: cast outside
         return _run(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, torch.float32, num_stages, sms,
-                    ctas_per_sm, dot, poll, None, 0, num_warps, maxnreg, exact).to(out_dtype)
+                    ctas_per_sm, dot, poll, None, 0, num_warps, maxnreg, exact, self_acts).to(out_dtype)
     dot = use_dots(m, n, k) if dot is None else dot
     if not dot and m > FMA_MAX_M:
         raise ValueError(f"the multiply-add form serves at most {FMA_MAX_M} tokens, got {m}")
@@ -1005,7 +1019,7 @@ def _run(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, out_dtype, nu
     dummy = cs
     meta = dict(BM=bm, RB=rb, RC=min(rb, 32), **chunks(bm, rb), HAS_BIAS=bias is not None, HAS_LORA=bool(r),
                 ASM=not _INTERPRET, NUM_STAGES=num_stages, DOT=dot, POLL=poll, TRACE=trace is not None, DELAY=delay_ns,
-                EXACT=exact,
+                EXACT=exact, SELF_ACTS=bool(self_acts),
                 num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}))
 
     def launch_args(ctas: int, default_build: bool = False) -> tuple[int, tuple]:
