@@ -78,7 +78,7 @@ def test_exact_one_launch_meets_the_contract(m, r, n, k, out_dtype):
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("ctas", [1, 5])
 def test_workers_that_quantize_their_own_range_give_the_same_bits(m, ctas):
-    """``self_acts``: each worker writes its k-range's activation codes itself (over ranges of 6 and 1-2 tiles,
+    """``self_acts``: each worker writes its k-range's activation codes itself (over ranges of 6 tiles and of 1,
     four tiles a pass: a partial last pass) instead of waiting for the producers'; the result has the same
     bits, and meets the contract."""
     gen = torch.Generator().manual_seed(60 + m + ctas)
