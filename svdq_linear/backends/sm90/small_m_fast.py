@@ -383,7 +383,8 @@ def _exact_acts(x_ptr, smooth_ptr, a8_ptr, kt0, kt_hi, M, K, stride_xm, BM: tl.c
     k_ok = rk < kt_hi * _TK
     x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm < M)[:, None] & k_ok[None, :],
                 other=0.0).to(tl.float32)
-    xs = x * tl.math.div_rn(tl.full([NT * _TK], 1.0, tl.float32), tl.load(smooth_ptr + rk, mask=k_ok, other=1.0))[None, :]
+    inv = tl.math.div_rn(tl.full([NT * _TK], 1.0, tl.float32), tl.load(smooth_ptr + rk, mask=k_ok, other=1.0))
+    xs = x * inv[None, :]
     xb = tl.reshape(xs, (BM, NT * 8, 16))
     mb = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)  # (integer order: a NaN or an Inf is >= Inf's)
     finite = mb < 0x7F800000
@@ -424,10 +425,10 @@ def _product_exact(blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K, rm, BM: 
                    NUM_STAGES: tl.constexpr, ASM: tl.constexpr):
     """The exact mode's partial product ``[64, BM]`` (fp32, 4x the value: ``linear_exact`` passes 1/4 as the
     tokens' scale): group ``g``'s rows over 128-k tiles ``[kt_lo, kt_hi)`` of quack's blob and strip, on the
-    producers' activation words (``_exact_acts``). A block's 16 products sum exactly (int32 four at a time, at
-    most 16 x 144 in all), times its two E4M3 scales (exact in fp32): the fp32 sum order is the only difference
-    from the contract."""
-    # a 128-k tile: words [2 h, 32 (8 t2 + t1), 4 t0, 4 b]; strip bytes [2 h, 32, 4 b, 2 p0]
+    activation words (``_exact_acts``: the producers', or with ``SELF_ACTS`` the worker's own). A block's 16
+    products sum exactly (int32 four at a time, at most 16 x 144 in all), times its two E4M3 scales (exact in
+    fp32): the fp32 sum order is the only difference from the contract."""
+    # a 128-k tile: blob words [2 h, 32 (8 t2 + t1), 4 t0, 4 b]; strip words [2 h, 32, 2] (bytes [4 b, 2 p0])
     hh = tl.arange(0, 2)[:, None, None, None]
     o_w = ((hh * 32 + tl.arange(0, 32)[None, :, None, None]) * 4 + tl.arange(0, 4)[None, None, :, None]) * 4 \
         + tl.arange(0, 4)[None, None, None, :]
@@ -478,7 +479,7 @@ def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, a8_ptr, sync_ptr, trace_ptr, p,
               PC: tl.constexpr, HAS_LORA: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, TRACE: tl.constexpr,
               DELAY: tl.constexpr = 0, EXACT: tl.constexpr = False, SELF_ACTS: tl.constexpr = False):
     """Chunk ``p`` of K: the tokens' partial max of ``|x / smooth|`` (``EXACT``: its NVFP4 activations,
-    ``_exact_acts``), then its ``x @ (proj_down / smooth)``
+    ``_exact_acts``, unless the workers write their own: ``SELF_ACTS``), then its ``x @ (proj_down / smooth)``
     partial ``[BM, RB]`` (R in chunks of RC columns), each published with a count. The last producer to count
     its partial adds the ``P`` partials (PC at a time, each chunk as a tree, chunks in order) into
     ``lora_act`` (slot ``P``) while the workers run, and counts once more. Waits for nothing. ``DELAY`` (ns,
@@ -968,7 +969,7 @@ def linear_exact(x: torch.Tensor, smooth: torch.Tensor, blob: torch.Tensor, stri
                  proj_up: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, num_stages: int = 3,
                  sms: int = SM_COUNT, ctas_per_sm: int | None = None, poll: int = 0,
                  trace: torch.Tensor | None = None, num_warps: int = 4, self_acts: bool = False) -> torch.Tensor:
-    """The exact W4A4 linear (``nvfp4.svdq_w4a4_linear``'s contract) for one or two tokens in one launch.
+    """The exact W4A4 linear (the contract, ``nvfp4.w4a4_linear``) for one or two tokens in one launch.
 
     ``x [M, K]``; ``smooth [K]`` fp32; ``blob`` / ``strip`` quack's nvfp4 repack of the weight
     (``quack_gemm.repack_weight`` / ``repack_scales``: what the exact mode's prepared state holds); ``cs [N]``
