@@ -223,12 +223,10 @@ def test_product_table_is_the_kernel_operand():
 # ---- the sm_90a build --------------------------------------------------------------------------------------
 
 _SASS = r"""
-import collections, json, re, subprocess, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, re, sys
+sys.path.insert(0, sys.argv[2])
+from sass_loops import compile_sm90, instructions, loop_with, opcodes
 from svdq_linear.backends.sm90 import small_m_fast as smf
-from svdq_linear.precompile import _nvidia_bin
 
 sig = dict(x_ptr="*bf16", inv_ptr="*fp32", blob_ptr="*u8", strip_ptr="*u8", cs_ptr="*fp32", bias_ptr="*fp32",
            pd_ptr="*bf16", up_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", lpart_ptr="*fp32", a8_ptr="*i32",
@@ -238,28 +236,15 @@ out = {}
 for label, bm, self_acts in (("1", 1, False), ("2", 2, False), ("1s", 1, True)):
     cx = dict(BM=bm, RB=32, RC=32, **smf.chunks(bm, 32), HAS_BIAS=True, HAS_LORA=True, ASM=True, NUM_STAGES=3,
               DOT=False, POLL=0, TRACE=False, DELAY=0, EXACT=True, SELF_ACTS=self_acts)
-    fn = smf._fast_small_m_kernel
-    full = {a: ("constexpr" if a in cx else sig[a]) for a in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-             if a not in cx and a not in ("M", "R", "S", "P", "tiles_per_split")}
-    ck = triton.compile(ASTSource(fn, full, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=4))
-    cub = sys.argv[1] + f"/e{label}.cubin"
-    open(cub, "wb").write(ck.asm["cubin"])
-    sass = subprocess.run([_nvidia_bin("cuobjdump"), "--dump-sass", cub], capture_output=True, text=True,
-                          check=True).stdout
-    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    loops = [(lo, addr) for addr, t in ins if (b := re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", t))
-             and (lo := int(b.group(1), 16)) < addr]
-    bodies = [[t for a, t in ins if lo <= a <= hi] for lo, hi in loops]
-    body = max((b for b in bodies if any("IDP.4A" in t for t in b)), key=len)  # the worker's k-loop
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body)
-    whole = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in ins)
+    sass = compile_sm90(smf._fast_small_m_kernel, sig, cx, sys.argv[1] + f"/e{label}.cubin",
+                        ("M", "R", "S", "P", "tiles_per_split"))
+    body = loop_with(sass, "IDP.4A")  # the worker's k-loop
+    ops, whole = opcodes(body), opcodes(t for _, t in instructions(sass))
     out[label] = dict(per_value=len(body) / 64, idp=ops["IDP.4A.S8.S8"], prmt=ops["PRMT"], ffma=ops["FFMA"],
-                   i2f=ops["I2FP.F32.S32"], shfl=sum(v for o, v in ops.items() if "SHFL" in o),
-                   local=sum(v for o, v in whole.items() if o.startswith(("LDL", "STL"))),
-                   prefetch=whole["CCTL.E.PF2"], body=len(body),
-                   byte_loads=sum(1 for t in body if re.match(r"(@!?P\w+\s+)?LDG\.E\.U8", t)))
+                      i2f=ops["I2FP.F32.S32"], shfl=sum(v for o, v in ops.items() if "SHFL" in o),
+                      local=sum(v for o, v in whole.items() if o.startswith(("LDL", "STL"))),
+                      prefetch=whole["CCTL.E.PF2"], body=len(body),
+                      byte_loads=sum(1 for t in body if re.match(r"(@!?P\w+\s+)?LDG\.E\.U8", t)))
 print(json.dumps(out))
 """
 
@@ -277,8 +262,8 @@ def test_exact_one_launch_compiles_to_integer_dot_products(tmp_path):
     if not os.path.exists(_nvidia_bin("cuobjdump")):
         pytest.skip("no cuobjdump in this Triton's CUDA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _SASS, str(tmp_path)], env=env, capture_output=True, text=True,
-                         timeout=900)
+    res = subprocess.run([sys.executable, "-c", _SASS, str(tmp_path), os.path.dirname(__file__)], env=env,
+                         capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     import json
 

@@ -118,12 +118,10 @@ def test_word_decode_takes_what_it_can_read():
 
 
 _WORDS_SASS = """
-import json, re, subprocess, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, sys
+sys.path.insert(0, sys.argv[2])
+from sass_loops import compile_sm90, loop_with
 from svdq_linear.backends.sm90 import small_m as sm
-from svdq_linear.precompile import _nvidia_bin
 
 sig = dict(x_ptr="*bf16", smooth_ptr="*fp32", w_ptr="*u8", s_ptr="*u8", cs_ptr="*fp32", bias_ptr="*bf16",
            up_ptr="*bf16", lora_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32",
@@ -136,22 +134,8 @@ for words, (block_n, block_k), bm in ((True, sm.WORDS_TILE[sm.ACT_X], 1), (False
     cx = dict(LAYOUT=sm.CANONICAL, ACT=sm.ACT_X, BLOCK_N=block_n, BLOCK_M=bm, BLOCK_K=block_k, RC=16, EVEN_K=True, NUM_STAGES=3,
               IS_SPLIT=True, HAS_BIAS=False, HAS_LORA=False, USE_DOT=False, DOT_F32=False, WORDS=words, ASM=words,
               PREFETCH=False, CHAIN=words and sm.WORDS_CHAIN, SC=sm.sum_chunk(block_n, bm, False))
-    fn = sm._small_m_kernel
-    full = {a: ("constexpr" if a in cx else sig[a]) for a in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a not in cx and a not in ("M", "R")}
-    ck = triton.compile(ASTSource(fn, full, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=4))
-    cub = sys.argv[1] + f"/k{words}{bm}.cubin"
-    open(cub, "wb").write(ck.asm["cubin"])
-    sass = subprocess.run([_nvidia_bin("cuobjdump"), "--dump-sass", cub], capture_output=True, text=True,
-                          check=True).stdout
-    ins = [(int(a, 16), t) for a, t in re.findall(r"/\\*([0-9a-f]{4,})\\*/\\s+([^;]*);", sass)]
-    loops = [(lo, addr) for addr, t in ins if (b := re.search(r"BRA\\s+(?:\\S+\\s+)?0x([0-9a-f]+)", t))
-             and (lo := int(b.group(1), 16)) < addr]
-    bodies = [[t for a, t in ins if lo <= a <= hi] for lo, hi in loops]
-    bodies = [b for b in bodies if any("LDGSTS" in t for t in b)]  # the pipelined main loop
-    assert bodies, "no pipelined loop in the SASS"
-    body = max(bodies, key=len)
+    sass = compile_sm90(sm._small_m_kernel, sig, cx, sys.argv[1] + f"/k{words}{bm}.cubin", ("M", "R"))
+    body = loop_with(sass, "LDGSTS")  # the pipelined main loop
     out[str(words) + ("" if bm == 1 else str(bm))] = dict(n=len(body), per_value=len(body) / (block_n * block_k / 128), values=block_n * block_k // 128,
                            unpack=sum("F2FP.F16.E4M3.UNPACK_B" in t for t in body),
                            shfl=sum("SHFL" in t for t in body), membar=sass.count("MEMBAR"),
@@ -177,8 +161,8 @@ def test_word_decode_compiles_to_hardware_e4m3_converts_and_fewer_instructions(t
         pytest.skip("no cuobjdump in this Triton's CUDA backend")
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _WORDS_SASS, str(tmp_path)], env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, "-c", _WORDS_SASS, str(tmp_path), os.path.dirname(__file__)], env=env,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     words, byte = res["True"], res["False"]

@@ -389,12 +389,10 @@ def test_backend_takes_the_one_launch_kernel_when_asked(m, monkeypatch):
 
 
 _SASS = r"""
-import collections, json, re, subprocess, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, re, sys
+sys.path.insert(0, sys.argv[2])
+from sass_loops import compile_sm90, instructions, loop_with, opcodes
 from svdq_linear.backends.sm90 import small_m_fast as smf
-from svdq_linear.precompile import _nvidia_bin
 
 sig = dict(x_ptr="*bf16", inv_ptr="*fp32", blob_ptr="*u8", strip_ptr="*u8", cs_ptr="*fp32", bias_ptr="*fp32",
            pd_ptr="*bf16", up_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", lpart_ptr="*fp32", a8_ptr="*u8",
@@ -408,23 +406,10 @@ for label, bm, rb, dot, meas in (("1", 1, 32, False, 0), ("2", 2, 32, False, 0),
                                  ("d16trace", 16, 32, True, 1), ("1delay", 1, 32, False, 2)):
     cx = dict(BM=bm, RB=rb, RC=min(rb, 32), **smf.chunks(bm, rb), HAS_BIAS=True, HAS_LORA=True, ASM=True,
               NUM_STAGES=3, DOT=dot, POLL=int(meas == 1), TRACE=meas == 1, DELAY=50000 if meas == 2 else 0, EXACT=False)
-    fn = smf._fast_small_m_kernel
-    full = {a: ("constexpr" if a in cx else sig[a]) for a in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-             if a not in cx and a not in ("M", "R", "S", "P", "tiles_per_split")}
-    ck = triton.compile(ASTSource(fn, full, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=4))
-    cub = sys.argv[1] + f"/f{label}.cubin"
-    open(cub, "wb").write(ck.asm["cubin"])
-    sass = subprocess.run([_nvidia_bin("cuobjdump"), "--dump-sass", cub], capture_output=True, text=True,
-                          check=True).stdout
-    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    loops = [(lo, addr) for addr, t in ins if (b := re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", t))
-             and (lo := int(b.group(1), 16)) < addr]
-    bodies = [[t for a, t in ins if lo <= a <= hi] for lo, hi in loops]
-    body = [b for b in bodies if any("UNPACK_B_MERGE_C" in t for t in b)][0]  # the worker's loop (its tables)
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body)
-    whole = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in ins)
+    sass = compile_sm90(smf._fast_small_m_kernel, sig, cx, sys.argv[1] + f"/f{label}.cubin",
+                        ("M", "R", "S", "P", "tiles_per_split"))
+    body = loop_with(sass, "UNPACK_B_MERGE_C", longest=False)  # the worker's loop (its tables)
+    ops, whole = opcodes(body), opcodes(t for _, t in instructions(sass))
     out[label] = dict(per_value=len(body) / 64, ffma=ops["FFMA"], unpack=ops["F2FP.F16.E4M3.UNPACK_B"],
                       tables=ops["F2FP.SATFINITE.E4M3.F16.UNPACK_B_MERGE_C"],
                       qgmma=sum(v for o, v in ops.items() if o.startswith("QGMMA")),
@@ -453,8 +438,8 @@ def test_one_launch_compiles_to_table_lookups_and_fp8_wgmma(tmp_path):
     if not os.path.exists(_nvidia_bin("cuobjdump")):
         pytest.skip("no cuobjdump in this Triton's CUDA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _SASS, str(tmp_path)], env=env, capture_output=True, text=True,
-                         timeout=900)
+    res = subprocess.run([sys.executable, "-c", _SASS, str(tmp_path), os.path.dirname(__file__)], env=env,
+                         capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     import json
 
