@@ -17,23 +17,16 @@ from svdq_linear import nvfp4
 pytest.importorskip("triton")
 smf = pytest.importorskip("svdq_linear.backends.sm90.small_m_fast")
 quack_gemm = pytest.importorskip("svdq_linear.backends.sm90.quack_gemm")
+from test_sm90_small_m_fast import _layer as fast_layer  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _layer(n, k, r, gen):
-    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
-    ws = (torch.rand(n, k // 16, generator=gen) * 0.9 + 0.01).to(torch.float8_e4m3fn)
-    ws[0, 1] = 0  # a zero block scale
-    ws[1, 2] = torch.tensor(2.0**-9).to(torch.float8_e4m3fn)  # the smallest subnormal one
+    """The fast kernel's test layer (zero and subnormal block scales, all 16 codes in either nibble, a zero row)
+    with a block scale of 448 too."""
+    q, ws, wc, smooth, pd, up = fast_layer(n, k, r, gen)
     ws[5, 3] = 448.0  # the largest
-    codes = torch.arange(16, dtype=torch.uint8)
-    q[2, :16] = codes | ((15 - codes) << 4)  # all 16 codes (both signs, -0 included) in either nibble
-    q[3] = 0  # an all-zero row
-    wc = torch.rand(n, generator=gen) + 0.5
-    smooth = torch.exp(torch.randn(k, generator=gen) * 0.3)
-    pd = torch.randn(k, r, generator=gen) * 0.1
-    up = (torch.randn(n, r, generator=gen) * 0.1).bfloat16()
     return q, ws, wc, smooth, pd, up
 
 
