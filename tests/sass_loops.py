@@ -54,3 +54,22 @@ def loop_with(sass: str, key: str, longest: bool = True) -> list[str]:
 def opcodes(lines) -> collections.Counter:
     """Opcode counts (the predicate stripped) of SASS instruction texts."""
     return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in lines)
+
+
+def run_script(script: str, tmp_path, timeout: int = 900) -> dict:
+    """Runs a SASS test's ``script`` in a child process (``argv``: ``tmp_path`` for its cubins, then this
+    folder), without the Triton interpreter, and returns the JSON object its last line prints. Skips where
+    this Triton's CUDA backend has no ``cuobjdump``."""
+    import json
+    import os
+    import sys
+
+    import pytest
+
+    if not os.path.exists(_nvidia_bin("cuobjdump")):
+        pytest.skip("no cuobjdump in this Triton's CUDA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", script, str(tmp_path), os.path.dirname(os.path.abspath(__file__))],
+                         env=env, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])

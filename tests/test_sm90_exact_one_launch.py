@@ -4,9 +4,6 @@ blob, the fast kernel's split-K sum and epilogue. Against the contract (``nvfp4.
 tolerance ``nvfp4.tolerance``); the ``prmt`` / ``dp4a`` text of the product run by a small PTX model; the
 sm_90a build's SASS. On the CPU through Triton's interpreter (conftest); on a GPU compiled."""
 
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -250,17 +247,9 @@ def test_exact_one_launch_compiles_to_integer_dot_products(tmp_path):
     into L2 before the wait. Triton 3.9: 223 instructions a k-tile at one token (3.5 a weight value, against the
     fast mode's multiply-adds' 5.1; 249 with the lookup table as an immediate, which ptxas copied in before each
     lookup, and the strip as bytes)."""
-    from svdq_linear.precompile import _nvidia_bin
+    from sass_loops import run_script
 
-    if not os.path.exists(_nvidia_bin("cuobjdump")):
-        pytest.skip("no cuobjdump in this Triton's CUDA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _SASS, str(tmp_path), os.path.dirname(__file__)], env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    import json
-
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = run_script(_SASS, tmp_path)
     for bm, st in ((1, out["1"]), (2, out["2"])):
         assert st["idp"] == 32 * bm and st["prmt"] == 48, (bm, st)  # the words are decoded once for both tokens
         assert st["i2f"] == 16 * bm and st["ffma"] == 16 * bm, (bm, st)

@@ -151,20 +151,9 @@ def test_word_decode_compiles_to_hardware_e4m3_converts_and_fewer_instructions(t
     chain reduces across k after the loop) and issues at most 5.25 instructions per weight value a thread
     handles (5.0 with Triton 3.9 at 32 x 256; 4.6 at 64 x 128), at most 0.6x the per-byte decode's (about 10);
     a second token adds its multiply-adds, not a second decode."""
-    import json
-    import os
-    import sys
+    from sass_loops import run_script
 
-    from svdq_linear.precompile import _nvidia_bin
-
-    if not os.path.exists(_nvidia_bin("cuobjdump")):
-        pytest.skip("no cuobjdump in this Triton's CUDA backend")
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _WORDS_SASS, str(tmp_path), os.path.dirname(__file__)], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = run_script(_WORDS_SASS, tmp_path, timeout=600)
     words, byte = res["True"], res["False"]
     assert words["values"] // 2 <= words["unpack"] <= words["values"] // 2 + 4  # the values' and the block scales'
     assert words["shfl"] == 0, words
@@ -358,7 +347,6 @@ def test_mma_split_divides_the_k_tiles_and_leaves_a_tile_to_prefetch():
 def _sm90a_sass(tmp_path, *args):
     """The SASS of ``python -m svdq_linear.backends.sm90.small_m_mma ARGS`` compiled for sm_90a here (no GPU)."""
     import os
-    import subprocess
     import sys
 
     pytest.importorskip("quack")
@@ -432,7 +420,6 @@ def test_fused_mma_kernel_binds_no_size_of_a_stand_in_to_the_layer_shape(tmp_pat
     import)."""
     import os
     import re
-    import subprocess
     import sys
 
     pytest.importorskip("quack")

@@ -5,7 +5,6 @@ quantized per token in the kernel, ``lora_act`` by the producers, the ordered sp
 sync words it leaves at zero. On the CPU through Triton's interpreter
 (conftest); on the H200 compiled, against the same oracles and through the backend."""
 
-import os
 import subprocess
 import sys
 
@@ -433,17 +432,9 @@ def test_one_launch_compiles_to_table_lookups_and_fp8_wgmma(tmp_path):
     instructions a value at one token, 6.6 at two, Triton 3.9). The FP8 dots hand the decoded bytes to
     ``wgmma`` from registers (four ``QGMMA`` a k-tile, no FFMA, no widening) at about 3 instructions a
     value, whatever the token rows."""
-    from svdq_linear.precompile import _nvidia_bin
+    from sass_loops import run_script
 
-    if not os.path.exists(_nvidia_bin("cuobjdump")):
-        pytest.skip("no cuobjdump in this Triton's CUDA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _SASS, str(tmp_path), os.path.dirname(__file__)], env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    import json
-
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = run_script(_SASS, tmp_path)
     for label, st in out.items():
         assert st["tables"] == 16 and st["shfl"] == 0 and st["local"] == 0, (label, st)
         assert st["atomics"] >= 8 and st["prefetch"] >= 2, (label, st)
