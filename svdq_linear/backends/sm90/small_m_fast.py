@@ -876,18 +876,25 @@ def plan(m: int, n: int, k: int, sms: int = SM_COUNT, ctas_per_sm: int = CTAS_PE
 def check(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip: torch.Tensor, cs: torch.Tensor,
           bias: torch.Tensor | None, proj_down: torch.Tensor | None, proj_up: torch.Tensor | None) -> None:
     """Refuses what the kernel would read wrongly (its pointers assume these shapes, dtypes and strides)."""
+    _check_shapes(x, cs, blob, strip, MAX_M, "one-launch fast kernel",
+                  "the fast blob [N/64, K/128, 128, 32] and strip [N/64, K/128, 512]",
+                  lambda n, k: ((n // 64, k // TILE_K, 128, 32), (n // 64, k // TILE_K, 512)))
+    _check_operands(x, ("inv_smooth", inv_smooth), blob, strip, cs, bias, proj_down, proj_up)
+
+
+def _check_shapes(x: torch.Tensor, cs: torch.Tensor, blob: torch.Tensor, strip: torch.Tensor, max_m: int, what: str,
+                  layout: str, shapes) -> None:
+    """x is ``[M, K]`` with 1 to ``max_m`` tokens, and ``blob`` / ``strip`` have the ``shapes(N, K)`` of the
+    ``layout`` the ``what`` kernel reads (N from ``cs``)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
     m, k = x.shape
     n = cs.numel()
-    if not 1 <= m <= MAX_M:
-        raise ValueError(f"the one-launch fast kernel serves 1 to {MAX_M} tokens, got {m}")
-    if n < 64 or k < TILE_K or n % 64 or k % TILE_K or blob.shape != (n // 64, k // TILE_K, 128, 32) \
-            or strip.shape != (n // 64, k // TILE_K, 512):
-        raise ValueError(f"expected the fast blob [N/64, K/128, 128, 32] and strip [N/64, K/128, 512] of a {n} x {k} "
-                         f"weight (N, K > 0, N % 64 == 0, K % 128 == 0), got {tuple(blob.shape)} and "
-                         f"{tuple(strip.shape)}")
-    _check_operands(x, ("inv_smooth", inv_smooth), blob, strip, cs, bias, proj_down, proj_up)
+    if not 1 <= m <= max_m:
+        raise ValueError(f"the {what} serves 1 to {max_m} tokens, got {m}")
+    if n < 64 or k < TILE_K or n % 64 or k % TILE_K or (tuple(blob.shape), tuple(strip.shape)) != shapes(n, k):
+        raise ValueError(f"expected {layout} of a {n} x {k} weight (N, K > 0, N % 64 == 0, K % {TILE_K} == 0), got "
+                         f"{tuple(blob.shape)} and {tuple(strip.shape)}")
 
 
 def _check_operands(x: torch.Tensor, vec: tuple[str, torch.Tensor], blob: torch.Tensor, strip: torch.Tensor,
@@ -950,17 +957,9 @@ def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip:
 def check_exact(x: torch.Tensor, smooth: torch.Tensor, blob: torch.Tensor, strip: torch.Tensor, cs: torch.Tensor,
                 bias: torch.Tensor | None, proj_down: torch.Tensor | None, proj_up: torch.Tensor | None) -> None:
     """``check`` for ``linear_exact``: quack's blob and strip, one or two tokens."""
-    if x.dim() != 2:
-        raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
-    m, k = x.shape
-    n = cs.numel()
-    if not 1 <= m <= FMA_MAX_M:
-        raise ValueError(f"the exact one-launch kernel serves 1 to {FMA_MAX_M} tokens, got {m}")
-    if n < 64 or k < TILE_K or n % 64 or k % TILE_K or blob.shape != (n // 64, k // 64, 128, 16) \
-            or strip.shape != (n // 64, k // 64, 32, 4, 2):
-        raise ValueError(f"expected quack's nvfp4 blob [N/64, K/64, 128, 16] and strip [N/64, K/64, 32, 4, 2] of a "
-                         f"{n} x {k} weight (N % 64 == 0, K % {TILE_K} == 0), got {tuple(blob.shape)} and "
-                         f"{tuple(strip.shape)}")
+    _check_shapes(x, cs, blob, strip, FMA_MAX_M, "exact one-launch kernel",
+                  "quack's nvfp4 blob [N/64, K/64, 128, 16] and strip [N/64, K/64, 32, 4, 2]",
+                  lambda n, k: ((n // 64, k // 64, 128, 16), (n // 64, k // 64, 32, 4, 2)))
     _check_operands(x, ("smooth", smooth), blob, strip, cs, bias, proj_down, proj_up)
 
 
