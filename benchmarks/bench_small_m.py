@@ -261,6 +261,25 @@ FAST_ONE_SHAPES = (("attn", 3072, 3072), ("ff up", 3072, 12288), ("ff down", 122
                    ("single out", 15360, 3072))
 
 
+def _one_launch_cases(mode: str, tokens: tuple, env: str):
+    """Per Flux layer (``FAST_ONE_SHAPES``) and token count: ``(label, k, n, m, q, x, t_ref, t_def, y_one,
+    wbytes)``: a random ``mode`` module, cuBLAS bf16's time, the module's default path's time with ``env`` off,
+    and its output with ``env`` set to "1" (the one launch)."""
+    for label, k, n in FAST_ONE_SHAPES:
+        lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+        q = random_w4a4(k, n, 32, torch.bfloat16, "cuda").set_mode(mode)
+        for m in tokens:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
+            t_def = env_time(lambda: q(x), env, "0")
+            os.environ[env] = "1"
+            try:
+                y = q(x)
+            finally:
+                os.environ.pop(env, None)
+            yield label, k, n, m, q, x, t_ref, t_def, y, n * k // 2 + n * k // 16
+
+
 def fast_one_table(copy_gbs: float, sweep: bool = True, tokens: tuple = (1, 2, 8, 16, 64)) -> list[str]:
     """The fast mode at ``tokens`` (1-64): routed (up to five launches) against small_m_fast (one), and
     (``sweep``) the kernel at each split target x pipeline depth."""
@@ -278,44 +297,32 @@ def fast_one_table(copy_gbs: float, sweep: bool = True, tokens: tuple = (1, 2, 8
             "", "| layer | K | N | M | cuBLAS bf16 | routed | one launch | check | weight GB/s | % of copy | dots |"
             + "".join(f" c{c} s{st} |" for c in ctas for st in stages),
             "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * (len(ctas) * len(stages))]
-    for label, k, n in FAST_ONE_SHAPES:
-        lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
-        q = random_w4a4(k, n, 32, torch.bfloat16, "cuda").set_mode("fast")
-        wbytes = n * k // 2 + n * k // 16
-        for m in tokens:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
-            t_def = env_time(lambda: q(x), ENV_FAST_ONE_LAUNCH, "0")
-            os.environ[ENV_FAST_ONE_LAUNCH] = "1"
-            try:
-                y = q(x)
-            finally:
-                os.environ.pop(ENV_FAST_ONE_LAUNCH, None)
-            try:
-                _assert_fast_formula(q, x, y)
-                check = "ok"
-            except AssertionError as e:
-                check = f"WRONG ({e})"
-            t_one = env_time(lambda: q(x), ENV_FAST_ONE_LAUNCH, "1")
-            _, prep = backends.resolve(q, x)
-            ex = prep.tensors()
-            blob, strip, cs, bias = ex[-5:-1]
-            ops = (x, ex[-1], blob, strip, cs.reshape(-1), bias.reshape(-1) if q.bias is not None else None,
-                   ex[0][:, :q.rank], q.proj_up.contiguous())
-            dots = "-"
-            if m <= small_m_fast.FMA_MAX_M:
-                t = graph_time(lambda: small_m_fast.linear(*ops, dot=True))
-                dots = f"{t * 1e3:.1f} ({t_ref / t:.2f}x)"
-            cells = []
-            for c in ctas:
-                for st in stages:
-                    t = graph_time(lambda: small_m_fast.linear(*ops, num_stages=st, ctas_per_sm=c))
-                    cells.append(f"{t * 1e3:.1f} ({wbytes / (t * 1e-3) / 1e9:.0f})")
-            gbs = wbytes / (t_one * 1e-3) / 1e9
-            rows.append(f"| {label} | {k} | {n} | {m} | {t_ref * 1e3:.1f} | {t_def * 1e3:.1f} ({t_ref / t_def:.2f}x) | "
-                        f"{t_one * 1e3:.1f} ({t_ref / t_one:.2f}x) | {check} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | "
-                        f"{dots} |" + "".join(f" {c} |" for c in cells))
-            print(rows[-1], flush=True)
+    for label, k, n, m, q, x, t_ref, t_def, y, wbytes in _one_launch_cases("fast", tokens, ENV_FAST_ONE_LAUNCH):
+        try:
+            _assert_fast_formula(q, x, y)
+            check = "ok"
+        except AssertionError as e:
+            check = f"WRONG ({e})"
+        t_one = env_time(lambda: q(x), ENV_FAST_ONE_LAUNCH, "1")
+        _, prep = backends.resolve(q, x)
+        ex = prep.tensors()
+        blob, strip, cs, bias = ex[-5:-1]
+        ops = (x, ex[-1], blob, strip, cs.reshape(-1), bias.reshape(-1) if q.bias is not None else None,
+               ex[0][:, :q.rank], q.proj_up.contiguous())
+        dots = "-"
+        if m <= small_m_fast.FMA_MAX_M:
+            t = graph_time(lambda: small_m_fast.linear(*ops, dot=True))
+            dots = f"{t * 1e3:.1f} ({t_ref / t:.2f}x)"
+        cells = []
+        for c in ctas:
+            for st in stages:
+                t = graph_time(lambda: small_m_fast.linear(*ops, num_stages=st, ctas_per_sm=c))
+                cells.append(f"{t * 1e3:.1f} ({wbytes / (t * 1e-3) / 1e9:.0f})")
+        gbs = wbytes / (t_one * 1e-3) / 1e9
+        rows.append(f"| {label} | {k} | {n} | {m} | {t_ref * 1e3:.1f} | {t_def * 1e3:.1f} ({t_ref / t_def:.2f}x) | "
+                    f"{t_one * 1e3:.1f} ({t_ref / t_one:.2f}x) | {check} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | "
+                    f"{dots} |" + "".join(f" {c} |" for c in cells))
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -333,42 +340,30 @@ def exact_one_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4, 5
             "target), us (weight GB/s)", "",
             "| layer | K | N | M | cuBLAS bf16 | routed | one launch | check | weight GB/s | % of copy | self acts |"
             + "".join(f" c{c} |" for c in ctas), "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(ctas)]
-    for label, k, n in FAST_ONE_SHAPES:
-        lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
-        q = random_w4a4(k, n, 32, torch.bfloat16, "cuda").set_mode("exact")
-        wbytes = n * k // 2 + n * k // 16
-        for m in tokens:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
-            t_def = env_time(lambda: q(x), ENV_EXACT_ONE_LAUNCH, None)
-            os.environ[ENV_EXACT_ONE_LAUNCH] = "1"
-            try:
-                y = q(x)
-            finally:
-                os.environ.pop(ENV_EXACT_ONE_LAUNCH, None)
-            args = [t.cpu() if t is not None else None for t in
-                    (q.qweight, q.wscales, q.smooth, q.proj_down, q.proj_up, q.wcscale, q.bias)]
-            want = nvfp4.w4a4_linear(x.cpu(), *args, torch.float64)
-            bound = nvfp4.tolerance(x.cpu(), *args, torch.bfloat16)
-            worst = ((y.double().cpu() - want).abs() / bound).max().item()
-            check = "ok" if worst <= 1 else f"WRONG ({worst:.2f}x the tolerance)"
-            t_one = env_time(lambda: q(x), ENV_EXACT_ONE_LAUNCH, "1")
-            _, prep = backends.resolve(q, x)
-            ex = prep.tensors()
-            blob, sf, wc, bias = ex[-4:]
-            ops = (x, q.smooth.float().contiguous(), blob, sf, wc.reshape(-1), bias.reshape(-1), ex[0][:, :q.rank],
-                   q.proj_up.contiguous())
-            same = torch.equal(small_m_fast.linear_exact(*ops, self_acts=True), small_m_fast.linear_exact(*ops))
-            t = graph_time(lambda: small_m_fast.linear_exact(*ops, self_acts=True))
-            cells = [f"{t * 1e3:.1f} ({t_ref / t:.2f}x){'' if same else ' DIFFERS'}"]
-            for c in ctas:
-                t = graph_time(lambda: small_m_fast.linear_exact(*ops, ctas_per_sm=c))
-                cells.append(f"{t * 1e3:.1f} ({wbytes / (t * 1e-3) / 1e9:.0f})")
-            gbs = wbytes / (t_one * 1e-3) / 1e9
-            rows.append(f"| {label} | {k} | {n} | {m} | {t_ref * 1e3:.1f} | {t_def * 1e3:.1f} ({t_ref / t_def:.2f}x) | "
-                        f"{t_one * 1e3:.1f} ({t_ref / t_one:.2f}x) | {check} | {gbs:.0f} | "
-                        f"{100 * gbs / copy_gbs:.0f}% |" + "".join(f" {c} |" for c in cells))
-            print(rows[-1], flush=True)
+    for label, k, n, m, q, x, t_ref, t_def, y, wbytes in _one_launch_cases("exact", tokens, ENV_EXACT_ONE_LAUNCH):
+        args = [t.cpu() if t is not None else None for t in
+                (q.qweight, q.wscales, q.smooth, q.proj_down, q.proj_up, q.wcscale, q.bias)]
+        want = nvfp4.w4a4_linear(x.cpu(), *args, torch.float64)
+        bound = nvfp4.tolerance(x.cpu(), *args, torch.bfloat16)
+        worst = ((y.double().cpu() - want).abs() / bound).max().item()
+        check = "ok" if worst <= 1 else f"WRONG ({worst:.2f}x the tolerance)"
+        t_one = env_time(lambda: q(x), ENV_EXACT_ONE_LAUNCH, "1")
+        _, prep = backends.resolve(q, x)
+        ex = prep.tensors()
+        blob, sf, wc, bias = ex[-4:]
+        ops = (x, q.smooth.float().contiguous(), blob, sf, wc.reshape(-1), bias.reshape(-1), ex[0][:, :q.rank],
+               q.proj_up.contiguous())
+        same = torch.equal(small_m_fast.linear_exact(*ops, self_acts=True), small_m_fast.linear_exact(*ops))
+        t = graph_time(lambda: small_m_fast.linear_exact(*ops, self_acts=True))
+        cells = [f"{t * 1e3:.1f} ({t_ref / t:.2f}x){'' if same else ' DIFFERS'}"]
+        for c in ctas:
+            t = graph_time(lambda: small_m_fast.linear_exact(*ops, ctas_per_sm=c))
+            cells.append(f"{t * 1e3:.1f} ({wbytes / (t * 1e-3) / 1e9:.0f})")
+        gbs = wbytes / (t_one * 1e-3) / 1e9
+        rows.append(f"| {label} | {k} | {n} | {m} | {t_ref * 1e3:.1f} | {t_def * 1e3:.1f} ({t_ref / t_def:.2f}x) | "
+                    f"{t_one * 1e3:.1f} ({t_ref / t_one:.2f}x) | {check} | {gbs:.0f} | "
+                    f"{100 * gbs / copy_gbs:.0f}% |" + "".join(f" {c} |" for c in cells))
+        print(rows[-1], flush=True)
     return rows
 
 
