@@ -280,6 +280,16 @@ def _one_launch_cases(mode: str, tokens: tuple, env: str):
             yield label, k, n, m, q, x, t_ref, t_def, y, n * k // 2 + n * k // 16
 
 
+def _one_launch_row(label, k, n, m, t_ref, t_def, t_one, check, wbytes, copy_gbs, cells) -> str:
+    """A one-launch table's row (ms in, us out; the one launch's weight GB/s against the copy's), printed too."""
+    gbs = wbytes / (t_one * 1e-3) / 1e9
+    row = (f"| {label} | {k} | {n} | {m} | {t_ref * 1e3:.1f} | {t_def * 1e3:.1f} ({t_ref / t_def:.2f}x) | "
+           f"{t_one * 1e3:.1f} ({t_ref / t_one:.2f}x) | {check} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% |"
+           + "".join(f" {c} |" for c in cells))
+    print(row, flush=True)
+    return row
+
+
 def fast_one_table(copy_gbs: float, sweep: bool = True, tokens: tuple = (1, 2, 8, 16, 64)) -> list[str]:
     """The fast mode at ``tokens`` (1-64): routed (up to five launches) against small_m_fast (one), and
     (``sweep``) the kernel at each split target x pipeline depth."""
@@ -318,11 +328,7 @@ def fast_one_table(copy_gbs: float, sweep: bool = True, tokens: tuple = (1, 2, 8
             for st in stages:
                 t = graph_time(lambda: small_m_fast.linear(*ops, num_stages=st, ctas_per_sm=c))
                 cells.append(f"{t * 1e3:.1f} ({wbytes / (t * 1e-3) / 1e9:.0f})")
-        gbs = wbytes / (t_one * 1e-3) / 1e9
-        rows.append(f"| {label} | {k} | {n} | {m} | {t_ref * 1e3:.1f} | {t_def * 1e3:.1f} ({t_ref / t_def:.2f}x) | "
-                    f"{t_one * 1e3:.1f} ({t_ref / t_one:.2f}x) | {check} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | "
-                    f"{dots} |" + "".join(f" {c} |" for c in cells))
-        print(rows[-1], flush=True)
+        rows.append(_one_launch_row(label, k, n, m, t_ref, t_def, t_one, check, wbytes, copy_gbs, [dots] + cells))
     return rows
 
 
@@ -359,11 +365,7 @@ def exact_one_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4, 5
         for c in ctas:
             t = graph_time(lambda: small_m_fast.linear_exact(*ops, ctas_per_sm=c))
             cells.append(f"{t * 1e3:.1f} ({wbytes / (t * 1e-3) / 1e9:.0f})")
-        gbs = wbytes / (t_one * 1e-3) / 1e9
-        rows.append(f"| {label} | {k} | {n} | {m} | {t_ref * 1e3:.1f} | {t_def * 1e3:.1f} ({t_ref / t_def:.2f}x) | "
-                    f"{t_one * 1e3:.1f} ({t_ref / t_one:.2f}x) | {check} | {gbs:.0f} | "
-                    f"{100 * gbs / copy_gbs:.0f}% |" + "".join(f" {c} |" for c in cells))
-        print(rows[-1], flush=True)
+        rows.append(_one_launch_row(label, k, n, m, t_ref, t_def, t_one, check, wbytes, copy_gbs, cells))
     return rows
 
 
