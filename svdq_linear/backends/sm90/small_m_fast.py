@@ -52,8 +52,9 @@ amax, so the producers write their chunk's activations at once: per token and 16
 E2M1 codes times 2 as int8, four to a word in the blob's k order, and the words' negations (``_exact_acts``).
 The workers look each weight code up as its magnitude times 2 with ``prmt`` (a negative code reads 0 in the
 sign-replicate mode; with the sign bits flipped, the positive ones do) and take ``dp4a`` products with the
-activation words and their negations: 12 instructions for 8 weight values, then per word one convert and
-one FFMA with the two block scales (``_idp``, ``_product_exact``). A block's sum is exact in int32 and its
+activation words and their negations: 12 instructions for 8 weight values. A block's four words are one
+thread's and add as integers; then one convert and one FFMA a block and row with its two scales (``_idp``,
+``_product_exact``). A block's sum is exact in int32 and its
 scaling exact in fp32, so the result differs from the contract only in fp32 summation order (and in
 ``lora_act``'s bf16 operands, as everywhere). The epilogue is the fast mode's with 1/4 as the tokens' scale.
 
@@ -415,9 +416,17 @@ def _exact_acts(x_ptr, smooth_ptr, a8_ptr, kt0, kt_hi, M, K, stride_xm, BM: tl.c
 
 
 @triton.jit
+def _t0_sum(d):
+    """``[2, 32, 4 t0, 4 b]`` -> the sums over t0 ``[2, 32, 4 b]``, by splits (in a thread where it holds t0)."""
+    a, b = tl.split(tl.reshape(tl.permute(d, [0, 1, 3, 2]), [2, 32, 4, 2, 2]))
+    c, e = tl.split(a + b)
+    return c + e
+
+
+@triton.jit
 def _slot_sums(c):
-    """``[2 h, 32 slots, 4 t0, 4 b]`` -> the sum per slot ``[32]``."""
-    return tl.sum(tl.sum(tl.sum(c, axis=3), axis=2), axis=0)
+    """``[2 h, 32 slots, 4 b]`` -> the sum per slot ``[32]``."""
+    return tl.sum(tl.sum(c, axis=2), axis=0)
 
 
 @triton.jit
@@ -426,24 +435,24 @@ def _product_exact(blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K, rm, BM: 
     """The exact mode's partial product ``[64, BM]`` (fp32, 4x the value: ``linear_exact`` passes 1/4 as the
     tokens' scale): group ``g``'s rows over 128-k tiles ``[kt_lo, kt_hi)`` of quack's blob and strip, on the
     activation words (``_exact_acts``: the producers', or with ``SELF_ACTS`` the worker's own). A block's 16
-    products sum exactly (int32 four at a time, at most 16 x 144 in all), times its two E4M3 scales (exact in
-    fp32): the fp32 sum order is the only difference from the contract."""
+    products sum exactly (int32, at most 16 x 144 in all; its four words are one thread's), times its two scales
+    (exact in fp32): the fp32 sum order is the only difference from the contract."""
     # a 128-k tile: blob words [2 h, 32 (8 t2 + t1), 4 t0, 4 b]; strip words [2 h, 32, 2] (bytes [4 b, 2 p0])
     hh = tl.arange(0, 2)[:, None, None, None]
     o_w = ((hh * 32 + tl.arange(0, 32)[None, :, None, None]) * 4 + tl.arange(0, 4)[None, None, :, None]) * 4 \
         + tl.arange(0, 4)[None, None, None, :]
     o_a = hh * 16 + tl.arange(0, 4)[None, None, :, None] + tl.arange(0, 4)[None, None, None, :] * 4  # [2, 1, t0, b]
-    o_s = (hh * 32 + tl.arange(0, 32)[None, :, None, None]) * 2 + tl.arange(0, 2)[None, None, None, :]  # words
-    o_b = hh * 4 + tl.arange(0, 4)[None, None, None, :]  # [2, 1, 1, 4]: block 4 h + b of the tile
+    o_s = (tl.arange(0, 2)[:, None, None] * 32 + tl.arange(0, 32)[None, :, None]) * 2 + tl.arange(0, 2)[None, None, :]
+    o_b = tl.arange(0, 2)[:, None, None] * 4 + tl.arange(0, 4)[None, None, :]  # [2, 1, 4]: block 4 h + b
     wbase = blob_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     sbase = strip_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     abase = a8_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     sa_ptr = a8_ptr.to(tl.pointer_type(tl.float32), bitcast=True) + BM * KT * 64
-    # fp32 sums a word slot (no sum across threads in the loop: the slots are summed once, after it)
-    c00 = tl.zeros([2, 32, 4, 4], tl.float32)  # token 0, row r
-    c01 = tl.zeros([2, 32, 4, 4], tl.float32)  # token 0, row r + 8
-    c10 = tl.zeros([2, 32, 4, 4], tl.float32)  # token 1 (its slots cost nothing at one token)
-    c11 = tl.zeros([2, 32, 4, 4], tl.float32)
+    # fp32 sums a (h, slot, b): a block's four words (t0) are one thread's, added as integers first
+    c00 = tl.zeros([2, 32, 4], tl.float32)  # token 0, row r
+    c01 = tl.zeros([2, 32, 4], tl.float32)  # token 0, row r + 8
+    c10 = tl.zeros([2, 32, 4], tl.float32)  # token 1 (its sums cost nothing at one token)
+    c11 = tl.zeros([2, 32, 4], tl.float32)
     lo = tl.load(abase + BM * (KT * 64 + K // 16))  # the lookup table (_idp)
     hi = tl.load(abase + BM * (KT * 64 + K // 16) + 1)
     for kt in tl.range(kt_lo, kt_hi, num_stages=NUM_STAGES):
@@ -452,21 +461,21 @@ def _product_exact(blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K, rm, BM: 
         # the strip as int32 words (pipelined like the blob; byte loads were not): word j of a slot holds blocks
         # 2 j, 2 j + 1 of rows r and r + 8 -> [2, 32, 1, 4 b] scales of each row
         f0, f1, f2, f3 = _e4m3x4_to_f32(tl.load(sbase + tile * 128 + o_s), ASM)
-        s0 = tl.reshape(tl.join(f0, f2), [2, 32, 1, 4])
-        s1 = tl.reshape(tl.join(f1, f3), [2, 32, 1, 4])
+        s0 = tl.reshape(tl.join(f0, f2), [2, 32, 4])
+        s1 = tl.reshape(tl.join(f1, f3), [2, 32, 4])
         aw = tl.load(abase + kt * 64 + o_a, cache_modifier=".cg")
         an = tl.load(abase + kt * 64 + 32 + o_a, cache_modifier=".cg")
         sa = tl.load(sa_ptr + kt * 8 + o_b, cache_modifier=".cg")
         d0, d1 = _idp(word, aw, an, lo, hi, ASM)
-        c00 += d0.to(tl.float32) * (s0 * sa)
-        c01 += d1.to(tl.float32) * (s1 * sa)
+        c00 += _t0_sum(d0).to(tl.float32) * (s0 * sa)
+        c01 += _t0_sum(d1).to(tl.float32) * (s1 * sa)
         if BM > 1:
             aw = tl.load(abase + (KT + kt) * 64 + o_a, cache_modifier=".cg")
             an = tl.load(abase + (KT + kt) * 64 + 32 + o_a, cache_modifier=".cg")
             sa = tl.load(sa_ptr + K // 16 + kt * 8 + o_b, cache_modifier=".cg")
             d0, d1 = _idp(word, aw, an, lo, hi, ASM)
-            c10 += d0.to(tl.float32) * (s0 * sa)
-            c11 += d1.to(tl.float32) * (s1 * sa)
+            c10 += _t0_sum(d0).to(tl.float32) * (s0 * sa)
+            c11 += _t0_sum(d1).to(tl.float32) * (s1 * sa)
     # slot i = 8 t2 + t1 holds rows 16 t2 + t1 (r) and + 8: [64] rows in order, a token each
     a_0 = tl.reshape(tl.permute(tl.reshape(tl.join(_slot_sums(c00), _slot_sums(c01)), [4, 8, 2]), [0, 2, 1]), [64])
     a_1 = tl.reshape(tl.permute(tl.reshape(tl.join(_slot_sums(c10), _slot_sums(c11)), [4, 8, 2]), [0, 2, 1]), [64])
