@@ -295,3 +295,46 @@ def test_backend_takes_the_exact_one_launch_kernel_when_asked(m, monkeypatch):
     monkeypatch.setattr(sm90, "_route_small_m_mma", lambda *a: False)  # (small_m_mma is a CUDA kernel)
     sm90.Sm90Backend().run_w4a4(*args)
     assert not calls, "the exact one launch is opt-in until a GPU has timed it"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("k,n,r", [(3072, 3072, 32), (12288, 3072, 32), (3072, 12288, 0)])
+def test_gpu_backend_routes_exact_calls_to_one_launch(m, k, n, r, monkeypatch):
+    """``SVDQ_SM90_EXACT_ONE_LAUNCH=1`` on a GPU, Flux-size layers: the exact mode's 1-2 token calls take the
+    kernel, meet the contract, leave the sync words at zero, give the same bits with ``self_acts``, and replay
+    in a CUDA graph with the same bits."""
+    pytest.importorskip("quack")
+    from test_conformance import random_w4a4
+
+    from svdq_linear import backends
+    from svdq_linear.backends import sm90
+    from svdq_linear.backends.sm90 import small_m
+
+    monkeypatch.setenv(sm90.ENV_EXACT_ONE_LAUNCH, "1")
+    torch.manual_seed(m + k + r)
+    mod = random_w4a4(k, n, r, torch.bfloat16, "cuda").set_mode("exact")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    backend = backends.choose(mod, x)
+    prepared = backend.prepare(mod, x.device)
+    calls = []
+    run = smf.linear_exact
+    monkeypatch.setattr(smf, "linear_exact", lambda *a, **kw: calls.append(a) or run(*a, **kw))
+    y = backend.linear(mod, x, prepared)
+    assert calls, "the call did not take the exact one-launch kernel"
+    args = [t.cpu() if t is not None else None for t in
+            (mod.qweight, mod.wscales, mod.smooth, mod.proj_down, mod.proj_up, mod.wcscale, mod.bias)]
+    want = nvfp4.w4a4_linear(x.cpu(), *args, torch.float64)
+    bound = nvfp4.tolerance(x.cpu(), *args, torch.bfloat16)
+    assert ((y.double().cpu() - want).abs() <= bound).all()
+    torch.cuda.synchronize()
+    assert all(int(b.abs().sum()) == 0 for b in small_m._SYNC_WORDS.values())
+    assert torch.equal(run(*calls[0], self_acts=True, out_dtype=torch.bfloat16), y)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg = backend.linear(mod, x, prepared)
+    for _ in range(3):
+        yg.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(yg, y)
