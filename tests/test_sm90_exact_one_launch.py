@@ -4,7 +4,6 @@ blob, the fast kernel's split-K sum and epilogue. Against the contract (``nvfp4.
 tolerance ``nvfp4.tolerance``); the ``prmt`` / ``dp4a`` text of the product run by a small PTX model; the
 sm_90a build's SASS. On the CPU through Triton's interpreter (conftest); on a GPU compiled."""
 
-
 import numpy as np
 import pytest
 import torch
