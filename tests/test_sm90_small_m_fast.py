@@ -583,12 +583,18 @@ def test_gpu_backend_routes_a_few_tokens_to_one_launch(m, k, n, r, dtype, monkey
     y = backend.linear(mod, x, prepared)
     assert calls, "the call did not take the one-launch kernel"
     _assert_fast_formula(mod, x, y)
+    assert_words_zero_and_graphs_replay(lambda: backend.linear(mod, x, prepared), y, captures=2)
+
+
+def assert_words_zero_and_graphs_replay(call, y, captures=1):
+    """After an eager ``call`` that gave ``y``: the sync words are all at zero, and ``captures`` CUDA graphs of
+    the call (each launch with sync words of its own) write ``y``'s bits at every replay."""
     torch.cuda.synchronize()
     assert all(int(b.abs().sum()) == 0 for b in small_m._SYNC_WORDS.values())
-    for _ in range(2):  # two captures: each launch its own sync words
+    for _ in range(captures):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            yg = backend.linear(mod, x, prepared)
+            yg = call()
         for _ in range(3):
             yg.fill_(float("nan"))
             g.replay()
