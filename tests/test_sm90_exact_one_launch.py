@@ -83,6 +83,22 @@ def test_workers_that_quantize_their_own_range_give_the_same_bits(m, ctas):
     _assert_contract(got, x, q, ws, wc, smooth, pd, up, None, f"self_acts m={m}")
 
 
+def test_producers_write_their_chunk_in_passes_of_whole_tiles(monkeypatch):
+    """``act_tiles``: a producer's chunk in passes of up to 4 tiles, no more than the chunk holds (one at the
+    Flux attention width). With two producers of three tiles each, a pass of 4 masks its last tile off; the
+    activations written are the contract's all the same."""
+    assert [smf.act_tiles(k) for k in (3072, 4096, 10240, 12288, 15360)] == [1, 1, 4, 4, 4]
+    monkeypatch.setattr(smf, "PRODUCERS_MAX", 2)
+    n, k = 64, 768
+    assert smf.plan(1, n, k, 8, 1, False)[2:] == (2, 3 * 128) and smf.act_tiles(k) == 4
+    gen = torch.Generator().manual_seed(9)
+    q, ws, wc, smooth, pd, up = _layer(n, k, 16, gen)
+    for m in (1, 2):
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        y = _run(x, q, ws, wc, smooth, pd, up, None, torch.float32, ctas_per_sm=1, sms=8)
+        _assert_contract(y, x, q, ws, wc, smooth, pd, up, None, f"two producers, m={m}")
+
+
 def test_exact_one_launch_keeps_nan_blocks_to_their_token():
     """A NaN in token 0 and an Inf in token 1 make the contract's output NaN for that token; the other
     token of a call stays finite."""

@@ -486,7 +486,8 @@ def _product_exact(blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K, rm, BM: 
 def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, a8_ptr, sync_ptr, trace_ptr, p, P, M, K, R, stride_xm, stride_pd,
               k_per_prod, BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, CKA: tl.constexpr,
               PC: tl.constexpr, HAS_LORA: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, TRACE: tl.constexpr,
-              DELAY: tl.constexpr = 0, EXACT: tl.constexpr = False, SELF_ACTS: tl.constexpr = False):
+              DELAY: tl.constexpr = 0, EXACT: tl.constexpr = False, SELF_ACTS: tl.constexpr = False,
+              ACT_NT: tl.constexpr = 4):
     """Chunk ``p`` of K: the tokens' partial max of ``|x / smooth|`` (``EXACT``: its NVFP4 activations,
     ``_exact_acts``, unless the workers write their own: ``SELF_ACTS``), then its ``x @ (proj_down / smooth)``
     partial ``[BM, RB]`` (R in chunks of RC columns), each published with a count. The last producer to count
@@ -498,9 +499,9 @@ def _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, a8_ptr, sync_ptr, trace_ptr, p,
     rm = tl.arange(0, BM)
     m_ok = rm < M
     if EXACT:  # the chunk's NVFP4 activations (no token-wide amax: every worker waits for these)
-        if not SELF_ACTS:
-            for kt0 in range(k_lo // _TK, k_hi // _TK, 4):
-                _exact_acts(x_ptr, inv_ptr, a8_ptr, kt0, k_hi // _TK, M, K, stride_xm, BM, 4)
+        if not SELF_ACTS:  # ACT_NT tiles a pass: the chunk's tiles up to 4 (one at K = 3072: none masked off)
+            for kt0 in range(k_lo // _TK, k_hi // _TK, ACT_NT):
+                _exact_acts(x_ptr, inv_ptr, a8_ptr, kt0, k_hi // _TK, M, K, stride_xm, BM, ACT_NT)
     else:
         mx = tl.zeros([BM], tl.int32)
         for k0 in range(k_lo, k_hi, CKA):  # (every worker waits for this: one load a chunk of up to CKA)
@@ -710,7 +711,7 @@ def _fast_small_m_kernel(
     BM: tl.constexpr, RB: tl.constexpr, RC: tl.constexpr, CK: tl.constexpr, CKA: tl.constexpr, SC: tl.constexpr,
     PC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, ASM: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT: tl.constexpr, POLL: tl.constexpr = 0, TRACE: tl.constexpr = False, DELAY: tl.constexpr = 0,
-    EXACT: tl.constexpr = False, SELF_ACTS: tl.constexpr = False,
+    EXACT: tl.constexpr = False, SELF_ACTS: tl.constexpr = False, ACT_NT: tl.constexpr = 4,
 ):
     # CK: the k-chunk of the producers' low-rank and the quantizers' [BM, CK] tiles (at most 2048 elements: no
     # spills at 64 rows); CKA the producers' amax chunk (up to 512: one load at a few tokens); SC: the split
@@ -733,7 +734,7 @@ def _fast_small_m_kernel(
     if t < P:
         _producer(x_ptr, inv_ptr, pd_ptr, lpart_ptr, a8_ptr, sync_ptr, trace_ptr, t, P, M, K, R, stride_xm,
                   stride_pd, k_per_prod, BM, RB, RC, CK, CKA, PC, HAS_LORA, DOT, ASM, TRACE, DELAY, EXACT,
-                  SELF_ACTS)
+                  SELF_ACTS, ACT_NT)
     elif t < P + Q:
         _quantizer(x_ptr, inv_ptr, a8_ptr, sync_ptr, trace_ptr, t - P, P, M, K, stride_xm, k_per_prod, BM, CK, ASM,
                    POLL, TRACE)
@@ -1028,7 +1029,7 @@ def _run(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, out_dtype, nu
     dummy = cs
     meta = dict(BM=bm, RB=rb, RC=min(rb, 32), **chunks(bm, rb), HAS_BIAS=bias is not None, HAS_LORA=bool(r),
                 ASM=not _INTERPRET, NUM_STAGES=num_stages, DOT=dot, POLL=poll, TRACE=trace is not None, DELAY=delay_ns,
-                EXACT=exact, SELF_ACTS=bool(self_acts),
+                EXACT=exact, SELF_ACTS=bool(self_acts), ACT_NT=act_tiles(k) if exact else 4,
                 num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}))
 
     def launch_args(ctas: int, default_build: bool = False) -> tuple[int, tuple]:
@@ -1049,6 +1050,13 @@ def _run(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, out_dtype, nu
         raise ValueError(f"trace needs {grid * TRACE_COLS} elements (grid_size x TRACE_COLS), got {trace.numel()}")
     _fast_small_m_kernel[(grid,)](*args, **meta)
     return out
+
+
+def act_tiles(k: int) -> int:
+    """The 128-k tiles a pass of the exact producers' activations (``_exact_acts``): their chunk's tiles
+    (``plan``'s, which do not depend on the split), rounded up to a power of two, at most 4."""
+    kt = k // TILE_K
+    return min(4, next_pow2(-(-kt // min(PRODUCERS_MAX, kt))))
 
 
 def resident(n_regs: int, num_warps: int, shared: int, sm_regs: int = 65536, sm_shared: int = 233472,
