@@ -277,8 +277,8 @@ def test_exact_one_launch_compiles_to_integer_dot_products(tmp_path):
 
 # ---- through the backend -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("m", [1, 2])
-def test_backend_takes_the_exact_one_launch_kernel_when_asked(m, monkeypatch):
+@pytest.mark.parametrize("m,with_bias", [(1, True), (2, True), (1, False)])
+def test_backend_takes_the_exact_one_launch_kernel_when_asked(m, with_bias, monkeypatch):
     """``SVDQ_SM90_EXACT_ONE_LAUNCH=1``: an exact call of 1-2 tokens on quack's blob (the prepared state with
     the canonical weight replaced) runs ``linear_exact`` with the prepared fp32 ``wcscale`` and bias and the
     first R columns of the padded ``proj_down / smooth``, and meets the contract; without the setting it
@@ -288,8 +288,8 @@ def test_backend_takes_the_exact_one_launch_kernel_when_asked(m, monkeypatch):
     gen = torch.Generator().manual_seed(50 + m)
     n, k, r = 128, 256, 8
     q, ws, wc, smooth, pd, up = _layer(n, k, r, gen)
-    bias = torch.randn(n, generator=gen)
-    qw = quack_gemm.prepare(q.to(DEV), ws.to(DEV), wc.to(DEV), bias.to(DEV))
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    qw = quack_gemm.prepare(q.to(DEV), ws.to(DEV), wc.to(DEV), None if bias is None else bias.to(DEV))
     pds = torch.nn.functional.pad((pd / smooth[:, None]).bfloat16(), (0, 8)).to(DEV)  # padded as the accumulator's
     extra = sm90.Sm90Prepared(pds, up.to(DEV), qw, None).tensors()
     x = (torch.randn(m, k, generator=gen) * 2).bfloat16()
@@ -297,10 +297,11 @@ def test_backend_takes_the_exact_one_launch_kernel_when_asked(m, monkeypatch):
     real = smf.linear_exact
     monkeypatch.setattr(smf, "linear_exact", lambda *a, **kw: calls.append(a) or real(*a, **kw))
     args = (x.to(DEV), torch.empty(0, dtype=torch.uint8, device=DEV), torch.empty(0, device=DEV), smooth.to(DEV),
-            pd.to(DEV), up.to(DEV), wc.to(DEV), bias.to(DEV), extra)
+            pd.to(DEV), up.to(DEV), wc.to(DEV), None if bias is None else bias.to(DEV), extra)
     monkeypatch.setenv(sm90.ENV_EXACT_ONE_LAUNCH, "1")
     y = sm90.Sm90Backend().run_w4a4(*args)
-    assert calls and calls[0][6].shape == (k, r) and calls[0][5].dtype == torch.float32, "not the kernel"
+    assert calls and calls[0][6].shape == (k, r), "not the kernel"
+    assert calls[0][5] is None if bias is None else calls[0][5].dtype == torch.float32  # the prepared fp32 bias
     assert y.dtype == x.dtype and y.shape == (m, n)
     want = nvfp4.w4a4_linear(x, q, ws, smooth, pd, up.float(), wc, bias, torch.float64)
     bound = nvfp4.tolerance(x, q, ws, smooth, pd, up.float(), wc, bias, torch.bfloat16)

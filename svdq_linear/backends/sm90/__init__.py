@@ -443,11 +443,12 @@ class Sm90Backend(Backend):
             from . import small_m_fast
             from .quack_gemm import weight as quack_gemm_weight
 
-            qw = quack_gemm_weight(extra[-4:])  # its fp32 wcscale and bias (zeros without one): views, no launch
+            qw = quack_gemm_weight(extra[-4:])  # its fp32 wcscale and bias: views, no launch
             sm = smooth if smooth.dtype == torch.float32 and smooth.is_contiguous() else smooth.float().contiguous()
             pds = _proj_down_smoothed(extra, proj_down, smooth)[:, :r] if r else None
-            return small_m_fast.linear_exact(x, sm, w, s, qw.wc.reshape(-1), qw.bias.reshape(-1), pds,
-                                             proj_up.contiguous() if r else None, out_dtype=x.dtype)
+            b = None if bias is None else qw.bias.reshape(-1)
+            up = proj_up.contiguous() if r else None
+            return small_m_fast.linear_exact(x, sm, w, s, qw.wc.reshape(-1), b, pds, up, out_dtype=x.dtype)
         mma = layout == small_m.QUACK and x.dtype == torch.bfloat16 and _route_small_m_mma("exact", x, n)
         if mma and getenv(ENV_MMA_FUSED) == "1" and len(extra) in (4, 7):  # no branch, or its accumulator form
             from .quack_gemm import weight as quack_gemm_weight
