@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call for the sm90 backend: GPU conformance + seam tests, the config sweep, the benchmark.
 # Through the device tool with carry [".devcarry/wheels"]:  bash benchmarks/h200_sm90.sh [--sweep]
-# STEPS (default "tests bench"; also lora, lowrank, fast, flux, small (SMALL_ARGS=--fast-one: the fast mode's one launch), trace (where the one-launch kernel's time goes), diag, act, gelu, cachehit, pctriton, fallback, host, ncu, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
+# STEPS (default "tests bench"; also lora, lowrank, fast, flux, small (SMALL_ARGS=--fast-one / --exact-one: a mode's one launch), trace (where the one-launch kernel's time goes; TRACE_ARGS=--exact or --tokens ...), diag, act, gelu, cachehit, pctriton, fallback, host, ncu, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
 # spaces: select tests by node id (file::test), not with a quoted -k expression.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -62,7 +62,7 @@ for step in ${STEPS:-tests bench}; do
               >> "$OUT/diag.log" 2>&1
           fi
           cat "$OUT/diag.log" | cut -c1-300 | tail -60 ;;
-    trace) timeout "${TRACE_LIMIT:-200}" python3 benchmarks/trace_small_m_fast.py --out "$OUT/trace_small_m_fast.md" > "$OUT/trace.log" 2>&1; tail -22 "$OUT/trace.log" ;;
+    trace) timeout "${TRACE_LIMIT:-200}" python3 benchmarks/trace_small_m_fast.py --out "$OUT/trace_small_m_fast.md" ${TRACE_ARGS:-} > "$OUT/trace.log" 2>&1; tail -22 "$OUT/trace.log" ;;
     suite) timeout "${TEST_LIMIT:-400}" python3 -m pytest -q -p no:cacheprovider -W ignore tests/ > "$OUT/suite.log" 2>&1; rc=$?; tail -15 "$OUT/suite.log" ;;
   esac
 done
