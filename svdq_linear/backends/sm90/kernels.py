@@ -93,6 +93,29 @@ def _rne_bf16(v):
 
 
 @triton.jit
+def _nvfp4_block_scales(xb):
+    """Blocks ``xb [rows, blocks, 16]`` (fp32) -> ``(finite, sf, r)`` ``[rows, blocks]``: whether the block holds
+    no NaN or Inf, its E4M3 scale ``round_e4m3(amax / 6)`` (0 where not finite) and ``1 / sf`` (0 for a zero
+    scale), the contract's rules (``nvfp4.quantize_nvfp4``). The block max is taken on the magnitudes' bits:
+    integer order is float order for non-negative floats, and +-Inf and every NaN lie at or above 0x7F800000, so
+    one integer max also tells a finite block."""
+    mb = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+    finite = mb < 0x7F800000
+    sdiv = tl.math.div_rn(mb.to(tl.float32, bitcast=True), tl.full(mb.shape, 6.0, tl.float32))
+    sf = tl.where(finite, _round_e4m3(sdiv), 0.0)
+    r = tl.where(sf > 0, tl.math.div_rn(tl.full(mb.shape, 1.0, tl.float32), sf), 0.0)
+    return finite, sf, r
+
+
+@triton.jit
+def _e2m1_mag(a):
+    """Non-negative ``a`` (a value over its block scale) -> the nearest-even E2M1 magnitude code 0..7: the
+    midpoints 0.25 (down), 0.75 (up), 1.25, 1.75, 2.5, 3.5, 5 alternate."""
+    return ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
+            + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+
+
+@triton.jit
 def _quantize_act_kernel(
     x_ptr, smooth_ptr, xq_ptr, codes_ptr, scales_ptr,
     M, K, stride_xm, stride_xk, xb_ptr, KA, stride_bm,
@@ -122,14 +145,7 @@ def _quantize_act_kernel(
     xs = x * tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)[None, :]
 
     xb = tl.reshape(xs, (BLOCK_M, BLOCK_K // 16, 16))
-    # the block max on the magnitudes' bits: integer order is float order for non-negative floats, and
-    # +-Inf and every NaN lie at or above 0x7F800000, so one integer max also tells a finite block
-    mb = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
-    finite = (mb < 0x7F800000).to(tl.int32)  # 0 for a NaN or +-Inf in the block
-    amax = mb.to(tl.float32, bitcast=True)
-    sdiv = tl.math.div_rn(amax, tl.full([BLOCK_M, BLOCK_K // 16], 6.0, tl.float32))
-    sf = tl.where(finite != 0, _round_e4m3(sdiv), 0.0)
-    r = tl.where(sf > 0, tl.math.div_rn(tl.full([BLOCK_M, BLOCK_K // 16], 1.0, tl.float32), sf), 0.0)
+    finite, sf, r = _nvfp4_block_scales(xb)
     q = xb * r[:, :, None]
     a = tl.abs(q)
     neg = q < 0
@@ -149,10 +165,7 @@ def _quantize_act_kernel(
         tl.store(xq_ptr + rm[:, None] * K + rk[None, :], tl.reshape(v, (BLOCK_M, BLOCK_K)).to(xq_ptr.dtype.element_ty),
                  mask=mask)
     if WRITE_CODES:
-        mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-               + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-               + (a > 5.0).to(tl.int32))
-        code = tl.reshape(mag | (neg.to(tl.int32) << 3), (BLOCK_M, BLOCK_K // 2, 2))
+        code = tl.reshape(_e2m1_mag(a) | (neg.to(tl.int32) << 3), (BLOCK_M, BLOCK_K // 2, 2))
         lo, hi = tl.split(code)
         rk2 = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         tl.store(codes_ptr + rm[:, None] * (K // 2) + rk2[None, :], (lo | (hi << 4)).to(tl.uint8),

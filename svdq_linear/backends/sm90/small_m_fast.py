@@ -72,7 +72,7 @@ import triton
 import triton.language as tl
 
 from .fast_layout import DECODE_ASM, TILE_K, table_asm
-from .kernels import _e4m3_bits, _gemm_k, _rne_bf16, _round_e4m3, next_pow2
+from .kernels import _e2m1_mag, _e4m3_bits, _gemm_k, _nvfp4_block_scales, _rne_bf16, _round_e4m3, next_pow2
 from .small_m import _e4m3x4_to_f32, sync_words
 from .tuning import SM_COUNT
 
@@ -387,17 +387,9 @@ def _exact_acts(x_ptr, smooth_ptr, a8_ptr, kt0, kt_hi, M, K, stride_xm, BM: tl.c
     inv = tl.math.div_rn(tl.full([NT * _TK], 1.0, tl.float32), tl.load(smooth_ptr + rk, mask=k_ok, other=1.0))
     xs = x * inv[None, :]
     xb = tl.reshape(xs, (BM, NT * 8, 16))
-    mb = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)  # (integer order: a NaN or an Inf is >= Inf's)
-    finite = mb < 0x7F800000
-    sdiv = tl.math.div_rn(mb.to(tl.float32, bitcast=True), tl.full([BM, NT * 8], 6.0, tl.float32))
-    sf = tl.where(finite, _round_e4m3(sdiv), 0.0)
-    r = tl.where(sf > 0, tl.math.div_rn(tl.full([BM, NT * 8], 1.0, tl.float32), sf), 0.0)
+    finite, sf, r = _nvfp4_block_scales(xb)
     q = xb * r[:, :, None]
-    a = tl.abs(q)
-    # nearest-even E2M1 times 2: the midpoints 0.25 (down), 0.75 (up), 1.25, 1.75, 2.5, 3.5, 5 alternate
-    v = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
-         + 2 * (a > 2.5).to(tl.int32) + 2 * (a >= 3.5).to(tl.int32) + 4 * (a > 5.0).to(tl.int32))
-    v = tl.where(q < 0, -v, v)
+    v = _e2m1x2(_e2m1_mag(tl.abs(q)) | ((q < 0).to(tl.int32) << 3))  # the code, then its value times 2
     # k = 128 nt + 64 h + 16 b + 8 p1 + 2 t0 + nibble -> [BM, nt, h, b, t0, p1, nibble]
     v = tl.permute(tl.reshape(v, (BM, NT, 2, 4, 2, 4, 2)), (0, 1, 2, 3, 5, 4, 6))
     KT = K // _TK
