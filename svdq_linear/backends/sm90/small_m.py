@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import _round_e4m3, next_pow2
+from .kernels import _nvfp4_block_scales, next_pow2
 from .tuning import SM_COUNT
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -85,12 +85,7 @@ def _nvfp4_values(xs, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """``xs [ROWS, BLOCK_K]`` fp32 -> its NVFP4 values (per-16 E4M3 scale times the nearest-even E2M1
     code; NaN over a block holding a NaN or an Inf), as ``kernels._quantize_act_kernel`` writes them."""
     xb = tl.reshape(xs, (ROWS, BLOCK_K // 16, 16))
-    ab = tl.abs(xb)
-    amax = tl.max(ab, axis=2)
-    finite = tl.min((ab < float("inf")).to(tl.int32), axis=2)
-    sdiv = tl.math.div_rn(amax, tl.full([ROWS, BLOCK_K // 16], 6.0, tl.float32))
-    sf = tl.where(finite != 0, _round_e4m3(sdiv), 0.0)
-    r = tl.where(sf > 0, tl.math.div_rn(tl.full([ROWS, BLOCK_K // 16], 1.0, tl.float32), sf), 0.0)
+    finite, sf, r = _nvfp4_block_scales(xb)
     q = xb * r[:, :, None]
     a = tl.abs(q)
     v = 0.5 * ((a > 0.25).to(tl.float32) + (a >= 0.75).to(tl.float32) + (a > 1.25).to(tl.float32)
