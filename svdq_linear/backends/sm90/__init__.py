@@ -5,6 +5,9 @@ computed exactly on Hopper's 16-bit tensor cores: ``quantize_act`` writes the ex
 activations in one pass; ``lora_act`` is one cuBLAS GEMM of ``x`` with ``proj_down / smooth``.
 By tokens M (bf16):
 
+- M <= 2, exact mode on quack's blob, on a GPU: ``small_m_fast.linear_exact``, the whole linear in one launch
+  (the activations' NVFP4 codes, ``lora_act``, integer dot products of the codes, the split-K sum and the
+  epilogue; ``tuning.exact_one_launch_ctas``; ``SVDQ_SM90_EXACT_ONE_LAUNCH`` = 1 / 0 forces it on / off);
 - M <= 8, bf16, exact mode on quack's blob (and the fast mode where K >= 2 N): ``small_m_mma``, warp
   ``mma.sync`` on the 4-bit weight decoded in registers, split over K (``tuning.use_small_m_mma``:
   the measured crossover; ``SVDQ_SM90_SMALL_M_MMA`` = 1 / 0 forces it on up to 64 tokens / off);
@@ -72,10 +75,11 @@ ENV_MMA_FUSED = "SVDQ_SM90_MMA_FUSED"
 # epilogue in one launch) serves the calls where tuning.use_fast_one_launch measured it faster (one token;
 # 16 tokens of a large weight); "1": every call of 1-64 tokens; "0": none
 ENV_FAST_ONE_LAUNCH = "SVDQ_SM90_FAST_ONE_LAUNCH"
-# "1": the exact mode's one-launch kernel (small_m_fast.linear_exact: the activations' NVFP4 codes, lora_act,
-# integer dot products of the codes, the epilogue in one launch) serves exact calls of 1-2 tokens on quack's
-# blob; off by default until a GPU has timed it against the routed path (built in the nineteenth session,
-# when no GPU was lent)
+# the exact mode's one-launch kernel (small_m_fast.linear_exact: the activations' NVFP4 codes, lora_act,
+# integer dot products of the codes, the epilogue in one launch) serves the exact calls of 1-2 tokens on
+# quack's blob on a GPU (tuning.exact_one_launch_ctas: it won at every Flux layer at one token, and at two
+# with its split for four CTAs an SM on the narrow weights); "1": those calls anywhere (the interpreter's
+# tests); "0": none
 ENV_EXACT_ONE_LAUNCH = "SVDQ_SM90_EXACT_ONE_LAUNCH"
 # "1": under torch.compile, the fast mode's activation pass of a call above MMA_TOKENS tokens is traced
 # as PyTorch ops (fast_layout.fast_act_ops) that the compiler fuses into the kernels producing the
@@ -95,6 +99,16 @@ def _route_small_m_mma(mode: str, x: torch.Tensor, n: int) -> bool:
     if env == "0" or not 1 <= m <= tuning.MMA_TOKENS or not x.is_cuda:  # no tokens: the other paths' empty output
         return False
     return env == "1" or tuning.use_small_m_mma(mode, m, n, k)
+
+
+def _route_exact_one_launch(x: torch.Tensor, n: int) -> int | None:
+    """None where this exact call of ``x [M, K]`` (``n`` outputs, on quack's blob) does not run
+    small_m_fast.linear_exact; else the CTAs an SM its split targets (0: what residency fits)."""
+    env = getenv(ENV_EXACT_ONE_LAUNCH)  # read per call (benchmarks toggle it)
+    m, k = x.shape
+    if env == "0" or (env != "1" and not x.is_cuda):  # not under the interpreter by default: too slow there
+        return None
+    return tuning.exact_one_launch_ctas(m, n, k)  # None outside its 1-2 tokens
 
 
 def _route_fast_one_launch(x: torch.Tensor, n: int) -> bool:
@@ -439,7 +453,8 @@ class Sm90Backend(Backend):
         layout, w, s = small_m.CANONICAL, qweight, wscales
         if qweight.numel() == 0:  # quack's repacked tensors stand in for the canonical ones (replaced)
             layout, w, s = small_m.QUACK, extra[-4], extra[-3]
-        if layout == small_m.QUACK and getenv(ENV_EXACT_ONE_LAUNCH) == "1" and 1 <= m <= 2:
+        ctas = _route_exact_one_launch(x, n) if layout == small_m.QUACK else None
+        if ctas is not None:
             from . import small_m_fast
             from .quack_gemm import weight as quack_gemm_weight
 
@@ -448,7 +463,8 @@ class Sm90Backend(Backend):
             pds = _proj_down_smoothed(extra, proj_down, smooth)[:, :r] if r else None
             b = None if bias is None else qw.bias.reshape(-1)
             up = proj_up.contiguous() if r else None
-            return small_m_fast.linear_exact(x, sm, w, s, qw.wc.reshape(-1), b, pds, up, out_dtype=x.dtype)
+            return small_m_fast.linear_exact(x, sm, w, s, qw.wc.reshape(-1), b, pds, up, out_dtype=x.dtype,
+                                             ctas_per_sm=ctas or None)
         mma = layout == small_m.QUACK and x.dtype == torch.bfloat16 and _route_small_m_mma("exact", x, n)
         if mma and getenv(ENV_MMA_FUSED) == "1" and len(extra) in (4, 7):  # no branch, or its accumulator form
             from .quack_gemm import weight as quack_gemm_weight

@@ -149,6 +149,29 @@ def use_fast_one_launch(m: int, n: int, k: int) -> bool:
     return 1 <= m <= ONE_LAUNCH_MAX_M or (lo <= m <= hi and n * k >= ONE_LAUNCH_DOTS_MIN_WEIGHTS)
 
 
+EXACT_ONE_LAUNCH_MAX_M = 2  # tokens up to which the exact mode's one-launch kernel is the default
+EXACT_ONE_LAUNCH_NARROW = 4  # K / N from which it splits for 4 CTAs an SM instead of what residency fits
+
+
+def exact_one_launch_ctas(m: int, n: int, k: int) -> int | None:
+    """Whether an exact call of ``m`` tokens of an ``n x k`` weight runs ``small_m_fast.linear_exact`` (one
+    launch) instead of the routed path (``quantize_act``, cuBLAS ``lora_act``, small_m_mma and the split-K
+    epilogue), and the CTAs an SM its split targets: None where it does not run, 0 for what the compiled
+    kernel lets stay resident (``fitted_ctas_per_sm``). From a same-run table on the H100
+    (``bench_small_m.py --exact-one``, module forward in CUDA graphs; docs/perf.md, twentieth session):
+
+    - one token, routed against one launch: 16.0 / 24.1 / 23.6 / 29.9 us against 10.8 / 17.3 / 19.2 / 21.2
+      (3072x3072, 3072x12288, 12288x3072, 15360x3072: 1.23-1.48x);
+    - two tokens: 16.5 / 24.6 / 24.2 / 28.8 against 13.8 / 23.3 / 26.8 / 28.9: the two narrow weights (K = 4 N
+      and 5 N) lost or tied at the residency's six CTAs an SM and won at four (23.8 and 26.3 us, 1.02x and
+      1.09x), which also served them best at one token (17.6 and 20.2 us). So K >= ``EXACT_ONE_LAUNCH_NARROW``
+      N splits for four.
+    """
+    if not 1 <= m <= EXACT_ONE_LAUNCH_MAX_M:
+        return None
+    return 4 if k >= EXACT_ONE_LAUNCH_NARROW * n else 0
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     import torch
