@@ -1,7 +1,7 @@
 """Where the one-launch fast kernel's time goes (``sm90/small_m_fast.py``): each CTA's global-timer stamps
 at its phase ends, from one traced launch, beside CUDA-graph times of the untraced kernel.
 
-    python benchmarks/trace_small_m_fast.py [--out FILE] [--quick | --tokens 9,9p,9r0,16 | --exact]
+    python benchmarks/trace_small_m_fast.py [--out FILE] [--quick | --tokens 9,9p,9r0,16,16n | --exact]
 
 Per layer and token count, and per measurement setting (``poll``: how waits poll; ``ctas_per_sm``: the
 split's target, ``fit N`` the default's, what the compiled kernel lets stay resident): cuBLAS bf16 and the
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -88,7 +89,9 @@ def main() -> None:
                     help="instead: the exact mode's one launch (linear_exact) at 1 and 2 tokens of the four Flux layers, "
                          "default setting and 4-6 CTAs an SM ('amax in': the producers' activation codes)")
     ap.add_argument("--tokens", help="instead: ff down (12288 -> 3072) at these token counts, default setting only; "
-                    "a count ending in p: its x padded with zero tokens to the tile's rows; in r0: no low-rank branch")
+                    "a count ending in p: its x padded with zero tokens to the tile's rows; in r0: no low-rank branch; "
+                    "in n: the kernel built with M not specialized (Triton builds M % 16 == 0 apart: 16 tokens' "
+                    "build or 9's)")
     args = ap.parse_args()
     cases = [c for c in CASES if c[3] == 1] if args.quick else CASES
     settings = [(0, None), (0, 5)] if args.quick else SETTINGS
@@ -110,7 +113,14 @@ def main() -> None:
             "| layer | M | poll | CTAs/SM | grid | cuBLAS | graph us | ratio | " + " | ".join(heads) + " |",
             "|---|---|---|---|---|---|---|---|" + "---|" * len(heads)]
     gen = torch.Generator().manual_seed(0)
+    kernel = smf._fast_small_m_kernel
+    unspecialized = triton.jit(kernel.fn, do_not_specialize=["M"])
     for label, k, n, spec in cases:
+        smf._fast_small_m_kernel = kernel
+        if str(spec).endswith("n"):
+            smf._fast_small_m_kernel = unspecialized
+            spec = str(spec)[:-1]
+            label += " M unspecialized"
         m = int(str(spec).removesuffix("p").removesuffix("r0"))
         q, ws, wc, smooth, pd, up = _layer(n, k, 32, gen)
         ops = _operands(q, ws, wc, smooth, pd, up, torch.randn(n, generator=gen))
