@@ -507,7 +507,8 @@ def test_gpu_fused_mma_kernel_meets_the_contract_and_resets_its_counters(mode, m
     from test_conformance import _check, _expected_and_bound
 
     from svdq_linear import backends, nvfp4
-    from svdq_linear.backends.sm90 import ENV_FAST_ONE_LAUNCH, ENV_MMA_FUSED, ENV_SMALL_M_MMA, _mm_f32, kernels
+    from svdq_linear.backends.sm90 import (ENV_EXACT_ONE_LAUNCH, ENV_FAST_ONE_LAUNCH, ENV_MMA_FUSED, ENV_SMALL_M_MMA,
+                                           _mm_f32, kernels)
     from svdq_linear.backends.sm90.small_m import _counters
 
     if mode == "exact":
@@ -563,7 +564,8 @@ def test_gpu_fused_mma_kernel_meets_the_contract_and_resets_its_counters(mode, m
         assert int(_counters(x.device, 48).abs().sum()) == 0, "the warm-up launch left a counter nonzero"
     monkeypatch.setenv(ENV_SMALL_M_MMA, "1")
     monkeypatch.setenv(ENV_MMA_FUSED, "1")
-    monkeypatch.setenv(ENV_FAST_ONE_LAUNCH, "0")  # one token would take the one-launch kernel
+    monkeypatch.setenv(ENV_FAST_ONE_LAUNCH, "0")  # 1-2 tokens would take the one-launch kernels
+    monkeypatch.setenv(ENV_EXACT_ONE_LAUNCH, "0")
     assert backends.choose(mod, x).name == "sm90"
     calls = []
     real = mma._run_fused
