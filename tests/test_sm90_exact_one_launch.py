@@ -361,5 +361,6 @@ def test_gpu_module_routes_exact_calls_to_one_launch(m, k, n, r, monkeypatch):
     want = nvfp4.w4a4_linear(x.cpu(), *args, torch.float64)
     bound = nvfp4.tolerance(x.cpu(), *args, torch.bfloat16)
     assert ((y.double().cpu() - want).abs() <= bound).all()
-    assert torch.equal(run(*calls[0][0], **{**calls[0][1], "self_acts": True}), y)
+    a, kw = calls[0]  # self_acts is a build of its own, which residency may fit another split: fix the split
+    assert torch.equal(run(*a, **{**kw, "ctas_per_sm": 4, "self_acts": True}), run(*a, **{**kw, "ctas_per_sm": 4}))
     assert_words_zero_and_graphs_replay(lambda: mod(x), y)
