@@ -165,7 +165,8 @@ def exact_one_launch_ctas(m: int, n: int, k: int) -> int | None:
     - two tokens: 16.5 / 24.6 / 24.2 / 28.8 against 13.8 / 23.3 / 26.8 / 28.9: the two narrow weights (K = 4 N
       and 5 N) lost or tied at the residency's six CTAs an SM and won at four (23.8 and 26.3 us, 1.02x and
       1.09x), which also served them best at one token (17.6 and 20.2 us). So K >= ``EXACT_ONE_LAUNCH_NARROW``
-      N splits for four.
+      N splits for four. A later run with this rule (same card): 17.7 / 23.7 us at 12288x3072, 20.2 / 26.3 at
+      15360x3072 (one / two tokens) against routed 23.7 / 24.0 and 30.1 / 28.8.
     """
     if not 1 <= m <= EXACT_ONE_LAUNCH_MAX_M:
         return None
