@@ -270,7 +270,7 @@ def test_exact_one_launch_compiles_to_integer_dot_products(tmp_path):
         assert st["idp"] == 32 * bm and st["prmt"] == 48, (bm, st)  # the words are decoded once for both tokens
         assert st["i2f"] == 4 * bm and st["ffma"] == 4 * bm, (bm, st)  # a block's four words added as integers
         assert st["shfl"] == 0 and st["local"] == 0 and st["prefetch"] >= 2 and st["byte_loads"] == 0, (bm, st)
-    assert out["1"]["per_value"] <= 3.6, out["1"]  # Triton 3.9: 3.2 (205 a k-tile); 3.6 on the H100: 3.52 (225)
+    assert out["1"]["per_value"] <= 3.3, out["1"]  # 197 a k-tile with Triton 3.9 (3.08), 209 with the GPUs' 3.6 (3.27)
     assert out["1s"]["body"] <= out["1"]["body"] + 4 and out["1s"]["local"] == 0, out  # the same loop
     assert out["2"]["per_value"] <= out["1"]["per_value"] + 1.5, out
 

@@ -374,7 +374,8 @@ def _exact_acts(x_ptr, smooth_ptr, a8_ptr, kt0, kt_hi, M, K, stride_xm, BM: tl.c
     """The 128-k tiles ``[kt0, min(kt0 + NT, kt_hi))`` of every token row's NVFP4 activations
     (``kernels.quantize_act``'s rules: ``x * (1 / smooth)``, the E4M3 block scale of ``amax / 6`` nearest even,
     the nearest-even E2M1 code of ``xs * (1 / scale)``) into ``a8``: int32 words ``[BM, K / 128, 2 (codes x 2,
-    negated), 2 h, 4 b, 4 t0]`` (the blob's k order: ``_idp``), then the block scales ``[BM, K / 16]`` fp32 (NaN
+    negated), 2 h, 4 t0, 4 b]`` (the blob's k order: ``_idp``; b innermost as in the blob's words, so a worker's
+    load of a tile's words is vectorized: with t0 innermost Triton 3.6 copied them one word at a time), then the block scales ``[BM, K / 16]`` fp32 (NaN
     for a block holding a NaN or an Inf), then the lookup table's two words (``_idp``). Rows past ``M`` are
     written as zeros. Another CTA writing the same tiles writes the same bytes."""
     rm = tl.arange(0, BM)
@@ -390,8 +391,8 @@ def _exact_acts(x_ptr, smooth_ptr, a8_ptr, kt0, kt_hi, M, K, stride_xm, BM: tl.c
     finite, sf, r = _nvfp4_block_scales(xb)
     q = xb * r[:, :, None]
     v = _e2m1x2(_e2m1_mag(tl.abs(q)) | ((q < 0).to(tl.int32) << 3))  # the code, then its value times 2
-    # k = 128 nt + 64 h + 16 b + 8 p1 + 2 t0 + nibble -> [BM, nt, h, b, t0, p1, nibble]
-    v = tl.permute(tl.reshape(v, (BM, NT, 2, 4, 2, 4, 2)), (0, 1, 2, 3, 5, 4, 6))
+    # k = 128 nt + 64 h + 16 b + 8 p1 + 2 t0 + nibble -> [BM, nt, h, t0, b, p1, nibble]
+    v = tl.permute(tl.reshape(v, (BM, NT, 2, 4, 2, 4, 2)), (0, 1, 2, 5, 3, 4, 6))
     KT = K // _TK
     ro = tl.arange(0, 32)
     base = (a8_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (rm[:, None, None] * KT + kt0 + rt[None, :, None]) * 64
@@ -433,7 +434,7 @@ def _product_exact(blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K, rm, BM: 
     hh = tl.arange(0, 2)[:, None, None, None]
     o_w = ((hh * 32 + tl.arange(0, 32)[None, :, None, None]) * 4 + tl.arange(0, 4)[None, None, :, None]) * 4 \
         + tl.arange(0, 4)[None, None, None, :]
-    o_a = hh * 16 + tl.arange(0, 4)[None, None, :, None] + tl.arange(0, 4)[None, None, None, :] * 4  # [2, 1, t0, b]
+    o_a = hh * 16 + tl.arange(0, 4)[None, None, :, None] * 4 + tl.arange(0, 4)[None, None, None, :]  # [2, 1, t0, b]
     o_s = (tl.arange(0, 2)[:, None, None] * 32 + tl.arange(0, 32)[None, :, None]) * 2 + tl.arange(0, 2)[None, None, :]
     o_b = tl.arange(0, 2)[:, None, None] * 4 + tl.arange(0, 4)[None, None, :]  # [2, 1, 4]: block 4 h + b
     wbase = blob_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -447,27 +448,36 @@ def _product_exact(blob_ptr, strip_ptr, a8_ptr, g, kt_lo, kt_hi, KT, K, rm, BM: 
     c11 = tl.zeros([2, 32, 4], tl.float32)
     lo = tl.load(abase + BM * (KT * 64 + K // 16))  # the lookup table (_idp)
     hi = tl.load(abase + BM * (KT * 64 + K // 16) + 1)
+    # pointers advanced a tile each step (Triton 3.6 rebuilt each 64-bit address from the tile index: ~20
+    # address instructions a k-tile more than 3.9)
+    w_p = wbase + (g * KT + kt_lo) * 1024 + o_w
+    s_p = sbase + (g * KT + kt_lo) * 128 + o_s
+    a_p = abase + kt_lo * 64 + o_a  # token 0's words; token 1's are KT * 64 further
+    b_p = sa_ptr + kt_lo * 8 + o_b  # token 0's block scales; token 1's are K / 16 further
     for kt in tl.range(kt_lo, kt_hi, num_stages=NUM_STAGES):
-        tile = g * KT + kt
-        word = tl.load(wbase + tile * 1024 + o_w)
+        word = tl.load(w_p)
         # the strip as int32 words (pipelined like the blob; byte loads were not): word j of a slot holds blocks
         # 2 j, 2 j + 1 of rows r and r + 8 -> [2, 32, 1, 4 b] scales of each row
-        f0, f1, f2, f3 = _e4m3x4_to_f32(tl.load(sbase + tile * 128 + o_s), ASM)
+        f0, f1, f2, f3 = _e4m3x4_to_f32(tl.load(s_p), ASM)
         s0 = tl.reshape(tl.join(f0, f2), [2, 32, 4])
         s1 = tl.reshape(tl.join(f1, f3), [2, 32, 4])
-        aw = tl.load(abase + kt * 64 + o_a, cache_modifier=".cg")
-        an = tl.load(abase + kt * 64 + 32 + o_a, cache_modifier=".cg")
-        sa = tl.load(sa_ptr + kt * 8 + o_b, cache_modifier=".cg")
+        aw = tl.load(a_p, cache_modifier=".cg")
+        an = tl.load(a_p + 32, cache_modifier=".cg")
+        sa = tl.load(b_p, cache_modifier=".cg")
         d0, d1 = _idp(word, aw, an, lo, hi, ASM)
         c00 += _t0_sum(d0).to(tl.float32) * (s0 * sa)
         c01 += _t0_sum(d1).to(tl.float32) * (s1 * sa)
         if BM > 1:
-            aw = tl.load(abase + (KT + kt) * 64 + o_a, cache_modifier=".cg")
-            an = tl.load(abase + (KT + kt) * 64 + 32 + o_a, cache_modifier=".cg")
-            sa = tl.load(sa_ptr + K // 16 + kt * 8 + o_b, cache_modifier=".cg")
+            aw = tl.load(a_p + KT * 64, cache_modifier=".cg")
+            an = tl.load(a_p + KT * 64 + 32, cache_modifier=".cg")
+            sa = tl.load(b_p + K // 16, cache_modifier=".cg")
             d0, d1 = _idp(word, aw, an, lo, hi, ASM)
             c10 += _t0_sum(d0).to(tl.float32) * (s0 * sa)
             c11 += _t0_sum(d1).to(tl.float32) * (s1 * sa)
+        w_p += 1024
+        s_p += 128
+        a_p += 64
+        b_p += 8
     # slot i = 8 t2 + t1 holds rows 16 t2 + t1 (r) and + 8: [64] rows in order, a token each
     a_0 = tl.reshape(tl.permute(tl.reshape(tl.join(_slot_sums(c00), _slot_sums(c01)), [4, 8, 2]), [0, 2, 1]), [64])
     a_1 = tl.reshape(tl.permute(tl.reshape(tl.join(_slot_sums(c10), _slot_sums(c11)), [4, 8, 2]), [0, 2, 1]), [64])
