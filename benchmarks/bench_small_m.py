@@ -332,20 +332,25 @@ def fast_one_table(copy_gbs: float, sweep: bool = True, tokens: tuple = (1, 2, 8
     return rows
 
 
-def exact_one_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4, 5, 6)) -> list[str]:
-    """The exact mode at 1-2 tokens: the module's routed default (quantize_act, cuBLAS lora_act, small_m_mma or the
-    Triton small-M kernel) against ``small_m_fast.linear_exact`` (one launch, integer dot products), its output
-    checked against the contract (``nvfp4.tolerance``) first, and that kernel at ``ctas`` CTAs an SM."""
+def exact_one_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4, 5, 6),
+                    stages: tuple = (1, 2, 4)) -> list[str]:
+    """The exact mode at 1-2 tokens: the module's routed path (quantize_act, cuBLAS lora_act, small_m_mma or the
+    Triton small-M kernel) against ``small_m_fast.linear_exact`` (one launch, integer dot products; the default
+    since the twentieth session), its output checked against the contract (``nvfp4.tolerance``) first, and that
+    kernel at ``ctas`` CTAs an SM and at ``stages`` k-tiles in flight."""
     from svdq_linear import backends, nvfp4
-    from svdq_linear.backends.sm90 import ENV_EXACT_ONE_LAUNCH, small_m_fast
+    from svdq_linear.backends.sm90 import ENV_EXACT_ONE_LAUNCH, small_m_fast, tuning
 
-    rows = ["", "The exact mode at 1-2 tokens (us; ratio = cuBLAS bf16 / ours): 'routed' = the default path; 'one "
-            "launch' = small_m_fast.linear_exact (SVDQ_SM90_EXACT_ONE_LAUNCH=1; 'check' = its output against the "
+    rows = ["", "The exact mode at 1-2 tokens (us; ratio = cuBLAS bf16 / ours): 'routed' = the path without the one "
+            "launch (SVDQ_SM90_EXACT_ONE_LAUNCH=0); 'one launch' = small_m_fast.linear_exact, the default "
+            "(SVDQ_SM90_EXACT_ONE_LAUNCH=1; 'check' = its output against the "
             "contract's tolerance); 'self acts' = the kernel alone with each worker quantizing its own k-range "
             "(self_acts=True) instead of waiting for the producers'; then the kernel alone at c CTAs an SM (split "
-            "target), us (weight GB/s)", "",
+            "target), us (weight GB/s); then the kernel alone at the default split with s k-tiles in flight "
+            "(num_stages; default 3), us", "",
             "| layer | K | N | M | cuBLAS bf16 | routed | one launch | check | weight GB/s | % of copy | self acts |"
-            + "".join(f" c{c} |" for c in ctas), "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(ctas)]
+            + "".join(f" c{c} |" for c in ctas) + "".join(f" s{st} |" for st in stages),
+            "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * (len(ctas) + len(stages))]
     for label, k, n, m, q, x, t_ref, t_def, y, wbytes in _one_launch_cases("exact", tokens, ENV_EXACT_ONE_LAUNCH):
         args = [t.cpu() if t is not None else None for t in
                 (q.qweight, q.wscales, q.smooth, q.proj_down, q.proj_up, q.wcscale, q.bias)]
@@ -365,6 +370,10 @@ def exact_one_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4, 5
         for c in ctas:
             t = graph_time(lambda: small_m_fast.linear_exact(*ops, ctas_per_sm=c))
             cells.append(f"{t * 1e3:.1f} ({wbytes / (t * 1e-3) / 1e9:.0f})")
+        cps = tuning.exact_one_launch_ctas(m, n, k) or None  # the default split, as the backend passes it
+        for st in stages:
+            t = graph_time(lambda: small_m_fast.linear_exact(*ops, ctas_per_sm=cps, num_stages=st))
+            cells.append(f"{t * 1e3:.1f}")
         rows.append(_one_launch_row(label, k, n, m, t_ref, t_def, t_one, check, wbytes, copy_gbs, cells))
     return rows
 
