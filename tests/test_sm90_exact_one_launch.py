@@ -64,6 +64,19 @@ def test_exact_one_launch_meets_the_contract(m, r, n, k, out_dtype):
     _assert_contract(y, x, q, ws, wc, smooth, pd, up, bias, f"m={m} r={r} {n}x{k}")
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.float32])
+def test_exact_one_launch_takes_fp16_and_fp32_inputs(x_dtype):
+    """The backend routes any float input of 1-2 tokens here (it declines none for the exact mode): fp16 and
+    fp32 tokens are read as they are and meet the contract in their own output dtype."""
+    gen = torch.Generator().manual_seed(7 + x_dtype.itemsize)
+    n, k, r = 64, 256, 16
+    q, ws, wc, smooth, pd, up = _layer(n, k, r, gen)
+    x = (torch.randn(2, k, generator=gen) * 3).to(x_dtype)
+    y = _run(x, q, ws, wc, smooth, pd, up, None, x_dtype)
+    assert y.dtype == x_dtype
+    _assert_contract(y, x, q, ws, wc, smooth, pd, up, None, f"{x_dtype} tokens")
+
+
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("ctas", [1, 5])
 def test_workers_that_quantize_their_own_range_give_the_same_bits(m, ctas):
