@@ -375,9 +375,10 @@ def _exact_acts(x_ptr, smooth_ptr, a8_ptr, kt0, kt_hi, M, K, stride_xm, BM: tl.c
     (``kernels.quantize_act``'s rules: ``x * (1 / smooth)``, the E4M3 block scale of ``amax / 6`` nearest even,
     the nearest-even E2M1 code of ``xs * (1 / scale)``) into ``a8``: int32 words ``[BM, K / 128, 2 (codes x 2,
     negated), 2 h, 4 t0, 4 b]`` (the blob's k order: ``_idp``; b innermost as in the blob's words, so a worker's
-    load of a tile's words is vectorized: with t0 innermost Triton 3.6 copied them one word at a time), then the block scales ``[BM, K / 16]`` fp32 (NaN
-    for a block holding a NaN or an Inf), then the lookup table's two words (``_idp``). Rows past ``M`` are
-    written as zeros. Another CTA writing the same tiles writes the same bytes."""
+    load of a tile's words is vectorized: with t0 innermost Triton 3.6 copied them one word at a time), then the
+    block scales ``[BM, K / 16]`` fp32 (NaN for a block holding a NaN or an Inf), then the lookup table's two
+    words (``_idp``). Rows past ``M`` are written as zeros. Another CTA writing the same tiles writes the same
+    bytes."""
     rm = tl.arange(0, BM)
     rt = tl.arange(0, NT)
     t_ok = kt0 + rt < kt_hi
