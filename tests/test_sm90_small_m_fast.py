@@ -679,3 +679,25 @@ def test_gpu_trace_stamps_every_cta_with_its_ticket_and_sm(m):
         assert bool((work[:, c0] > 0).all() and (work[:, c1] >= work[:, c0]).all()), (c0, c1, work[:, :10])
     with pytest.raises(ValueError, match="trace needs"):
         smf.linear(x, **ops, trace=tr.cuda()[:-1], ctas_per_sm=cps)
+
+
+def test_small_m_kernels_split_for_the_devices_sms(monkeypatch):
+    """The one-launch kernels and the Triton small-M kernel plan their split for the SMs of the device they run
+    on (``tuning.sm_count``: 132 on an H100 / H200 SXM, 114 on an H100 PCIe), not for a fixed count; an explicit
+    ``sms`` still wins. Checked by what the planners are handed, with the device's count patched to 66."""
+    from svdq_linear.backends.sm90 import small_m as sm
+
+    seen = []
+    monkeypatch.setattr(smf, "sm_count", lambda device: 66)
+    monkeypatch.setattr(sm, "sm_count", lambda device: 66)
+    real_plan, real_split = smf.plan, sm.split_for
+    monkeypatch.setattr(smf, "plan", lambda m, n, k, sms, *a: seen.append(("plan", sms)) or real_plan(m, n, k, sms, *a))
+    monkeypatch.setattr(sm, "split_for", lambda *a: seen.append(("split_for", a[5])) or real_split(*a))
+    gen = torch.Generator().manual_seed(3)
+    q, ws, wc, smooth, pd, up = _layer(64, 256, 0, gen)
+    ops = _operands(q, ws, wc, smooth, pd, up, None)
+    x = torch.randn(1, 256, generator=gen).bfloat16().to(DEV)
+    smf.linear(x, **ops, out_dtype=torch.float32, ctas_per_sm=1)
+    smf.linear(x, **ops, out_dtype=torch.float32, ctas_per_sm=1, sms=8)
+    sm.linear(x, sm.CANONICAL, q.to(DEV), ws.to(DEV), wc.to(DEV), 64, act=sm.ACT_X, out_dtype=torch.float32)
+    assert seen == [("plan", 66), ("plan", 8), ("split_for", 66)], seen

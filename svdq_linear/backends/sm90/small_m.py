@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from .kernels import _nvfp4_block_scales, next_pow2
-from .tuning import SM_COUNT
+from .tuning import SM_COUNT, sm_count
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -605,7 +605,7 @@ def linear(x: torch.Tensor, layout: int, w: torch.Tensor, s: torch.Tensor, colsc
     bk = block_k_for(layout, k, block_k)
     num_warps = num_warps or 4
     bm = max(16, next_pow2(m)) if use_dot else next_pow2(m)
-    split = split_k or split_for(bm, n, k, block_n, bk)
+    split = split_k or split_for(bm, n, k, block_n, bk, sm_count(x.device))
     steps = -(-k // bk)
     per = -(-steps // split)
     split = -(-steps // per)

@@ -74,7 +74,7 @@ import triton.language as tl
 from .fast_layout import DECODE_ASM, TILE_K, table_asm
 from .kernels import _e2m1_mag, _e4m3_bits, _gemm_k, _nvfp4_block_scales, _rne_bf16, _round_e4m3, next_pow2
 from .small_m import _e4m3x4_to_f32, sync_words
-from .tuning import SM_COUNT
+from .tuning import SM_COUNT, sm_count
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -942,7 +942,7 @@ def _check_operands(x: torch.Tensor, vec: tuple[str, torch.Tensor], blob: torch.
 def linear(x: torch.Tensor, inv_smooth: torch.Tensor, blob: torch.Tensor, strip: torch.Tensor, cs: torch.Tensor,
            bias: torch.Tensor | None = None, proj_down: torch.Tensor | None = None,
            proj_up: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-           num_stages: int = 3, sms: int = SM_COUNT, ctas_per_sm: int | None = None,
+           num_stages: int = 3, sms: int | None = None, ctas_per_sm: int | None = None,
            dot: bool | None = None, poll: int = 0, trace: torch.Tensor | None = None,
            delay_ns: int = 0, num_warps: int = 4,
            maxnreg: int | None = None) -> torch.Tensor:
@@ -979,7 +979,7 @@ def check_exact(x: torch.Tensor, smooth: torch.Tensor, blob: torch.Tensor, strip
 def linear_exact(x: torch.Tensor, smooth: torch.Tensor, blob: torch.Tensor, strip: torch.Tensor, cs: torch.Tensor,
                  bias: torch.Tensor | None = None, proj_down: torch.Tensor | None = None,
                  proj_up: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, num_stages: int = 3,
-                 sms: int = SM_COUNT, ctas_per_sm: int | None = None, poll: int = 0,
+                 sms: int | None = None, ctas_per_sm: int | None = None, poll: int = 0,
                  trace: torch.Tensor | None = None, num_warps: int = 4, self_acts: bool = False) -> torch.Tensor:
     """The exact W4A4 linear (the contract, ``nvfp4.w4a4_linear``) for one or two tokens in one launch.
 
@@ -1000,9 +1000,11 @@ def linear_exact(x: torch.Tensor, smooth: torch.Tensor, blob: torch.Tensor, stri
 
 def _run(x, inv_smooth, blob, strip, cs, bias, proj_down, proj_up, out_dtype, num_stages, sms, ctas_per_sm, dot,
          poll, trace, delay_ns, num_warps, maxnreg, exact: bool, self_acts: bool = False) -> torch.Tensor:
-    """``linear`` (``exact``: ``linear_exact``, ``inv_smooth`` then being ``smooth``) after its checks."""
+    """``linear`` (``exact``: ``linear_exact``, ``inv_smooth`` then being ``smooth``) after its checks (``sms``
+    None: the device's SMs, ``tuning.sm_count``)."""
     m, k = x.shape
     n = cs.numel()
+    sms = sms or sm_count(x.device)
     out_dtype = out_dtype or x.dtype
     if trace is not None and (_INTERPRET or trace.dtype != torch.int64 or trace.device != x.device):
         raise ValueError("trace needs an int64 tensor on x's GPU (the global timer is read by PTX)")

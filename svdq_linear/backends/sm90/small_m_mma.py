@@ -38,7 +38,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp
 
-from .tuning import MMA_TOKENS, SM_COUNT
+from .tuning import MMA_TOKENS, SM_COUNT, sm_count
 
 ROWS = 64  # weight rows per CTA (one blob group, four warps)
 MAX_M = MMA_TOKENS  # tokens: up to eight 8-token MMA tiles
@@ -412,7 +412,7 @@ def _run_fused(mode, a, blob_i32, sf_i32, colscale, rowscale, bias, up_w, la, se
         if w % 16 or w > 64 or la.shape[0] != m or la.shape[1] % w or seg.numel() != groups:
             raise ValueError(f"low-rank windows of 16-64 columns, [M, S * W] lora' and one segment a row group; got "
                              f"W={w}, lora' {tuple(la.shape)}, {seg.numel()} segments for {groups} groups")
-    split = split or split_for(groups, k_tiles)
+    split = split or split_for(groups, k_tiles, sm_count(a.device))
     if k_tiles % split:
         raise ValueError(f"split {split} does not divide the {k_tiles} k-tiles")
     if out_dtype not in (torch.bfloat16, torch.float16):
@@ -441,7 +441,7 @@ def _run(mode, a, blob_i32, sf_i32, colscale, rowscale, bias, proj_up, lora_act,
     m = a.shape[0]
     groups, k_tiles = blob_i32.shape[:2]
     n = colscale.numel()
-    split = split or split_for(groups, k_tiles, ctas_per_sm=ctas_per_sm or CTAS_PER_SM)
+    split = split or split_for(groups, k_tiles, sm_count(a.device), ctas_per_sm or CTAS_PER_SM)
     if k_tiles % split:
         raise ValueError(f"split {split} does not divide the {k_tiles} k-tiles")
     depth = depth or DEPTH
