@@ -322,8 +322,9 @@ class _PackedNVFP4Linear(nn.Module):
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
         kind = self.kind  # read once a call: it consults the environment
-        backend, prepared = backends.resolve(self, x2d, kind)
-        y = backend.linear(self, x2d, prepared, kind)
+        with backends.device_guard(x2d):
+            backend, prepared = backends.resolve(self, x2d, kind)
+            y = backend.linear(self, x2d, prepared, kind)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -436,8 +437,9 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
         lead = x_b.shape[:-1]
         xb2d = x_b.reshape(-1, x_b.shape[-1])
         xa2d = None if x_a is None else x_a.reshape(-1, ka)
-        backend, prepared = backends.resolve(self, xb2d, kind)
-        y = backend.linear_cat_gelu(self, xa2d, xb2d, prepared, kind)
+        with backends.device_guard(xb2d):
+            backend, prepared = backends.resolve(self, xb2d, kind)
+            y = backend.linear_cat_gelu(self, xa2d, xb2d, prepared, kind)
         return y.reshape(*lead, self.out_features)
 
     def _call_is_wrapped(self) -> bool:

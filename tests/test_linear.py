@@ -335,3 +335,51 @@ def test_unfusing_gives_the_layers_their_rows_back():
     for name, c in codes.items():
         layer = getattr(attn, name)
         assert not layer._stood_in and torch.equal(layer._parameters["qweight"], c)
+
+
+def test_device_guard_makes_the_inputs_gpu_current(monkeypatch):
+    """Triton and CuTe DSL kernels launch on the current CUDA device: a call whose input sits on another GPU
+    runs under ``torch.cuda.device(that index)``; on the current GPU, off CUDA and under torch.compile it
+    changes nothing."""
+    from types import SimpleNamespace
+
+    entered = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: entered.append(index) or torch.no_grad())
+    on = {i: SimpleNamespace(device=torch.device("cuda", i)) for i in (0, 1)}
+    with backends.device_guard(on[1]):
+        pass
+    with backends.device_guard(on[0]), backends.device_guard(torch.zeros(1)):
+        pass
+    assert entered == [1]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with backends.device_guard(on[1]):
+        pass
+    assert entered == [1]
+
+
+@pytest.mark.parametrize("cat_gelu", [False, True])
+def test_forward_runs_its_backend_under_the_device_guard(cat_gelu, monkeypatch):
+    """Both entry points (``forward``, ``forward_cat_gelu``) resolve and run the backend inside the guard of
+    their input."""
+    guarded, ran = [], []
+    real_linear = backends.Backend.linear
+
+    class Guard:
+        def __init__(self, x):
+            self.x = x
+
+        def __enter__(self):
+            guarded.append(self.x.shape)
+
+        def __exit__(self, *exc):
+            guarded.append(None)
+
+    monkeypatch.setattr(backends, "device_guard", Guard)
+    monkeypatch.setattr(backends.Backend, "linear",
+                        lambda self, *a, **kw: ran.append(len(guarded)) or real_linear(self, *a, **kw))
+    mod = SVDQW4A4Linear.from_linear(torch.nn.Linear(64, 32), rank=8)
+    x = torch.randn(3, 64)
+    y = mod.forward_cat_gelu(x[:, :32], x[:, 32:]) if cat_gelu else mod(x)
+    assert y.shape == (3, 32)
+    assert guarded == [(3, 32 if cat_gelu else 64), None] and ran == [1], (guarded, ran)

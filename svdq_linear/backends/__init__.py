@@ -23,6 +23,7 @@ backend serves everything, so a call always runs.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 import warnings
@@ -114,6 +115,20 @@ class Backend:
         by default that input written out and passed to ``linear``; a backend that reads the two tensors
         itself overrides this."""
         return self.linear(module, nvfp4.cat_gelu(xa, xb), prepared, kind)
+
+
+def device_guard(x: torch.Tensor):
+    """A context making ``x``'s CUDA device the current one for a call. Triton and CuTe DSL kernels launch on the
+    current device, not on their tensors' one, so a layer on ``cuda:1`` called while ``cuda:0`` is current
+    (``pipe.to("cuda:1")``, a pipeline spread over GPUs by ``device_map``) would launch them on the wrong GPU.
+    A null context where that device is current already, off CUDA, and while torch.compile traces (the code
+    it generates guards the device itself)."""
+    if x.device.type != "cuda" or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    index = x.device.index
+    if index is None or index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(index)
 
 
 def plain_eager_call(x: torch.Tensor) -> bool:
