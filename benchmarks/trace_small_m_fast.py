@@ -149,8 +149,9 @@ def main() -> None:
             same = torch.equal(y, want) if cps == fit else True  # (another split sums in another order)
             t = graph_time(lambda: run(x, **ops, poll=poll, ctas_per_sm=setting))
             dot = False if args.exact else None
-            grid = smf.grid_size(m, n, k, ctas_per_sm=cps, dot=dot)
-            split, _, prods, _ = smf.plan(m, n, k, ctas_per_sm=cps, dot=dot)
+            sms = smf.sm_count(x.device)  # as the launch plans its split
+            grid = smf.grid_size(m, n, k, sms, ctas_per_sm=cps, dot=dot)
+            split, _, prods, _ = smf.plan(m, n, k, sms, ctas_per_sm=cps, dot=dot)
             tr = torch.full((grid, smf.TRACE_COLS), -1, dtype=torch.int64, device="cuda")
             run(x, **ops, poll=poll, ctas_per_sm=setting, trace=tr)  # compiles the traced build
             tr.fill_(-1)

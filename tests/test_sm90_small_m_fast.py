@@ -662,7 +662,7 @@ def test_gpu_trace_stamps_every_cta_with_its_ticket_and_sm(m):
     smf._FITTED.clear()
     want = smf.linear(x, **ops)
     (cps,) = smf._FITTED.values()  # the default's split target: the traced launch splits alike
-    grid = smf.grid_size(m, n, k, ctas_per_sm=cps)
+    grid = smf.grid_size(m, n, k, smf.sm_count(x.device), ctas_per_sm=cps)  # the device's SMs, as the launch plans
     tr = torch.full((grid + 8, smf.TRACE_COLS), -1, dtype=torch.int64, device="cuda")
     assert torch.equal(smf.linear(x, **ops, trace=tr), want)
     tr = tr.cpu()
