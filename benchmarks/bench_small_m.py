@@ -378,6 +378,55 @@ def exact_one_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4, 5
     return rows
 
 
+def exact_kernel_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4, 5, 6),
+                       stages: tuple = (1, 2, 3, 4)) -> list[str]:
+    """``small_m_fast.linear_exact`` alone on operands repacked here (``quack_gemm.repack_*``, plain torch), so
+    it runs where quack is not installed (a Triton-only device call): its output against the contract first,
+    then at ``ctas`` CTAs an SM and, at the default split (``tuning.exact_one_launch_ctas``), at ``stages``
+    k-tiles in flight. The kernel-alone columns of ``exact_one_table`` time the same launch."""
+    from svdq_linear import nvfp4
+    from svdq_linear.backends.sm90 import quack_gemm, small_m_fast, tuning
+
+    rows = ["", "The exact one launch alone (small_m_fast.linear_exact, rank 32, bias; us; ratio = cuBLAS bf16 / "
+            "ours; 'check' = its output at the default split against the contract's tolerance): at c CTAs an SM "
+            "(split target), us (weight GB/s); then at the default split with s k-tiles in flight (num_stages; "
+            "default 3), us", "",
+            "| layer | K | N | M | cuBLAS bf16 | check | default split |" + "".join(f" c{c} |" for c in ctas)
+            + "".join(f" s{st} |" for st in stages),
+            "|---|---|---|---|---|---|---|" + "---|" * (len(ctas) + len(stages))]
+    for label, k, n in (("attn", 3072, 3072), ("ff up", 3072, 12288), ("ff down", 12288, 3072),
+                        ("single out", 15360, 3072)):
+        q = random_w4a4(k, n, 32, torch.bfloat16, "cuda")
+        lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+        wbytes = n * k // 2 + n * k // 16
+        sm = q.smooth.float().contiguous()
+        ops = (sm, quack_gemm.repack_weight(q.qweight), quack_gemm.repack_scales(q.wscales),
+               q.wcscale.float().reshape(-1), q.bias.float().reshape(-1),
+               (q.proj_down.float() / sm[:, None]).bfloat16(), q.proj_up.contiguous())
+        for m in tokens:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cps = tuning.exact_one_launch_ctas(m, n, k) or None
+            y = small_m_fast.linear_exact(x, *ops, ctas_per_sm=cps)
+            args = [t.cpu() for t in (q.qweight, q.wscales, q.smooth, q.proj_down, q.proj_up, q.wcscale, q.bias)]
+            want = nvfp4.w4a4_linear(x.cpu(), *args, torch.float64)
+            bound = nvfp4.tolerance(x.cpu(), *args, torch.bfloat16)
+            worst = ((y.double().cpu() - want).abs() / bound).max().item()
+            check = "ok" if worst <= 1 else f"WRONG ({worst:.2f}x the tolerance)"
+            t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
+            t_def = graph_time(lambda: small_m_fast.linear_exact(x, *ops, ctas_per_sm=cps))
+            pct = 100 * wbytes / (t_def * 1e-3) / 1e9 / copy_gbs
+            cells = [f"{t_def * 1e3:.1f} ({t_ref / t_def:.2f}x, {pct:.0f}% of copy)"]
+            for c in ctas:
+                t = graph_time(lambda: small_m_fast.linear_exact(x, *ops, ctas_per_sm=c))
+                cells.append(f"{t * 1e3:.1f} ({wbytes / (t * 1e-3) / 1e9:.0f})")
+            for st in stages:
+                t = graph_time(lambda: small_m_fast.linear_exact(x, *ops, ctas_per_sm=cps, num_stages=st))
+                cells.append(f"{t * 1e3:.1f} ({t_ref / t:.2f}x)")
+            rows.append(f"| {label} | {k} | {n} | {m} | {t_ref * 1e3:.1f} | {check} | " + " | ".join(cells) + " |")
+            print(rows[-1], flush=True)
+    return rows
+
+
 @torch.no_grad()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -398,6 +447,8 @@ def main() -> None:
                         "three tiles, kernel alone (what small_m.use_fma is set from)")
     p.add_argument("--fast-one", action="store_true",
                    help="only the fast mode at 1-64 tokens: the routed path against small_m_fast's one launch")
+    p.add_argument("--exact-kernel", action="store_true",
+                   help="the exact one launch alone on operands repacked here (no quack): splits, tiles in flight")
     p.add_argument("--exact-one", action="store_true",
                    help="only the exact mode at 1-2 tokens: the routed path against small_m_fast.linear_exact")
     p.add_argument("--no-sweep", action="store_true", help="with --fast-one: the default form only")
@@ -415,6 +466,10 @@ def main() -> None:
             "| layer | M | K | N | cuBLAS bf16 | mode | linear | before | kernel | kernel vs bf16 | weight GB/s | % of copy |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     have_fast = sm90._quack_fast_module() is not None
+    if args.exact_kernel:
+        rows = rows[:2] + exact_kernel_table(copy_gbs)
+        emit(rows, args.out)
+        return
     if args.exact_one:
         rows = rows[:2] + exact_one_table(copy_gbs)
         emit(rows, args.out)
