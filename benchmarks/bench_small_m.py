@@ -332,13 +332,26 @@ def fast_one_table(copy_gbs: float, sweep: bool = True, tokens: tuple = (1, 2, 8
     return rows
 
 
+def _contract_check(q, x: torch.Tensor, y: torch.Tensor) -> str:
+    """'ok' where the exact mode's output ``y`` of layer ``q`` on ``x`` is within the contract's tolerance of
+    the float64 reference, else how far out it is."""
+    from svdq_linear import nvfp4
+
+    args = [t.cpu() if t is not None else None for t in
+            (q.qweight, q.wscales, q.smooth, q.proj_down, q.proj_up, q.wcscale, q.bias)]
+    want = nvfp4.w4a4_linear(x.cpu(), *args, torch.float64)
+    bound = nvfp4.tolerance(x.cpu(), *args, torch.bfloat16)
+    worst = ((y.double().cpu() - want).abs() / bound).max().item()
+    return "ok" if worst <= 1 else f"WRONG ({worst:.2f}x the tolerance)"
+
+
 def exact_one_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4, 5, 6),
                     stages: tuple = (1, 2, 4)) -> list[str]:
     """The exact mode at 1-2 tokens: the module's routed path (quantize_act, cuBLAS lora_act, small_m_mma or the
     Triton small-M kernel) against ``small_m_fast.linear_exact`` (one launch, integer dot products; the default
     since the twentieth session), its output checked against the contract (``nvfp4.tolerance``) first, and that
     kernel at ``ctas`` CTAs an SM and at ``stages`` k-tiles in flight."""
-    from svdq_linear import backends, nvfp4
+    from svdq_linear import backends
     from svdq_linear.backends.sm90 import ENV_EXACT_ONE_LAUNCH, small_m_fast, tuning
 
     rows = ["", "The exact mode at 1-2 tokens (us; ratio = cuBLAS bf16 / ours): 'routed' = the path without the one "
@@ -352,12 +365,7 @@ def exact_one_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4, 5
             + "".join(f" c{c} |" for c in ctas) + "".join(f" s{st} |" for st in stages),
             "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * (len(ctas) + len(stages))]
     for label, k, n, m, q, x, t_ref, t_def, y, wbytes in _one_launch_cases("exact", tokens, ENV_EXACT_ONE_LAUNCH):
-        args = [t.cpu() if t is not None else None for t in
-                (q.qweight, q.wscales, q.smooth, q.proj_down, q.proj_up, q.wcscale, q.bias)]
-        want = nvfp4.w4a4_linear(x.cpu(), *args, torch.float64)
-        bound = nvfp4.tolerance(x.cpu(), *args, torch.bfloat16)
-        worst = ((y.double().cpu() - want).abs() / bound).max().item()
-        check = "ok" if worst <= 1 else f"WRONG ({worst:.2f}x the tolerance)"
+        check = _contract_check(q, x, y)
         t_one = env_time(lambda: q(x), ENV_EXACT_ONE_LAUNCH, "1")
         _, prep = backends.resolve(q, x)
         ex = prep.tensors()
@@ -379,18 +387,17 @@ def exact_one_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4, 5
 
 
 def exact_kernel_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4, 5, 6),
-                       stages: tuple = (1, 2, 3, 4)) -> list[str]:
+                       stages: tuple = (1, 2, 4)) -> list[str]:
     """``small_m_fast.linear_exact`` alone on operands repacked here (``quack_gemm.repack_*``, plain torch), so
     it runs where quack is not installed (a Triton-only device call): its output against the contract first,
     then at ``ctas`` CTAs an SM and, at the default split (``tuning.exact_one_launch_ctas``), at ``stages``
     k-tiles in flight. The kernel-alone columns of ``exact_one_table`` time the same launch."""
-    from svdq_linear import nvfp4
     from svdq_linear.backends.sm90 import quack_gemm, small_m_fast, tuning
 
     rows = ["", "The exact one launch alone (small_m_fast.linear_exact, rank 32, bias; us; ratio = cuBLAS bf16 / "
             "ours; 'check' = its output at the default split against the contract's tolerance): at c CTAs an SM "
             "(split target), us (weight GB/s); then at the default split with s k-tiles in flight (num_stages; "
-            "default 3), us", "",
+            "the default split's column is 3), us", "",
             "| layer | K | N | M | cuBLAS bf16 | check | default split |" + "".join(f" c{c} |" for c in ctas)
             + "".join(f" s{st} |" for st in stages),
             "|---|---|---|---|---|---|---|" + "---|" * (len(ctas) + len(stages))]
@@ -407,11 +414,7 @@ def exact_kernel_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cps = tuning.exact_one_launch_ctas(m, n, k) or None
             y = small_m_fast.linear_exact(x, *ops, ctas_per_sm=cps)
-            args = [t.cpu() for t in (q.qweight, q.wscales, q.smooth, q.proj_down, q.proj_up, q.wcscale, q.bias)]
-            want = nvfp4.w4a4_linear(x.cpu(), *args, torch.float64)
-            bound = nvfp4.tolerance(x.cpu(), *args, torch.bfloat16)
-            worst = ((y.double().cpu() - want).abs() / bound).max().item()
-            check = "ok" if worst <= 1 else f"WRONG ({worst:.2f}x the tolerance)"
+            check = _contract_check(q, x, y)
             t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
             t_def = graph_time(lambda: small_m_fast.linear_exact(x, *ops, ctas_per_sm=cps))
             pct = 100 * wbytes / (t_def * 1e-3) / 1e9 / copy_gbs
