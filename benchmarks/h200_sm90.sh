@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call for the sm90 backend: GPU conformance + seam tests, the config sweep, the benchmark.
 # Through the device tool with carry [".devcarry/wheels"]:  bash benchmarks/h200_sm90.sh [--sweep]
-# STEPS (default "tests bench"; also lora, lowrank, fast, flux, small (SMALL_ARGS=--fast-one / --exact-one: a mode's one launch; --exact-kernel: the exact one alone, no quack; SMALL_TAG suffixes its files), trace (where the one-launch kernel's time goes; TRACE_ARGS=--exact or --tokens ...), diag, act, gelu, cachehit, pctriton, fallback, host, ncu, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
+# STEPS (default "tests bench"; also lora, lowrank, fast, flux, small (SMALL_ARGS=--fast-one / --exact-one: a mode's one launch; --exact-kernel: the exact one alone, no quack; SMALL_TAG suffixes its files), decode (bench_decode_dense.py: decode-once + dense GEMM against quack's W4; DECODE_ARGS=--quick), trace (where the one-launch kernel's time goes; TRACE_ARGS=--exact or --tokens ...), diag, act, gelu, cachehit, pctriton, fallback, host, ncu, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
 # spaces: select tests by node id (file::test), not with a quoted -k expression.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -32,6 +32,8 @@ for step in ${STEPS:-tests bench}; do
           if [ -s "$OUT/lora_env" ]; then export SVDQ_SM90_LORA_ACT="$(cat "$OUT/lora_env")"; echo "SVDQ_SM90_LORA_ACT=$SVDQ_SM90_LORA_ACT"; fi ;;
     small) timeout "${SMALL_LIMIT:-120}" python3 benchmarks/bench_small_m.py --out "$OUT/bench_small_m${SMALL_TAG:-}.md" ${SMALL_ARGS:-} \
              > "$OUT/small${SMALL_TAG:-}.log" 2>&1; tail -30 "$OUT/small${SMALL_TAG:-}.log" ;;
+    decode) timeout "${DECODE_LIMIT:-300}" python3 benchmarks/bench_decode_dense.py --out "$OUT/bench_decode_dense.md" ${DECODE_ARGS:-} \
+              > "$OUT/decode.log" 2>&1; tail -14 "$OUT/decode.log" ;;
     act) timeout "${ACT_LIMIT:-200}" python3 benchmarks/bench_act.py --out "$OUT/bench_act.md" ${ACT_ARGS:-} > "$OUT/act.log" 2>&1; tail -60 "$OUT/act.log" ;;
     cachehit) timeout "${CACHE_LIMIT:-200}" python3 benchmarks/check_precompiled.py --cache .devcarry/precompiled/quack-cache \
                 > "$OUT/cachehit.log" 2>&1; tail -6 "$OUT/cachehit.log" ;;
