@@ -132,6 +132,9 @@ def main() -> None:
                         "against cuBLAS")
     p.add_argument("--tiles-ab", action="store_true",
                    help="only 128x256 against 128x192 where the tile rule is close (tuning.prefill_tiles)")
+    p.add_argument("--tile-list", default=None,
+                   help="with --tiles: these tiles instead (weight rows x tokens, e.g. 128x256,128x224), at the "
+                        "K = 15360 and 3840 shapes only")
     args = p.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -147,7 +150,9 @@ def main() -> None:
     log("| mode | shape | M | K | N | R=0 | " + " | ".join(f"R={r} tile | R={r} acc" for r in RANKS) + " |")
     log("|---|---|---|---|---|---|" + "---|---|" * len(RANKS))
     shapes = QUICK if args.shapes == "quick" else FLUX
-    if args.tiles:
+    if args.tiles and args.tile_list:
+        tile_sweep(log, dev, TILE_SHAPES[:2], [tuple(int(v) for v in t.split("x")) for t in args.tile_list.split(",")])
+    elif args.tiles:
         tile_sweep(log, dev)
     if args.tiles_ab:
         tile_sweep(log, dev, TILE_SHAPES[:2], [(128, 256), (128, 192)])
