@@ -104,19 +104,22 @@ def test_w4a4_bf16_within_tolerance(backend, device, m_tokens, k, n, rank):
 
 @pytest.mark.parametrize("backend,device", [(b, d) for b, d in BACKENDS if d == "cuda"] or [(None, "cpu")])
 @pytest.mark.parametrize("rank", [32, 128])
-def test_w4a4_where_the_last_wave_is_part_empty(backend, device, rank):
-    """4352 tokens x 3072 rows (K = 3840): on sm90 the GEMM takes 128 x 192 tiles there
-    (``tuning.prefill_tiles``: 128 x 256 would leave the last wave 77 % full), low-rank MMA included.
+@pytest.mark.parametrize("tokens,k", [(4352, 3840), (4608, 3072)])
+def test_w4a4_where_the_last_wave_is_part_empty(backend, device, rank, tokens, k):
+    """4352 tokens x 3072 rows (K = 3840) and 4608 x 3072: on sm90 the GEMM takes 128 x 208 and 128 x 224 tiles
+    there (``tuning.prefill_tiles``: 128 x 256 would leave the last wave 77 % / 82 % full), low-rank MMA included.
     Without a GPU only the tile rule is checked (the reference would take minutes at this size)."""
     from svdq_linear.backends.sm90 import tuning
 
-    assert tuning.prefill_tiles(4352, 3072) == (128, 192) and tuning.prefill_tiles(4096, 3072) == (128, 256)
-    assert tuning.prefill_tiles(4608, 3072) == (128, 256) and tuning.prefill_tiles(4096, 9216) == (128, 256)
+    # 408 tiles of 256 tokens on 132 SMs: 4 waves; 504 of 208: 4 waves, each tile 208/256 as long
+    assert tuning.prefill_tiles(4352, 3072) == (128, 208) and tuning.prefill_tiles(4096, 3072) == (128, 256)
+    # 432 tiles of 256 (4 waves) against 504 of 224 (4 waves, 95 % full)
+    assert tuning.prefill_tiles(4608, 3072) == (128, 224) and tuning.prefill_tiles(4096, 9216) == (128, 256)
     if backend is None:
         return
-    m = random_w4a4(3840, 3072, rank, torch.bfloat16, device)
-    x = torch.randn(4352, 3840, device=device, dtype=torch.bfloat16) * 3
-    _check(_run(backend, m, x), *_expected_and_bound(m, x), f"{backend} M=4352 K=3840 N=3072 R={rank}")
+    m = random_w4a4(k, 3072, rank, torch.bfloat16, device)
+    x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16) * 3
+    _check(_run(backend, m, x), *_expected_and_bound(m, x), f"{backend} M={tokens} K={k} N=3072 R={rank}")
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS, ids=[f"{b}-{d}" for b, d in BACKENDS])

@@ -23,6 +23,37 @@ def test_repack_equals_quacks_and_inverts(n, k):
     assert torch.equal(quack_gemm.unpack_scales(strip).view(torch.uint8), sf.view(torch.uint8))
 
 
+def test_prefill_tile_fills_the_waves_and_its_low_rank_copy_splits():
+    """Above 1024 tokens the token tile is 256 unless a narrower one runs fewer waves x width by 5 %; every
+    width it picks splits the low-rank operands' copy for the windows the backend uses (16-64 wide)."""
+    from svdq_linear.backends.sm90 import quack_lowrank, tuning
+
+    def waves_x_width(m, n, tn, sms=132):
+        tiles = -(-n // 128) * -(-m // tn)
+        return -(-tiles // sms) * tn
+
+    # Flux / the reference design (M, N): the part-empty last waves move, the full ones stay at 256
+    want = {(4608, 3072): 224, (4352, 3072): 208, (4096, 3072): 256, (4096, 9216): 256, (4096, 12288): 256,
+            (4608, 21504): 256, (4608, 12288): 256, (4352, 3840): 256, (4352, 15360): 256}
+    for (m, n), tn in want.items():
+        assert tuning.prefill_tiles(m, n) == (128, tn), (m, n)
+    seen = set()
+    for m in range(1025, 9000, 61):
+        for n in (1024, 3072, 3840, 9216, 12288, 15360, 21504):
+            tm, tn = tuning.prefill_tiles(m, n)
+            assert tm == 128 and tn in (256, 240, 224, 208, 192)
+            if tn != 256:
+                assert waves_x_width(m, n, tn) <= 0.95 * waves_x_width(m, n, 256), (m, n, tn)
+            assert all(waves_x_width(m, n, tn) <= waves_x_width(m, n, w) for w in (256, 240, 224, 208, 192)
+                       if waves_x_width(m, n, w) <= 0.95 * waves_x_width(m, n, 256)), (m, n, tn)
+            seen.add(tn)
+    assert len(seen) >= 4  # the rule does pick narrow widths somewhere in this range
+    for tn in seen:
+        for w in (16, 32, 48, 64):
+            per_row, rows = quack_lowrank.copy_split(tn, w, 256)
+            assert tn % rows == 0 and per_row * rows <= 256
+
+
 def test_tile_table_is_well_formed():
     from svdq_linear.backends.sm90 import tuning
 

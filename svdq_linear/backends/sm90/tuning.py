@@ -86,18 +86,29 @@ def pick(m: int, n: int, k: int) -> GemmConfig:
     return cfg
 
 
-def prefill_tiles(m: int, n: int, sms: int = SM_COUNT) -> tuple[int, int]:
-    """quack's tile (weight rows, tokens) above 1024 tokens: 128 x 256, or 128 x 192 where 128 x 256 tiles
-    leave the persistent grid's last wave under 80 % full and 128 x 192 fill it better. On the H200
-    (docs/perf.md, 2026-12-04 tile sweep) 128 x 192 was 1-2.5 % faster at 4352 x 3840 x 3072 (408
-    tiles: 77 % full) in every run, with and without the low-rank MMA; at 4608 x 15360 x 3072 (432:
-    82 %) it won without the low-rank MMA and lost 3-6 % with it (two runs); at 97 % full (384, 1152
-    tiles) 128 x 256 was as fast or faster (up to 6 %)."""
-    def fill(tn: int) -> float:
-        t = -(-n // 128) * -(-m // tn)
-        return t / (-(-t // sms) * sms)
+PREFILL_TOKEN_TILES = (256, 240, 224, 208, 192)  # token-tile widths the prefill rule weighs (wgmma N, x16)
+PREFILL_MARGIN = 0.95  # a narrower token tile must model at least 5 % faster than 256 to be taken
 
-    return (128, 192) if fill(256) < 0.8 and fill(192) > fill(256) else (128, 256)
+
+def prefill_tiles(m: int, n: int, sms: int = SM_COUNT) -> tuple[int, int]:
+    """quack's tile (weight rows, tokens) above 1024 tokens: 128 weight rows, and the token-tile width
+    that leaves the persistent grid's waves fullest.
+
+    quack's scheduler is persistent: with ``t`` output tiles a call runs ``ceil(t / sms)`` waves, and a tile
+    of ``tn`` tokens takes time about proportional to ``tn``, so the model cost is ``waves * tn``. 128 x 256
+    is kept unless a width in ``PREFILL_TOKEN_TILES`` models ``PREFILL_MARGIN`` of its cost or less (narrower
+    tiles run their wgmmas a little less efficiently). Same run on the H100 (docs/perf.md, 2026-12-06,
+    ``bench_lowrank.py --tiles --tile-list``): at 4608 x 15360 -> 3072 (432 tiles of 256: 82 % of the last
+    wave) 128 x 224 (504 tiles, 95 %) took the exact GEMM from 0.92x to 0.99x cuBLAS and the fast one from
+    1.70x to 1.83x, R = 32; at 4352 x 3840 -> 3072 (408 tiles: 77 %) 128 x 208 (504) took them from 0.89x
+    to 1.03x and from 1.50x to 1.75x. At 97 % full (384, 1152 tiles) 128 x 256 stays."""
+    def cost(tn: int) -> int:
+        t = -(-n // 128) * -(-m // tn)
+        return -(-t // sms) * tn
+
+    base = cost(256)
+    best = min(PREFILL_TOKEN_TILES, key=lambda tn: (cost(tn), -tn))
+    return (128, best) if cost(best) <= PREFILL_MARGIN * base else (128, 256)
 
 
 MMA_MAX_M = 8  # tokens up to which small_m_mma's one 8-token tile wins (see use_small_m_mma)
