@@ -388,8 +388,8 @@ def exact_one_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4, 5
 
 def exact_kernel_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4, 5, 6),
                        stages: tuple = (1, 2, 4)) -> list[str]:
-    """``small_m_fast.linear_exact`` alone on operands repacked here (``quack_gemm.repack_*``, plain torch), so
-    it runs where quack is not installed (a Triton-only device call): its output against the contract first,
+    """``small_m_fast.linear_exact`` alone on operands repacked here (``quack_gemm.repack_*``, plain torch; the
+    module imports quack, so the call needs the wheels): its output against the contract first,
     then at ``ctas`` CTAs an SM and, at the default split (``tuning.exact_one_launch_ctas``), at ``stages``
     k-tiles in flight. The kernel-alone columns of ``exact_one_table`` time the same launch."""
     from svdq_linear.backends.sm90 import quack_gemm, small_m_fast, tuning
@@ -451,7 +451,7 @@ def main() -> None:
     p.add_argument("--fast-one", action="store_true",
                    help="only the fast mode at 1-64 tokens: the routed path against small_m_fast's one launch")
     p.add_argument("--exact-kernel", action="store_true",
-                   help="the exact one launch alone on operands repacked here (no quack): splits, tiles in flight")
+                   help="the exact one launch alone on operands repacked here: splits, tiles in flight")
     p.add_argument("--exact-one", action="store_true",
                    help="only the exact mode at 1-2 tokens: the routed path against small_m_fast.linear_exact")
     p.add_argument("--no-sweep", action="store_true", help="with --fast-one: the default form only")
