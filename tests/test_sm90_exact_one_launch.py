@@ -345,6 +345,16 @@ def test_exact_one_launch_route_follows_the_measured_table(m, k, n, ctas, monkey
     assert sm90._route_exact_one_launch(cpu, n) == ctas
 
 
+@pytest.mark.parametrize("m,k,n,stages", [(1, 3072, 3072, 2), (1, 3072, 12288, 2), (1, 12288, 3072, 3),
+                                          (1, 15360, 3072, 3), (2, 12288, 3072, 2), (2, 3072, 3072, 2)])
+def test_exact_one_launch_stages_follow_the_measured_table(m, k, n, stages):
+    """Three k-tiles in flight only at one token of a narrow weight (K >= 4 N), two elsewhere
+    (``tuning.exact_one_launch_stages``; the GPU route test below runs both builds against the contract)."""
+    from svdq_linear.backends.sm90 import tuning
+
+    assert tuning.exact_one_launch_stages(m, n, k) == stages
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("k,n,r", [(3072, 3072, 32), (12288, 3072, 32), (3072, 12288, 0)])
@@ -371,6 +381,7 @@ def test_gpu_module_routes_exact_calls_to_one_launch(m, k, n, r, monkeypatch):
     y = mod(x)
     assert calls, "the call did not take the exact one-launch kernel"
     assert calls[0][1]["ctas_per_sm"] == (4 if k >= 4 * n else None)
+    assert calls[0][1]["num_stages"] == (3 if m == 1 and k >= 4 * n else 2)
     want = nvfp4.w4a4_linear(x.cpu(), *args, torch.float64)
     bound = nvfp4.tolerance(x.cpu(), *args, torch.bfloat16)
     assert ((y.double().cpu() - want).abs() <= bound).all()

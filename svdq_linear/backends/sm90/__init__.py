@@ -464,7 +464,8 @@ class Sm90Backend(Backend):
             b = None if bias is None else qw.bias.reshape(-1)
             up = proj_up.contiguous() if r else None
             return small_m_fast.linear_exact(x, sm, w, s, qw.wc.reshape(-1), b, pds, up, out_dtype=x.dtype,
-                                             ctas_per_sm=ctas or None)
+                                             ctas_per_sm=ctas or None,
+                                             num_stages=tuning.exact_one_launch_stages(x.shape[0], n, x.shape[1]))
         mma = layout == small_m.QUACK and x.dtype == torch.bfloat16 and _route_small_m_mma("exact", x, n)
         if mma and getenv(ENV_MMA_FUSED) == "1" and len(extra) in (4, 7):  # no branch, or its accumulator form
             from .quack_gemm import weight as quack_gemm_weight

@@ -184,6 +184,15 @@ def exact_one_launch_ctas(m: int, n: int, k: int) -> int | None:
     return 4 if k >= EXACT_ONE_LAUNCH_NARROW * n else 0
 
 
+def exact_one_launch_stages(m: int, n: int, k: int) -> int:
+    """The k-tiles in flight (``num_stages``) of an exact one-launch call: three at one token of a narrow
+    weight (K >= ``EXACT_ONE_LAUNCH_NARROW`` N: long k-ranges a split), two elsewhere. The kernel alone, same
+    run, twice on the H100 (docs/perf.md, twenty-second session; three against two, us): one token 10.3 / 10.0
+    at 3072x3072, 16.8 / 15.9 at 3072x12288, 15.9 / 16.1 at 12288x3072, 17.7 / 18.6 at 15360x3072; two tokens
+    12.8 / 12.6, 19.3 / 18.7, 20.1 / 19.8, 22.4 / 22.3."""
+    return 3 if m == 1 and k >= EXACT_ONE_LAUNCH_NARROW * n else 2
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     import torch
