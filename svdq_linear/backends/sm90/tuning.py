@@ -99,9 +99,10 @@ def prefill_tiles(m: int, n: int, sms: int = SM_COUNT) -> tuple[int, int]:
     is kept unless a width in ``PREFILL_TOKEN_TILES`` models ``PREFILL_MARGIN`` of its cost or less (narrower
     tiles run their wgmmas a little less efficiently). Same run on the H100 (docs/perf.md, 2026-12-06,
     ``bench_lowrank.py --tiles --tile-list``): at 4608 x 15360 -> 3072 (432 tiles of 256: 82 % of the last
-    wave) 128 x 224 (504 tiles, 95 %) took the exact GEMM from 0.92x to 0.99x cuBLAS and the fast one from
-    1.70x to 1.83x, R = 32; at 4352 x 3840 -> 3072 (408 tiles: 77 %) 128 x 208 (504) took them from 0.89x
-    to 1.03x and from 1.50x to 1.75x. At 97 % full (384, 1152 tiles) 128 x 256 stays."""
+    wave) 128 x 224 (504 tiles, 95 %) took the exact GEMM from 0.88-0.92x to 0.94-0.99x cuBLAS and the fast
+    one from 1.57-1.70x to 1.66-1.83x, R = 32 (two runs); at 4352 x 3840 -> 3072 (408 tiles: 77 %) 128 x 208
+    (504) took them from 0.89-0.91x to 1.03-1.04x and from 1.50-1.51x to 1.75-1.76x. At 97 % full (384, 1152
+    tiles) 128 x 256 stays."""
     def cost(tn: int) -> int:
         t = -(-n // 128) * -(-m // tn)
         return -(-t // sms) * tn
