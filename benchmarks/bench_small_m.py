@@ -387,17 +387,18 @@ def exact_one_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4, 5
 
 
 def exact_kernel_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4, 5, 6),
-                       stages: tuple = (1, 2, 4)) -> list[str]:
-    """``small_m_fast.linear_exact`` alone on operands repacked here (``quack_gemm.repack_*``, plain torch; the
-    module imports quack, so the call needs the wheels): its output against the contract first,
+                       stages: tuple = (1, 2, 3, 4)) -> list[str]:
+    """``small_m_fast.linear_exact`` alone on operands repacked here (``quack_layout.repack_*``, plain torch), so
+    it runs where quack is not installed (a Triton-only device call): its output against the contract first,
     then at ``ctas`` CTAs an SM and, at the default split (``tuning.exact_one_launch_ctas``), at ``stages``
-    k-tiles in flight. The kernel-alone columns of ``exact_one_table`` time the same launch."""
-    from svdq_linear.backends.sm90 import quack_gemm, small_m_fast, tuning
+    k-tiles in flight. The default column is the module's build (``tuning.exact_one_launch_stages``). The
+    kernel-alone columns of ``exact_one_table`` time the same launch."""
+    from svdq_linear.backends.sm90 import quack_layout, small_m_fast, tuning
 
     rows = ["", "The exact one launch alone (small_m_fast.linear_exact, rank 32, bias; us; ratio = cuBLAS bf16 / "
             "ours; 'check' = its output at the default split against the contract's tolerance): at c CTAs an SM "
             "(split target), us (weight GB/s); then at the default split with s k-tiles in flight (num_stages; "
-            "the default split's column is 3), us", "",
+            "the default column's: tuning.exact_one_launch_stages), us", "",
             "| layer | K | N | M | cuBLAS bf16 | check | default split |" + "".join(f" c{c} |" for c in ctas)
             + "".join(f" s{st} |" for st in stages),
             "|---|---|---|---|---|---|---|" + "---|" * (len(ctas) + len(stages))]
@@ -407,16 +408,17 @@ def exact_kernel_table(copy_gbs: float, tokens: tuple = (1, 2), ctas: tuple = (4
         lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
         wbytes = n * k // 2 + n * k // 16
         sm = q.smooth.float().contiguous()
-        ops = (sm, quack_gemm.repack_weight(q.qweight), quack_gemm.repack_scales(q.wscales),
+        ops = (sm, quack_layout.repack_weight(q.qweight), quack_layout.repack_scales(q.wscales),
                q.wcscale.float().reshape(-1), q.bias.float().reshape(-1),
                (q.proj_down.float() / sm[:, None]).bfloat16(), q.proj_up.contiguous())
         for m in tokens:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cps = tuning.exact_one_launch_ctas(m, n, k) or None
-            y = small_m_fast.linear_exact(x, *ops, ctas_per_sm=cps)
+            nst = tuning.exact_one_launch_stages(m, n, k)
+            y = small_m_fast.linear_exact(x, *ops, ctas_per_sm=cps, num_stages=nst)
             check = _contract_check(q, x, y)
             t_ref = graph_time(lambda: F.linear(x, lin.weight, lin.bias))
-            t_def = graph_time(lambda: small_m_fast.linear_exact(x, *ops, ctas_per_sm=cps))
+            t_def = graph_time(lambda: small_m_fast.linear_exact(x, *ops, ctas_per_sm=cps, num_stages=nst))
             pct = 100 * wbytes / (t_def * 1e-3) / 1e9 / copy_gbs
             cells = [f"{t_def * 1e3:.1f} ({t_ref / t_def:.2f}x, {pct:.0f}% of copy)"]
             for c in ctas:
@@ -451,7 +453,7 @@ def main() -> None:
     p.add_argument("--fast-one", action="store_true",
                    help="only the fast mode at 1-64 tokens: the routed path against small_m_fast's one launch")
     p.add_argument("--exact-kernel", action="store_true",
-                   help="the exact one launch alone on operands repacked here: splits, tiles in flight")
+                   help="the exact one launch alone on operands repacked here (no quack): splits, tiles in flight")
     p.add_argument("--exact-one", action="store_true",
                    help="only the exact mode at 1-2 tokens: the routed path against small_m_fast.linear_exact")
     p.add_argument("--no-sweep", action="store_true", help="with --fast-one: the default form only")
