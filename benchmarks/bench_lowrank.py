@@ -122,6 +122,49 @@ def tile_sweep(log, dev, shapes=TILE_SHAPES, tiles=TILES) -> None:
         torch.cuda.empty_cache()
 
 
+def lora_stream_table(log, dev, shapes) -> None:
+    """The exact module forward (CUDA-graph replays) with ``lora_act`` before the activation pass and beside it
+    on a second stream (``SVDQ_SM90_LORA_STREAM``), same run, against ``F.linear`` bf16; both outputs checked
+    to be the same bits first."""
+    import os
+
+    from svdq_linear.backends import sm90
+    from svdq_linear.fuse import concat_w4a4
+
+    log("\n## exact whole linear, lora_act serial / beside the pass (ms, ratio = cuBLAS bf16 / path)\n")
+    log("| shape | M | K | N | cuBLAS bf16 | serial | beside | gain |")
+    log("|---|---|---|---|---|---|---|---|")
+    for label, m_tok, k, n in shapes:
+        torch.manual_seed(0)
+        if label in FUSED:
+            parts = [random_w4a4(k, n_i, 32, torch.bfloat16, dev) for n_i in FUSED[label]]
+            for p_ in parts[1:]:
+                p_.smooth.copy_(parts[0].smooth)
+            mod = concat_w4a4(parts)
+        else:
+            mod = random_w4a4(k, n, 32, torch.bfloat16, dev)
+        mod.set_mode("exact")
+        x = torch.randn(m_tok, k, device=dev, dtype=torch.bfloat16)
+        w16 = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
+        t_ref = timer(lambda: F.linear(x, w16, mod.bias))
+        times, outs = {}, {}
+        for env in ("0", "1"):
+            os.environ[sm90.ENV_LORA_STREAM] = env
+            g_out = []
+            replay = graphed(lambda: g_out.append(mod(x)))
+            replay()
+            torch.cuda.synchronize()
+            outs[env] = g_out[-1].clone()
+            times[env] = do_bench(replay, warmup=10, rep=100, return_mode="median")
+        os.environ.pop(sm90.ENV_LORA_STREAM)
+        if not torch.equal(outs["0"], outs["1"]):
+            raise AssertionError(f"{label}: lora_act beside the pass changed the output's bits")
+        a, b = times["0"], times["1"]
+        log(f"| {label} | {m_tok} | {k} | {n} | {t_ref:.4f} | {a:.4f} ({t_ref / a:.2f}x) | {b:.4f} ({t_ref / b:.2f}x)"
+            f" | {a / b:.3f}x |")
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench_out")
@@ -135,6 +178,8 @@ def main() -> None:
     p.add_argument("--tile-list", default=None,
                    help="with --tiles: these tiles instead (weight rows x tokens, e.g. 128x256,128x224), at the "
                         "K = 15360 and 3840 shapes only")
+    p.add_argument("--lora-stream", action="store_true",
+                   help="only the exact whole linears with lora_act serial against beside the pass (two streams)")
     args = p.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -150,6 +195,11 @@ def main() -> None:
     log("| mode | shape | M | K | N | R=0 | " + " | ".join(f"R={r} tile | R={r} acc" for r in RANKS) + " |")
     log("|---|---|---|---|---|---|" + "---|---|" * len(RANKS))
     shapes = QUICK if args.shapes == "quick" else FLUX
+    if args.lora_stream:
+        lora_stream_table(log, dev, [sh for sh in FLUX if sh[0] in ("fused qkv", "attn out", "ff up", "ff down",
+                                                                     "single fused in", "single out")])
+        (out_dir / "bench_lowrank.md").write_text("\n".join(lines) + "\n")
+        return
     if args.tiles and args.tile_list:
         tile_sweep(log, dev, TILE_SHAPES[:2], [tuple(int(v) for v in t.split("x")) for t in args.tile_list.split(",")])
     elif args.tiles:

@@ -191,3 +191,49 @@ def test_gpu_triton_gemm_default_config_writes_the_product_every_call(m, n):
     for _ in range(3):
         y = kernels.w4_gemm(a, q, ws, torch.ones(n, device="cuda"), None, None, None, torch.bfloat16, cfg)
         assert ((y.double().cpu() - ref).abs() <= bound).all(), f"{cfg}: wrong outputs"
+
+
+def test_lora_beside_the_pass_runs_serially_off_a_capture(monkeypatch):
+    """``_lora_beside`` gives ``x.to(bf16) @ pds`` and the pass's result; off a CUDA-graph capture (here: the
+    CPU) it forks no stream whatever ``SVDQ_SM90_LORA_STREAM`` says."""
+    from svdq_linear.backends import sm90
+
+    x = torch.randn(5, 64, dtype=torch.float16)
+    pds = torch.randn(64, 16).bfloat16()
+    order = []
+    monkeypatch.setenv(sm90.ENV_LORA_STREAM, "1")
+    lora, out = sm90._lora_beside(x, pds, lambda: order.append("pass") or "done")
+    assert out == "done" and order == ["pass"]
+    assert lora.dtype == torch.bfloat16 and torch.equal(lora, x.bfloat16() @ pds)
+    assert not sm90._SIDE_STREAMS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r", [32, 96])
+def test_gpu_exact_lora_beside_the_pass_in_a_graph_gives_the_same_bits(r, monkeypatch):
+    """``SVDQ_SM90_LORA_STREAM=1``: a captured exact forward above the small-M range runs ``lora_act`` on a
+    second stream and replays to the bits of the serial capture, the eager call's."""
+    from test_conformance import random_w4a4
+
+    from svdq_linear.backends import sm90
+
+    mod = random_w4a4(3072, 3072, r, torch.bfloat16, "cuda").set_mode("exact")
+    x = torch.randn(512, 3072, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setenv(sm90.ENV_LORA_STREAM, "0")
+    y = mod(x)
+    for env in ("0", "1"):
+        monkeypatch.setenv(sm90.ENV_LORA_STREAM, env)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            mod(x)  # warm outside the capture
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            yg = mod(x)
+        for _ in range(3):
+            yg.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(yg, y), f"SVDQ_SM90_LORA_STREAM={env}: the replay differs from the eager call"
+    assert torch.cuda.current_device() in sm90._SIDE_STREAMS, "the capture with the setting did not fork"

@@ -89,6 +89,32 @@ ENV_EXACT_ONE_LAUNCH = "SVDQ_SM90_EXACT_ONE_LAUNCH"
 # call is traced: changing it for a compiled model needs torch._dynamo.reset(). Calls through
 # forward_cat_gelu (fuse_gelu_inputs) keep their own op: their pass reads the two tensors itself.
 ENV_COMPILER_PASS = "SVDQ_SM90_COMPILER_PASS"
+# "1": while a CUDA graph is being captured, the exact mode's lora_act (cuBLAS, reading x) runs on a second
+# stream beside the activation pass (which reads x too) instead of before it: two reads of x at once,
+# joined before the GEMM. Off by default until a GPU has timed it; eager calls always run serially (a
+# stream fork costs host time there, where the calls are host-bound).
+ENV_LORA_STREAM = "SVDQ_SM90_LORA_STREAM"
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _lora_beside(x: torch.Tensor, pds: torch.Tensor, pass_fn):
+    """``(x.to(bf16) @ pds, pass_fn())``: with ``SVDQ_SM90_LORA_STREAM=1`` while the current stream captures a
+    CUDA graph, the product on a side stream forked from it and joined back (the output allocated on the
+    current stream, so its lifetime is that stream's); otherwise one after the other."""
+    if not (x.is_cuda and getenv(ENV_LORA_STREAM) == "1" and torch.cuda.is_current_stream_capturing()):
+        return x.to(torch.bfloat16) @ pds, pass_fn()
+    cur = torch.cuda.current_stream(x.device)
+    side = _SIDE_STREAMS.get(x.device.index)
+    if side is None:
+        side = _SIDE_STREAMS.setdefault(x.device.index, torch.cuda.Stream(x.device))
+    xb = x.to(torch.bfloat16)  # (on the current stream: a cast's output is that stream's too)
+    lora = torch.empty(x.shape[0], pds.shape[1], device=x.device, dtype=torch.bfloat16)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        torch.mm(xb, pds, out=lora)
+    out = pass_fn()
+    cur.wait_stream(side)
+    return lora, out
 
 
 def _route_small_m_mma(mode: str, x: torch.Tensor, n: int) -> bool:
@@ -393,12 +419,15 @@ class Sm90Backend(Backend):
         r = proj_down.shape[1]
         if m <= SMALL_M["w4a4"]:
             return self._small_w4a4(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra)
-        lora = None
-        if r:
-            pds = _proj_down_smoothed(extra, proj_down, smooth)
-            lora = x.to(torch.bfloat16) @ pds  # [M, R] bf16; x read once more, at copy speed
         use_quack = self._exact_on_quack(extra, r, m, x.dtype)
-        xq, _, _ = self.kernels.quantize_act(x, smooth, out_dtype=torch.bfloat16 if use_quack else None)
+
+        def quantize():
+            return self.kernels.quantize_act(x, smooth, out_dtype=torch.bfloat16 if use_quack else None)[0]
+
+        if r:  # lora_act [M, R] bf16: x read once more, at copy speed (beside the pass: _lora_beside)
+            lora, xq = _lora_beside(x, _proj_down_smoothed(extra, proj_down, smooth), quantize)
+        else:
+            lora, xq = None, quantize()
         return self._exact_gemm(xq, lora, use_quack, x.dtype, qweight, wscales, proj_up, wcscale, bias, extra)
 
     @staticmethod
