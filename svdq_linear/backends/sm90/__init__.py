@@ -91,8 +91,9 @@ ENV_EXACT_ONE_LAUNCH = "SVDQ_SM90_EXACT_ONE_LAUNCH"
 ENV_COMPILER_PASS = "SVDQ_SM90_COMPILER_PASS"
 # "1": while a CUDA graph is being captured, the exact mode's lora_act (cuBLAS, reading x) runs on a second
 # stream beside the activation pass (which reads x too) instead of before it: two reads of x at once,
-# joined before the GEMM. Off by default until a GPU has timed it; eager calls always run serially (a
-# stream fork costs host time there, where the calls are host-bound).
+# joined before the GEMM. Off by default: on the H100 it gained 3-4 % at fused q/k/v and 4096 x 3072 -> 3072
+# and lost 3-7 % at the larger layers (docs/perf.md, twenty-second session). Eager calls always run serially
+# (a stream fork costs host time there, where the calls are host-bound).
 ENV_LORA_STREAM = "SVDQ_SM90_LORA_STREAM"
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
