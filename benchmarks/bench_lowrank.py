@@ -122,6 +122,19 @@ def tile_sweep(log, dev, shapes=TILE_SHAPES, tiles=TILES) -> None:
         torch.cuda.empty_cache()
 
 
+def whole_module(label: str, k: int, n: int, dev):
+    """A random layer for a whole-linear row, R = 32: for the ``FUSED`` labels what fuse_qkv_projections builds
+    (the parts' branches side by side, one smoothing factor)."""
+    from svdq_linear.fuse import concat_w4a4
+
+    if label not in FUSED:
+        return random_w4a4(k, n, 32, torch.bfloat16, dev)
+    parts = [random_w4a4(k, n_i, 32, torch.bfloat16, dev) for n_i in FUSED[label]]
+    for p_ in parts[1:]:
+        p_.smooth.copy_(parts[0].smooth)
+    return concat_w4a4(parts)
+
+
 def lora_stream_table(log, dev, shapes) -> None:
     """The exact module forward (CUDA-graph replays) with ``lora_act`` before the activation pass and beside it
     on a second stream (``SVDQ_SM90_LORA_STREAM``), same run, against ``F.linear`` bf16; both outputs checked
@@ -129,21 +142,13 @@ def lora_stream_table(log, dev, shapes) -> None:
     import os
 
     from svdq_linear.backends import sm90
-    from svdq_linear.fuse import concat_w4a4
 
     log("\n## exact whole linear, lora_act serial / beside the pass (ms, ratio = cuBLAS bf16 / path)\n")
     log("| shape | M | K | N | cuBLAS bf16 | serial | beside | gain |")
     log("|---|---|---|---|---|---|---|---|")
     for label, m_tok, k, n in shapes:
         torch.manual_seed(0)
-        if label in FUSED:
-            parts = [random_w4a4(k, n_i, 32, torch.bfloat16, dev) for n_i in FUSED[label]]
-            for p_ in parts[1:]:
-                p_.smooth.copy_(parts[0].smooth)
-            mod = concat_w4a4(parts)
-        else:
-            mod = random_w4a4(k, n, 32, torch.bfloat16, dev)
-        mod.set_mode("exact")
+        mod = whole_module(label, k, n, dev).set_mode("exact")
         x = torch.randn(m_tok, k, device=dev, dtype=torch.bfloat16)
         w16 = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
         t_ref = timer(lambda: F.linear(x, w16, mod.bias))
@@ -255,18 +260,12 @@ def main() -> None:
             else:
                 os.environ[tuning.ENV_LORA_ACT] = old
     from svdq_linear.backends.sm90 import Sm90Backend, _mm_f32
-    from svdq_linear.fuse import concat_w4a4
 
     for label, m_tok, k, n in shapes:
         torch.manual_seed(0)
-        if label in FUSED:  # what fuse_qkv_projections builds: the parts' branches side by side (R = 32 each)
-            parts = [random_w4a4(k, n_i, 32, torch.bfloat16, dev) for n_i in FUSED[label]]
-            for p_ in parts[1:]:
-                p_.smooth.copy_(parts[0].smooth)
-            mod = concat_w4a4(parts)
+        mod = whole_module(label, k, n, dev)
+        if label in FUSED:
             label = f"{label} (fused, R = {mod.rank})"
-        else:
-            mod = random_w4a4(k, n, 32, torch.bfloat16, dev)
         x = torch.randn(m_tok, k, device=dev, dtype=torch.bfloat16)
         w16 = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
         t_ref = timer(lambda: F.linear(x, w16, mod.bias))

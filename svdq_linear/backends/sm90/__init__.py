@@ -107,7 +107,7 @@ def _lora_beside(x: torch.Tensor, pds: torch.Tensor, pass_fn):
     cur = torch.cuda.current_stream(x.device)
     side = _SIDE_STREAMS.get(x.device.index)
     if side is None:
-        side = _SIDE_STREAMS.setdefault(x.device.index, torch.cuda.Stream(x.device))
+        side = _SIDE_STREAMS[x.device.index] = torch.cuda.Stream(x.device)
     xb = x.to(torch.bfloat16)  # (on the current stream: a cast's output is that stream's too)
     lora = torch.empty(x.shape[0], pds.shape[1], device=x.device, dtype=torch.bfloat16)
     side.wait_stream(cur)
