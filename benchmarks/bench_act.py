@@ -1,6 +1,13 @@
 """Build, check and time the activation passes against a device copy of the same bytes (H100/H200).
 
     python benchmarks/bench_act.py [--out FILE] [--defaults]
+    python benchmarks/bench_act.py --exact-lora [--out FILE]   # Triton and torch only
+
+``--exact-lora``: the exact mode's pass and ``lora_act`` in one read of x (``kernels.quantize_act_lora``)
+over its blocks and splits at the fused q/k/v shape, then its best configs at every shape, against
+the backend's two launches (the pass, then cuBLAS ``x @ pds``) in the same run. Each config's ``xq``
+must be the pass's bytes and its ``lora_act`` within half a bf16 ulp (plus fp32 summation) of the
+float64 product before it is timed.
 
 The fast mode's FP8 pass (``kernels.quantize_act_fp8``: per-token E4M3): the two-pass kernel and the
 one-pass kernel at its default block and others; the exact mode's NVFP4 pass (``kernels.quantize_act``:
@@ -38,14 +45,91 @@ def first_diff(a, b) -> str:
     return f"{d.shape[0]} differ, first at {tuple(d[0].tolist())}" if d.numel() else "same"
 
 
+LORA_SHAPES = [  # (M, K, R'): R' the prepared proj_down's columns (fused q/k/v: 3 x 32; single fused in: 4 x 32)
+    (4096, 3072, 96), (4096, 3072, 32), (4608, 3072, 128), (4352, 3840, 32), (4096, 12288, 32), (4608, 15360, 32),
+    (512, 3072, 32), (1024, 3072, 96)]
+
+
+def lora_close(got: torch.Tensor, x: torch.Tensor, pds: torch.Tensor) -> bool:
+    """``got`` (bf16) within half a bf16 ulp of ``x.bf16 @ pds`` (float64) plus an fp32 summation's error."""
+    xd, pd = x.bfloat16().double(), pds.double()
+    want = xd @ pd
+    return bool(((got.double() - want).abs() <= want.abs() * 2.0**-8 + (xd.abs() @ pd.abs()) * 2.0**-20).all())
+
+
+def exact_lora(lines: list[str]) -> None:
+    """``kernels.quantize_act_lora`` against the pass plus cuBLAS ``lora_act``, same run (see the module doc)."""
+    configs = [(bm, bk, w, s) for bm in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8) for s in (1, 2, 4, 8)
+               if bm * bk // (32 * w) <= 64]
+    lines += ["### The exact pass with lora_act in one read of x (us; GB/s: x read once, xq written once)", "",
+              "| M | K | R | copy GB/s | pass | cuBLAS lora_act | pass + lora_act (two launches) | one read: best "
+              "(bm x bk, warps, split) | GB/s | % copy | gain | second / third |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    best_first: list = []
+    for i, (m, k, r) in enumerate(LORA_SHAPES):
+        torch.manual_seed(i)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+        x[1, 7] = float("nan")
+        x[2, 16:32] = 0.0
+        smooth = torch.rand(k, device="cuda") + 0.5
+        pds = (torch.randn(k, r, device="cuda") / 20).bfloat16()
+        nbytes = m * k * 4
+        src = torch.empty(nbytes // 2, device="cuda", dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        copy_gbs = nbytes / bench(lambda: dst.copy_(src)) / 1e6
+        ref = kernels.quantize_act(x, smooth)[0]
+        t_pass = bench(lambda: kernels.quantize_act(x, smooth))
+        t_lora = bench(lambda: x @ pds)
+        t_two = bench(lambda: (x @ pds, kernels.quantize_act(x, smooth)))
+        timed = []
+        for bm, bk, w, sp in configs if i == 0 else best_first:
+            fn = lambda: kernels.quantize_act_lora(x, smooth, pds, block_m=bm, block_k=bk, split=sp, num_warps=w)  # noqa: E731
+            try:
+                xq, lora = fn()
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - report and go on
+                lines.append(f"| {m} | {k} | {r} | | | | | {bm}x{bk} w{w} s{sp}: error {type(e).__name__} | | | | |")
+                continue
+            same = first_diff(xq.view(torch.int16), ref.view(torch.int16))
+            ok = lora_close(lora[3:], x[3:], pds)  # rows 1 and 2 hold a NaN / zeros: row 1 is NaN either way
+            if same != "same" or not ok:
+                lines.append(f"| {m} | {k} | {r} | | | | | {bm}x{bk} w{w} s{sp}: xq {same}, lora_act "
+                             f"{'close' if ok else 'NOT close'} | | | | |")
+                continue
+            timed.append((bench(fn), (bm, bk, w, sp)))
+        timed.sort()
+        if i == 0:
+            best_first = [c for _, c in timed[:6]]
+            lines.append("")
+            lines.append("All configs at the first shape (us): " + ", ".join(
+                f"{bm}x{bk} w{w} s{sp} {t * 1e3:.1f}" for t, (bm, bk, w, sp) in timed))
+            lines.append("")
+        t, (bm, bk, w, sp) = timed[0]
+        gbs = nbytes / t / 1e6
+        rest = " / ".join(f"{tt * 1e3:.1f} ({c[0]}x{c[1]} w{c[2]} s{c[3]})" for tt, c in timed[1:3])
+        lines.append(f"| {m} | {k} | {r} | {copy_gbs:.0f} | {t_pass * 1e3:.1f} | {t_lora * 1e3:.1f} | "
+                     f"{t_two * 1e3:.1f} | **{t * 1e3:.1f}** ({bm}x{bk}, w{w}, s{sp}) | {gbs:.0f} | "
+                     f"{100 * gbs / copy_gbs:.0f} | {t_two / t:.2f}x | {rest} |")
+        print("\n".join(lines[-3:]), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--defaults", action="store_true",
                     help="FP8 pass: only the two-pass reference and the default block in both k orders; no NVFP4 sweep")
+    ap.add_argument("--exact-lora", action="store_true",
+                    help="only the exact pass with lora_act in one read of x against the two launches")
     args = ap.parse_args()
     torch.manual_seed(0)
     lines = [f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}", ""]
+    if args.exact_lora:
+        exact_lora(lines)
+        text = "\n".join(lines) + "\n"
+        if args.out:
+            Path(args.out).write_text(text)
+        print(text)
+        return
     lines += ["### FP8 pass (per-token E4M3): us / GB/s / % of copy", "",
               "| M | K | copy GB/s | variant | us | GB/s | % copy | bytes |", "|---|---|---|---|---|---|---|---|"]
     for m, k in SHAPES:

@@ -116,6 +116,24 @@ def _e2m1_mag(a):
 
 
 @triton.jit
+def _nvfp4_dequant(a, neg, finite, sf):
+    """The exact dequantized NVFP4 values ``[rows, blocks, 16]`` (fp32) of magnitudes ``a`` (a value over its
+    block scale), signs ``neg``, blocks' ``finite`` and scales ``sf`` (``_nvfp4_block_scales``): the
+    nearest-even E2M1 value times the scale, NaN in a block that held NaN or Inf. By arithmetic rather
+    than one compare per midpoint: from 1 up the grid keeps one mantissa bit (keep fp32's top mantissa
+    bit, nearest-even, a carry moves into the exponent; 6 caps it), below 1 it is the multiples of 0.5
+    (the 1.5 * 2**23 trick rounds 2a to an integer, ties even)."""
+    ab = a.to(tl.int32, bitcast=True)
+    vn = tl.minimum(((ab + 0x1FFFFF + ((ab >> 22) & 1)) & -4194304).to(tl.float32, bitcast=True), 6.0)
+    vs = ((a * 2.0 + 12582912.0) - 12582912.0) * 0.5
+    v = tl.where(a < 1.0, vs, vn)
+    # the sign as a bit: Triton's float negation is 0 - v, which loses the sign of a zero
+    v = (v.to(tl.int32, bitcast=True) | (neg.to(tl.int32) << 31)).to(tl.float32, bitcast=True)
+    v = v * sf[:, :, None]
+    return tl.where((finite != 0)[:, :, None], v, float("nan"))
+
+
+@triton.jit
 def _quantize_act_kernel(
     x_ptr, smooth_ptr, xq_ptr, codes_ptr, scales_ptr,
     M, K, stride_xm, stride_xk, xb_ptr, KA, stride_bm,
@@ -151,17 +169,7 @@ def _quantize_act_kernel(
     neg = q < 0
     # Nearest-even E2M1: the midpoints 0.25 (down), 0.75 (up), 1.25, 1.75, 2.5, 3.5, 5 alternate.
     if WRITE_XQ:
-        # By arithmetic rather than one compare per midpoint: from 1 up the grid keeps one mantissa bit
-        # (keep fp32's top mantissa bit, nearest-even, a carry moves into the exponent; 6 caps it),
-        # below 1 it is the multiples of 0.5 (the 1.5 * 2**23 trick rounds 2a to an integer, ties even).
-        ab = a.to(tl.int32, bitcast=True)
-        vn = tl.minimum(((ab + 0x1FFFFF + ((ab >> 22) & 1)) & -4194304).to(tl.float32, bitcast=True), 6.0)
-        vs = ((a * 2.0 + 12582912.0) - 12582912.0) * 0.5
-        v = tl.where(a < 1.0, vs, vn)
-        # the sign as a bit: Triton's float negation is 0 - v, which loses the sign of a zero
-        v = (v.to(tl.int32, bitcast=True) | (neg.to(tl.int32) << 31)).to(tl.float32, bitcast=True)
-        v = v * sf[:, :, None]
-        v = tl.where((finite != 0)[:, :, None], v, float("nan"))
+        v = _nvfp4_dequant(a, neg, finite, sf)
         tl.store(xq_ptr + rm[:, None] * K + rk[None, :], tl.reshape(v, (BLOCK_M, BLOCK_K)).to(xq_ptr.dtype.element_ty),
                  mask=mask)
     if WRITE_CODES:
@@ -174,6 +182,60 @@ def _quantize_act_kernel(
         rks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
         tl.store(scales_ptr + rm[:, None] * (K // 16) + rks[None, :], sbits,
                  mask=m_ok[:, None] & (rks < K // 16)[None, :])
+
+
+@triton.jit
+def _quantize_act_lora_kernel(
+    x_ptr, smooth_ptr, xq_ptr, pd_ptr, lora_ptr, part_ptr, cnt_ptr, M, K, R, stride_xm, stride_xk, K_SPLIT, SPLIT,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    # The exact pass and lora_act in one read of x. Program (i, s): rows [i BLOCK_M, (i + 1) BLOCK_M), the
+    # columns [s K_SPLIT, (s + 1) K_SPLIT) in BLOCK_K steps. Each step writes its tile's dequantized values
+    # (the arithmetic of _quantize_act_kernel) and adds x.to(bf16) @ pds over its columns on tensor cores.
+    # IS_SPLIT (SPLIT > 1): each program writes its fp32 partial [BLOCK_M, R]; the last of a row block to count
+    # itself in (an atomic counter, nobody waits) adds the SPLIT partials in split order (a fixed order), writes
+    # lora_act in lora_ptr's dtype and leaves the counter at zero. DOT_F32: the CPU interpreter (its products and its
+    # rounding to bf16 done as the GPU does them: _lora_dot, _round_to).
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rr = tl.arange(0, BLOCK_R)
+    m_ok = rm < M
+    r_ok = rr < R
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    kb = pid_s * K_SPLIT
+    for k0 in range(kb, tl.minimum(kb + K_SPLIT, K), BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K  # K % 16 == 0: whole blocks are in or out
+        mask = m_ok[:, None] & k_ok[None, :]
+        xin = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0)
+        sm = tl.load(smooth_ptr + rk, mask=k_ok, other=1.0)
+        xs = xin.to(tl.float32) * tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)[None, :]
+        xb = tl.reshape(xs, (BLOCK_M, BLOCK_K // 16, 16))
+        finite, sf, r = _nvfp4_block_scales(xb)
+        q = xb * r[:, :, None]
+        v = _nvfp4_dequant(tl.abs(q), q < 0, finite, sf)
+        tl.store(xq_ptr + rm[:, None] * K + rk[None, :], tl.reshape(v, (BLOCK_M, BLOCK_K)).to(xq_ptr.dtype.element_ty),
+                 mask=mask)
+        w = tl.load(pd_ptr + rk[:, None] * R + rr[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        acc = _lora_dot(xin, w, acc, DOT_F32)
+    out_mask = m_ok[:, None] & r_ok[None, :]
+    if not IS_SPLIT:
+        lora = _round_to(acc, lora_ptr, DOT_F32).to(lora_ptr.dtype.element_ty)
+        tl.store(lora_ptr + rm[:, None] * R + rr[None, :], lora, mask=out_mask)
+    else:
+        tl.store(part_ptr + pid_s.to(tl.int64) * M * R + rm[:, None] * R + rr[None, :], acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        done = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel")
+        if done == SPLIT - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+            for s in range(SPLIT):
+                total += tl.load(part_ptr + s * M * R + rm[:, None] * R + rr[None, :], mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            # ready for the next call: no other program touches the counter again in this launch
+            tl.store(cnt_ptr + pid_m, 0)
+            tl.store(lora_ptr + rm[:, None] * R + rr[None, :],
+                     _round_to(total, lora_ptr, DOT_F32).to(lora_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -597,6 +659,50 @@ def _quantize_act_launch(x, xb, smooth, m, k, dt, packed, block_m, block_k, num_
             GELU_B=gelu_b, RNE_BITS=_INTERPRET, num_warps=num_warps,
         )
     return xq, codes, None if scales is None else scales.view(torch.float8_e4m3fn)
+
+
+def quantize_act_lora(x: torch.Tensor, smooth: torch.Tensor, pds: torch.Tensor, *, out_dtype: torch.dtype | None = None,
+                      block_m: int = 32, block_k: int = 128, split: int = 1, num_warps: int = 4,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(xq, lora_act)`` in one read of ``x [M, K]`` (any strides, 16-bit or fp32): ``xq`` the exact
+    dequantized NVFP4 values of ``x / smooth``, the same bytes as ``quantize_act`` (``out_dtype`` as
+    there), and ``lora_act [M, R] = x.to(bf16) @ pds`` in bf16 (``pds [K, R]`` bf16 contiguous), what the
+    backend got from cuBLAS: fp32 accumulation on tensor cores, one rounding, another summation order.
+
+    The grid is ``M / block_m`` row blocks times ``split`` ranges of K (whole ``block_k`` steps); with
+    ``split > 1`` each program writes an fp32 partial sum and the last of its row block adds them in
+    split order (the same bits whichever finishes last) using an atomic counter a row block
+    (``small_m.sync_words``, left at zero)."""
+    m, k = x.shape
+    if k % nvfp4.BLOCK_SIZE:
+        raise ValueError(f"expected K % 16 == 0, got {k}")
+    if pds.dim() != 2 or pds.shape[0] != k or pds.dtype != torch.bfloat16 or not pds.is_contiguous():
+        raise ValueError(f"pds must be a contiguous [{k}, R] bf16 tensor, got {tuple(pds.shape)} {pds.dtype}")
+    if split < 1 or block_m < 16 or block_k < 16 or block_k & (block_k - 1) or block_m & (block_m - 1):
+        raise ValueError(f"need split >= 1 and power-of-two blocks of at least 16 (tensor-core rows), got "
+                         f"split={split}, block_m={block_m}, block_k={block_k}")
+    dt = out_dtype or (x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
+    r = pds.shape[1]
+    xq = torch.empty(m, k, device=x.device, dtype=dt)
+    lora = torch.empty(m, r, device=x.device, dtype=torch.bfloat16)
+    if not m:
+        return xq, lora
+    block_k = min(block_k, next_pow2(k))
+    k_split = cdiv(cdiv(k, split), block_k) * block_k
+    split = cdiv(k, k_split)  # no range past K
+    rows = cdiv(m, block_m)
+    if split > 1:
+        from .small_m import sync_words
+
+        part = torch.empty(split, m, r, device=x.device, dtype=torch.float32)
+        cnt = sync_words(x.device, rows, "quantize_act_lora")
+    else:
+        part = cnt = lora
+    _quantize_act_lora_kernel[(rows, split)](
+        x, smooth, xq, pds, lora, part, cnt, m, k, r, x.stride(0), x.stride(1), k_split, split,
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r), IS_SPLIT=split > 1, DOT_F32=_INTERPRET,
+        num_warps=num_warps)
+    return xq, lora
 
 
 def quantize_act_cat(xa: torch.Tensor | None, xb: torch.Tensor, smooth: torch.Tensor, *, gelu_b: bool = True,
