@@ -1,8 +1,9 @@
 """The sm90 backend (H100/H200): exact W4A4 and W4A16 on 16-bit wgmma through Triton.
 
 E2M1 codes times E4M3 scales are exact in bf16 and fp16, so the contract's block-scaled product is
-computed exactly on Hopper's 16-bit tensor cores: ``quantize_act`` writes the exact dequantized
-activations in one pass; ``lora_act`` is one cuBLAS GEMM of ``x`` with ``proj_down / smooth``.
+computed exactly on Hopper's 16-bit tensor cores: ``quantize_act_lora`` writes the exact dequantized
+activations and ``lora_act = x @ (proj_down / smooth)`` (tensor cores) in one read of ``x``
+(``tuning.exact_lora_plan``; ``SVDQ_SM90_EXACT_LORA=two``: ``quantize_act``, then cuBLAS for ``lora_act``).
 By tokens M (bf16):
 
 - M <= 2, exact mode on quack's blob, on a GPU: ``small_m_fast.linear_exact``, the whole linear in one launch
@@ -425,8 +426,15 @@ class Sm90Backend(Backend):
         def quantize():
             return self.kernels.quantize_act(x, smooth, out_dtype=torch.bfloat16 if use_quack else None)[0]
 
-        if r:  # lora_act [M, R] bf16: x read once more, at copy speed (beside the pass: _lora_beside)
-            lora, xq = _lora_beside(x, _proj_down_smoothed(extra, proj_down, smooth), quantize)
+        pds = _proj_down_smoothed(extra, proj_down, smooth) if r else None
+        plan = self.tuning.exact_lora_plan(m, k, r, getenv(self.tuning.ENV_EXACT_LORA),
+                                           self.tuning.sm_count(x.device)) if r else None
+        if plan is not None:  # the pass and lora_act [M, R] bf16 in one read of x
+            xq, lora = self.kernels.quantize_act_lora(
+                x, smooth, pds, out_dtype=torch.bfloat16 if use_quack else None, block_m=plan.block_m,
+                block_k=plan.block_k, split=plan.split, num_warps=plan.num_warps)
+        elif r:  # lora_act [M, R] bf16: x read once more, at copy speed (beside the pass: _lora_beside)
+            lora, xq = _lora_beside(x, pds, quantize)
         else:
             lora, xq = None, quantize()
         return self._exact_gemm(xq, lora, use_quack, x.dtype, qweight, wscales, proj_up, wcscale, bias, extra)
