@@ -59,11 +59,13 @@ def lora_close(got: torch.Tensor, x: torch.Tensor, pds: torch.Tensor) -> bool:
 
 def exact_lora(lines: list[str]) -> None:
     """``kernels.quantize_act_lora`` against the pass plus cuBLAS ``lora_act``, same run (see the module doc)."""
-    configs = [(bm, bk, w, s) for bm in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8) for s in (1, 2, 4, 8)
-               if bm * bk // (32 * w) <= 64]
+    # first sweep (t-1, H100): 64 x 64 with 8 warps best everywhere, loops of one stage; this one adds 128-row
+    # blocks and the loop pipelined over 2-3 stages (x's next tile in flight while this one is computed)
+    configs = [(bm, bk, w, s, st) for bm, bk, w in ((64, 64, 8), (64, 64, 4), (64, 128, 8), (128, 64, 8), (128, 32, 8),
+                                                   (32, 64, 4)) for s in (2, 4, 8) for st in (1, 2, 3)]
     lines += ["### The exact pass with lora_act in one read of x (us; GB/s: x read once, xq written once)", "",
               "| M | K | R | copy GB/s | pass | cuBLAS lora_act | pass + lora_act (two launches) | one read: best "
-              "(bm x bk, warps, split) | GB/s | % copy | gain | second / third |",
+              "(bm x bk, warps, split, stages) | GB/s | % copy | gain | second / third |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     best_first: list = []
     for i, (m, k, r) in enumerate(LORA_SHAPES):
@@ -82,33 +84,35 @@ def exact_lora(lines: list[str]) -> None:
         t_lora = bench(lambda: x @ pds)
         t_two = bench(lambda: (x @ pds, kernels.quantize_act(x, smooth)))
         timed = []
-        for bm, bk, w, sp in configs if i == 0 else best_first:
-            fn = lambda: kernels.quantize_act_lora(x, smooth, pds, block_m=bm, block_k=bk, split=sp, num_warps=w)  # noqa: E731
+        for bm, bk, w, sp, st in configs if i == 0 else best_first:
+            fn = lambda: kernels.quantize_act_lora(x, smooth, pds, block_m=bm, block_k=bk, split=sp,  # noqa: E731
+                                                   num_warps=w, num_stages=st)
             try:
                 xq, lora = fn()
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001 - report and go on
-                lines.append(f"| {m} | {k} | {r} | | | | | {bm}x{bk} w{w} s{sp}: error {type(e).__name__} | | | | |")
+                lines.append(f"| {m} | {k} | {r} | | | | | {bm}x{bk} w{w} s{sp} st{st}: error {type(e).__name__} "
+                             "| | | | |")
                 continue
             same = first_diff(xq.view(torch.int16), ref.view(torch.int16))
             ok = lora_close(lora[3:], x[3:], pds)  # rows 1 and 2 hold a NaN / zeros: row 1 is NaN either way
             if same != "same" or not ok:
-                lines.append(f"| {m} | {k} | {r} | | | | | {bm}x{bk} w{w} s{sp}: xq {same}, lora_act "
+                lines.append(f"| {m} | {k} | {r} | | | | | {bm}x{bk} w{w} s{sp} st{st}: xq {same}, lora_act "
                              f"{'close' if ok else 'NOT close'} | | | | |")
                 continue
-            timed.append((bench(fn), (bm, bk, w, sp)))
+            timed.append((bench(fn), (bm, bk, w, sp, st)))
         timed.sort()
         if i == 0:
             best_first = [c for _, c in timed[:6]]
             lines.append("")
             lines.append("All configs at the first shape (us): " + ", ".join(
-                f"{bm}x{bk} w{w} s{sp} {t * 1e3:.1f}" for t, (bm, bk, w, sp) in timed))
+                f"{bm}x{bk} w{w} s{sp} st{st} {t * 1e3:.1f}" for t, (bm, bk, w, sp, st) in timed))
             lines.append("")
-        t, (bm, bk, w, sp) = timed[0]
+        t, (bm, bk, w, sp, st) = timed[0]
         gbs = nbytes / t / 1e6
-        rest = " / ".join(f"{tt * 1e3:.1f} ({c[0]}x{c[1]} w{c[2]} s{c[3]})" for tt, c in timed[1:3])
+        rest = " / ".join(f"{tt * 1e3:.1f} ({c[0]}x{c[1]} w{c[2]} s{c[3]} st{c[4]})" for tt, c in timed[1:3])
         lines.append(f"| {m} | {k} | {r} | {copy_gbs:.0f} | {t_pass * 1e3:.1f} | {t_lora * 1e3:.1f} | "
-                     f"{t_two * 1e3:.1f} | **{t * 1e3:.1f}** ({bm}x{bk}, w{w}, s{sp}) | {gbs:.0f} | "
+                     f"{t_two * 1e3:.1f} | **{t * 1e3:.1f}** ({bm}x{bk}, w{w}, s{sp}, st{st}) | {gbs:.0f} | "
                      f"{100 * gbs / copy_gbs:.0f} | {t_two / t:.2f}x | {rest} |")
         print("\n".join(lines[-3:]), flush=True)
 

@@ -188,6 +188,7 @@ def _quantize_act_kernel(
 def _quantize_act_lora_kernel(
     x_ptr, smooth_ptr, xq_ptr, pd_ptr, lora_ptr, part_ptr, cnt_ptr, M, K, R, stride_xm, stride_xk, K_SPLIT, SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    NUM_STAGES: tl.constexpr = 1,
 ):
     # The exact pass and lora_act in one read of x. Program (i, s): rows [i BLOCK_M, (i + 1) BLOCK_M), the
     # columns [s K_SPLIT, (s + 1) K_SPLIT) in BLOCK_K steps. Each step writes its tile's dequantized values
@@ -204,7 +205,7 @@ def _quantize_act_lora_kernel(
     r_ok = rr < R
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     kb = pid_s * K_SPLIT
-    for k0 in range(kb, tl.minimum(kb + K_SPLIT, K), BLOCK_K):
+    for k0 in tl.range(kb, tl.minimum(kb + K_SPLIT, K), BLOCK_K, num_stages=NUM_STAGES):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K  # K % 16 == 0: whole blocks are in or out
         mask = m_ok[:, None] & k_ok[None, :]
@@ -663,7 +664,7 @@ def _quantize_act_launch(x, xb, smooth, m, k, dt, packed, block_m, block_k, num_
 
 def quantize_act_lora(x: torch.Tensor, smooth: torch.Tensor, pds: torch.Tensor, *, out_dtype: torch.dtype | None = None,
                       block_m: int = 32, block_k: int = 128, split: int = 1, num_warps: int = 4,
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      num_stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``(xq, lora_act)`` in one read of ``x [M, K]`` (any strides, 16-bit or fp32): ``xq`` the exact
     dequantized NVFP4 values of ``x / smooth``, the same bytes as ``quantize_act`` (``out_dtype`` as
     there), and ``lora_act [M, R] = x.to(bf16) @ pds`` in bf16 (``pds [K, R]`` bf16 contiguous), what the
@@ -701,7 +702,7 @@ def quantize_act_lora(x: torch.Tensor, smooth: torch.Tensor, pds: torch.Tensor, 
     _quantize_act_lora_kernel[(rows, split)](
         x, smooth, xq, pds, lora, part, cnt, m, k, r, x.stride(0), x.stride(1), k_split, split,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r), IS_SPLIT=split > 1, DOT_F32=_INTERPRET,
-        num_warps=num_warps)
+        NUM_STAGES=num_stages, num_warps=num_warps)
     return xq, lora
 
 
