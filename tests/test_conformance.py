@@ -225,6 +225,51 @@ def test_quantize_act_writes_exact_values(device, dtype):
     assert torch.equal(got[~nan_block], want[~nan_block]), "dequantized activations are not exact"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k,r,block_m,block_k,split", [(37, 384, 32, 16, 64, 3), (40, 256, 96, 32, 128, 1),
+                                                         (70, 1024, 20, 16, 128, 4), (5, 512, 128, 16, 64, 8),
+                                                         (0, 128, 32, 16, 64, 2)])
+def test_quantize_act_lora_is_the_pass_and_x_times_proj_down(dtype, m, k, r, block_m, block_k, split):
+    """``kernels.quantize_act_lora``: ``xq`` the bytes of ``quantize_act``; ``lora_act`` ``x.to(bf16) @ pds``
+    rounded once to bf16 (within half a bf16 ulp plus an fp32 sum's error of the float64 product), NaN on
+    a row that holds a NaN; the split's partials added in a fixed order (two calls give the same bits), its
+    counters left at zero; a non-contiguous x reads the same."""
+    from svdq_linear.backends.sm90 import kernels
+    from svdq_linear.backends.sm90.small_m import sync_words
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(m + k + r + split)
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    if m > 3:
+        x[1, 7] = float("nan")
+        x[2, 16:32] = 0.0
+    smooth = torch.exp(torch.randn(k, generator=g) * 0.5)
+    pds = (torch.randn(k, r, generator=g) / 20).bfloat16()
+    x, smooth, pds = x.to(dev), smooth.to(dev), pds.to(dev)
+    xq, lora = kernels.quantize_act_lora(x, smooth, pds, block_m=block_m, block_k=block_k, split=split)
+    assert xq.dtype == dtype and lora.dtype == torch.bfloat16 and lora.shape == (m, r)
+    assert torch.equal(xq.view(torch.int16), kernels.quantize_act(x, smooth)[0].view(torch.int16))
+    xd, pd = x.cpu().bfloat16().double(), pds.cpu().double()
+    want, mag = xd @ pd, xd.abs() @ pd.abs()
+    got = lora.cpu().double()
+    fin = ~want.isnan()
+    assert got[~fin].isnan().all(), "a row holding a NaN gives a NaN lora_act"
+    assert ((got - want).abs()[fin] <= (want.abs() * 2.0**-8 + mag * 2.0**-20)[fin]).all()
+    xq2, lora2 = kernels.quantize_act_lora(x, smooth, pds, block_m=block_m, block_k=block_k, split=split)
+    assert torch.equal(lora2.view(torch.int16), lora.view(torch.int16))
+    assert torch.equal(xq2.view(torch.int16), xq.view(torch.int16))
+    assert not sync_words(torch.device(dev), 1, "quantize_act_lora").any(), "counters left at zero"
+    xt = torch.empty(k, m, dtype=dtype, device=dev).t()
+    xt.copy_(x)
+    xq3, lora3 = kernels.quantize_act_lora(xt, smooth, pds, block_m=block_m, block_k=block_k, split=split)
+    assert torch.equal(xq3.view(torch.int16), xq.view(torch.int16)) and torch.equal(lora3.view(torch.int16),
+                                                                                    lora.view(torch.int16))
+    with pytest.raises(ValueError, match="pds"):
+        kernels.quantize_act_lora(x, smooth, pds.float())
+    with pytest.raises(ValueError, match="power-of-two"):
+        kernels.quantize_act_lora(x, smooth, pds, block_m=8)
+
+
 @pytest.mark.parametrize("device", ["cuda"] if HAS_CUDA else ["cpu"])
 def test_quantize_act_rounds_every_midpoint_to_even(device):
     """Blocks whose max is 6 get the scale 1, so q is x itself: every E2M1 midpoint (0.25 and 1.25
