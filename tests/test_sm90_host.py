@@ -139,22 +139,26 @@ def test_lora_act_split_gives_partial_sums_over_k_ranges(m, k, r, split, block_m
 
 
 def test_exact_lora_plan_rule_and_environment():
-    """The one read of x serves every call with a low-rank branch; its split gives EXACT_LORA_PROGRAMS programs
-    an SM where K allows; ``two`` keeps the two launches; an explicit config is taken as given; bad values
-    are refused by name."""
+    """The two launches by default; ``one`` takes the one read of x at its config, its split the largest whose
+    programs fit one wave of EXACT_LORA_PROGRAMS an SM where K allows; an explicit config is taken as given;
+    bad values are refused by name."""
     from svdq_linear.backends.sm90 import tuning
 
-    assert tuning.exact_lora_plan(4096, 3072, 32, "two") is None and tuning.exact_lora_plan(4096, 3072, 0) is None
+    for env in (None, "", "two", "TWO"):
+        assert tuning.exact_lora_plan(4096, 3072, 32, env) is None
+    assert tuning.exact_lora_plan(4096, 3072, 0, "one") is None
     for m, k in ((128, 3072), (512, 3072), (4096, 3072), (4608, 15360), (100, 256)):
-        p = tuning.exact_lora_plan(m, k, 32)
-        assert (p.block_m, p.block_k, p.num_warps) == tuning.EXACT_LORA_CONFIG
+        p = tuning.exact_lora_plan(m, k, 32, "one")
+        assert (p.block_m, p.block_k, p.num_warps, p.num_stages) == tuning.EXACT_LORA_CONFIG
         blocks = -(-m // p.block_m)
         assert p.split in (1, 2, 4, 8) and (p.split == 1 or k // p.split >= 2 * p.block_k)
-        # no smaller split would reach the target; a larger one was not needed
-        assert p.split == 1 or blocks * (p.split // 2) < tuning.EXACT_LORA_PROGRAMS * tuning.SM_COUNT
-    assert tuning.exact_lora_plan(4096, 3072, 32, "16,64,8,3") == tuning.ExactLoraPlan(16, 64, 8, 3)
-    assert tuning.exact_lora_plan(4096, 3072, 32, "16,64,8,0").split == tuning.exact_lora_split(4096, 3072, 16, 64)
-    for bad in ("fast", "16,64,8", "24,64,8,1", "16,64,3,1"):
+        slots = tuning.EXACT_LORA_PROGRAMS * tuning.SM_COUNT
+        assert p.split == 1 or blocks * p.split <= slots  # one wave
+        assert p.split == 8 or blocks * 2 * p.split > slots or k // (2 * p.split) < 2 * p.block_k  # the largest
+    assert tuning.exact_lora_plan(4096, 3072, 32, "one").split == 4  # the split measured best at 4096 tokens
+    assert tuning.exact_lora_plan(4096, 3072, 32, "16,64,8,3,2") == tuning.ExactLoraPlan(16, 64, 8, 3, 2)
+    assert tuning.exact_lora_plan(4096, 3072, 32, "16,64,8,0,1").split == tuning.exact_lora_split(4096, 3072, 16, 64)
+    for bad in ("fast", "16,64,8,1", "24,64,8,1,1", "16,64,3,1,1", "16,64,8,1,0"):
         with pytest.raises(ValueError, match=tuning.ENV_EXACT_LORA):
             tuning.exact_lora_plan(4096, 3072, 32, bad)
 

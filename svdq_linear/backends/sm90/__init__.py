@@ -1,9 +1,10 @@
 """The sm90 backend (H100/H200): exact W4A4 and W4A16 on 16-bit wgmma through Triton.
 
 E2M1 codes times E4M3 scales are exact in bf16 and fp16, so the contract's block-scaled product is
-computed exactly on Hopper's 16-bit tensor cores: ``quantize_act_lora`` writes the exact dequantized
-activations and ``lora_act = x @ (proj_down / smooth)`` (tensor cores) in one read of ``x``
-(``tuning.exact_lora_plan``; ``SVDQ_SM90_EXACT_LORA=two``: ``quantize_act``, then cuBLAS for ``lora_act``).
+computed exactly on Hopper's 16-bit tensor cores: ``quantize_act`` writes the exact dequantized
+activations in one pass; ``lora_act`` is one cuBLAS GEMM of ``x`` with ``proj_down / smooth``
+(``SVDQ_SM90_EXACT_LORA=one``: both in one read of ``x``, ``kernels.quantize_act_lora``; opt-in, see
+``tuning.exact_lora_plan``).
 By tokens M (bf16):
 
 - M <= 2, exact mode on quack's blob, on a GPU: ``small_m_fast.linear_exact``, the whole linear in one launch
@@ -432,7 +433,7 @@ class Sm90Backend(Backend):
         if plan is not None:  # the pass and lora_act [M, R] bf16 in one read of x
             xq, lora = self.kernels.quantize_act_lora(
                 x, smooth, pds, out_dtype=torch.bfloat16 if use_quack else None, block_m=plan.block_m,
-                block_k=plan.block_k, split=plan.split, num_warps=plan.num_warps)
+                block_k=plan.block_k, split=plan.split, num_warps=plan.num_warps, num_stages=plan.num_stages)
         elif r:  # lora_act [M, R] bf16: x read once more, at copy speed (beside the pass: _lora_beside)
             lora, xq = _lora_beside(x, pds, quantize)
         else:

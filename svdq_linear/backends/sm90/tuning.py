@@ -268,13 +268,16 @@ def lora_act_plan(m: int, k: int, r: int, env: str | None = None) -> LoraActPlan
     return LoraActPlan(bm, _fit_split(s, k, block_k), w, st)
 
 
-# The exact mode's activation pass and its lora_act above SMALL_M tokens: kernels.quantize_act_lora (one read
-# of x: the pass's tiles feed a tensor-core lora_act as they load) by default, or the pass then cuBLAS
-# (two reads). SVDQ_SM90_EXACT_LORA="two" keeps the two launches; "bm,bk,w,S" sets the one read's block
-# rows, k-step, warps and split (0: the rule of exact_lora_split) for every call.
+# The exact mode's activation pass and its lora_act above SMALL_M tokens: by default the pass, then cuBLAS
+# (two reads of x). kernels.quantize_act_lora reads x once (the pass's tiles feed a tensor-core lora_act as
+# they load); measured on the H100 (docs/perf.md, twenty-third session) it gained 1.03-1.14x over the two
+# launches at 4096 tokens but lost at 4352-4608 (0.74-0.95x: its 2 programs an SM leave a part-empty last
+# wave) and at 512-1024 (0.62x), so it is opt-in: SVDQ_SM90_EXACT_LORA="one" takes it at EXACT_LORA_CONFIG,
+# "bm,bk,w,S,st" sets its block rows, k-step, warps, split (0: exact_lora_split's rule) and pipeline stages;
+# unset or "two": the two launches.
 ENV_EXACT_LORA = "SVDQ_SM90_EXACT_LORA"
-EXACT_LORA_CONFIG = (32, 128, 4)  # block rows, k-step, warps
-EXACT_LORA_PROGRAMS = 4  # programs an SM the split aims at
+EXACT_LORA_CONFIG = (64, 64, 4, 3)  # block rows, k-step, warps, stages: the best of 54 at fused q/k/v (t-2)
+EXACT_LORA_PROGRAMS = 2  # programs an SM the split aims at (its best split, 4, gives 2 an SM at 4096 tokens)
 
 
 @dataclass(frozen=True)
@@ -283,34 +286,35 @@ class ExactLoraPlan:
     block_k: int
     num_warps: int
     split: int
+    num_stages: int
 
 
 def exact_lora_split(m: int, k: int, block_m: int, block_k: int, sms: int = SM_COUNT) -> int:
-    """Splits of K for ``kernels.quantize_act_lora``: the smallest power of two (up to 8) that gives
-    ``EXACT_LORA_PROGRAMS`` programs an SM, keeping at least two ``block_k`` steps a split."""
+    """Splits of K for ``kernels.quantize_act_lora``: the largest power of two (up to 8) whose programs fit one
+    wave of ``EXACT_LORA_PROGRAMS`` an SM, keeping at least two ``block_k`` steps a split."""
     blocks = -(-m // block_m)
     s = 1
-    while blocks * s < EXACT_LORA_PROGRAMS * sms and s < 8 and k // (2 * s) >= 2 * block_k:
+    while blocks * 2 * s <= EXACT_LORA_PROGRAMS * sms and s < 8 and k // (2 * s) >= 2 * block_k:
         s *= 2
     return s
 
 
 def exact_lora_plan(m: int, k: int, r: int, env: str | None = None, sms: int = SM_COUNT) -> ExactLoraPlan | None:
     """How the exact mode gets ``lora_act`` beside its activation pass for ``x [M, K]`` and ``R`` columns:
-    None for the two launches (the pass, then cuBLAS), else ``kernels.quantize_act_lora``'s plan (``env``:
-    the value of ``SVDQ_SM90_EXACT_LORA``, read per call by the caller)."""
-    if env is not None and env.strip().lower() == "two":
+    None for the two launches (the pass, then cuBLAS; the default), else ``kernels.quantize_act_lora``'s
+    plan (``env``: the value of ``SVDQ_SM90_EXACT_LORA``, read per call by the caller)."""
+    env = (env or "").strip().lower()
+    if r == 0 or env in ("", "two"):
         return None
-    if env:
-        try:
-            bm, bk, w, s = (int(v) for v in env.split(","))
-        except ValueError:
-            raise ValueError(f"{ENV_EXACT_LORA} must be 'two' or 'block_m,block_k,warps,split', got {env!r}") from None
-        if bm not in (16, 32, 64, 128) or bk not in (16, 32, 64, 128, 256) or w not in (1, 2, 4, 8) or s < 0:
-            raise ValueError(f"{ENV_EXACT_LORA}={env!r}: block_m in 16-128, block_k in 16-256 (powers of two), "
-                             "warps a power of two up to 8, split >= 0")
-        return ExactLoraPlan(bm, bk, w, s or exact_lora_split(m, k, bm, bk, sms))
-    if r == 0:
-        return None
-    bm, bk, w = EXACT_LORA_CONFIG
-    return ExactLoraPlan(bm, bk, w, exact_lora_split(m, k, bm, bk, sms))
+    if env == "one":
+        bm, bk, w, st = EXACT_LORA_CONFIG
+        return ExactLoraPlan(bm, bk, w, exact_lora_split(m, k, bm, bk, sms), st)
+    try:
+        bm, bk, w, s, st = (int(v) for v in env.split(","))
+    except ValueError:
+        raise ValueError(f"{ENV_EXACT_LORA} must be 'two', 'one' or 'block_m,block_k,warps,split,stages', "
+                         f"got {env!r}") from None
+    if bm not in (16, 32, 64, 128) or bk not in (16, 32, 64, 128, 256) or w not in (1, 2, 4, 8) or s < 0 or st < 1:
+        raise ValueError(f"{ENV_EXACT_LORA}={env!r}: block_m in 16-128, block_k in 16-256 (powers of two), "
+                         "warps a power of two up to 8, split >= 0, stages >= 1")
+    return ExactLoraPlan(bm, bk, w, s or exact_lora_split(m, k, bm, bk, sms), st)
