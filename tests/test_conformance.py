@@ -102,6 +102,27 @@ def test_w4a4_bf16_within_tolerance(backend, device, m_tokens, k, n, rank):
     _check(y, *_expected_and_bound(m, x), f"{backend} M={m_tokens} K={k} N={n} R={rank}")
 
 
+@pytest.mark.parametrize("backend,device", [(b, d) for b, d in BACKENDS if b == "sm90"])
+@pytest.mark.parametrize("m_tokens,rank",
+                         [(128, 32), (MS[-2], 16), (MS[-1], 128)] + ([(1000, 192)] if HAS_CUDA else []))
+def test_w4a4_with_the_one_read_pass_within_tolerance(backend, device, m_tokens, rank, monkeypatch):
+    """``SVDQ_SM90_EXACT_LORA=one``: the pass and ``lora_act`` from one read of x (``kernels.quantize_act_lora``),
+    held to the same tolerance, through every GEMM the rank takes (low rank in quack's accumulator, the
+    [M, N] tile above its widest window, the Triton GEMM without quack or below 128 tokens)."""
+    from svdq_linear.backends import sm90
+    from svdq_linear.backends.sm90 import kernels, tuning
+
+    calls = []
+    one_read = kernels.quantize_act_lora
+    monkeypatch.setattr(kernels, "quantize_act_lora", lambda *a, **kw: calls.append(1) or one_read(*a, **kw))
+    monkeypatch.setenv(tuning.ENV_EXACT_LORA, "one")
+    k, n = SHAPES[-1]
+    m = random_w4a4(k, n, rank, torch.bfloat16, device)
+    x = torch.randn(m_tokens, k, device=device, dtype=torch.bfloat16) * 3
+    _check(_run(backend, m, x), *_expected_and_bound(m, x), f"{backend} one read M={m_tokens} K={k} N={n} R={rank}")
+    assert len(calls) == (m_tokens > sm90.SMALL_M["w4a4"]), "the one-read pass serves the calls above small M"
+
+
 @pytest.mark.parametrize("backend,device", [(b, d) for b, d in BACKENDS if d == "cuda"] or [(None, "cpu")])
 @pytest.mark.parametrize("rank", [32, 128])
 @pytest.mark.parametrize("tokens,k", [(4352, 3840), (4608, 3072)])
