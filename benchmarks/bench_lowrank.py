@@ -161,9 +161,7 @@ def lora_stream_table(log, dev, shapes, env_name: str | None = None, values=("0"
         w16 = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
         t_ref = timer(lambda: F.linear(x, w16, mod.bias))
         times, outs = {}, {}
-        for i, env in enumerate(values):
-            if i == 2:  # the first value again, timed last: how far the order alone moves a row
-                times["again"] = None
+        for i, env in enumerate(values):  # a third value: the first again, timed last (how far order moves a row)
             if env:
                 os.environ[env_name] = env
             g_out = []

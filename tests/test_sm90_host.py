@@ -138,6 +138,43 @@ def test_lora_act_split_gives_partial_sums_over_k_ranges(m, k, r, split, block_m
         kernels.lora_act(x.to(dev), pds.to(dev), split=0)
 
 
+_ONE_READ_SASS = """
+import json, sys
+sys.path.insert(0, sys.argv[2])
+from sass_loops import compile_sm90, instructions, loop_bodies
+from svdq_linear.backends.sm90 import kernels, tuning
+
+sig = dict(x_ptr="*bf16", smooth_ptr="*fp32", xq_ptr="*bf16", pd_ptr="*bf16", lora_ptr="*bf16", part_ptr="*fp32",
+           cnt_ptr="*i32", M="i32", K="i32", R="i32", stride_xm="i32", stride_xk="i32", K_SPLIT="i32", SPLIT="i32")
+bm, bk, w, st = tuning.EXACT_LORA_CONFIG
+out = {}
+for rb in (32, 128):
+    cx = dict(BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=rb, IS_SPLIT=True, DOT_F32=False, NUM_STAGES=st)
+    sass = compile_sm90(kernels._quantize_act_lora_kernel, sig, cx, sys.argv[1] + f"/r{rb}.cubin",
+                        ("M", "stride_xk", "SPLIT"), num_warps=w)
+    body = max(loop_bodies(sass), key=len)
+    out[rb] = dict(mma=[t.split()[0] for t in body if "MMA" in t], ldgsts=sum("LDGSTS" in t for t in body),
+                   local=sum("LDL" in t or "STL" in t for _, t in instructions(sass)), atom=sass.count("ATOMG"))
+print(json.dumps(out))
+"""
+
+
+def test_one_read_pass_compiles_to_wgmma_on_a_pipelined_loop(tmp_path):
+    """``kernels.quantize_act_lora`` at the opt-in config (``tuning.EXACT_LORA_CONFIG``), compiled for sm_90a here
+    (the real compiler, in a child process): its K loop issues ``lora_act`` as warpgroup MMAs (one
+    ``HGMMA.64xRx16`` per 16 columns of the k-step), loads through ``LDGSTS`` (the stages in flight), keeps
+    nothing in local memory, and counts in on one atomic a program."""
+    from sass_loops import run_script
+
+    from svdq_linear.backends.sm90 import tuning
+
+    res = run_script(_ONE_READ_SASS, tmp_path, timeout=600)
+    bk = tuning.EXACT_LORA_CONFIG[1]
+    for rb, v in res.items():
+        assert v["mma"] == [f"HGMMA.64x{rb}x16.F32.BF16"] * (bk // 16), (rb, v["mma"])
+        assert v["ldgsts"] > 0 and v["local"] == 0 and v["atom"] == 1, (rb, v)
+
+
 def test_exact_lora_plan_rule_and_environment():
     """The two launches by default; ``one`` takes the one read of x at its config, its split the largest whose
     programs fit one wave of EXACT_LORA_PROGRAMS an SM where K allows; an explicit config is taken as given;

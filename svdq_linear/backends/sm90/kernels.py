@@ -230,9 +230,10 @@ def _quantize_act_lora_kernel(
         done = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel")
         if done == SPLIT - 1:
             total = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-            for s in range(SPLIT):
-                total += tl.load(part_ptr + s * M * R + rm[:, None] * R + rr[None, :], mask=out_mask, other=0.0,
-                                 cache_modifier=".cg")
+            part = part_ptr + rm[:, None] * R + rr[None, :]
+            for _ in range(SPLIT):
+                total += tl.load(part, mask=out_mask, other=0.0, cache_modifier=".cg")
+                part += M * R  # (pointer arithmetic: 64-bit)
             # ready for the next call: no other program touches the counter again in this launch
             tl.store(cnt_ptr + pid_m, 0)
             tl.store(lora_ptr + rm[:, None] * R + rr[None, :],
