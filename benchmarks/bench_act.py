@@ -4,8 +4,9 @@
     python benchmarks/bench_act.py --exact-lora [--out FILE]   # Triton and torch only
 
 ``--exact-lora``: the exact mode's pass and ``lora_act`` in one read of x (``kernels.quantize_act_lora``)
-over its blocks and splits at the fused q/k/v shape, then its best configs at every shape, against
-the backend's two launches (the pass, then cuBLAS ``x @ pds``) in the same run. Each config's ``xq``
+over its blocks and splits at the fused q/k/v shape, then its best configs at every shape and the config
+``SVDQ_SM90_EXACT_LORA=one`` runs (``tuning.exact_lora_plan``), against the backend's two launches (the
+pass, then cuBLAS ``x @ pds``) in the same run. Each config's ``xq``
 must be the pass's bytes and its ``lora_act`` within half a bf16 ulp (plus fp32 summation) of the
 float64 product before it is timed.
 
@@ -31,7 +32,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cuda import graphed  # noqa: E402
 
-from svdq_linear.backends.sm90 import fast_layout, kernels  # noqa: E402
+from svdq_linear.backends.sm90 import fast_layout, kernels, tuning  # noqa: E402
 
 SHAPES = [(4096, 3072), (4608, 3072), (4352, 3840), (4096, 12288), (4608, 15360), (512, 3072)]
 
@@ -65,8 +66,9 @@ def exact_lora(lines: list[str]) -> None:
                                                    (32, 64, 4)) for s in (2, 4, 8) for st in (1, 2, 3)]
     lines += ["### The exact pass with lora_act in one read of x (us; GB/s: x read once, xq written once)", "",
               "| M | K | R | copy GB/s | pass | cuBLAS lora_act | pass + lora_act (two launches) | one read: best "
-              "(bm x bk, warps, split, stages) | GB/s | % copy | gain | second / third |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "(bm x bk, warps, split, stages) | GB/s | % copy | gain | second / third | as `=one` runs it "
+              "(tuning.exact_lora_plan) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     best_first: list = []
     for i, (m, k, r) in enumerate(LORA_SHAPES):
         torch.manual_seed(i)
@@ -84,7 +86,9 @@ def exact_lora(lines: list[str]) -> None:
         t_lora = bench(lambda: x @ pds)
         t_two = bench(lambda: (x @ pds, kernels.quantize_act(x, smooth)))
         timed = []
-        for bm, bk, w, sp, st in configs if i == 0 else best_first:
+        plan = tuning.exact_lora_plan(m, k, r, "one", tuning.sm_count(x.device))
+        planned = (plan.block_m, plan.block_k, plan.num_warps, plan.split, plan.num_stages) if plan else None
+        for bm, bk, w, sp, st in (configs if i == 0 else best_first) + ([planned] if planned else []):
             fn = lambda: kernels.quantize_act_lora(x, smooth, pds, block_m=bm, block_k=bk, split=sp,  # noqa: E731
                                                    num_warps=w, num_stages=st)
             try:
@@ -95,13 +99,18 @@ def exact_lora(lines: list[str]) -> None:
                              "| | | | |")
                 continue
             same = first_diff(xq.view(torch.int16), ref.view(torch.int16))
-            ok = lora_close(lora[3:], x[3:], pds)  # rows 1 and 2 hold a NaN / zeros: row 1 is NaN either way
+            rows = torch.tensor([0] + list(range(2, m)), device=x.device)  # row 1 holds a NaN: NaN either way
+            ok = lora_close(lora[rows], x[rows], pds) and bool(lora[1].isnan().all())
             if same != "same" or not ok:
                 lines.append(f"| {m} | {k} | {r} | | | | | {bm}x{bk} w{w} s{sp} st{st}: xq {same}, lora_act "
                              f"{'close' if ok else 'NOT close'} | | | | |")
                 continue
             timed.append((bench(fn), (bm, bk, w, sp, st)))
-        timed.sort()
+        t_plan = next((t for t, c in timed if c == planned), None)
+        timed = sorted(set(timed))
+        if not timed:
+            lines.append(f"| {m} | {k} | {r} | no config ran |")
+            continue
         if i == 0:
             best_first = [c for _, c in timed[:6]]
             lines.append("")
@@ -113,7 +122,8 @@ def exact_lora(lines: list[str]) -> None:
         rest = " / ".join(f"{tt * 1e3:.1f} ({c[0]}x{c[1]} w{c[2]} s{c[3]} st{c[4]})" for tt, c in timed[1:3])
         lines.append(f"| {m} | {k} | {r} | {copy_gbs:.0f} | {t_pass * 1e3:.1f} | {t_lora * 1e3:.1f} | "
                      f"{t_two * 1e3:.1f} | **{t * 1e3:.1f}** ({bm}x{bk}, w{w}, s{sp}, st{st}) | {gbs:.0f} | "
-                     f"{100 * gbs / copy_gbs:.0f} | {t_two / t:.2f}x | {rest} |")
+                     f"{100 * gbs / copy_gbs:.0f} | {t_two / t:.2f}x | {rest} | "
+                     + (f"{t_plan * 1e3:.1f} ({t_two / t_plan:.2f}x) |" if t_plan else "- |"))
         print("\n".join(lines[-3:]), flush=True)
 
 

@@ -200,8 +200,8 @@ def main() -> None:
     p.add_argument("--lora-stream", action="store_true",
                    help="only the exact whole linears with lora_act serial against beside the pass (two streams)")
     p.add_argument("--exact-lora", action="store_true",
-                   help="only the exact whole linears with the pass and lora_act as two launches against one read "
-                        "of x (SVDQ_SM90_EXACT_LORA=two against the default)")
+                   help="only the exact whole linears with the pass and lora_act as two launches (the default) "
+                        "against one read of x (SVDQ_SM90_EXACT_LORA=two against =one), two timed again last")
     args = p.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

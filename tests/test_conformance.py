@@ -108,7 +108,8 @@ def test_w4a4_bf16_within_tolerance(backend, device, m_tokens, k, n, rank):
 def test_w4a4_with_the_one_read_pass_within_tolerance(backend, device, m_tokens, rank, monkeypatch):
     """``SVDQ_SM90_EXACT_LORA=one``: the pass and ``lora_act`` from one read of x (``kernels.quantize_act_lora``),
     held to the same tolerance, through every GEMM the rank takes (low rank in quack's accumulator, the
-    [M, N] tile above its widest window, the Triton GEMM without quack or below 128 tokens)."""
+    Triton GEMM without quack or below 128 tokens); a branch wider than ``tuning.EXACT_LORA_MAX_R`` (192 here,
+    the [M, N] tile above quack's widest window) keeps the two launches."""
     from svdq_linear.backends import sm90
     from svdq_linear.backends.sm90 import kernels, tuning
 
@@ -120,7 +121,8 @@ def test_w4a4_with_the_one_read_pass_within_tolerance(backend, device, m_tokens,
     m = random_w4a4(k, n, rank, torch.bfloat16, device)
     x = torch.randn(m_tokens, k, device=device, dtype=torch.bfloat16) * 3
     _check(_run(backend, m, x), *_expected_and_bound(m, x), f"{backend} one read M={m_tokens} K={k} N={n} R={rank}")
-    assert len(calls) == (m_tokens > sm90.SMALL_M["w4a4"]), "the one-read pass serves the calls above small M"
+    want = m_tokens > sm90.SMALL_M["w4a4"] and rank <= tuning.EXACT_LORA_MAX_R
+    assert len(calls) == want, "the one-read pass serves the calls above small M up to its widest branch"
 
 
 @pytest.mark.parametrize("backend,device", [(b, d) for b, d in BACKENDS if d == "cuda"] or [(None, "cpu")])
@@ -279,7 +281,7 @@ def test_quantize_act_lora_is_the_pass_and_x_times_proj_down(dtype, m, k, r, blo
     xq2, lora2 = kernels.quantize_act_lora(x, smooth, pds, block_m=block_m, block_k=block_k, split=split)
     assert torch.equal(lora2.view(torch.int16), lora.view(torch.int16))
     assert torch.equal(xq2.view(torch.int16), xq.view(torch.int16))
-    assert not sync_words(torch.device(dev), 1, "quantize_act_lora").any(), "counters left at zero"
+    assert not sync_words(x.device, 1, "quantize_act_lora").any(), "counters left at zero"  # the kernel's words
     xt = torch.empty(k, m, dtype=dtype, device=dev).t()
     xt.copy_(x)
     xq3, lora3 = kernels.quantize_act_lora(xt, smooth, pds, block_m=block_m, block_k=block_k, split=split)
@@ -289,6 +291,8 @@ def test_quantize_act_lora_is_the_pass_and_x_times_proj_down(dtype, m, k, r, blo
         kernels.quantize_act_lora(x, smooth, pds.float())
     with pytest.raises(ValueError, match="power-of-two"):
         kernels.quantize_act_lora(x, smooth, pds, block_m=8)
+    with pytest.raises(ValueError, match="272 columns"):
+        kernels.quantize_act_lora(x, smooth, torch.zeros(k, 272, dtype=torch.bfloat16, device=dev))
 
 
 @pytest.mark.parametrize("device", ["cuda"] if HAS_CUDA else ["cpu"])

@@ -184,6 +184,7 @@ def test_exact_lora_plan_rule_and_environment():
     for env in (None, "", "two", "TWO"):
         assert tuning.exact_lora_plan(4096, 3072, 32, env) is None
     assert tuning.exact_lora_plan(4096, 3072, 0, "one") is None
+    assert tuning.exact_lora_plan(4096, 3072, tuning.EXACT_LORA_MAX_R + 16, "one") is None  # wider: two launches
     for m, k in ((128, 3072), (512, 3072), (4096, 3072), (4608, 15360), (100, 256)):
         p = tuning.exact_lora_plan(m, k, 32, "one")
         assert (p.block_m, p.block_k, p.num_warps, p.num_stages) == tuning.EXACT_LORA_CONFIG
@@ -195,7 +196,7 @@ def test_exact_lora_plan_rule_and_environment():
     assert tuning.exact_lora_plan(4096, 3072, 32, "one").split == 4  # the split measured best at 4096 tokens
     assert tuning.exact_lora_plan(4096, 3072, 32, "16,64,8,3,2") == tuning.ExactLoraPlan(16, 64, 8, 3, 2)
     assert tuning.exact_lora_plan(4096, 3072, 32, "16,64,8,0,1").split == tuning.exact_lora_split(4096, 3072, 16, 64)
-    for bad in ("fast", "16,64,8,1", "24,64,8,1,1", "16,64,3,1,1", "16,64,8,1,0"):
+    for bad in ("fast", "16,64,8,1", "24,64,8,1,1", "16,64,3,1,1", "16,64,8,1,0", "16,64,8,1,5"):
         with pytest.raises(ValueError, match=tuning.ENV_EXACT_LORA):
             tuning.exact_lora_plan(4096, 3072, 32, bad)
 

@@ -428,7 +428,7 @@ class Sm90Backend(Backend):
             return self.kernels.quantize_act(x, smooth, out_dtype=torch.bfloat16 if use_quack else None)[0]
 
         pds = _proj_down_smoothed(extra, proj_down, smooth) if r else None
-        plan = self.tuning.exact_lora_plan(m, k, r, getenv(self.tuning.ENV_EXACT_LORA),
+        plan = self.tuning.exact_lora_plan(m, k, pds.shape[1], getenv(self.tuning.ENV_EXACT_LORA),
                                            self.tuning.sm_count(x.device)) if r else None
         if plan is not None:  # the pass and lora_act [M, R] bf16 in one read of x
             xq, lora = self.kernels.quantize_act_lora(

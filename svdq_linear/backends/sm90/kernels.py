@@ -116,6 +116,18 @@ def _e2m1_mag(a):
 
 
 @triton.jit
+def _nvfp4_tile(x, smooth_ptr, rk, k_ok, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A tile ``x [BLOCK_M, BLOCK_K]`` (fp32, columns ``rk``) over ``smooth``, in NVFP4 blocks: ``(finite, sf, q)``,
+    the blocks' ``_nvfp4_block_scales`` and ``q [BLOCK_M, BLOCK_K / 16, 16]``, each value over its block's
+    scale (the reciprocal rule of the contract: ``x * (1 / smooth)``, then ``* (1 / sf)``)."""
+    sm = tl.load(smooth_ptr + rk, mask=k_ok, other=1.0)
+    xs = x * tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)[None, :]
+    xb = tl.reshape(xs, (BLOCK_M, BLOCK_K // 16, 16))
+    finite, sf, r = _nvfp4_block_scales(xb)
+    return finite, sf, xb * r[:, :, None]
+
+
+@triton.jit
 def _nvfp4_dequant(a, neg, finite, sf):
     """The exact dequantized NVFP4 values ``[rows, blocks, 16]`` (fp32) of magnitudes ``a`` (a value over its
     block scale), signs ``neg``, blocks' ``finite`` and scales ``sf`` (``_nvfp4_block_scales``): the
@@ -159,12 +171,7 @@ def _quantize_act_kernel(
             x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
     else:
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-    sm = tl.load(smooth_ptr + rk, mask=k_ok, other=1.0)
-    xs = x * tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)[None, :]
-
-    xb = tl.reshape(xs, (BLOCK_M, BLOCK_K // 16, 16))
-    finite, sf, r = _nvfp4_block_scales(xb)
-    q = xb * r[:, :, None]
+    finite, sf, q = _nvfp4_tile(x, smooth_ptr, rk, k_ok, BLOCK_M, BLOCK_K)
     a = tl.abs(q)
     neg = q < 0
     # Nearest-even E2M1: the midpoints 0.25 (down), 0.75 (up), 1.25, 1.75, 2.5, 3.5, 5 alternate.
@@ -210,11 +217,7 @@ def _quantize_act_lora_kernel(
         k_ok = rk < K  # K % 16 == 0: whole blocks are in or out
         mask = m_ok[:, None] & k_ok[None, :]
         xin = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0)
-        sm = tl.load(smooth_ptr + rk, mask=k_ok, other=1.0)
-        xs = xin.to(tl.float32) * tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)[None, :]
-        xb = tl.reshape(xs, (BLOCK_M, BLOCK_K // 16, 16))
-        finite, sf, r = _nvfp4_block_scales(xb)
-        q = xb * r[:, :, None]
+        finite, sf, q = _nvfp4_tile(xin.to(tl.float32), smooth_ptr, rk, k_ok, BLOCK_M, BLOCK_K)
         v = _nvfp4_dequant(tl.abs(q), q < 0, finite, sf)
         tl.store(xq_ptr + rm[:, None] * K + rk[None, :], tl.reshape(v, (BLOCK_M, BLOCK_K)).to(xq_ptr.dtype.element_ty),
                  mask=mask)
@@ -663,6 +666,9 @@ def _quantize_act_launch(x, xb, smooth, m, k, dt, packed, block_m, block_k, num_
     return xq, codes, None if scales is None else scales.view(torch.float8_e4m3fn)
 
 
+MAX_ONE_READ_R = 256  # quantize_act_lora's widest lora_act (its fp32 sums: block_m x R a program, in registers)
+
+
 def quantize_act_lora(x: torch.Tensor, smooth: torch.Tensor, pds: torch.Tensor, *, out_dtype: torch.dtype | None = None,
                       block_m: int = 32, block_k: int = 128, split: int = 1, num_warps: int = 4,
                       num_stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -680,6 +686,9 @@ def quantize_act_lora(x: torch.Tensor, smooth: torch.Tensor, pds: torch.Tensor, 
         raise ValueError(f"expected K % 16 == 0, got {k}")
     if pds.dim() != 2 or pds.shape[0] != k or pds.dtype != torch.bfloat16 or not pds.is_contiguous():
         raise ValueError(f"pds must be a contiguous [{k}, R] bf16 tensor, got {tuple(pds.shape)} {pds.dtype}")
+    if pds.shape[1] > MAX_ONE_READ_R:
+        raise ValueError(f"pds has {pds.shape[1]} columns: the one read holds lora_act's [block_m, R] sums in "
+                         f"registers, up to R = {MAX_ONE_READ_R}")
     if split < 1 or block_m < 16 or block_k < 16 or block_k & (block_k - 1) or block_m & (block_m - 1):
         raise ValueError(f"need split >= 1 and power-of-two blocks of at least 16 (tensor-core rows), got "
                          f"split={split}, block_m={block_m}, block_k={block_k}")

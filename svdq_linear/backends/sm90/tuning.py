@@ -274,8 +274,11 @@ def lora_act_plan(m: int, k: int, r: int, env: str | None = None) -> LoraActPlan
 # launches at 4096 tokens but lost at 4352-4608 (0.74-0.95x: its 2 programs an SM leave a part-empty last
 # wave) and at 512-1024 (0.62x), so it is opt-in: SVDQ_SM90_EXACT_LORA="one" takes it at EXACT_LORA_CONFIG,
 # "bm,bk,w,S,st" sets its block rows, k-step, warps, split (0: exact_lora_split's rule) and pipeline stages;
-# unset or "two": the two launches.
+# unset or "two": the two launches. It serves lora_act widths (the prepared proj_down's columns) up to
+# EXACT_LORA_MAX_R; wider ones (rank 128 fused three ways) keep the two launches. With it, SVDQ_SM90_LORA_STREAM
+# has nothing to move beside the pass.
 ENV_EXACT_LORA = "SVDQ_SM90_EXACT_LORA"
+EXACT_LORA_MAX_R = 128  # the widest measured (t-2: R = 128 at 4608 tokens), 64 fp32 sums a thread at 64 x 128
 EXACT_LORA_CONFIG = (64, 64, 4, 3)  # block rows, k-step, warps, stages: the best of 54 at fused q/k/v (t-2)
 EXACT_LORA_PROGRAMS = 2  # programs an SM the split aims at (its best split, 4, gives 2 an SM at 4096 tokens)
 
@@ -300,11 +303,12 @@ def exact_lora_split(m: int, k: int, block_m: int, block_k: int, sms: int = SM_C
 
 
 def exact_lora_plan(m: int, k: int, r: int, env: str | None = None, sms: int = SM_COUNT) -> ExactLoraPlan | None:
-    """How the exact mode gets ``lora_act`` beside its activation pass for ``x [M, K]`` and ``R`` columns:
-    None for the two launches (the pass, then cuBLAS; the default), else ``kernels.quantize_act_lora``'s
-    plan (``env``: the value of ``SVDQ_SM90_EXACT_LORA``, read per call by the caller)."""
+    """How the exact mode gets ``lora_act`` beside its activation pass for ``x [M, K]`` and ``R`` columns of the
+    prepared ``proj_down``: None for the two launches (the pass, then cuBLAS; the default, and every R above
+    ``EXACT_LORA_MAX_R``), else ``kernels.quantize_act_lora``'s plan (``env``: the value of
+    ``SVDQ_SM90_EXACT_LORA``, read per call by the caller)."""
     env = (env or "").strip().lower()
-    if r == 0 or env in ("", "two"):
+    if r == 0 or r > EXACT_LORA_MAX_R or env in ("", "two"):
         return None
     if env == "one":
         bm, bk, w, st = EXACT_LORA_CONFIG
@@ -314,7 +318,8 @@ def exact_lora_plan(m: int, k: int, r: int, env: str | None = None, sms: int = S
     except ValueError:
         raise ValueError(f"{ENV_EXACT_LORA} must be 'two', 'one' or 'block_m,block_k,warps,split,stages', "
                          f"got {env!r}") from None
-    if bm not in (16, 32, 64, 128) or bk not in (16, 32, 64, 128, 256) or w not in (1, 2, 4, 8) or s < 0 or st < 1:
+    if (bm not in (16, 32, 64, 128) or bk not in (16, 32, 64, 128, 256) or w not in (1, 2, 4, 8) or s < 0
+            or not 1 <= st <= 4):
         raise ValueError(f"{ENV_EXACT_LORA}={env!r}: block_m in 16-128, block_k in 16-256 (powers of two), "
-                         "warps a power of two up to 8, split >= 0, stages >= 1")
+                         "warps a power of two up to 8, split >= 0, stages 1-4")
     return ExactLoraPlan(bm, bk, w, s or exact_lora_split(m, k, bm, bk, sms), st)
