@@ -424,16 +424,18 @@ class Sm90Backend(Backend):
             return self._small_w4a4(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra)
         use_quack = self._exact_on_quack(extra, r, m, x.dtype)
 
+        xq_dtype = torch.bfloat16 if use_quack else None
+
         def quantize():
-            return self.kernels.quantize_act(x, smooth, out_dtype=torch.bfloat16 if use_quack else None)[0]
+            return self.kernels.quantize_act(x, smooth, out_dtype=xq_dtype)[0]
 
         pds = _proj_down_smoothed(extra, proj_down, smooth) if r else None
-        plan = self.tuning.exact_lora_plan(m, k, pds.shape[1], getenv(self.tuning.ENV_EXACT_LORA),
-                                           self.tuning.sm_count(x.device)) if r else None
+        env = getenv(self.tuning.ENV_EXACT_LORA) if r else None  # unset (the default): no plan to make
+        plan = self.tuning.exact_lora_plan(m, k, pds.shape[1], env, self.tuning.sm_count(x.device)) if env else None
         if plan is not None:  # the pass and lora_act [M, R] bf16 in one read of x
             xq, lora = self.kernels.quantize_act_lora(
-                x, smooth, pds, out_dtype=torch.bfloat16 if use_quack else None, block_m=plan.block_m,
-                block_k=plan.block_k, split=plan.split, num_warps=plan.num_warps, num_stages=plan.num_stages)
+                x, smooth, pds, out_dtype=xq_dtype, block_m=plan.block_m, block_k=plan.block_k, split=plan.split,
+                num_warps=plan.num_warps, num_stages=plan.num_stages)
         elif r:  # lora_act [M, R] bf16: x read once more, at copy speed (beside the pass: _lora_beside)
             lora, xq = _lora_beside(x, pds, quantize)
         else:
