@@ -135,8 +135,9 @@ def whole_module(label: str, k: int, n: int, dev):
     return concat_w4a4(parts)
 
 
-def lora_stream_table(log, dev, shapes, env_name: str | None = None, values=("0", "1"), same_bits=True) -> None:
-    """The exact module forward (CUDA-graph replays) under two values of an environment variable, same run,
+def lora_stream_table(log, dev, shapes, env_name: str | None = None, values=("0", "1"), same_bits=True,
+                      mode: str = "exact") -> None:
+    """The ``mode`` module forward (CUDA-graph replays) under two values of an environment variable, same run,
     against ``F.linear`` bf16. By default ``lora_act`` before the activation pass and beside it on a second
     stream (``SVDQ_SM90_LORA_STREAM``), both outputs checked to be the same bits first; with
     ``same_bits=False`` (another summation order of ``lora_act``) within a bf16 ulp of the output's largest
@@ -150,13 +151,13 @@ def lora_stream_table(log, dev, shapes, env_name: str | None = None, values=("0"
         log("\n## exact whole linear, lora_act serial / beside the pass (ms, ratio = cuBLAS bf16 / path)\n")
         log("| shape | M | K | N | cuBLAS bf16 | serial | beside | gain |")
     else:
-        log(f"\n## exact whole linear, {env_name} = {values[0]} / {values[1]} "
+        log(f"\n## {mode} whole linear, {env_name} = {values[0]} / {values[1]} "
             "(ms, ratio = cuBLAS bf16 / path)\n")
         log(f"| shape | M | K | N | cuBLAS bf16 | {values[0]} | {values[1]} | gain |")
     log("|---|---|---|---|---|---|---|---|")
     for label, m_tok, k, n in shapes:
         torch.manual_seed(0)
-        mod = whole_module(label, k, n, dev).set_mode("exact")
+        mod = whole_module(label, k, n, dev).set_mode(mode)
         x = torch.randn(m_tok, k, device=dev, dtype=torch.bfloat16)
         w16 = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
         t_ref = timer(lambda: F.linear(x, w16, mod.bias))
@@ -202,6 +203,9 @@ def main() -> None:
     p.add_argument("--exact-lora", action="store_true",
                    help="only the exact whole linears with the pass and lora_act as two launches (the default) "
                         "against one read of x (SVDQ_SM90_EXACT_LORA=two against =one), two timed again last")
+    p.add_argument("--pdl", action="store_true",
+                   help="only the whole linears of both modes with lora_act and the pass as plain launches against "
+                        "the PDL pair (SVDQ_SM90_PDL=0 against =1), 0 timed again last")
     args = p.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -217,12 +221,17 @@ def main() -> None:
     log("| mode | shape | M | K | N | R=0 | " + " | ".join(f"R={r} tile | R={r} acc" for r in RANKS) + " |")
     log("|---|---|---|---|---|---|" + "---|---|" * len(RANKS))
     shapes = QUICK if args.shapes == "quick" else FLUX
-    if args.lora_stream or args.exact_lora:
+    if args.lora_stream or args.exact_lora or args.pdl:
         from svdq_linear.backends.sm90 import tuning
 
         big = [sh for sh in FLUX if sh[0] in ("fused qkv", "attn out", "ff up", "ff down", "single fused in",
                                               "single out", "ref 4352x3840x3072", "attn txt", "M=200")]
-        if args.exact_lora:
+        if args.pdl:
+            from svdq_linear.backends import sm90
+
+            for mode in ("exact", "fast"):  # exact: lora_act from Triton's partials (another fp32 order) with PDL
+                lora_stream_table(log, dev, big, sm90.ENV_PDL, ("0", "1", "0"), same_bits=mode == "fast", mode=mode)
+        elif args.exact_lora:
             lora_stream_table(log, dev, big, tuning.ENV_EXACT_LORA, ("two", "one", "two"), same_bits=False)
         else:
             lora_stream_table(log, dev, big[:6])
@@ -326,14 +335,14 @@ def main() -> None:
                 # lora_act as the backend computes it (cuBLAS or kernels.lora_act's partial sums) against
                 # cuBLAS's: checked (fp32 sums of the same bf16 products), timed
                 be = Sm90Backend()
-                lt = be._lora_act(x, pds_p)
+                lt = be._lora_act(x, pds_p)[0]
                 lt = lt.sum(0) if lt.dim() == 3 else lt
                 tol = (x.float().abs() @ pds_p.float().abs()) * 2.0**-16 + 1e-30
                 if not bool(((lt - lora).abs() <= tol).all()):
                     raise AssertionError(f"{label}: the backend's lora_act differs from cuBLAS beyond fp32 summation")
                 plan = tuning.lora_act_plan(m_tok, k, pds_p.shape[1], os.environ.get(tuning.ENV_LORA_ACT))
                 what = "cuBLAS" if plan is None else f"{plan.block_m} rows, S={plan.split}, w{plan.num_warps} s{plan.num_stages}"
-                cells.append(f"{timer(lambda: be._lora_act(x, pds_p)):.4f} ({what})")
+                cells.append(f"{timer(lambda: be._lora_act(x, pds_p)[0]):.4f} ({what})")
                 mod(x)
                 cells.append(f"{with_env('cublas', lambda: timer(lambda: mod(x))):.4f}")
             del w

@@ -221,7 +221,7 @@ def main():
                    help="comma-separated: bf16, fp8, exact, fast, fast-cublas (lora_act on cuBLAS), fast-cp (compiled "
                         "calls leave the activation pass to the compiler: SVDQ_SM90_COMPILER_PASS=1); a -gelu suffix "
                         "(fast-gelu, exact-gelu, ...) switches the blocks with fuse_gelu_inputs (the linears after a "
-                        "GELU read its parts)")
+                        "GELU read its parts); a -pdl suffix before it (fast-pdl) sets SVDQ_SM90_PDL=1 for the variant")
     p.add_argument("--graph", action="store_true", help="also time the eager forward captured in a CUDA graph")
     p.add_argument("--fuse", action="store_true",
                    help="fuse q/k/v (diffusers' fuse_qkv_projections; one quantization pass for the svdq variants)")
@@ -277,6 +277,12 @@ def main():
         # input from its parts (svdq_linear.fuse.fuse_gelu_inputs)
         gelu_in = variant.endswith("-gelu")
         v = variant.removesuffix("-gelu")
+        # "-pdl" (fast-pdl, exact-pdl): lora_act and the activation pass as a PDL pair (SVDQ_SM90_PDL=1)
+        if v.endswith("-pdl"):
+            os.environ["SVDQ_SM90_PDL"] = "1"
+            v = v.removesuffix("-pdl")
+        else:
+            os.environ.pop("SVDQ_SM90_PDL", None)
         # "fast-cp": compiled calls leave the activation pass to the compiler (SVDQ_SM90_COMPILER_PASS=1)
         os.environ["SVDQ_SM90_COMPILER_PASS"] = "1" if v.endswith("-cp") else cp_env
         # "fast-cublas": the fast mode with lora_act on cuBLAS (SVDQ_SM90_LORA_ACT=cublas), beside "fast"

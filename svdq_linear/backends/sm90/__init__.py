@@ -98,6 +98,22 @@ ENV_COMPILER_PASS = "SVDQ_SM90_COMPILER_PASS"
 # (a stream fork costs host time there, where the calls are host-bound).
 ENV_LORA_STREAM = "SVDQ_SM90_LORA_STREAM"
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+# "1": lora_act (Triton) launched with programmatic dependent launch (PDL), the activation pass as its
+# dependent reading x beside it (kernels.quantize_act_after_lora / quantize_act_fp8(lora_pdl=True)), in eager
+# calls and CUDA graphs alike. Opt-in while it is measured (docs/perf.md, twenty-fourth session).
+ENV_PDL = "SVDQ_SM90_PDL"
+_PDL_DEVICES: dict[int, bool] = {}
+
+
+def _pdl(x: torch.Tensor, kernels) -> bool:
+    """Whether this call takes the PDL pair (``SVDQ_SM90_PDL=1``, read per call, on a device that has it)."""
+    if not x.is_cuda or getenv(ENV_PDL) != "1":
+        return False
+    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    ok = _PDL_DEVICES.get(idx)
+    if ok is None:
+        ok = _PDL_DEVICES[idx] = kernels.pdl_supported(torch.device("cuda", idx))
+    return ok
 
 
 def _lora_beside(x: torch.Tensor, pds: torch.Tensor, pass_fn):
@@ -432,10 +448,16 @@ class Sm90Backend(Backend):
         pds = _proj_down_smoothed(extra, proj_down, smooth) if r else None
         env = getenv(self.tuning.ENV_EXACT_LORA) if r else None  # unset (the default): no plan to make
         plan = self.tuning.exact_lora_plan(m, k, pds.shape[1], env, self.tuning.sm_count(x.device)) if env else None
+        pdl = plan is None and r and _pdl(x, self.kernels)  # (SVDQ_SM90_PDL unset, the default: no plan to make)
+        lplan = self.tuning.lora_act_plan(m, k, pds.shape[1], getenv(self.tuning.ENV_LORA_ACT)) if pdl else None
         if plan is not None:  # the pass and lora_act [M, R] bf16 in one read of x
             xq, lora = self.kernels.quantize_act_lora(
                 x, smooth, pds, out_dtype=xq_dtype, block_m=plan.block_m, block_k=plan.block_k, split=plan.split,
                 num_warps=plan.num_warps, num_stages=plan.num_stages)
+        elif lplan is not None:  # lora_act's partials (Triton), the pass beside it as its PDL dependent
+            part = self.kernels.lora_act(x, pds, torch.float32, block_m=lplan.block_m, split=lplan.split,
+                                         num_warps=lplan.num_warps, num_stages=lplan.num_stages, pdl=True)
+            xq, lora = self.kernels.quantize_act_after_lora(x, smooth, part, out_dtype=xq_dtype)
         elif r:  # lora_act [M, R] bf16: x read once more, at copy speed (beside the pass: _lora_beside)
             lora, xq = _lora_beside(x, pds, quantize)
         else:
@@ -560,8 +582,9 @@ class Sm90Backend(Backend):
             return out if x.dtype == out_dtype else out.to(x.dtype)
         if len(extra) == 7:  # [proj_down', proj_up', segments] + FastWeight: the low-rank MMA in the accumulator
             pds, up, seg = extra[:3]
-            a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=self._lora_act(x, pds), inv_smooth=inv,
-                                                       gemm_order=True)
+            lora, pdl = self._lora_act(x, pds, _pdl(x, self.kernels))
+            a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=lora, inv_smooth=inv, gemm_order=True,
+                                                       lora_pdl=pdl)
             out = quack_fast.gemm(a8, sa, fw, out_dtype=out_dtype, lr_acc=(up, la, seg))
         else:
             lowrank = None
@@ -625,13 +648,14 @@ class Sm90Backend(Backend):
         out_dtype = xb.dtype
         if r:  # [proj_down', proj_up', segments] + FastWeight: the low-rank MMA in the accumulator
             pds, up, seg = ex[:3]
-            a8, sa, la = self.kernels.quantize_act_fp8_cat(xa, xb, inv, lora=self._lora_act_cat(xa, xb, pds),
-                                                           gemm_order=True)
+            pdl = _pdl(xb, self.kernels)
+            a8, sa, la = self.kernels.quantize_act_fp8_cat(xa, xb, inv, lora=self._lora_act_cat(xa, xb, pds, pdl),
+                                                           gemm_order=True, lora_pdl=pdl)
             return quack_fast.gemm(a8, sa, fw, out_dtype=out_dtype, lr_acc=(up, la, seg))
         a8, sa = self.kernels.quantize_act_fp8_cat(xa, xb, inv, gemm_order=True)
         return quack_fast.gemm(a8, sa, fw, out_dtype=out_dtype)
 
-    def _lora_act_cat(self, xa, xb, pds: torch.Tensor) -> torch.Tensor:
+    def _lora_act_cat(self, xa, xb, pds: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """``lora_act`` of ``cat_gelu(xa, xb)`` by ``kernels.lora_act`` from the two tensors, on the plan of
         ``_lora_act`` (cuBLAS would need the input written out, so its default plan serves below
         ``LORA_ACT_MIN_M`` tokens and under ``SVDQ_SM90_LORA_ACT=cublas``)."""
@@ -639,16 +663,18 @@ class Sm90Backend(Backend):
         plan = (tuning.lora_act_plan(m, k, r, getenv(tuning.ENV_LORA_ACT))
                 or tuning.lora_act_plan(max(m, tuning.LORA_ACT_MIN_M), k, r))
         return self.kernels.lora_act(xa, pds, torch.float32, block_m=plan.block_m, split=plan.split,
-                                     num_warps=plan.num_warps, num_stages=plan.num_stages, xb=xb, gelu_b=True)
+                                     num_warps=plan.num_warps, num_stages=plan.num_stages, xb=xb, gelu_b=True,
+                                     pdl=pdl)
 
-    def _lora_act(self, x: torch.Tensor, pds: torch.Tensor) -> torch.Tensor:
+    def _lora_act(self, x: torch.Tensor, pds: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, bool]:
         """The fast mode's ``lora_act = x @ pds`` in fp32: cuBLAS, or ``kernels.lora_act`` where
-        ``tuning.lora_act_plan`` says (its split's partial sums, which ``quantize_act_fp8`` adds)."""
+        ``tuning.lora_act_plan`` says (its split's partial sums, which ``quantize_act_fp8`` adds); and whether
+        it went out as a PDL launch (``pdl`` and the Triton kernel), for the pass after it."""
         plan = tuning.lora_act_plan(x.shape[0], x.shape[1], pds.shape[1], getenv(tuning.ENV_LORA_ACT))
         if plan is None:
-            return _mm_f32(x.to(torch.bfloat16), pds)
+            return _mm_f32(x.to(torch.bfloat16), pds), False
         return self.kernels.lora_act(x, pds, torch.float32, block_m=plan.block_m, split=plan.split,
-                                     num_warps=plan.num_warps, num_stages=plan.num_stages)
+                                     num_warps=plan.num_warps, num_stages=plan.num_stages, pdl=pdl), pdl
 
     def run_w4a16(self, x, qweight, wscales, wcscale, bias, extra):
         if x.stride(1) != 1:

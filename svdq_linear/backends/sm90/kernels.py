@@ -33,6 +33,11 @@ import triton.language as tl
 
 from ... import nvfp4
 
+try:  # programmatic dependent launch (sm_90+): Triton 3.4 and later
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - an older Triton: no PDL launches (pdl_supported() is False)
+    gdc_launch_dependents = gdc_wait = None
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -148,14 +153,22 @@ def _nvfp4_dequant(a, neg, finite, sf):
 @triton.jit
 def _quantize_act_kernel(
     x_ptr, smooth_ptr, xq_ptr, codes_ptr, scales_ptr,
-    M, K, stride_xm, stride_xk, xb_ptr, KA, stride_bm,
+    M, K, stride_xm, stride_xk, xb_ptr, KA, stride_bm, lora_ptr, la_ptr, R,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_XQ: tl.constexpr, WRITE_CODES: tl.constexpr,
     HAS_B: tl.constexpr = False, GELU_B: tl.constexpr = False, RNE_BITS: tl.constexpr = False,
+    LORA_LATE: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, NSPLIT: tl.constexpr = 1,
 ):
     # One [BLOCK_M, BLOCK_K] tile a program: every byte is read once and the grid fills the GPU.
     # HAS_B: the row is cat([x, gelu(xb)]) read from its two sources (x: the first KA columns, KA a
     # multiple of BLOCK_K, so a tile lies in one of them; xb with unit stride along K), GELU applied
     # as xb loads (GELU_B) and rounded to xb's dtype as the written tensor would hold it.
+    # LORA_LATE: launched as the programmatic dependent of lora_act(pdl=True), which waited for x before it
+    # let this grid start, so the tiles are read without a wait and both read x at once. The programs of
+    # the last k-tile (the grid's last to start) then wait for lora_act's grid and add its [NSPLIT, M, R]
+    # fp32 partials of their rows in split order into la [M, R] (bf16, one rounding); this grid ends after
+    # lora_act's, so the GEMM launched after it waits for both.
+    if LORA_LATE:
+        gdc_launch_dependents()
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     k0 = tl.program_id(1) * BLOCK_K
     rk = k0 + tl.arange(0, BLOCK_K)
@@ -189,6 +202,11 @@ def _quantize_act_kernel(
         rks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
         tl.store(scales_ptr + rm[:, None] * (K // 16) + rks[None, :], sbits,
                  mask=m_ok[:, None] & (rks < K // 16)[None, :])
+    if LORA_LATE:
+        if tl.program_id(1) == tl.num_programs(1) - 1:
+            gdc_wait()
+            _scale_lora(lora_ptr, la_ptr, rm, m_ok, tl.full([BLOCK_M], 1.0, tl.float32), M, R, BLOCK_M, BLOCK_R,
+                        NSPLIT)
 
 
 @triton.jit
@@ -400,7 +418,14 @@ def _quantize_act_fp8_rows_kernel(
     ROWS: tl.constexpr, CA: tl.constexpr, NA: tl.constexpr, CB: tl.constexpr, NB: tl.constexpr,
     BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr, GELU_B: tl.constexpr, HW_CVT: tl.constexpr,
     CANON_NAN: tl.constexpr, GEMM_ORDER: tl.constexpr, NSPLIT: tl.constexpr, RNE_BITS: tl.constexpr,
+    LORA_LATE: tl.constexpr = False,
 ):
+    # LORA_LATE: launched as the programmatic dependent of lora_act(pdl=True), which waited for x before it
+    # let this grid start: the rows are read without a wait, both grids reading x at once. la is left to
+    # _lora_scale_kernel (launched next); the grid's last program waits for lora_act's grid before it ends,
+    # so this grid ends after lora_act's.
+    if LORA_LATE:
+        gdc_launch_dependents()
     # One pass: ROWS whole rows a program, held in registers and x read once. A row is cat([xa, xb]) (xb
     # alone where NA = 0: quantize_act_fp8's one-pass kernel) read from its sources: xa's KA columns in
     # NA chunks of CA, then xb's KB in NB chunks of CB, GELU applied to xb's values as they load
@@ -458,6 +483,22 @@ def _quantize_act_fp8_rows_kernel(
         _fp8_src_store(a8_ptr, b2 * r, rm, m_ok, K, special, KA, KB, 2, CB, HW_CVT, CANON_NAN)
     if NB > 3:
         _fp8_src_store(a8_ptr, b3 * r, rm, m_ok, K, special, KA, KB, 3, CB, HW_CVT, CANON_NAN)
+    if LORA_LATE:
+        if tl.program_id(0) == tl.num_programs(0) - 1:
+            gdc_wait()
+
+
+@triton.jit
+def _lora_scale_kernel(lora_ptr, sa_ptr, la_ptr, M, R, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                       NSPLIT: tl.constexpr):
+    # la = lora_act / sa for the LORA_LATE pass (_scale_lora), launched as the programmatic dependent of
+    # that pass: its wait covers the pass's sa and, through the pass's last program, lora_act's partials.
+    gdc_wait()
+    gdc_launch_dependents()
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    sa = tl.load(sa_ptr + rm, mask=m_ok, other=1.0)
+    _scale_lora(lora_ptr, la_ptr, rm, m_ok, sa, M, R, BLOCK_M, BLOCK_R, NSPLIT)
 
 
 @triton.jit
@@ -567,7 +608,13 @@ def _splitk_epilogue_kernel(
 @triton.jit
 def _lora_act_kernel(x_ptr, pd_ptr, out_ptr, M, K, R, stride_xm, K_SPLIT, xb_ptr, KA, stride_bm,
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr,
-                     DOT_F32: tl.constexpr, HAS_B: tl.constexpr, GELU_B: tl.constexpr, RNE_BITS: tl.constexpr):
+                     DOT_F32: tl.constexpr, HAS_B: tl.constexpr, GELU_B: tl.constexpr, RNE_BITS: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    # PDL (launched as a programmatic dependent): wait for the grid before (x's writer), then let the grid
+    # after this one start, an activation pass that reads x beside this one (LORA_LATE).
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     # lora_act [BLOCK_M, R] of a row block: x (rounded to bf16, as the cuBLAS path's x.to(bf16)) times
     # proj_down / smooth (bf16), fp32 accumulation over the columns [s K_SPLIT, (s + 1) K_SPLIT) of
     # split s = program_id(1) (K_SPLIT a multiple of BLOCK_K), written to out[s]: a fixed order.
@@ -650,20 +697,62 @@ def quantize_act(
                                 False)
 
 
-def _quantize_act_launch(x, xb, smooth, m, k, dt, packed, block_m, block_k, num_warps, gelu_b):
+def _quantize_act_launch(x, xb, smooth, m, k, dt, packed, block_m, block_k, num_warps, gelu_b, lora=None, la=None):
     xq = None if packed else torch.empty(m, k, device=smooth.device, dtype=dt)
     codes = torch.empty(m, k // 2, device=smooth.device, dtype=torch.uint8) if packed else None
     scales = torch.empty(m, k // 16, device=smooth.device, dtype=torch.uint8) if packed else None
+    r, nsplit = _lora_input(lora, m)
     if m:
         xa = xb if x is None else x  # any pointer when there are no columns of x
+        late = lora is not None  # (quantize_act_after_lora: launched as lora_act's programmatic dependent)
         _quantize_act_kernel[(cdiv(m, block_m), cdiv(k, block_k))](
             xa, smooth, smooth if xq is None else xq, smooth if codes is None else codes,
             smooth if scales is None else scales, m, k, xa.stride(0), xa.stride(1),
             smooth if xb is None else xb, k if xb is None else k - xb.shape[1], 0 if xb is None else xb.stride(0),
+            smooth if lora is None else lora, smooth if la is None else la, r,
             BLOCK_M=block_m, BLOCK_K=block_k, WRITE_XQ=not packed, WRITE_CODES=packed, HAS_B=xb is not None,
-            GELU_B=gelu_b, RNE_BITS=_INTERPRET, num_warps=num_warps,
+            GELU_B=gelu_b, RNE_BITS=_INTERPRET, LORA_LATE=late, BLOCK_R=_block_r(r), NSPLIT=nsplit,
+            num_warps=num_warps, **({"launch_pdl": True} if late else {}),
         )
     return xq, codes, None if scales is None else scales.view(torch.float8_e4m3fn)
+
+
+def pdl_supported(device: torch.device | None = None) -> bool:
+    """Whether kernels here can be launched as programmatic dependents (PDL): a CUDA device of capability 9.0
+    or later, a Triton with grid dependency control, not the interpreter."""
+    if gdc_wait is None or _INTERPRET or device is None or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _check_pdl(device: torch.device, what: str) -> None:
+    if not pdl_supported(device):
+        raise ValueError(f"{what}: programmatic dependent launch needs a CUDA device of capability 9.0 or later "
+                         f"and a Triton with grid dependency control (not the interpreter); got {device}")
+
+
+def quantize_act_after_lora(x: torch.Tensor, smooth: torch.Tensor, lora: torch.Tensor, *,
+                            out_dtype: torch.dtype | None = None, block_m: int = 8, block_k: int = 256,
+                            num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(xq, la)``: ``quantize_act``'s ``xq`` (the same bytes) and ``la [M, R] bf16``, the sum in split order of
+    ``lora [S, M, R]`` (or ``[M, R]``) fp32, rounded once: ``lora_act`` as the exact GEMM takes it.
+
+    **Call it right after ``lora_act(x, ..., pdl=True)`` on the same stream, with that call's output and
+    nothing launched between.** It launches as that grid's programmatic dependent and reads x without waiting:
+    lora_act's grid waited for x's writer before it let this one start. Both grids read x at once, and this
+    grid ends after lora_act's (its last k-tile's programs wait for it before they add the partials)."""
+    m, k = x.shape
+    if k % nvfp4.BLOCK_SIZE:
+        raise ValueError(f"expected K % 16 == 0, got {k}")
+    r, _ = _lora_input(lora, m)
+    if lora.dtype != torch.float32:
+        raise ValueError(f"lora must be lora_act's float32 output, got {lora.dtype}")
+    _check_pdl(x.device, "quantize_act_after_lora")
+    dt = out_dtype or (x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
+    la = torch.empty(m, r, device=x.device, dtype=torch.bfloat16)
+    xq = _quantize_act_launch(x, None, smooth, m, k, dt, False, block_m, min(block_k, next_pow2(k)), num_warps,
+                              False, lora, la)[0]
+    return xq, la
 
 
 MAX_ONE_READ_R = 256  # quantize_act_lora's widest lora_act (its fp32 sums: block_m x R a program, in registers)
@@ -799,7 +888,8 @@ def _check_inv_smooth(inv_smooth: torch.Tensor, k: int) -> None:
 def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tensor | None = None,
                      proj_down_smoothed: torch.Tensor | None = None, inv_smooth: torch.Tensor | None = None,
                      one_pass: bool | None = None, rows: int | None = None, num_warps: int | None = None,
-                     canon_nan: bool = True, block_m: int = 4, block_k: int = 512, gemm_order: bool = False):
+                     canon_nan: bool = True, block_m: int = 4, block_k: int = 512, gemm_order: bool = False,
+                     lora_pdl: bool = False):
     """The fast mode's activations of ``x [M, K]`` (any strides): ``(a8 [M, K] float8_e4m3fn, sa [M]
     float32)``, bit-identical to ``nvfp4.fast_act(nvfp4.smooth_input(x, smooth))``. With ``lora [M, R]``
     (contiguous, any float dtype: ``lora_act``) also ``la [M, R] bf16 = lora / sa`` rounded once, as the
@@ -816,7 +906,12 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
     measurement) leaves NaN and +-Inf as the hardware convert writes them (Inf: 448); the default
     writes 0x7F for each, as the contract's ``round_e4m3``.
     ``gemm_order=True`` (K % 128 == 0) writes ``a8``'s columns in the fast GEMM's k order
-    (``fast_layout.gemm_k_order`` of the above): what ``quack_fast.gemm`` reads."""
+    (``fast_layout.gemm_k_order`` of the above): what ``quack_fast.gemm`` reads.
+
+    ``lora_pdl=True``: ``lora`` is the output of ``lora_act(x, ..., pdl=True)`` launched right before on this
+    stream (nothing between). The one-pass kernel then launches as its programmatic dependent and reads x
+    beside it, and ``la`` comes from one more small launch after both (``_lora_scale_kernel``). Same bits.
+    The two-pass kernel ignores it (launched plainly, it waits for lora_act's grid to end)."""
     m, k = x.shape
     if gemm_order and k % 128:
         raise ValueError(f"the fast GEMM's k order needs in_features % 128 == 0, got {k}")
@@ -853,7 +948,7 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
         else:
             _check_inv_smooth(inv_smooth, k)
         _fp8_rows_launch(None, x, inv_smooth, a8, sa, lora, la, nsplit, False, gemm_order, canon_nan, rows,
-                         num_warps)
+                         num_warps, lora_pdl)
     elif m:
         _quantize_act_fp8_kernel[(cdiv(m, block_m),)](
             x, smooth, a8.view(torch.uint8), sa, lora_in, pds, la if r else sa, m, k, r, x.stride(0), x.stride(1),
@@ -867,7 +962,8 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
 
 def quantize_act_fp8_cat(xa: torch.Tensor | None, xb: torch.Tensor, inv_smooth: torch.Tensor, *,
                          gelu_b: bool = True, lora: torch.Tensor | None = None, gemm_order: bool = False,
-                         canon_nan: bool = True, rows: int | None = None, num_warps: int | None = None):
+                         canon_nan: bool = True, rows: int | None = None, num_warps: int | None = None,
+                         lora_pdl: bool = False):
     """``quantize_act_fp8`` of the rows ``x = cat([xa, gelu_tanh(xb)], -1)`` (``nvfp4.cat_gelu``;
     ``gelu_b=False``: ``cat([xa, xb])``) read from the two sources, without writing x: the input of a
     Flux single block's ``proj_out`` (attention output, MLP before its GELU) or of a feed-forward's down
@@ -877,7 +973,8 @@ def quantize_act_fp8_cat(xa: torch.Tensor | None, xb: torch.Tensor, inv_smooth: 
     One pass like the one-pass kernel, each source in its own power-of-two chunks. Returns ``(a8, sa)``
     (and ``la`` with ``lora``, as ``quantize_act_fp8``). Its bytes are ``quantize_act_fp8``'s of the
     materialized x wherever the GELU values (``kernels._gelu_tanh``, a few fp32 ulps from exact, rounded
-    to xb's dtype) equal the tensor's (``torch.nn.functional.gelu``'s own rounding)."""
+    to xb's dtype) equal the tensor's (``torch.nn.functional.gelu``'s own rounding). ``lora_pdl``: as in
+    ``quantize_act_fp8``, after ``lora_act(xa, ..., xb=xb, pdl=True)``."""
     ka, m, kb = _check_sources(xa, xb)
     k = ka + kb
     if gemm_order and k % 128:
@@ -892,13 +989,19 @@ def quantize_act_fp8_cat(xa: torch.Tensor | None, xb: torch.Tensor, inv_smooth: 
     sa = torch.empty(m, device=xb.device, dtype=torch.float32)
     la = torch.empty(m, r, device=xb.device, dtype=torch.bfloat16) if lora is not None else None
     if m:
-        _fp8_rows_launch(xa, xb, inv_smooth, a8, sa, lora, la, nsplit, gelu_b, gemm_order, canon_nan, rows, num_warps)
+        _fp8_rows_launch(xa, xb, inv_smooth, a8, sa, lora, la, nsplit, gelu_b, gemm_order, canon_nan, rows, num_warps,
+                         lora_pdl)
     return (a8, sa) if la is None else (a8, sa, la)
 
 
-def _fp8_rows_launch(xa, xb, inv_smooth, a8, sa, lora, la, nsplit, gelu_b, gemm_order, canon_nan, rows, num_warps):
+def _fp8_rows_launch(xa, xb, inv_smooth, a8, sa, lora, la, nsplit, gelu_b, gemm_order, canon_nan, rows, num_warps,
+                     lora_pdl=False):
     """``_quantize_act_fp8_rows_kernel`` on the row ``cat([xa, xb])`` (xa None: xb alone), checked by the
-    caller; its block from ``fp8_rows_config`` unless ``rows`` / ``num_warps`` say otherwise."""
+    caller; its block from ``fp8_rows_config`` unless ``rows`` / ``num_warps`` say otherwise. ``lora_pdl``
+    (with ``lora``): launched as lora_act's programmatic dependent, ``la`` by ``_lora_scale_kernel`` after it."""
+    late = lora_pdl and lora is not None
+    if late:
+        _check_pdl(xb.device, "the FP8 pass with lora_pdl")
     m, ka, kb = xb.shape[0], 0 if xa is None else xa.shape[1], xb.shape[1]
     r = 0 if lora is None else lora.shape[-1]
     rows_d, _, _, warps_d = fp8_rows_config(ka + kb)
@@ -906,13 +1009,20 @@ def _fp8_rows_launch(xa, xb, inv_smooth, a8, sa, lora, la, nsplit, gelu_b, gemm_
     _quantize_act_fp8_rows_kernel[(cdiv(m, rows or rows_d),)](
         xb if xa is None else xa, xb, inv_smooth, a8, sa, sa if lora is None else lora, sa if la is None else la,
         m, ka, kb, r, 0 if xa is None else xa.stride(0), xb.stride(0),
-        ROWS=rows or rows_d, CA=ca, NA=na, CB=cb, NB=nb, BLOCK_R=_block_r(r), HAS_LORA=lora is not None,
+        ROWS=rows or rows_d, CA=ca, NA=na, CB=cb, NB=nb, BLOCK_R=_block_r(r), HAS_LORA=lora is not None and not late,
         GELU_B=gelu_b, HW_CVT=not _INTERPRET, CANON_NAN=canon_nan, GEMM_ORDER=gemm_order, NSPLIT=nsplit,
-        RNE_BITS=_INTERPRET, num_warps=num_warps or warps_d)
+        RNE_BITS=_INTERPRET, LORA_LATE=late, num_warps=num_warps or warps_d, **({"launch_pdl": True} if late else {}))
+    if late:
+        _lora_scale_kernel[(cdiv(m, LORA_SCALE_ROWS),)](lora, sa, la, m, r, BLOCK_M=LORA_SCALE_ROWS,
+                                                        BLOCK_R=_block_r(r), NSPLIT=nsplit, num_warps=4,
+                                                        launch_pdl=True)
+
+
+LORA_SCALE_ROWS = 32  # _lora_scale_kernel's rows a program
 
 def lora_act(x: torch.Tensor | None, pds: torch.Tensor, out_dtype: torch.dtype = torch.float32, *, block_m: int = 16,
              block_k: int | None = None, num_stages: int = 4, num_warps: int = 4, split: int = 1,
-             xb: torch.Tensor | None = None, gelu_b: bool = False) -> torch.Tensor:
+             xb: torch.Tensor | None = None, gelu_b: bool = False, pdl: bool = False) -> torch.Tensor:
     """``lora_act [M, R] = x.to(bf16) @ pds`` in ``out_dtype`` (fp32 accumulation, one rounding): what
     the backend gets from cuBLAS (``x @ pds``; ``_mm_f32`` for fp32), as one Triton launch of
     ``block_m``-row blocks streaming x once. ``x [M, K]`` with unit stride along K, any float dtype;
@@ -925,7 +1035,13 @@ def lora_act(x: torch.Tensor | None, pds: torch.Tensor, out_dtype: torch.dtype =
     ``split = S > 1`` splits K into S ranges of whole ``block_k`` steps (S x the programs, each reading
     ``proj_down``'s rows of its range only) and returns the fp32 partial sums ``[S, M, R]``, which
     ``quantize_act_fp8(lora=...)`` adds in split order; an empty range writes zeros. Larger row blocks
-    re-read ``proj_down`` from L2 fewer times (M / block_m times in all); the split keeps the SMs busy."""
+    re-read ``proj_down`` from L2 fewer times (M / block_m times in all); the split keeps the SMs busy.
+
+    ``pdl=True`` launches it as a programmatic dependent: it waits for the grid before it (x's writer), then
+    lets the next grid start at once. Only ``quantize_act_after_lora`` or the FP8 passes with ``lora_pdl=True``
+    may come next: they read x beside this grid."""
+    if pdl:
+        _check_pdl(pds.device, "lora_act")
     if x is None and xb is None:
         raise ValueError("lora_act needs x, xb or both")
     ka = 0 if x is None else x.shape[1]
@@ -959,7 +1075,7 @@ def lora_act(x: torch.Tensor | None, pds: torch.Tensor, out_dtype: torch.dtype =
             xa, pds, out, m, k, r, xa.stride(0), k_split, pds if xb is None else xb, ka if xb is not None else k,
             0 if xb is None else xb.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r),
             NUM_STAGES=num_stages, DOT_F32=_INTERPRET, HAS_B=xb is not None, GELU_B=gelu_b, RNE_BITS=_INTERPRET,
-            num_warps=num_warps)
+            PDL=pdl, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
     elif m:
         out.zero_()
     return out
