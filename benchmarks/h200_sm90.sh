@@ -23,6 +23,7 @@ for step in ${STEPS:-tests bench}; do
     tests) timeout "${TEST_LIMIT:-240}" python3 -m pytest -q -x -p no:cacheprovider -W ignore ${PYTEST_ARGS:-tests/test_conformance.py tests/test_backends.py} \
              > "$OUT/tests.log" 2>&1; rc=$?; tail -15 "$OUT/tests.log" ;;
     bench) timeout "${BENCH_LIMIT:-420}" python3 benchmarks/bench_sm90.py --out "$OUT" "$@" > "$OUT/bench.log" 2>&1; tail -70 "$OUT/bench.log" ;;
+    pdl) timeout "${PDL_LIMIT:-200}" python3 benchmarks/bench_pdl.py --out "$OUT/bench_pdl.md" > "$OUT/pdl.log" 2>&1; tail -12 "$OUT/pdl.log" ;;
     lowrank) timeout "${LOWRANK_LIMIT:-300}" python3 benchmarks/bench_lowrank.py --out "$OUT" ${LOWRANK_ARGS:-} > "$OUT/lowrank.log" 2>&1; tail -40 "$OUT/lowrank.log" ;;
     fast) timeout "${FAST_LIMIT:-400}" python3 benchmarks/bench_fast.py --out "$OUT" ${FAST_ARGS:-} > "$OUT/fast.log" 2>&1; tail -45 "$OUT/fast.log" ;;
     flux) timeout "${FLUX_LIMIT:-500}" python3 benchmarks/flux_forward.py --out "$OUT" ${FLUX_ARGS:-} > "$OUT/flux.log" 2>&1; tail -12 "$OUT/flux.log" ;;

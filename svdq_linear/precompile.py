@@ -63,6 +63,7 @@ def _sass_stats(cubin: bytes, work: Path, name: str, keep_sass: bool) -> dict:
         "hgmma": len(re.findall(r"\bHGMMA\.", sass)),
         "qgmma": len(re.findall(r"\bQGMMA\.", sass)),
         "local_memory": len(re.findall(r"\b(?:LDL|STL)\b", sass)),
+        "grid_waits": len(re.findall(r"\bACQBULK\b", sass)),  # griddepcontrol.wait (programmatic dependent launch)
     }
     if keep_sass:
         (work / f"{name}.sass").write_text(sass)

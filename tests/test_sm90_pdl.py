@@ -257,12 +257,14 @@ def test_gpu_pairs_after_a_grid_that_releases_early_and_in_graphs():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["exact", "fast"])
-@pytest.mark.parametrize("tokens,r", [(128, 32), (1000, 64), (4096, 96)])
-def test_gpu_module_takes_the_pdl_pair(mode, tokens, r, monkeypatch):
+@pytest.mark.parametrize("tokens,r,n", [(128, 32, 3072), (1000, 64, 3072), (4096, 96, 3072), (4608, 128, 21504)])
+def test_gpu_module_takes_the_pdl_pair(mode, tokens, r, n, monkeypatch):
     """``SVDQ_SM90_PDL=1`` through ``SVDQW4A4Linear``: the calls above small M take the pair (the fast mode where
     its low-rank branch joins the accumulator: a rank up to 64, or block-diagonal). Exact: within the
     contract's tolerance (its ``lora_act`` is now Triton's, another fp32 order than cuBLAS's). Fast: the bits of
-    the same module without it (the same Triton ``lora_act`` and ``la`` arithmetic)."""
+    the same module without it (the same Triton ``lora_act`` and ``la`` arithmetic). The last shape is a Flux single
+    block's fused input: its GEMM's first tiles start while the pass still runs, and read ``la`` only after the
+    wait (quack_lowrank: this caught the prefetch that read it before)."""
     _gpu()
     pytest.importorskip("quack")
     from test_conformance import _check, _expected_and_bound, random_w4a4
@@ -283,11 +285,12 @@ def test_gpu_module_takes_the_pdl_pair(mode, tokens, r, monkeypatch):
         else:
             monkeypatch.setattr(kernels, name, lambda *a, _o=orig, _n=name, **kw: calls.append(_n) or _o(*a, **kw))
     torch.manual_seed(tokens + r)
-    k, n = 3072, 3072
+    k = 3072
     m = random_w4a4(k, n, r, torch.bfloat16, "cuda")
-    if r == 96:  # a fused q/k/v: block-diagonal proj_up (the fast mode's accumulator windows)
+    parts = {96: (3072,) * 3, 128: (3072, 3072, 3072, 12288)}.get(r)
+    if parts:  # fused q/k/v or a single block's input: block-diagonal proj_up (the accumulator's windows)
         with torch.no_grad():
-            m.proj_up.mul_(torch.block_diag(*[torch.ones(n // 3, 32)] * 3).to(m.proj_up))
+            m.proj_up.mul_(torch.block_diag(*[torch.ones(h, 32) for h in parts]).to(m.proj_up))
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16) * 3
     if mode == "fast":
         m.set_mode("fast")

@@ -31,6 +31,7 @@ import cutlass.utils.hopper_helpers as hopper
 import torch
 from cutlass import BFloat16, Float32, const_expr
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.experimental import primitives as prims
 from cutlass.utils import LayoutEnum
 from quack import copy_utils
 from quack import sm90_utils as quack_sm90_utils
@@ -187,6 +188,11 @@ class LowRankAccMixin:
         tensor are left as they are: they only feed outputs that are never stored)."""
         if const_expr(self._lr is not None):
             params, tensors = self._lr
+            if const_expr(self.use_pdl):
+                # la is the grid before's output (the activation pass, which may let this grid start before it
+                # ends: kernels.quantize_act_after_lora). Quack's producer waits for that grid before its first
+                # load; these copies run before the K-loop, so they wait too (at once after the first tile).
+                prims.griddepcontrol(prims.GridDepAction.WAIT)
             tidx, _, _ = cute.arch.thread_idx()
             nthreads = self.mma_warp_groups * self.num_threads_per_warp_group
             w = cute.size(params.lu, mode=[1])
