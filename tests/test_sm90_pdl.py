@@ -287,7 +287,7 @@ def test_gpu_module_takes_the_pdl_pair(mode, tokens, r, n, monkeypatch):
     torch.manual_seed(tokens + r)
     k = 3072
     m = random_w4a4(k, n, r, torch.bfloat16, "cuda")
-    parts = {96: (3072,) * 3, 128: (3072, 3072, 3072, 12288)}.get(r)
+    parts = {96: (n // 3,) * 3, 128: (3072, 3072, 3072, 12288)}.get(r)
     if parts:  # fused q/k/v or a single block's input: block-diagonal proj_up (the accumulator's windows)
         with torch.no_grad():
             m.proj_up.mul_(torch.block_diag(*[torch.ones(h, 32) for h in parts]).to(m.proj_up))
