@@ -8,6 +8,8 @@ launches, eager, in CUDA graphs and right after a grid that lets it start early;
 stays within the contract.
 """
 
+import types
+
 import pytest
 import torch
 
@@ -118,6 +120,13 @@ def test_backend_switch_reads_the_environment_per_call(monkeypatch):
         assert not sm90._pdl(x, kernels)
     monkeypatch.setenv(sm90.ENV_PDL, "1")
     assert not sm90._pdl(x, kernels)  # a CPU tensor
+    seen = []
+    monkeypatch.setattr(kernels, "pdl_supported", lambda device=None: seen.append(device) or True)
+    gpu_x = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))  # no GPU needed: a stand-in
+    assert sm90._pdl(gpu_x, kernels) and sm90._pdl(gpu_x, kernels)
+    assert seen == [torch.device("cuda", 0)]  # asked once a device, then cached
+    monkeypatch.setenv(sm90.ENV_PDL, "0")
+    assert not sm90._pdl(gpu_x, kernels)  # read per call
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------
