@@ -105,28 +105,36 @@ def test_pdl_is_refused_where_it_cannot_run():
 
 
 def test_backend_switch_reads_the_environment_per_call(monkeypatch):
-    """``SVDQ_SM90_PDL``: only "1" turns it on, read per call; never for a CPU tensor."""
+    """``SVDQ_SM90_PDL``: only "1" turns it on, read per call, and only for a CUDA tensor on a device that has
+    PDL; ``kernels.pdl_supported`` asks a device's capability once."""
     from svdq_linear.backends import sm90
     from svdq_linear.backends.sm90 import kernels
 
-    monkeypatch.setattr(kernels, "pdl_supported", lambda device=None: True)
-    monkeypatch.setattr(sm90, "_PDL_DEVICES", {})
+    monkeypatch.setattr(kernels, "pdl_supported", lambda device=None: device.type == "cuda")
     x = torch.empty(2, 2)
+    gpu_x = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))  # no GPU needed: a stand-in
     for env in (None, "0", "", "yes"):
         if env is None:
             monkeypatch.delenv(sm90.ENV_PDL, raising=False)
         else:
             monkeypatch.setenv(sm90.ENV_PDL, env)
-        assert not sm90._pdl(x, kernels)
+        assert not sm90._pdl(x, kernels) and not sm90._pdl(gpu_x, kernels)
     monkeypatch.setenv(sm90.ENV_PDL, "1")
     assert not sm90._pdl(x, kernels)  # a CPU tensor
-    seen = []
-    monkeypatch.setattr(kernels, "pdl_supported", lambda device=None: seen.append(device) or True)
-    gpu_x = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))  # no GPU needed: a stand-in
-    assert sm90._pdl(gpu_x, kernels) and sm90._pdl(gpu_x, kernels)
-    assert seen == [torch.device("cuda", 0)]  # asked once a device, then cached
+    assert sm90._pdl(gpu_x, kernels)
     monkeypatch.setenv(sm90.ENV_PDL, "0")
     assert not sm90._pdl(gpu_x, kernels)  # read per call
+    monkeypatch.undo()
+
+    asked = []
+    monkeypatch.setattr(kernels, "_INTERPRET", False)
+    monkeypatch.setattr(kernels, "gdc_wait", object())
+    monkeypatch.setattr(kernels, "_PDL_DEVICES", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: asked.append(d) or (9, 0))
+    assert kernels.pdl_supported(torch.device("cuda", 1)) and kernels.pdl_supported(torch.device("cuda", 1))
+    assert asked == [1]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    assert not kernels.pdl_supported(torch.device("cuda", 2))  # an Ampere card: no PDL
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------

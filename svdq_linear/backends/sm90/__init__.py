@@ -100,20 +100,15 @@ ENV_LORA_STREAM = "SVDQ_SM90_LORA_STREAM"
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 # "1": lora_act (Triton) launched with programmatic dependent launch (PDL), the activation pass as its
 # dependent reading x beside it (kernels.quantize_act_after_lora / quantize_act_fp8(lora_pdl=True)), in eager
-# calls and CUDA graphs alike. Opt-in while it is measured (docs/perf.md, twenty-fourth session).
+# calls and CUDA graphs alike. Opt-in: on the H100 the pair alone is 1.08-1.18x the two launches (exact) and the
+# whole linear in CUDA graphs gains 5-23 % at 200-512 tokens and 4096 x 3072 -> 3072, but nothing at the larger
+# layers or in the Flux forward, and eager calls pay more host time (docs/perf.md, twenty-fourth session).
 ENV_PDL = "SVDQ_SM90_PDL"
-_PDL_DEVICES: dict[int, bool] = {}
 
 
 def _pdl(x: torch.Tensor, kernels) -> bool:
     """Whether this call takes the PDL pair (``SVDQ_SM90_PDL=1``, read per call, on a device that has it)."""
-    if not x.is_cuda or getenv(ENV_PDL) != "1":
-        return False
-    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    ok = _PDL_DEVICES.get(idx)
-    if ok is None:
-        ok = _PDL_DEVICES[idx] = kernels.pdl_supported(torch.device("cuda", idx))
-    return ok
+    return x.is_cuda and getenv(ENV_PDL) == "1" and kernels.pdl_supported(x.device)
 
 
 def _lora_beside(x: torch.Tensor, pds: torch.Tensor, pass_fn):

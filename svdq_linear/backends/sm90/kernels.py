@@ -717,12 +717,19 @@ def _quantize_act_launch(x, xb, smooth, m, k, dt, packed, block_m, block_k, num_
     return xq, codes, None if scales is None else scales.view(torch.float8_e4m3fn)
 
 
+_PDL_DEVICES: dict[int, bool] = {}
+
+
 def pdl_supported(device: torch.device | None = None) -> bool:
     """Whether kernels here can be launched as programmatic dependents (PDL): a CUDA device of capability 9.0
-    or later, a Triton with grid dependency control, not the interpreter."""
+    or later, a Triton with grid dependency control, not the interpreter (asked once a device)."""
     if gdc_wait is None or _INTERPRET or device is None or device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _PDL_DEVICES.get(idx)
+    if ok is None:
+        ok = _PDL_DEVICES[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return ok
 
 
 def _check_pdl(device: torch.device, what: str) -> None:
