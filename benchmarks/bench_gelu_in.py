@@ -71,12 +71,12 @@ def main():
         x = write(xa, xb)
 
         def written(x=x):
-            kernels.quantize_act_fp8(x, inv, lora=be._lora_act(x, pds)[0], inv_smooth=inv, gemm_order=True)
+            kernels.quantize_act_fp8(x, inv, lora=be._lora_act(x, pds), inv_smooth=inv, gemm_order=True)
 
         def two_source(xa=xa, xb=xb):
             kernels.quantize_act_fp8_cat(xa, xb, inv, lora=be._lora_act_cat(xa, xb, pds), gemm_order=True)
 
-        a8w, saw, law = kernels.quantize_act_fp8(x, inv, lora=be._lora_act(x, pds)[0], inv_smooth=inv, gemm_order=True)
+        a8w, saw, law = kernels.quantize_act_fp8(x, inv, lora=be._lora_act(x, pds), inv_smooth=inv, gemm_order=True)
         a8t, sat, lat = kernels.quantize_act_fp8_cat(xa, xb, inv, lora=be._lora_act_cat(xa, xb, pds), gemm_order=True)
         ndiff = (a8w.view(torch.uint8) != a8t.view(torch.uint8)).sum().item()
         t_write = bench(lambda: write(xa, xb))

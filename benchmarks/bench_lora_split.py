@@ -173,7 +173,7 @@ def fused_sweep(lines: list[str]) -> None:
         def two(env):
             def run():
                 os.environ[tuning.ENV_LORA_ACT] = env
-                return kernels.quantize_act_fp8(x, smooth, lora=be._lora_act(x, pds)[0], inv_smooth=inv, gemm_order=True)
+                return kernels.quantize_act_fp8(x, smooth, lora=be._lora_act(x, pds), inv_smooth=inv, gemm_order=True)
             return run
 
         a8, sa, la = two("64,4,4,3")()

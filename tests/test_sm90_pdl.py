@@ -3,7 +3,7 @@
 ``kernels.lora_act(pdl=True)`` waits for x's writer, then lets the next grid start; the pass launched right after
 it (``quantize_act_after_lora``, ``quantize_act_fp8(lora_pdl=True)``) reads x without waiting, beside it, and
 ends after it. CPU: the builds compiled for sm_90a here (the real compiler) put the grid-dependency instructions
-where that order needs them, and the interpreter refuses PDL by name. GPU: the pair writes the bits of the plain
+where that order needs them, and a CPU device refuses PDL by name. GPU: the pair writes the bits of the plain
 launches, eager, in CUDA graphs and right after a grid that lets it start early; the module routes to it and
 stays within the contract.
 """
@@ -41,7 +41,7 @@ sig = dict(x_ptr="*bf16", smooth_ptr="*fp32", xq_ptr="*bf16", codes_ptr="*u8", s
            K="i32", stride_xm="i32", stride_xk="i32", xb_ptr="*bf16", KA="i32", stride_bm="i32",
            lora_ptr="*fp32", la_ptr="*bf16", R="i32")
 for late in (False, True):
-    cx = dict(BLOCK_M=8, BLOCK_K=256, WRITE_XQ=True, WRITE_CODES=False, LORA_LATE=late, BLOCK_R=32, NSPLIT=4)
+    cx = dict(BLOCK_M=8, BLOCK_K=256, WRITE_XQ=True, WRITE_CODES=False, AFTER_LORA=late, BLOCK_R=32, NSPLIT=4)
     out["exact%d" % late] = summary(kernels._quantize_act_kernel, sig, cx, "exact%d" % late, ("M", "stride_xk"))
 sig = dict(xa_ptr="*bf16", xb_ptr="*bf16", inv_ptr="*fp32", a8_ptr="*fp8e4nv", sa_ptr="*fp32",
            lora_ptr="*fp32", la_ptr="*bf16", M="i32", KA="i32", KB="i32", R="i32", stride_am="i32",
@@ -50,7 +50,7 @@ rows, _, _, warps = kernels.fp8_rows_config(3072)
 (ca, na), (cb, nb) = kernels._src_chunks(0), kernels._src_chunks(3072)
 for late in (False, True):
     cx = dict(ROWS=rows, CA=ca, NA=na, CB=cb, NB=nb, BLOCK_R=32, HAS_LORA=not late, GELU_B=False, HW_CVT=True,
-              CANON_NAN=True, GEMM_ORDER=True, NSPLIT=4, RNE_BITS=False, LORA_LATE=late)
+              CANON_NAN=True, GEMM_ORDER=True, NSPLIT=4, RNE_BITS=False, AFTER_LORA=late)
     out["fp8%d" % late] = summary(kernels._quantize_act_fp8_rows_kernel, sig, cx, "fp8%d" % late, ("M",), warps)
 sig = dict(lora_ptr="*fp32", sa_ptr="*fp32", la_ptr="*bf16", M="i32", R="i32")
 out["scale"] = summary(kernels._lora_scale_kernel, sig, dict(BLOCK_M=32, BLOCK_R=32, NSPLIT=4), "scale", ("M",))
@@ -61,8 +61,8 @@ print(json.dumps(out))
 def test_pdl_builds_wait_and_release_where_the_order_needs_it(tmp_path):
     """SASS (sm_90a, compiled here): ``griddepcontrol.wait`` is ``ACQBULK``, ``launch_dependents`` ``PREEXIT``.
     - ``lora_act``: waits before its first load (x is the previous grid's output), then releases the next grid;
-    - the passes (``LORA_LATE``): release first and load x with no wait before; the exact pass waits after its
-      tile's stores and before the partials' loads; the FP8 pass waits once, after its last store;
+    - the passes (``AFTER_LORA``): release first and load x with no wait before; the exact pass stores its tile,
+      waits, then loads the partials and stores ``la``; the FP8 pass waits once, after its last store and load;
     - ``_lora_scale_kernel`` waits before any load;
     - the plain builds hold neither instruction."""
     from sass_loops import run_script
@@ -73,21 +73,25 @@ def test_pdl_builds_wait_and_release_where_the_order_needs_it(tmp_path):
     lora = res["lora1"]
     assert len(lora["wait"]) == 1 and len(lora["launch"]) == 1
     assert lora["wait"][0] < lora["launch"][0] < lora["first_load"]
-    for late in ("exact1", "fp81"):
-        v = res[late]
-        assert len(v["launch"]) == 1 and len(v["wait"]) == 1, late
-        assert v["launch"][0] < v["first_load"] < v["wait"][0], late  # x is read with no wait before it
-        assert v["stores"] and min(v["stores"]) < v["wait"][0], late  # its own output goes out first
-    ex = res["exact1"]
-    assert any(i > ex["wait"][0] for i in ex["loads"])  # the partials, loaded after the wait
-    assert not any(i > res["fp81"]["wait"][0] for i in res["fp81"]["loads"])  # nothing read after its wait
+    for name in ("exact1", "fp81"):
+        v = res[name]
+        assert len(v["launch"]) == 1 and len(v["wait"]) == 1, (name, v["launch"], v["wait"])
+        assert v["launch"][0] < v["first_load"] < v["wait"][0], (name, "x must be read with no wait before it")
+    ex, fp = res["exact1"], res["fp81"]
+    # the exact pass: its xq tile goes out before the wait; after it, the NSPLIT partials' loads and la's store
+    assert min(ex["stores"]) < ex["wait"][0], ex["stores"]
+    assert sum(i > ex["wait"][0] for i in ex["loads"]) >= 4, ("the 4 partials are loaded after the wait", ex)
+    assert max(ex["stores"]) > ex["wait"][0], "la is stored after the wait"
+    # the FP8 pass: every store (a8, sa) before its one wait, and nothing loaded after it
+    assert max(fp["stores"]) < fp["wait"][0] and max(fp["loads"]) < fp["wait"][0], fp
     sc = res["scale"]
-    assert len(sc["wait"]) == 1 and sc["wait"][0] < sc["first_load"]
+    assert len(sc["wait"]) == 1 and sc["wait"][0] < sc["first_load"], sc
 
 
-def test_pdl_is_refused_where_it_cannot_run():
-    """On the CPU (and under the interpreter) the PDL entry points refuse by name rather than launch without
-    the order they rely on."""
+def test_pdl_is_refused_where_it_cannot_run(monkeypatch):
+    """On a CPU device the PDL entry points refuse by name rather than launch without the order they rely on; where
+    PDL is there they refuse what would put a launch between the pair (a copy of a strided x, ``inv_smooth`` made
+    on the spot) or reach the two-pass kernel."""
     from svdq_linear.backends.sm90 import kernels
 
     assert not kernels.pdl_supported(torch.device("cpu")) and not kernels.pdl_supported(None)
@@ -102,6 +106,22 @@ def test_pdl_is_refused_where_it_cannot_run():
         kernels.quantize_act_fp8(x, torch.ones(256), lora=torch.zeros(64, 16), inv_smooth=inv, lora_pdl=True)
     with pytest.raises(ValueError, match="float32"):
         kernels.quantize_act_after_lora(x, torch.ones(256), torch.zeros(64, 16, dtype=torch.bfloat16))
+
+    monkeypatch.setattr(kernels, "pdl_supported", lambda device=None: True)  # past the device check
+    xt = torch.randn(256, 64).T  # stride 64 along K
+    with pytest.raises(ValueError, match="unit stride"):
+        kernels.lora_act(xt, pds, pdl=True)
+    with pytest.raises(ValueError, match="unit stride"):
+        kernels.lora_act(None, pds, xb=xt, pdl=True)
+    lora = torch.zeros(64, 16)
+    for bad in (dict(x=xt, inv_smooth=inv), dict(x=x, inv_smooth=None), dict(x=x, inv_smooth=inv, one_pass=False)):
+        with pytest.raises(ValueError, match="lora_pdl needs"):
+            kernels.quantize_act_fp8(bad.pop("x"), torch.ones(256), lora=lora, lora_pdl=True, **bad)
+    with pytest.raises(ValueError, match="lora_pdl needs"):
+        kernels.quantize_act_fp8(torch.randn(64, kernels.ROW_MAX_K + 128), torch.ones(kernels.ROW_MAX_K + 128),
+                                 lora=lora, inv_smooth=torch.ones(kernels.ROW_MAX_K + 128), lora_pdl=True)
+    with pytest.raises(ValueError, match="lora_pdl needs"):
+        kernels.quantize_act_fp8_cat(None, xt, inv, lora=lora, lora_pdl=True)
 
 
 def test_backend_switch_reads_the_environment_per_call(monkeypatch):
@@ -160,10 +180,8 @@ def _inputs(m, k, r, seed):
 
 
 def _same(a, b):
-    return torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a.view(torch.int16 if a.dtype.itemsize == 2
-                                                                                  else torch.int32),
-                       b.view(torch.uint8) if b.dtype.itemsize == 1 else b.view(torch.int16 if b.dtype.itemsize == 2
-                                                                                  else torch.int32))
+    """The same bits (any dtype)."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 @pytest.mark.gpu
@@ -183,13 +201,13 @@ def test_gpu_exact_pair_writes_the_plain_bits(m, k, r, split):
         for s in range(1, plain.shape[0]):
             want_la += plain[s]
     torch.cuda.synchronize()
-    assert _same(xq, kernels.quantize_act(x, smooth)[0])
-    assert _same(la, want_la.bfloat16())
+    assert _same(xq, kernels.quantize_act(x, smooth)[0]), "xq differs from quantize_act's"
+    assert _same(la, want_la.bfloat16()), "la differs from the plain partials' sum in split order"
     ref = x.bfloat16().double() @ pds.double()
     ok = ref.isfinite()
     bound = 2.0**-8 * ref.abs() + k * 2.0**-23 * (x.bfloat16().double().abs() @ pds.double().abs()) + 1e-30
-    assert ((la.double() - ref).abs() <= bound)[ok].all()
-    assert la[m // 2].isnan().all()
+    assert ((la.double() - ref).abs() <= bound)[ok].all(), "la is off the float64 product"
+    assert la[m // 2].isnan().all(), "the NaN row's la"
 
 
 @pytest.mark.gpu
@@ -215,61 +233,91 @@ def test_gpu_fp8_pair_writes_the_plain_bits(m, ka, kb, r):
                                         inv_smooth=inv, gemm_order=True)
     torch.cuda.synchronize()
     for g, w, name in zip(got, want, ("a8", "sa", "la")):
-        assert _same(g, w), name
+        assert _same(g, w), f"{name} differs from the plain pair's"
+
+
+def _late_writer():
+    """A Triton kernel that copies ``src`` to ``dst`` late: it waits for the grid before it, releases the next grid
+    at once, spins, then writes, the order a GEMM that releases before its epilogue has. Launched with PDL, the
+    next grid starts while ``dst`` still holds its old values."""
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def late_copy(src, dst, n, spins, BLOCK: tl.constexpr):
+        gdc_wait()
+        gdc_launch_dependents()
+        acc = tl.zeros([BLOCK], tl.float32)
+        for _ in range(spins):
+            acc = acc * 0.5 + 1.0  # stays below 2: never stored, but the compiler cannot know
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(src + offs, mask=offs < n)
+        tl.store(dst + offs, tl.where(acc > 1e30, acc.to(v.dtype), v), mask=offs < n)
+
+    def copy(src, dst, spins=20000):
+        late_copy[(triton.cdiv(src.numel(), 1024),)](src, dst, src.numel(), spins, BLOCK=1024, launch_pdl=True)
+    return copy
 
 
 @pytest.mark.gpu
 def test_gpu_pairs_after_a_grid_that_releases_early_and_in_graphs():
-    """Each pair reads the output of the pass right before it: that pass lets the next grid start at its own
-    start, so only ``lora_act``'s wait keeps the second pair from reading a half-written x. Three chained pairs,
-    eager and replayed from a CUDA graph with new inputs, give the plain launches' bits."""
+    """Each pair reads an x written by the grid right before it, which released the pair at its start and wrote x
+    only after spinning: only ``lora_act``'s wait keeps the pair (and the pass, which reads x without one) from
+    reading the previous iteration's x. Exact and FP8 pairs, three rounds each, eager and replayed from a CUDA
+    graph with new inputs, give the plain launches' bits."""
     kernels = _gpu()
+    late_copy = _late_writer()
     m, k, r = 4096, 3072, 32
-    x0, smooth, pds = _inputs(m, k, r, 7)
+    srcs = [_inputs(m, k, r, 7 + i)[0] for i in range(3)]
+    _, smooth, pds = _inputs(m, k, r, 7)
+    inv = 1.0 / smooth
+    xbuf = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
 
-    def chain(x, pdl):
+    def plain(src):
+        p = kernels.lora_act(src, pds, split=4, block_m=64)
+        la = (((p[0] + p[1]) + p[2]) + p[3]).bfloat16()
+        fp8 = kernels.quantize_act_fp8(src, smooth, lora=kernels.lora_act(src, pds, split=4, block_m=64),
+                                       inv_smooth=inv, gemm_order=True)
+        return [kernels.quantize_act(src, smooth)[0], la, *fp8]
+
+    def chain(srcs):
         outs = []
-        inv = 1.0 / smooth
-        for _ in range(3):
-            if pdl:
-                xq, la = kernels.quantize_act_after_lora(x, smooth, kernels.lora_act(x, pds, split=4, block_m=64,
-                                                                                     pdl=True))
-                # the FP8 pair reads the exact pass's output: that pass released this grid at its start
-                fp8 = kernels.quantize_act_fp8(xq, smooth, lora=kernels.lora_act(xq, pds, split=4, block_m=64,
+        for src in srcs:
+            late_copy(src, xbuf)
+            outs += kernels.quantize_act_after_lora(xbuf, smooth, kernels.lora_act(xbuf, pds, split=4, block_m=64,
+                                                                                   pdl=True))
+            late_copy(src, xbuf)  # the same values again, written late once more, for the FP8 pair
+            outs += kernels.quantize_act_fp8(xbuf, smooth, lora=kernels.lora_act(xbuf, pds, split=4, block_m=64,
                                                                                  pdl=True),
-                                               inv_smooth=inv, gemm_order=True, lora_pdl=True)
-            else:
-                xq = kernels.quantize_act(x, smooth)[0]
-                p = kernels.lora_act(x, pds, split=4, block_m=64)
-                la = (((p[0] + p[1]) + p[2]) + p[3]).bfloat16()
-                fp8 = kernels.quantize_act_fp8(xq, smooth, lora=kernels.lora_act(xq, pds, split=4, block_m=64),
-                                               inv_smooth=inv, gemm_order=True)
-            outs += [xq, la, *fp8]
-            x = xq  # the next exact pair reads it right after the FP8 pair's last grid
+                                             inv_smooth=inv, gemm_order=True, lora_pdl=True)
+            xbuf.zero_()  # (a plain launch: the next writer waits for it)
         return outs
 
-    want = chain(x0, False)
-    got = chain(x0, True)
+    names = ("xq", "la", "a8", "sa", "la8")
+    want = [t for src in srcs for t in plain(src)]
+    got = chain(srcs)
     torch.cuda.synchronize()
     for i, (g, w) in enumerate(zip(got, want)):
-        assert _same(g, w), i
-    static_x = x0.clone()
+        assert _same(g, w), f"round {i // 5}: {names[i % 5]} differs from the plain launches'"
+    static = [src.clone() for src in srcs]
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        chain(static_x, True)  # warm-up outside the capture
+        chain(static)  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = chain(static_x, True)
+        outs = chain(static)
     for seed in (11, 12):
-        x1 = _inputs(m, k, r, seed)[0]
-        static_x.copy_(x1)
+        new = [_inputs(m, k, r, seed + 10 * i)[0] for i in range(3)]
+        for st, nw in zip(static, new):
+            st.copy_(nw)
         graph.replay()
-        want = chain(x1, False)
+        want = [t for src in new for t in plain(src)]
         torch.cuda.synchronize()
         for i, (g, w) in enumerate(zip(outs, want)):
-            assert _same(g, w), (seed, i)
+            assert _same(g, w), f"replay {seed}, round {i // 5}: {names[i % 5]} differs from the plain launches'"
 
 
 @pytest.mark.gpu
@@ -280,8 +328,8 @@ def test_gpu_module_takes_the_pdl_pair(mode, tokens, r, n, monkeypatch):
     its low-rank branch joins the accumulator: a rank up to 64, or block-diagonal). Exact: within the
     contract's tolerance (its ``lora_act`` is now Triton's, another fp32 order than cuBLAS's). Fast: the bits of
     the same module without it (the same Triton ``lora_act`` and ``la`` arithmetic). The last shape is a Flux single
-    block's fused input: its GEMM's first tiles start while the pass still runs, and read ``la`` only after the
-    wait (quack_lowrank: this caught the prefetch that read it before)."""
+    block's fused input, where bench_lowrank first showed the GEMM's math warps reading ``la`` before the pass had
+    written it (quack_lowrank now waits before that prefetch)."""
     _gpu()
     pytest.importorskip("quack")
     from test_conformance import _check, _expected_and_bound, random_w4a4
@@ -291,16 +339,21 @@ def test_gpu_module_takes_the_pdl_pair(mode, tokens, r, n, monkeypatch):
     from svdq_linear.backends.sm90 import kernels
 
     calls = []
-    for name in ("quantize_act_after_lora", "_lora_scale_kernel"):
-        orig = getattr(kernels, name)
-        if name.startswith("_"):
-            class Spy:  # a jit kernel is launched by subscript
-                def __getitem__(self, grid, orig=orig):
-                    calls.append(name)
-                    return orig[grid]
-            monkeypatch.setattr(kernels, name, Spy())
-        else:
-            monkeypatch.setattr(kernels, name, lambda *a, _o=orig, _n=name, **kw: calls.append(_n) or _o(*a, **kw))
+
+    class Spy:  # a jit kernel is launched by subscript
+        def __init__(self, name, orig):
+            self.name, self.orig = name, orig
+
+        def __getitem__(self, grid):
+            calls.append(self.name)
+            return self.orig[grid]
+
+    after, lora_act = kernels.quantize_act_after_lora, kernels.lora_act
+    monkeypatch.setattr(kernels, "quantize_act_after_lora",
+                        lambda *a, **kw: calls.append("quantize_act_after_lora") or after(*a, **kw))
+    monkeypatch.setattr(kernels, "lora_act",
+                        lambda *a, **kw: calls.append(f"lora_act pdl={kw.get('pdl', False)}") or lora_act(*a, **kw))
+    monkeypatch.setattr(kernels, "_lora_scale_kernel", Spy("_lora_scale_kernel", kernels._lora_scale_kernel))
     torch.manual_seed(tokens + r)
     k = 3072
     m = random_w4a4(k, n, r, torch.bfloat16, "cuda")
@@ -315,12 +368,13 @@ def test_gpu_module_takes_the_pdl_pair(mode, tokens, r, n, monkeypatch):
     prepared = backend.prepare(m, x.device)
     monkeypatch.delenv(sm90.ENV_PDL, raising=False)
     plain = backend.linear(m, x, prepared)
-    assert not calls
+    assert calls == ([] if mode == "exact" else ["lora_act pdl=False"]), calls  # exact: cuBLAS's lora_act
+    calls.clear()
     monkeypatch.setenv(sm90.ENV_PDL, "1")
     y = backend.linear(m, x, prepared)
     torch.cuda.synchronize()
-    assert calls == (["quantize_act_after_lora"] if mode == "exact" else ["_lora_scale_kernel"])
+    assert calls == ["lora_act pdl=True", "quantize_act_after_lora" if mode == "exact" else "_lora_scale_kernel"], calls
     if mode == "fast":
-        assert _same(y, plain)
+        assert _same(y, plain), "the fast mode's output moved with the PDL pair"
     else:
         _check(y, *_expected_and_bound(m, x), f"sm90 exact with PDL M={tokens} R={r}")

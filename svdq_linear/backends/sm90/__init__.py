@@ -100,9 +100,8 @@ ENV_LORA_STREAM = "SVDQ_SM90_LORA_STREAM"
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 # "1": lora_act (Triton) launched with programmatic dependent launch (PDL), the activation pass as its
 # dependent reading x beside it (kernels.quantize_act_after_lora / quantize_act_fp8(lora_pdl=True)), in eager
-# calls and CUDA graphs alike. Opt-in: on the H100 the pair alone is 1.08-1.18x the two launches (exact) and the
-# whole linear in CUDA graphs gains 5-23 % at 200-512 tokens and 4096 x 3072 -> 3072, but nothing at the larger
-# layers or in the Flux forward, and eager calls pay more host time (docs/perf.md, twenty-fourth session).
+# calls and CUDA graphs alike. Opt-in: it moved neither the large layers nor the Flux forward (docs/perf.md,
+# twenty-fourth session).
 ENV_PDL = "SVDQ_SM90_PDL"
 
 
@@ -443,15 +442,16 @@ class Sm90Backend(Backend):
         pds = _proj_down_smoothed(extra, proj_down, smooth) if r else None
         env = getenv(self.tuning.ENV_EXACT_LORA) if r else None  # unset (the default): no plan to make
         plan = self.tuning.exact_lora_plan(m, k, pds.shape[1], env, self.tuning.sm_count(x.device)) if env else None
-        pdl = plan is None and r and _pdl(x, self.kernels)  # (SVDQ_SM90_PDL unset, the default: no plan to make)
-        lplan = self.tuning.lora_act_plan(m, k, pds.shape[1], getenv(self.tuning.ENV_LORA_ACT)) if pdl else None
+        # the PDL pair (SVDQ_SM90_PDL=1; unset, the default: no plan to make): lora_act reads x as it lies
+        pdl = plan is None and r > 0 and x.stride(1) == 1 and _pdl(x, self.kernels)
+        lora_plan = self.tuning.lora_act_plan(m, k, pds.shape[1], getenv(self.tuning.ENV_LORA_ACT)) if pdl else None
         if plan is not None:  # the pass and lora_act [M, R] bf16 in one read of x
             xq, lora = self.kernels.quantize_act_lora(
                 x, smooth, pds, out_dtype=xq_dtype, block_m=plan.block_m, block_k=plan.block_k, split=plan.split,
                 num_warps=plan.num_warps, num_stages=plan.num_stages)
-        elif lplan is not None:  # lora_act's partials (Triton), the pass beside it as its PDL dependent
-            part = self.kernels.lora_act(x, pds, torch.float32, block_m=lplan.block_m, split=lplan.split,
-                                         num_warps=lplan.num_warps, num_stages=lplan.num_stages, pdl=True)
+        elif lora_plan is not None:  # lora_act's partials (Triton), the pass beside it as its PDL dependent
+            part = self.kernels.lora_act(x, pds, torch.float32, block_m=lora_plan.block_m, split=lora_plan.split,
+                                         num_warps=lora_plan.num_warps, num_stages=lora_plan.num_stages, pdl=True)
             xq, lora = self.kernels.quantize_act_after_lora(x, smooth, part, out_dtype=xq_dtype)
         elif r:  # lora_act [M, R] bf16: x read once more, at copy speed (beside the pass: _lora_beside)
             lora, xq = _lora_beside(x, pds, quantize)
@@ -577,9 +577,9 @@ class Sm90Backend(Backend):
             return out if x.dtype == out_dtype else out.to(x.dtype)
         if len(extra) == 7:  # [proj_down', proj_up', segments] + FastWeight: the low-rank MMA in the accumulator
             pds, up, seg = extra[:3]
-            lora, pdl = self._lora_act(x, pds, _pdl(x, self.kernels))
-            a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=lora, inv_smooth=inv, gemm_order=True,
-                                                       lora_pdl=pdl)
+            pdl = self._fast_lora_pdl(x, pds)
+            a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=self._lora_act(x, pds, pdl), inv_smooth=inv,
+                                                       gemm_order=True, lora_pdl=pdl)
             out = quack_fast.gemm(a8, sa, fw, out_dtype=out_dtype, lr_acc=(up, la, seg))
         else:
             lowrank = None
@@ -643,7 +643,7 @@ class Sm90Backend(Backend):
         out_dtype = xb.dtype
         if r:  # [proj_down', proj_up', segments] + FastWeight: the low-rank MMA in the accumulator
             pds, up, seg = ex[:3]
-            pdl = _pdl(xb, self.kernels)
+            pdl = xb.stride(1) == 1 and (xa is None or xa.stride(1) == 1) and _pdl(xb, self.kernels)
             a8, sa, la = self.kernels.quantize_act_fp8_cat(xa, xb, inv, lora=self._lora_act_cat(xa, xb, pds, pdl),
                                                            gemm_order=True, lora_pdl=pdl)
             return quack_fast.gemm(a8, sa, fw, out_dtype=out_dtype, lr_acc=(up, la, seg))
@@ -661,15 +661,21 @@ class Sm90Backend(Backend):
                                      num_warps=plan.num_warps, num_stages=plan.num_stages, xb=xb, gelu_b=True,
                                      pdl=pdl)
 
-    def _lora_act(self, x: torch.Tensor, pds: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, bool]:
+    def _fast_lora_pdl(self, x: torch.Tensor, pds: torch.Tensor) -> bool:
+        """Whether this fast call takes the PDL pair: the switch on, x of unit stride along K and within the
+        one-pass kernel's rows, and ``lora_act`` on the Triton kernel (its plan)."""
+        return (x.stride(1) == 1 and x.shape[1] <= self.kernels.ROW_MAX_K and _pdl(x, self.kernels)
+                and tuning.lora_act_plan(x.shape[0], x.shape[1], pds.shape[1], getenv(tuning.ENV_LORA_ACT)) is not None)
+
+    def _lora_act(self, x: torch.Tensor, pds: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """The fast mode's ``lora_act = x @ pds`` in fp32: cuBLAS, or ``kernels.lora_act`` where
-        ``tuning.lora_act_plan`` says (its split's partial sums, which ``quantize_act_fp8`` adds); and whether
-        it went out as a PDL launch (``pdl`` and the Triton kernel), for the pass after it."""
+        ``tuning.lora_act_plan`` says (its split's partial sums, which ``quantize_act_fp8`` adds). ``pdl``: the
+        Triton kernel as the PDL pair's first launch (``_fast_lora_pdl`` said so)."""
         plan = tuning.lora_act_plan(x.shape[0], x.shape[1], pds.shape[1], getenv(tuning.ENV_LORA_ACT))
         if plan is None:
-            return _mm_f32(x.to(torch.bfloat16), pds), False
+            return _mm_f32(x.to(torch.bfloat16), pds)
         return self.kernels.lora_act(x, pds, torch.float32, block_m=plan.block_m, split=plan.split,
-                                     num_warps=plan.num_warps, num_stages=plan.num_stages, pdl=pdl), pdl
+                                     num_warps=plan.num_warps, num_stages=plan.num_stages, pdl=pdl)
 
     def run_w4a16(self, x, qweight, wscales, wcscale, bias, extra):
         if x.stride(1) != 1:

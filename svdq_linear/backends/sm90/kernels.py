@@ -156,18 +156,18 @@ def _quantize_act_kernel(
     M, K, stride_xm, stride_xk, xb_ptr, KA, stride_bm, lora_ptr, la_ptr, R,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_XQ: tl.constexpr, WRITE_CODES: tl.constexpr,
     HAS_B: tl.constexpr = False, GELU_B: tl.constexpr = False, RNE_BITS: tl.constexpr = False,
-    LORA_LATE: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, NSPLIT: tl.constexpr = 1,
+    AFTER_LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, NSPLIT: tl.constexpr = 1,
 ):
     # One [BLOCK_M, BLOCK_K] tile a program: every byte is read once and the grid fills the GPU.
     # HAS_B: the row is cat([x, gelu(xb)]) read from its two sources (x: the first KA columns, KA a
     # multiple of BLOCK_K, so a tile lies in one of them; xb with unit stride along K), GELU applied
     # as xb loads (GELU_B) and rounded to xb's dtype as the written tensor would hold it.
-    # LORA_LATE: launched as the programmatic dependent of lora_act(pdl=True), which waited for x before it
+    # AFTER_LORA: launched as the programmatic dependent of lora_act(pdl=True), which waited for x before it
     # let this grid start, so the tiles are read without a wait and both read x at once. The programs of
     # the last k-tile (the grid's last to start) then wait for lora_act's grid and add its [NSPLIT, M, R]
     # fp32 partials of their rows in split order into la [M, R] (bf16, one rounding); this grid ends after
     # lora_act's, so the GEMM launched after it waits for both.
-    if LORA_LATE:
+    if AFTER_LORA:
         gdc_launch_dependents()
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     k0 = tl.program_id(1) * BLOCK_K
@@ -202,7 +202,7 @@ def _quantize_act_kernel(
         rks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
         tl.store(scales_ptr + rm[:, None] * (K // 16) + rks[None, :], sbits,
                  mask=m_ok[:, None] & (rks < K // 16)[None, :])
-    if LORA_LATE:
+    if AFTER_LORA:
         if tl.program_id(1) == tl.num_programs(1) - 1:
             gdc_wait()
             _scale_lora(lora_ptr, la_ptr, rm, m_ok, tl.full([BLOCK_M], 1.0, tl.float32), M, R, BLOCK_M, BLOCK_R,
@@ -342,6 +342,7 @@ def _quantize_act_fp8_kernel(
 
 
 ROW_MAX_K = 16384  # the one-pass FP8 kernel holds a row block of up to this many columns in registers
+LORA_SCALE_ROWS = 32  # _lora_scale_kernel's rows a program
 
 
 @triton.jit
@@ -418,13 +419,13 @@ def _quantize_act_fp8_rows_kernel(
     ROWS: tl.constexpr, CA: tl.constexpr, NA: tl.constexpr, CB: tl.constexpr, NB: tl.constexpr,
     BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr, GELU_B: tl.constexpr, HW_CVT: tl.constexpr,
     CANON_NAN: tl.constexpr, GEMM_ORDER: tl.constexpr, NSPLIT: tl.constexpr, RNE_BITS: tl.constexpr,
-    LORA_LATE: tl.constexpr = False,
+    AFTER_LORA: tl.constexpr = False,
 ):
-    # LORA_LATE: launched as the programmatic dependent of lora_act(pdl=True), which waited for x before it
+    # AFTER_LORA: launched as the programmatic dependent of lora_act(pdl=True), which waited for x before it
     # let this grid start: the rows are read without a wait, both grids reading x at once. la is left to
     # _lora_scale_kernel (launched next); the grid's last program waits for lora_act's grid before it ends,
     # so this grid ends after lora_act's.
-    if LORA_LATE:
+    if AFTER_LORA:
         gdc_launch_dependents()
     # One pass: ROWS whole rows a program, held in registers and x read once. A row is cat([xa, xb]) (xb
     # alone where NA = 0: quantize_act_fp8's one-pass kernel) read from its sources: xa's KA columns in
@@ -483,7 +484,7 @@ def _quantize_act_fp8_rows_kernel(
         _fp8_src_store(a8_ptr, b2 * r, rm, m_ok, K, special, KA, KB, 2, CB, HW_CVT, CANON_NAN)
     if NB > 3:
         _fp8_src_store(a8_ptr, b3 * r, rm, m_ok, K, special, KA, KB, 3, CB, HW_CVT, CANON_NAN)
-    if LORA_LATE:
+    if AFTER_LORA:
         if tl.program_id(0) == tl.num_programs(0) - 1:
             gdc_wait()
 
@@ -491,7 +492,7 @@ def _quantize_act_fp8_rows_kernel(
 @triton.jit
 def _lora_scale_kernel(lora_ptr, sa_ptr, la_ptr, M, R, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                        NSPLIT: tl.constexpr):
-    # la = lora_act / sa for the LORA_LATE pass (_scale_lora), launched as the programmatic dependent of
+    # la = lora_act / sa for the AFTER_LORA pass (_scale_lora), launched as the programmatic dependent of
     # that pass: its wait covers the pass's sa and, through the pass's last program, lora_act's partials.
     gdc_wait()
     gdc_launch_dependents()
@@ -611,7 +612,7 @@ def _lora_act_kernel(x_ptr, pd_ptr, out_ptr, M, K, R, stride_xm, K_SPLIT, xb_ptr
                      DOT_F32: tl.constexpr, HAS_B: tl.constexpr, GELU_B: tl.constexpr, RNE_BITS: tl.constexpr,
                      PDL: tl.constexpr = False):
     # PDL (launched as a programmatic dependent): wait for the grid before (x's writer), then let the grid
-    # after this one start, an activation pass that reads x beside this one (LORA_LATE).
+    # after this one start, an activation pass that reads x beside this one (AFTER_LORA).
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -704,20 +705,26 @@ def _quantize_act_launch(x, xb, smooth, m, k, dt, packed, block_m, block_k, num_
     r, nsplit = _lora_input(lora, m)
     if m:
         xa = xb if x is None else x  # any pointer when there are no columns of x
-        late = lora is not None  # (quantize_act_after_lora: launched as lora_act's programmatic dependent)
+        after_lora = lora is not None  # (quantize_act_after_lora: launched as lora_act's programmatic dependent)
         _quantize_act_kernel[(cdiv(m, block_m), cdiv(k, block_k))](
             xa, smooth, smooth if xq is None else xq, smooth if codes is None else codes,
             smooth if scales is None else scales, m, k, xa.stride(0), xa.stride(1),
             smooth if xb is None else xb, k if xb is None else k - xb.shape[1], 0 if xb is None else xb.stride(0),
             smooth if lora is None else lora, smooth if la is None else la, r,
             BLOCK_M=block_m, BLOCK_K=block_k, WRITE_XQ=not packed, WRITE_CODES=packed, HAS_B=xb is not None,
-            GELU_B=gelu_b, RNE_BITS=_INTERPRET, LORA_LATE=late, BLOCK_R=_block_r(r), NSPLIT=nsplit,
-            num_warps=num_warps, **({"launch_pdl": True} if late else {}),
+            GELU_B=gelu_b, RNE_BITS=_INTERPRET, AFTER_LORA=after_lora, BLOCK_R=_block_r(r), NSPLIT=nsplit,
+            num_warps=num_warps, **_pdl_opts(after_lora),
         )
     return xq, codes, None if scales is None else scales.view(torch.float8_e4m3fn)
 
 
 _PDL_DEVICES: dict[int, bool] = {}
+
+
+def _pdl_opts(pdl: bool) -> dict:
+    """A launch's options: ``launch_pdl`` only where it is on (a Triton without grid dependency control has no such
+    option, and the default launches stay as they were)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 def pdl_supported(device: torch.device | None = None) -> bool:
@@ -917,11 +924,15 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
 
     ``lora_pdl=True``: ``lora`` is the output of ``lora_act(x, ..., pdl=True)`` launched right before on this
     stream (nothing between). The one-pass kernel then launches as its programmatic dependent and reads x
-    beside it, and ``la`` comes from one more small launch after both (``_lora_scale_kernel``). Same bits.
-    The two-pass kernel ignores it (launched plainly, it waits for lora_act's grid to end)."""
+    beside it, and ``la`` comes from one more small launch after both (``_lora_scale_kernel``). Same bits. It
+    needs ``inv_smooth`` and x of unit stride along K (no launch may come between the two)."""
     m, k = x.shape
     if gemm_order and k % 128:
         raise ValueError(f"the fast GEMM's k order needs in_features % 128 == 0, got {k}")
+    if lora_pdl and (x.stride(1) != 1 or inv_smooth is None or lora is None or one_pass is False or k > ROW_MAX_K):
+        # launched beside lora_act, the one-pass kernel must be the next launch: no copy of x or inv_smooth first
+        raise ValueError("lora_pdl needs lora, inv_smooth, x of unit stride along K and K <= ROW_MAX_K (the one-pass "
+                         "kernel, launched right after lora_act)")
     if lora is not None and proj_down_smoothed is not None:
         raise ValueError("pass lora (computed) or proj_down_smoothed (to compute it here), not both")
     if one_pass is None:
@@ -984,6 +995,9 @@ def quantize_act_fp8_cat(xa: torch.Tensor | None, xb: torch.Tensor, inv_smooth: 
     ``quantize_act_fp8``, after ``lora_act(xa, ..., xb=xb, pdl=True)``."""
     ka, m, kb = _check_sources(xa, xb)
     k = ka + kb
+    if lora_pdl and (xb.stride(1) != 1 or (xa is not None and xa.stride(1) != 1) or lora is None):
+        raise ValueError("lora_pdl needs lora and sources of unit stride along K (the pass is launched right after "
+                         "lora_act, with no copy between)")
     if gemm_order and k % 128:
         raise ValueError(f"the fast GEMM's k order needs in_features % 128 == 0, got {k}")
     if k > ROW_MAX_K:
@@ -1006,8 +1020,8 @@ def _fp8_rows_launch(xa, xb, inv_smooth, a8, sa, lora, la, nsplit, gelu_b, gemm_
     """``_quantize_act_fp8_rows_kernel`` on the row ``cat([xa, xb])`` (xa None: xb alone), checked by the
     caller; its block from ``fp8_rows_config`` unless ``rows`` / ``num_warps`` say otherwise. ``lora_pdl``
     (with ``lora``): launched as lora_act's programmatic dependent, ``la`` by ``_lora_scale_kernel`` after it."""
-    late = lora_pdl and lora is not None
-    if late:
+    after_lora = lora_pdl and lora is not None
+    if after_lora:
         _check_pdl(xb.device, "the FP8 pass with lora_pdl")
     m, ka, kb = xb.shape[0], 0 if xa is None else xa.shape[1], xb.shape[1]
     r = 0 if lora is None else lora.shape[-1]
@@ -1016,16 +1030,14 @@ def _fp8_rows_launch(xa, xb, inv_smooth, a8, sa, lora, la, nsplit, gelu_b, gemm_
     _quantize_act_fp8_rows_kernel[(cdiv(m, rows or rows_d),)](
         xb if xa is None else xa, xb, inv_smooth, a8, sa, sa if lora is None else lora, sa if la is None else la,
         m, ka, kb, r, 0 if xa is None else xa.stride(0), xb.stride(0),
-        ROWS=rows or rows_d, CA=ca, NA=na, CB=cb, NB=nb, BLOCK_R=_block_r(r), HAS_LORA=lora is not None and not late,
+        ROWS=rows or rows_d, CA=ca, NA=na, CB=cb, NB=nb, BLOCK_R=_block_r(r),
+        HAS_LORA=lora is not None and not after_lora,
         GELU_B=gelu_b, HW_CVT=not _INTERPRET, CANON_NAN=canon_nan, GEMM_ORDER=gemm_order, NSPLIT=nsplit,
-        RNE_BITS=_INTERPRET, LORA_LATE=late, num_warps=num_warps or warps_d, **({"launch_pdl": True} if late else {}))
-    if late:
+        RNE_BITS=_INTERPRET, AFTER_LORA=after_lora, num_warps=num_warps or warps_d, **_pdl_opts(after_lora))
+    if after_lora:
         _lora_scale_kernel[(cdiv(m, LORA_SCALE_ROWS),)](lora, sa, la, m, r, BLOCK_M=LORA_SCALE_ROWS,
                                                         BLOCK_R=_block_r(r), NSPLIT=nsplit, num_warps=4,
-                                                        launch_pdl=True)
-
-
-LORA_SCALE_ROWS = 32  # _lora_scale_kernel's rows a program
+                                                        **_pdl_opts(True))
 
 def lora_act(x: torch.Tensor | None, pds: torch.Tensor, out_dtype: torch.dtype = torch.float32, *, block_m: int = 16,
              block_k: int | None = None, num_stages: int = 4, num_warps: int = 4, split: int = 1,
@@ -1049,6 +1061,10 @@ def lora_act(x: torch.Tensor | None, pds: torch.Tensor, out_dtype: torch.dtype =
     may come next: they read x beside this grid."""
     if pdl:
         _check_pdl(pds.device, "lora_act")
+        if (x is not None and x.stride(1) != 1) or (xb is not None and xb.stride(1) != 1):
+            # a copy made here would be freed on return while this grid still reads it, and the pass launched
+            # next (beside this grid) could be handed its memory
+            raise ValueError("lora_act(pdl=True) reads x as it lies: it needs unit stride along K")
     if x is None and xb is None:
         raise ValueError("lora_act needs x, xb or both")
     ka = 0 if x is None else x.shape[1]
@@ -1082,7 +1098,7 @@ def lora_act(x: torch.Tensor | None, pds: torch.Tensor, out_dtype: torch.dtype =
             xa, pds, out, m, k, r, xa.stride(0), k_split, pds if xb is None else xb, ka if xb is not None else k,
             0 if xb is None else xb.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r),
             NUM_STAGES=num_stages, DOT_F32=_INTERPRET, HAS_B=xb is not None, GELU_B=gelu_b, RNE_BITS=_INTERPRET,
-            PDL=pdl, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
+            PDL=pdl, num_warps=num_warps, **_pdl_opts(pdl))
     elif m:
         out.zero_()
     return out
