@@ -9,28 +9,20 @@ programmatic edges?). Each pair's outputs are checked against the plain launches
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 import torch
 from triton.testing import do_bench
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cuda import graphed  # noqa: E402
+
 SHAPES = [  # (label, M, K, R)
     ("fused qkv", 4096, 3072, 96), ("attn out", 4096, 3072, 32), ("ff down", 4096, 12288, 32),
     ("single fused in", 4608, 3072, 128), ("single out", 4608, 15360, 32), ("attn txt", 512, 3072, 32),
 ]
-
-
-def graphed(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def eager_us(fn, n=50) -> float:
