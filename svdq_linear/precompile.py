@@ -64,6 +64,8 @@ def _sass_stats(cubin: bytes, work: Path, name: str, keep_sass: bool) -> dict:
         "qgmma": len(re.findall(r"\bQGMMA\.", sass)),
         "local_memory": len(re.findall(r"\b(?:LDL|STL)\b", sass)),
         "grid_waits": len(re.findall(r"\bACQBULK\b", sass)),  # griddepcontrol.wait (programmatic dependent launch)
+        # of those, the ones laid out before the first cp.async (LDGSTS): what a kernel waits for before it copies
+        "grid_waits_before_cp_async": len(re.findall(r"\bACQBULK\b", sass.split("LDGSTS")[0])),
     }
     if keep_sass:
         (work / f"{name}.sass").write_text(sass)

@@ -173,8 +173,9 @@ def test_lowrank_gemms_compile_for_sm90_with_bf16_wgmma(tmp_path):
         assert st is not None, f"{rec}: no cubin"
         assert st["local_memory"] == 0 and st["stack_bytes"] == 0, rec
         # quack's producer waits for the grid before (PDL) before its first load, and so do the math warps before
-        # they prefetch la (the activation pass's output) at each tile's start
-        assert st["grid_waits"] >= 2, rec
+        # they prefetch la (the activation pass's output) with cp.async at each tile's start: two waits are laid
+        # out before the first LDGSTS (the producer's code comes first)
+        assert st["grid_waits_before_cp_async"] >= 2, rec
         if rec["mode"] == "fast":  # FP8 main loop, bf16 low-rank wgmmas
             assert st["qgmma"] > 0 and st["hgmma"] >= rec["r"] // 16, rec
         else:  # bf16 throughout: more HGMMA than the main loop's alone
