@@ -931,8 +931,9 @@ def quantize_act_fp8(x: torch.Tensor, smooth: torch.Tensor, *, lora: torch.Tenso
         raise ValueError(f"the fast GEMM's k order needs in_features % 128 == 0, got {k}")
     if lora_pdl and (x.stride(1) != 1 or inv_smooth is None or lora is None or one_pass is False or k > ROW_MAX_K):
         # launched beside lora_act, the one-pass kernel must be the next launch: no copy of x or inv_smooth first
-        raise ValueError("lora_pdl needs lora, inv_smooth, x of unit stride along K and K <= ROW_MAX_K (the one-pass "
-                         "kernel, launched right after lora_act)")
+        raise ValueError(f"lora_pdl needs lora, inv_smooth, x of unit stride along K and K <= {ROW_MAX_K} (the "
+                         f"one-pass kernel, launched right after lora_act); got lora {lora is not None}, inv_smooth "
+                         f"{inv_smooth is not None}, stride {x.stride(1)}, K {k}, one_pass {one_pass}")
     if lora is not None and proj_down_smoothed is not None:
         raise ValueError("pass lora (computed) or proj_down_smoothed (to compute it here), not both")
     if one_pass is None:
@@ -997,7 +998,8 @@ def quantize_act_fp8_cat(xa: torch.Tensor | None, xb: torch.Tensor, inv_smooth: 
     k = ka + kb
     if lora_pdl and (xb.stride(1) != 1 or (xa is not None and xa.stride(1) != 1) or lora is None):
         raise ValueError("lora_pdl needs lora and sources of unit stride along K (the pass is launched right after "
-                         "lora_act, with no copy between)")
+                         f"lora_act, with no copy between); got lora {lora is not None}, strides "
+                         f"{[t.stride(1) for t in (xa, xb) if t is not None]}")
     if gemm_order and k % 128:
         raise ValueError(f"the fast GEMM's k order needs in_features % 128 == 0, got {k}")
     if k > ROW_MAX_K:
@@ -1064,7 +1066,8 @@ def lora_act(x: torch.Tensor | None, pds: torch.Tensor, out_dtype: torch.dtype =
         if (x is not None and x.stride(1) != 1) or (xb is not None and xb.stride(1) != 1):
             # a copy made here would be freed on return while this grid still reads it, and the pass launched
             # next (beside this grid) could be handed its memory
-            raise ValueError("lora_act(pdl=True) reads x as it lies: it needs unit stride along K")
+            strides = [t.stride(1) for t in (x, xb) if t is not None]
+            raise ValueError(f"lora_act(pdl=True) reads x as it lies: it needs unit stride along K, got {strides}")
     if x is None and xb is None:
         raise ValueError("lora_act needs x, xb or both")
     ka = 0 if x is None else x.shape[1]
