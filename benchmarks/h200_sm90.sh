@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call for the sm90 backend: GPU conformance + seam tests, the config sweep, the benchmark.
 # Through the device tool with carry [".devcarry/wheels"]:  bash benchmarks/h200_sm90.sh [--sweep]
-# STEPS (default "tests bench"; also lora, lowrank, fast, flux, small (SMALL_ARGS=--fast-one / --exact-one: a mode's one launch; --exact-kernel: the exact one alone, no quack; SMALL_TAG suffixes its files), decode (bench_decode_dense.py: decode-once + dense GEMM against quack's W4, measured and rejected; DECODE_ARGS=--quick), trace (where the one-launch kernel's time goes; TRACE_ARGS=--exact or --tokens ...), diag, act, gelu, cachehit, pctriton, fallback, host, ncu, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
+# STEPS (default "tests bench"; also lora, lowrank (LOWRANK_ARGS=--pdl: the PDL pair, both modes), pdl (bench_pdl.py: the pair alone), fast, flux, small (SMALL_ARGS=--fast-one / --exact-one: a mode's one launch; --exact-kernel: the exact one alone, no quack; SMALL_TAG suffixes its files), decode (bench_decode_dense.py: decode-once + dense GEMM against quack's W4, measured and rejected; DECODE_ARGS=--quick), trace (where the one-launch kernel's time goes; TRACE_ARGS=--exact or --tokens ...), diag, act, gelu, cachehit, pctriton, fallback, host, ncu, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
 # spaces: select tests by node id (file::test), not with a quoted -k expression.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
