@@ -1,7 +1,7 @@
 """Build, check and time the activation passes against a device copy of the same bytes (H100/H200).
 
     python benchmarks/bench_act.py [--out FILE] [--defaults]
-    python benchmarks/bench_act.py --exact-lora [--out FILE]   # Triton and torch only
+    python benchmarks/bench_act.py --exact-lora [--baseline OLD/kernels.py] [--out FILE]   # Triton and torch only
 
 ``--exact-lora``: the exact mode's pass and ``lora_act`` in one read of x (``kernels.quantize_act_lora``)
 over its blocks and splits at the fused q/k/v shape, then its best configs at every shape and the config
@@ -58,70 +58,101 @@ def lora_close(got: torch.Tensor, x: torch.Tensor, pds: torch.Tensor) -> bool:
     return bool(((got.double() - want).abs() <= want.abs() * 2.0**-8 + (xd.abs() @ pd.abs()) * 2.0**-20).all())
 
 
-def exact_lora(lines: list[str]) -> None:
-    """``kernels.quantize_act_lora`` against the pass plus cuBLAS ``lora_act``, same run (see the module doc)."""
-    # first sweep (t-1, H100): 64 x 64 with 8 warps best everywhere, loops of one stage; this one adds 128-row
-    # blocks and the loop pipelined over 2-3 stages (x's next tile in flight while this one is computed)
+def load_baseline(path: str):
+    """An older ``kernels.py`` (``--baseline``) loaded beside the current one, as a module of the same package."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("svdq_linear.backends.sm90._baseline_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def exact_lora(lines: list[str], base=None) -> None:
+    """``kernels.quantize_act_lora`` against the pass plus cuBLAS ``lora_act``, same run (see the module doc);
+    ``base``: an older kernels module (``--baseline``), whose pass and one read are timed beside."""
+    # t-1 / t-2 (H100): 64 x 64 blocks, 2-3 stages best; the sweep runs with inv_smooth (the cheaper loop)
     configs = [(bm, bk, w, s, st) for bm, bk, w in ((64, 64, 8), (64, 64, 4), (64, 128, 8), (128, 64, 8), (128, 32, 8),
                                                    (32, 64, 4)) for s in (2, 4, 8) for st in (1, 2, 3)]
     lines += ["### The exact pass with lora_act in one read of x (us; GB/s: x read once, xq written once)", "",
-              "| M | K | R | copy GB/s | pass | cuBLAS lora_act | pass + lora_act (two launches) | one read: best "
-              "(bm x bk, warps, split, stages) | GB/s | % copy | gain | second / third | as `=one` runs it "
-              "(tuning.exact_lora_plan) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "'base': the kernels of " + (getattr(base, "__file__", "") or "-") + "; 'inv': `inv_smooth` given "
+              "(no division a column). Two launches: the pass (inv) then cuBLAS `x @ pds`.", "",
+              "| M | K | R | copy GB/s | pass base / now / inv | cuBLAS lora_act | two launches | one read base | "
+              "one read now | one read inv: best (bm x bk, warps, split, stages) | % copy | gain over two | "
+              "second / third | as `=one` runs it (inv) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     best_first: list = []
     for i, (m, k, r) in enumerate(LORA_SHAPES):
         torch.manual_seed(i)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
         x[1, 7] = float("nan")
         x[2, 16:32] = 0.0
+        x[3, 0:16] = -0.0
         smooth = torch.rand(k, device="cuda") + 0.5
+        inv = (1.0 / smooth).contiguous()
         pds = (torch.randn(k, r, device="cuda") / 20).bfloat16()
         nbytes = m * k * 4
         src = torch.empty(nbytes // 2, device="cuda", dtype=torch.uint8)
         dst = torch.empty_like(src)
         copy_gbs = nbytes / bench(lambda: dst.copy_(src)) / 1e6
         ref = kernels.quantize_act(x, smooth)[0]
-        t_pass = bench(lambda: kernels.quantize_act(x, smooth))
+        passes = {"now": lambda: kernels.quantize_act(x, smooth),
+                  "inv": lambda: kernels.quantize_act(x, smooth, inv_smooth=inv)}
+        if base is not None:
+            passes["base"] = lambda: base.quantize_act(x, smooth)
+        t_pass = {}
+        for name, fn in passes.items():
+            same = first_diff(fn()[0].view(torch.int16), ref.view(torch.int16))
+            t_pass[name] = f"{bench(fn) * 1e3:.1f}" if same == "same" else f"xq {same}"
         t_lora = bench(lambda: x @ pds)
-        t_two = bench(lambda: (x @ pds, kernels.quantize_act(x, smooth)))
-        timed = []
-        plan = tuning.exact_lora_plan(m, k, r, "one", tuning.sm_count(x.device))
-        planned = (plan.block_m, plan.block_k, plan.num_warps, plan.split, plan.num_stages) if plan else None
-        for bm, bk, w, sp, st in (configs if i == 0 else best_first) + ([planned] if planned else []):
-            fn = lambda: kernels.quantize_act_lora(x, smooth, pds, block_m=bm, block_k=bk, split=sp,  # noqa: E731
-                                                   num_warps=w, num_stages=st)
+        t_two = bench(lambda: (x @ pds, kernels.quantize_act(x, smooth, inv_smooth=inv)))
+
+        def one_read(mod, cfg, use_inv):
+            bm, bk, w, sp, st = cfg
+            kw = {"inv_smooth": inv} if use_inv else {}
+            fn = lambda: mod.quantize_act_lora(x, smooth, pds, block_m=bm, block_k=bk, split=sp,  # noqa: E731
+                                               num_warps=w, num_stages=st, **kw)
             try:
                 xq, lora = fn()
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001 - report and go on
-                lines.append(f"| {m} | {k} | {r} | | | | | {bm}x{bk} w{w} s{sp} st{st}: error {type(e).__name__} "
-                             "| | | | |")
-                continue
+                return f"error {type(e).__name__}"
             same = first_diff(xq.view(torch.int16), ref.view(torch.int16))
             rows = torch.tensor([0] + list(range(2, m)), device=x.device)  # row 1 holds a NaN: NaN either way
             ok = lora_close(lora[rows], x[rows], pds) and bool(lora[1].isnan().all())
             if same != "same" or not ok:
-                lines.append(f"| {m} | {k} | {r} | | | | | {bm}x{bk} w{w} s{sp} st{st}: xq {same}, lora_act "
-                             f"{'close' if ok else 'NOT close'} | | | | |")
-                continue
-            timed.append((bench(fn), (bm, bk, w, sp, st)))
+                return f"xq {same}, lora_act {'close' if ok else 'NOT close'}"
+            return bench(fn)
+
+        plan = tuning.exact_lora_plan(m, k, r, "one", tuning.sm_count(x.device))
+        planned = (plan.block_m, plan.block_k, plan.num_warps, plan.split, plan.num_stages) if plan else None
+        timed, bad = [], []
+        for cfg in dict.fromkeys((configs if i == 0 else best_first) + ([planned] if planned else [])):
+            t = one_read(kernels, cfg, True)
+            (timed if isinstance(t, float) else bad).append((t, cfg))
+        for t, (bm, bk, w, sp, st) in bad:
+            lines.append(f"| {m} | {k} | {r} | | | | | | | {bm}x{bk} w{w} s{sp} st{st}: {t} | | | | |")
         t_plan = next((t for t, c in timed if c == planned), None)
-        timed = sorted(set(timed))
+        timed = sorted(timed)
         if not timed:
             lines.append(f"| {m} | {k} | {r} | no config ran |")
             continue
         if i == 0:
             best_first = [c for _, c in timed[:6]]
             lines.append("")
-            lines.append("All configs at the first shape (us): " + ", ".join(
+            lines.append("All configs at the first shape, inv (us): " + ", ".join(
                 f"{bm}x{bk} w{w} s{sp} st{st} {t * 1e3:.1f}" for t, (bm, bk, w, sp, st) in timed))
             lines.append("")
-        t, (bm, bk, w, sp, st) = timed[0]
+        t, cfg = timed[0]
+        now = one_read(kernels, cfg, False)
+        old = one_read(base, cfg, False) if base is not None else "-"
+        fmt = lambda v: f"{v * 1e3:.1f}" if isinstance(v, float) else v  # noqa: E731
         gbs = nbytes / t / 1e6
         rest = " / ".join(f"{tt * 1e3:.1f} ({c[0]}x{c[1]} w{c[2]} s{c[3]} st{c[4]})" for tt, c in timed[1:3])
-        lines.append(f"| {m} | {k} | {r} | {copy_gbs:.0f} | {t_pass * 1e3:.1f} | {t_lora * 1e3:.1f} | "
-                     f"{t_two * 1e3:.1f} | **{t * 1e3:.1f}** ({bm}x{bk}, w{w}, s{sp}, st{st}) | {gbs:.0f} | "
+        lines.append(f"| {m} | {k} | {r} | {copy_gbs:.0f} | {t_pass.get('base', '-')} / {t_pass['now']} / "
+                     f"{t_pass['inv']} | {t_lora * 1e3:.1f} | {t_two * 1e3:.1f} | {fmt(old)} | {fmt(now)} | "
+                     f"**{t * 1e3:.1f}** ({cfg[0]}x{cfg[1]}, w{cfg[2]}, s{cfg[3]}, st{cfg[4]}) | "
                      f"{100 * gbs / copy_gbs:.0f} | {t_two / t:.2f}x | {rest} | "
                      + (f"{t_plan * 1e3:.1f} ({t_two / t_plan:.2f}x) |" if t_plan else "- |"))
         print("\n".join(lines[-3:]), flush=True)
@@ -134,11 +165,13 @@ def main():
                     help="FP8 pass: only the two-pass reference and the default block in both k orders; no NVFP4 sweep")
     ap.add_argument("--exact-lora", action="store_true",
                     help="only the exact pass with lora_act in one read of x against the two launches")
+    ap.add_argument("--baseline", default=None,
+                    help="with --exact-lora: an older kernels.py, its pass and one read timed beside (same run)")
     args = ap.parse_args()
     torch.manual_seed(0)
     lines = [f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}", ""]
     if args.exact_lora:
-        exact_lora(lines)
+        exact_lora(lines, load_baseline(args.baseline) if args.baseline else None)
         text = "\n".join(lines) + "\n"
         if args.out:
             Path(args.out).write_text(text)

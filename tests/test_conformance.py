@@ -316,6 +316,55 @@ def test_quantize_act_rounds_every_midpoint_to_even(device):
                               f"vs {want[tuple(diff[0])]}"
 
 
+@pytest.mark.parametrize("device", ["cuda"] if HAS_CUDA else ["cpu"])
+@pytest.mark.parametrize("inv", [False, True], ids=["smooth", "inv_smooth"])
+def test_quantize_act_exact_at_the_scale_limits(device, inv):
+    """Blocks whose values over their scale pass 6 before E2M1 saturates them: scales in E4M3's subnormal range
+    (a block max of 6 * 1.49 * 2**-9 takes the scale 2**-9, so q reaches 8.9) and saturated ones (a block max
+    above 6 * 448), plus every binade of q from 2**-20 to 2**3 at random mantissas and both signs. ``xq`` bit for
+    bit (signs of zero included) against the independent encoder, with ``1 / smooth`` divided in the kernel or
+    given (``inv_smooth``, the same bits); ``quantize_act_lora`` the same bytes both ways."""
+    from svdq_linear.backends.sm90 import kernels
+
+    g = torch.Generator().manual_seed(7)
+    k = 256
+    rows = []
+    for amax in (6 * 1.49 * 2.0**-9, 6 * 1.9 * 2.0**-8, 6 * 1.3 * 2.0**-7, 2700.0, 9000.0, 6.0, 6 * 2.0**-6):
+        r = (torch.rand(k, generator=g) * 2 - 1) * amax
+        r[::16] = amax  # each block's max
+        rows.append(r)
+    mag = torch.exp2(torch.empty(k).uniform_(-20, 3, generator=g)) * torch.where(torch.rand(k, generator=g) < 0.5, -1, 1)
+    mag[::16] = 6.0
+    rows.append(mag)
+    x = torch.stack(rows).bfloat16()
+    smooth = torch.exp(torch.randn(k, generator=g) * 0.1).clamp(0.5, 2.0)
+    smooth[::16] = 1.0  # the block maxima stay where they were put
+    xs = x.float() * (1.0 / smooth)
+    codes, scale_idx = _reference_codes(xs)
+    values = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+    scales = scale_idx.view(torch.float8_e4m3fn).double()
+    want = (values[codes.long()].reshape(len(rows), -1, 16) * scales.unsqueeze(-1)).reshape(len(rows), k)
+    assert (scale_idx[:3] < 8).all() and (scale_idx[3:5] == 0x7E).all(), "not the scale limits meant"
+    assert ((xs.reshape(len(rows), -1, 16) / scales.float().unsqueeze(-1)).abs() > 6.5).any(), "no q past 6"
+    xd, sd = x.to(device), smooth.to(device)
+    kw = {"inv_smooth": (1.0 / sd).contiguous()} if inv else {}
+    xq = kernels.quantize_act(xd, sd, **kw)[0].cpu()
+    want = want.bfloat16()
+    diff = (xq.view(torch.int16) != want.view(torch.int16)).nonzero()
+    assert diff.numel() == 0, f"{len(diff)} values differ, first {diff[:3].tolist()}: {xq[tuple(diff[0])]} " \
+                              f"vs {want[tuple(diff[0])]}"
+    pds = (torch.randn(k, 32, generator=g) / 20).bfloat16().to(device)
+    xq2, lora = kernels.quantize_act_lora(xd, sd, pds, block_m=16, block_k=64, **kw)
+    assert torch.equal(xq2.cpu().view(torch.int16), xq.view(torch.int16))
+    if inv:
+        _, lora0 = kernels.quantize_act_lora(xd, sd, pds, block_m=16, block_k=64)
+        assert torch.equal(lora.view(torch.int16), lora0.view(torch.int16)), "lora_act reads x, not x / smooth"
+        with pytest.raises(ValueError, match="inv_smooth"):
+            kernels.quantize_act(xd, sd, inv_smooth=kw["inv_smooth"].double())
+        with pytest.raises(ValueError, match="inv_smooth"):
+            kernels.quantize_act_lora(xd, sd, pds, inv_smooth=kw["inv_smooth"][:-16])
+
+
 @pytest.mark.parametrize("backend,device", BACKENDS, ids=[f"{b}-{d}" for b, d in BACKENDS])
 @pytest.mark.parametrize("m_tokens", [1, 4, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -121,33 +121,40 @@ def _e2m1_mag(a):
 
 
 @triton.jit
-def _nvfp4_tile(x, smooth_ptr, rk, k_ok, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _nvfp4_tile(x, smooth_ptr, rk, k_ok, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, INV: tl.constexpr = False):
     """A tile ``x [BLOCK_M, BLOCK_K]`` (fp32, columns ``rk``) over ``smooth``, in NVFP4 blocks: ``(finite, sf, q)``,
     the blocks' ``_nvfp4_block_scales`` and ``q [BLOCK_M, BLOCK_K / 16, 16]``, each value over its block's
-    scale (the reciprocal rule of the contract: ``x * (1 / smooth)``, then ``* (1 / sf)``)."""
+    scale (the reciprocal rule of the contract: ``x * (1 / smooth)``, then ``* (1 / sf)``). INV: ``smooth_ptr``
+    holds ``1 / smooth`` already (fp32, the IEEE quotient, as the backend caches it), so no division a column."""
     sm = tl.load(smooth_ptr + rk, mask=k_ok, other=1.0)
-    xs = x * tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)[None, :]
+    if not INV:
+        sm = tl.math.div_rn(tl.full([BLOCK_K], 1.0, tl.float32), sm)
+    xs = x * sm[None, :]
     xb = tl.reshape(xs, (BLOCK_M, BLOCK_K // 16, 16))
     finite, sf, r = _nvfp4_block_scales(xb)
     return finite, sf, xb * r[:, :, None]
 
 
 @triton.jit
-def _nvfp4_dequant(a, neg, finite, sf):
-    """The exact dequantized NVFP4 values ``[rows, blocks, 16]`` (fp32) of magnitudes ``a`` (a value over its
-    block scale), signs ``neg``, blocks' ``finite`` and scales ``sf`` (``_nvfp4_block_scales``): the
-    nearest-even E2M1 value times the scale, NaN in a block that held NaN or Inf. By arithmetic rather
-    than one compare per midpoint: from 1 up the grid keeps one mantissa bit (keep fp32's top mantissa
-    bit, nearest-even, a carry moves into the exponent; 6 caps it), below 1 it is the multiples of 0.5
-    (the 1.5 * 2**23 trick rounds 2a to an integer, ties even)."""
-    ab = a.to(tl.int32, bitcast=True)
-    vn = tl.minimum(((ab + 0x1FFFFF + ((ab >> 22) & 1)) & -4194304).to(tl.float32, bitcast=True), 6.0)
-    vs = ((a * 2.0 + 12582912.0) - 12582912.0) * 0.5
-    v = tl.where(a < 1.0, vs, vn)
-    # the sign as a bit: Triton's float negation is 0 - v, which loses the sign of a zero
-    v = (v.to(tl.int32, bitcast=True) | (neg.to(tl.int32) << 31)).to(tl.float32, bitcast=True)
-    v = v * sf[:, :, None]
-    return tl.where((finite != 0)[:, :, None], v, float("nan"))
+def _nvfp4_dequant(q, finite, sf):
+    """The exact dequantized NVFP4 values ``[rows, blocks, 16]`` (fp32) of ``q`` (each value over its block
+    scale, signed), blocks' ``finite`` and scales ``sf`` (``_nvfp4_block_scales``): the nearest-even E2M1
+    value times the scale, NaN in a block that held NaN or Inf.
+
+    One rounding by a magic constant: on [0, 2] the E2M1 grid is the multiples of 0.5, on [2, 4] of 1, on
+    [4, 6] of 2, and its ties to even are those of the multiples (the contract's alternating midpoints
+    0.25 down, 0.75 up, 1.25, 1.75, 2.5, 3.5, 5). Adding ``c = 1.5 * 2**23`` times that step rounds to
+    it, nearest even, for either sign (``c / step`` is even); subtracting ``c`` is exact. The step is
+    half the power of two of ``max(|q|, 1)``, read from its exponent bits. ``q`` is clamped to +-6 first,
+    which is E2M1's saturation. Only the sign of a zero is lost; it is put back as ``q < 0``."""
+    qc = tl.minimum(tl.maximum(q, -6.0), 6.0)
+    e = tl.maximum(tl.abs(qc), 1.0).to(tl.int32, bitcast=True) & 0x7F800000
+    c = (e + 0x0B400000).to(tl.float32, bitcast=True)  # 1.5 * 2**22 * 2**floor(log2 max(|q|, 1))
+    v = (qc + c) - c
+    # the sign of q < 0 (-0.0 + 0.0 is +0.0): the contract's code for -0.0 is +0
+    sgn = (q + 0.0).to(tl.int32, bitcast=True) & -2147483648
+    v = (v.to(tl.int32, bitcast=True) | sgn).to(tl.float32, bitcast=True)
+    return v * tl.where(finite != 0, sf, float("nan"))[:, :, None]  # NaN a block that held NaN or Inf
 
 
 @triton.jit
@@ -156,7 +163,7 @@ def _quantize_act_kernel(
     M, K, stride_xm, stride_xk, xb_ptr, KA, stride_bm, lora_ptr, la_ptr, R,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_XQ: tl.constexpr, WRITE_CODES: tl.constexpr,
     HAS_B: tl.constexpr = False, GELU_B: tl.constexpr = False, RNE_BITS: tl.constexpr = False,
-    AFTER_LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, NSPLIT: tl.constexpr = 1,
+    AFTER_LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, NSPLIT: tl.constexpr = 1, INV: tl.constexpr = False,
 ):
     # One [BLOCK_M, BLOCK_K] tile a program: every byte is read once and the grid fills the GPU.
     # HAS_B: the row is cat([x, gelu(xb)]) read from its two sources (x: the first KA columns, KA a
@@ -184,16 +191,13 @@ def _quantize_act_kernel(
             x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
     else:
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-    finite, sf, q = _nvfp4_tile(x, smooth_ptr, rk, k_ok, BLOCK_M, BLOCK_K)
-    a = tl.abs(q)
-    neg = q < 0
-    # Nearest-even E2M1: the midpoints 0.25 (down), 0.75 (up), 1.25, 1.75, 2.5, 3.5, 5 alternate.
+    finite, sf, q = _nvfp4_tile(x, smooth_ptr, rk, k_ok, BLOCK_M, BLOCK_K, INV)
     if WRITE_XQ:
-        v = _nvfp4_dequant(a, neg, finite, sf)
+        v = _nvfp4_dequant(q, finite, sf)
         tl.store(xq_ptr + rm[:, None] * K + rk[None, :], tl.reshape(v, (BLOCK_M, BLOCK_K)).to(xq_ptr.dtype.element_ty),
                  mask=mask)
     if WRITE_CODES:
-        code = tl.reshape(_e2m1_mag(a) | (neg.to(tl.int32) << 3), (BLOCK_M, BLOCK_K // 2, 2))
+        code = tl.reshape(_e2m1_mag(tl.abs(q)) | ((q < 0).to(tl.int32) << 3), (BLOCK_M, BLOCK_K // 2, 2))
         lo, hi = tl.split(code)
         rk2 = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         tl.store(codes_ptr + rm[:, None] * (K // 2) + rk2[None, :], (lo | (hi << 4)).to(tl.uint8),
@@ -213,7 +217,7 @@ def _quantize_act_kernel(
 def _quantize_act_lora_kernel(
     x_ptr, smooth_ptr, xq_ptr, pd_ptr, lora_ptr, part_ptr, cnt_ptr, M, K, R, stride_xm, stride_xk, K_SPLIT, SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-    NUM_STAGES: tl.constexpr = 1,
+    NUM_STAGES: tl.constexpr = 1, INV: tl.constexpr = False,
 ):
     # The exact pass and lora_act in one read of x. Program (i, s): rows [i BLOCK_M, (i + 1) BLOCK_M), the
     # columns [s K_SPLIT, (s + 1) K_SPLIT) in BLOCK_K steps. Each step writes its tile's dequantized values
@@ -235,8 +239,8 @@ def _quantize_act_lora_kernel(
         k_ok = rk < K  # K % 16 == 0: whole blocks are in or out
         mask = m_ok[:, None] & k_ok[None, :]
         xin = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0)
-        finite, sf, q = _nvfp4_tile(xin.to(tl.float32), smooth_ptr, rk, k_ok, BLOCK_M, BLOCK_K)
-        v = _nvfp4_dequant(tl.abs(q), q < 0, finite, sf)
+        finite, sf, q = _nvfp4_tile(xin.to(tl.float32), smooth_ptr, rk, k_ok, BLOCK_M, BLOCK_K, INV)
+        v = _nvfp4_dequant(q, finite, sf)
         tl.store(xq_ptr + rm[:, None] * K + rk[None, :], tl.reshape(v, (BLOCK_M, BLOCK_K)).to(xq_ptr.dtype.element_ty),
                  mask=mask)
         w = tl.load(pd_ptr + rk[:, None] * R + rr[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
@@ -681,6 +685,7 @@ def quantize_act(
     block_m: int = 8,
     block_k: int = 256,
     num_warps: int = 4,
+    inv_smooth: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """NVFP4-quantize ``x [M, K]`` (any strides) after smoothing, in one pass.
 
@@ -688,17 +693,22 @@ def quantize_act(
     (default: x's dtype if 16-bit, else bf16; None when ``packed``); ``codes [M, K/2]`` uint8 and
     ``scales [M, K/16]`` float8_e4m3fn, bit-identical to ``nvfp4.quantize_nvfp4`` (None unless ``packed``).
     The default block (8 x 256 on 4 warps) measured fastest of eight on the H200: 78-84 % of the copy
-    bandwidth at the Flux shapes (docs/perf.md, 2026-12-04).
+    bandwidth at the Flux shapes (docs/perf.md, 2026-12-04). ``inv_smooth``: ``1 / smooth`` already made
+    (a contiguous [K] fp32 tensor, the IEEE quotient), read instead of dividing a column a tile.
     """
     m, k = x.shape
     if k % nvfp4.BLOCK_SIZE:
         raise ValueError(f"expected K % 16 == 0, got {k}")
+    if inv_smooth is not None:
+        _check_inv_smooth(inv_smooth, k)
     dt = out_dtype or (x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
-    return _quantize_act_launch(x, None, smooth, m, k, dt, packed, block_m, min(block_k, next_pow2(k)), num_warps,
-                                False)
+    return _quantize_act_launch(x, None, smooth if inv_smooth is None else inv_smooth, m, k, dt, packed, block_m,
+                                min(block_k, next_pow2(k)), num_warps, False, inv=inv_smooth is not None)
 
 
-def _quantize_act_launch(x, xb, smooth, m, k, dt, packed, block_m, block_k, num_warps, gelu_b, lora=None, la=None):
+def _quantize_act_launch(x, xb, smooth, m, k, dt, packed, block_m, block_k, num_warps, gelu_b, lora=None, la=None,
+                         inv=False):
+    # smooth: the smoothing factor, or (inv) its reciprocal
     xq = None if packed else torch.empty(m, k, device=smooth.device, dtype=dt)
     codes = torch.empty(m, k // 2, device=smooth.device, dtype=torch.uint8) if packed else None
     scales = torch.empty(m, k // 16, device=smooth.device, dtype=torch.uint8) if packed else None
@@ -712,7 +722,7 @@ def _quantize_act_launch(x, xb, smooth, m, k, dt, packed, block_m, block_k, num_
             smooth if xb is None else xb, k if xb is None else k - xb.shape[1], 0 if xb is None else xb.stride(0),
             smooth if lora is None else lora, smooth if la is None else la, r,
             BLOCK_M=block_m, BLOCK_K=block_k, WRITE_XQ=not packed, WRITE_CODES=packed, HAS_B=xb is not None,
-            GELU_B=gelu_b, RNE_BITS=_INTERPRET, AFTER_LORA=after_lora, BLOCK_R=_block_r(r), NSPLIT=nsplit,
+            GELU_B=gelu_b, RNE_BITS=_INTERPRET, AFTER_LORA=after_lora, BLOCK_R=_block_r(r), NSPLIT=nsplit, INV=inv,
             num_warps=num_warps, **_pdl_opts(after_lora),
         )
     return xq, codes, None if scales is None else scales.view(torch.float8_e4m3fn)
@@ -774,7 +784,7 @@ MAX_ONE_READ_R = 256  # quantize_act_lora's widest lora_act (its fp32 sums: bloc
 
 def quantize_act_lora(x: torch.Tensor, smooth: torch.Tensor, pds: torch.Tensor, *, out_dtype: torch.dtype | None = None,
                       block_m: int = 32, block_k: int = 128, split: int = 1, num_warps: int = 4,
-                      num_stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                      num_stages: int = 1, inv_smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(xq, lora_act)`` in one read of ``x [M, K]`` (any strides, 16-bit or fp32): ``xq`` the exact
     dequantized NVFP4 values of ``x / smooth``, the same bytes as ``quantize_act`` (``out_dtype`` as
     there), and ``lora_act [M, R] = x.to(bf16) @ pds`` in bf16 (``pds [K, R]`` bf16 contiguous), what the
@@ -783,7 +793,7 @@ def quantize_act_lora(x: torch.Tensor, smooth: torch.Tensor, pds: torch.Tensor, 
     The grid is ``M / block_m`` row blocks times ``split`` ranges of K (whole ``block_k`` steps); with
     ``split > 1`` each program writes an fp32 partial sum and the last of its row block adds them in
     split order (the same bits whichever finishes last) using an atomic counter a row block
-    (``small_m.sync_words``, left at zero)."""
+    (``small_m.sync_words``, left at zero). ``inv_smooth``: ``1 / smooth`` already made, as ``quantize_act``'s."""
     m, k = x.shape
     if k % nvfp4.BLOCK_SIZE:
         raise ValueError(f"expected K % 16 == 0, got {k}")
@@ -795,6 +805,8 @@ def quantize_act_lora(x: torch.Tensor, smooth: torch.Tensor, pds: torch.Tensor, 
     if split < 1 or block_m < 16 or block_k < 16 or block_k & (block_k - 1) or block_m & (block_m - 1):
         raise ValueError(f"need split >= 1 and power-of-two blocks of at least 16 (tensor-core rows), got "
                          f"split={split}, block_m={block_m}, block_k={block_k}")
+    if inv_smooth is not None:
+        _check_inv_smooth(inv_smooth, k)
     dt = out_dtype or (x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
     r = pds.shape[1]
     xq = torch.empty(m, k, device=x.device, dtype=dt)
@@ -813,9 +825,9 @@ def quantize_act_lora(x: torch.Tensor, smooth: torch.Tensor, pds: torch.Tensor, 
     else:
         part = cnt = lora
     _quantize_act_lora_kernel[(rows, split)](
-        x, smooth, xq, pds, lora, part, cnt, m, k, r, x.stride(0), x.stride(1), k_split, split,
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r), IS_SPLIT=split > 1, DOT_F32=_INTERPRET,
-        NUM_STAGES=num_stages, num_warps=num_warps)
+        x, smooth if inv_smooth is None else inv_smooth, xq, pds, lora, part, cnt, m, k, r, x.stride(0), x.stride(1),
+        k_split, split, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r), IS_SPLIT=split > 1, DOT_F32=_INTERPRET,
+        NUM_STAGES=num_stages, INV=inv_smooth is not None, num_warps=num_warps)
     return xq, lora
 
 
