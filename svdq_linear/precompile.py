@@ -186,9 +186,10 @@ def _sm90_calls(quick: bool):
     for dt in dtypes:
         name = str(dt).removeprefix("torch.")
         for m, k, n in big + small:
-            yield f"exact_m{m}_{k}x{n}_{name}", exact(layer(m, k, n, dt), [])  # canonical weights
+            # canonical weights, with the prepared 1 / smooth (sm90._exact_inv) as every prepared layer has it
+            yield f"exact_m{m}_{k}x{n}_{name}", exact(layer(m, k, n, dt), [torch.ones(k)])
             if not quick and (k, n) == (3072, 3072):  # a layer without a low-rank branch
-                yield f"exact_r0_m{m}_{k}x{n}_{name}", exact(layer(m, k, n, dt, r=0), [])
+                yield f"exact_r0_m{m}_{k}x{n}_{name}", exact(layer(m, k, n, dt, r=0), [torch.ones(k)])
         if sm90._quack_module() is not None and dt == torch.bfloat16:  # the small-M kernel on quack's blob
             for m, k, n in repacked:
                 t = layer(m, k, n, dt)
@@ -196,8 +197,8 @@ def _sm90_calls(quick: bool):
                 t["qweight"] = torch.empty(0, dtype=torch.uint8)  # replaced by the blob, as on the GPU
                 yield f"exact_quack_m{m}_{k}x{n}", exact(t, prepared.tensors())
             t2 = layer(128, 3072, 3072, dt)  # the pass that quack's GEMM reads (bf16 activations)
-            yield f"exact_quack_pass_{name}", lambda t2=t2: kernels.quantize_act(t2["x"], t2["smooth"],
-                                                                                 out_dtype=torch.bfloat16)
+            yield f"exact_quack_pass_{name}", lambda t2=t2: kernels.quantize_act(
+                t2["x"], t2["smooth"], out_dtype=torch.bfloat16, inv_smooth=t2["smooth"])
         for m, k, n in adaln if dt != torch.float32 else []:  # W4A16 takes 16-bit activations only
             t = layer(m, k, n, dt)
             yield f"w4a16_m{m}_{k}x{n}_{name}", (lambda t=t: be.run_w4a16(t["x"], t["qweight"], t["wscales"],
@@ -222,7 +223,7 @@ def _sm90_calls(quick: bool):
             def gelu_pass(xa=xa, xb=xb, inv=inv, pds=pds):
                 kernels.quantize_act_fp8_cat(xa, xb, inv, gemm_order=True)  # no low-rank branch
                 kernels.quantize_act_fp8_cat(xa, xb, inv, lora=be._lora_act_cat(xa, xb, pds), gemm_order=True)
-                kernels.quantize_act_cat(xa, xb, inv)  # the exact mode's (its lora_act is the same launch)
+                kernels.quantize_act_cat(xa, xb, inv, inv_smooth=inv)  # the exact mode's (lora_act: the same launch)
 
             yield f"fast_gelu_in_m{m}_{ka}+{kb}_{name}", gelu_pass
 

@@ -115,7 +115,8 @@ def test_w4a4_with_the_one_read_pass_within_tolerance(backend, device, m_tokens,
 
     calls = []
     one_read = kernels.quantize_act_lora
-    monkeypatch.setattr(kernels, "quantize_act_lora", lambda *a, **kw: calls.append(1) or one_read(*a, **kw))
+    monkeypatch.setattr(kernels, "quantize_act_lora",
+                        lambda *a, **kw: calls.append(kw.get("inv_smooth")) or one_read(*a, **kw))
     monkeypatch.setenv(tuning.ENV_EXACT_LORA, "one")
     k, n = SHAPES[-1]
     m = random_w4a4(k, n, rank, torch.bfloat16, device)
@@ -123,6 +124,38 @@ def test_w4a4_with_the_one_read_pass_within_tolerance(backend, device, m_tokens,
     _check(_run(backend, m, x), *_expected_and_bound(m, x), f"{backend} one read M={m_tokens} K={k} N={n} R={rank}")
     want = m_tokens > sm90.SMALL_M["w4a4"] and rank <= tuning.EXACT_LORA_MAX_R
     assert len(calls) == want, "the one-read pass serves the calls above small M up to its widest branch"
+    if calls:
+        assert torch.equal(calls[0], 1.0 / m.smooth.float()), "the prepared 1 / smooth, the IEEE quotient"
+
+
+@pytest.mark.parametrize("backend,device", [(b, d) for b, d in BACKENDS if b == "sm90"])
+def test_exact_passes_read_the_prepared_inv_smooth(backend, device, monkeypatch):
+    """The exact mode's activation pass is given the prepared ``1 / smooth`` (no division a column in the kernel),
+    bit-equal to the IEEE quotient; an ``extra`` made without it (an unprepared call, or the lists tests build)
+    still runs, dividing in the kernel, to the same output bits."""
+    from svdq_linear.backends import sm90
+    from svdq_linear.backends.sm90 import kernels
+
+    seen = []
+    real = kernels.quantize_act
+    monkeypatch.setattr(kernels, "quantize_act", lambda *a, **kw: seen.append(kw.get("inv_smooth")) or real(*a, **kw))
+    k, n = SHAPES[-1]
+    m = random_w4a4(k, n, 16, torch.bfloat16, device)
+    x = torch.randn(128, k, device=device, dtype=torch.bfloat16) * 3
+    b = backends.get_backend(backend)
+    extra = b.extra_tensors(b.prepare(m, x.device))
+    inv, rest = sm90._exact_inv(extra)
+    assert inv is extra[-1] and len(rest) == len(extra) - 1
+    assert torch.equal(inv, 1.0 / m.smooth.float())
+    assert sm90._exact_inv(rest) == (None, rest) and sm90._exact_inv([]) == (None, [])
+    t = m._parameters
+    args = (x, t["qweight"], t["wscales"], t["smooth"], t["proj_down"], t["proj_up"], t["wcscale"], t["bias"])
+    y = b.run_w4a4(*args, extra)
+    assert seen and seen[-1] is inv, "the pass did not read the prepared 1 / smooth"
+    y2 = b.run_w4a4(*args, rest)
+    assert seen[-1] is None
+    assert torch.equal(y.view(torch.int16), y2.view(torch.int16))
+    _check(y, *_expected_and_bound(m, x), f"{backend} inv_smooth")
 
 
 @pytest.mark.parametrize("backend,device", [(b, d) for b, d in BACKENDS if d == "cuda"] or [(None, "cpu")])

@@ -213,13 +213,15 @@ class Sm90Prepared:
     proj_up_bf16: torch.Tensor | None
     quack: object | None  # quack_gemm.QuackWeight or quack_fast.FastWeight: the weight repacked for quack
     lowrank_segments: torch.Tensor | None = None  # [N / 64] int32 (plan_lowrank): set in the accumulator path
-    inv_smooth: torch.Tensor | None = None  # [K] float32 1 / smooth: the fast mode's one-pass activation kernel
+    # [K] float32 1 / smooth (both W4A4 modes): the activation passes read it instead of dividing a column a tile
+    inv_smooth: torch.Tensor | None = None
     # the fast mode: (flat indices, bytes) of the scales the strip cannot give back (fast_layout.scale_patch);
     # not a kernel operand
     scale_patch: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        """[proj_down', proj_up', (segments)] + the quack weight's tensors + [inv_smooth] (fast mode)."""
+        """[proj_down', proj_up', (segments)] + the quack weight's tensors + [inv_smooth]: the one 1-D float32
+        tensor of the list, always last (``_exact_inv``)."""
         out = [t for t in (self.proj_down_smoothed, self.proj_up_bf16, self.lowrank_segments) if t is not None]
         if self.quack is not None:
             out += self.quack.tensors()
@@ -359,7 +361,7 @@ class Sm90Backend(Backend):
             else:
                 up = module.proj_up.to(torch.bfloat16).contiguous()
         # IEEE division: the bits of nvfp4.smooth_input's factor
-        inv = (1.0 / module.smooth.float()).contiguous() if module.kind == "w4a4_fast" else None
+        inv = (1.0 / module.smooth.float()).contiguous()
         return Sm90Prepared(pds, up, fw, seg, inv, patch)
 
     def extra_tensors(self, prepared):
@@ -430,6 +432,7 @@ class Sm90Backend(Backend):
     def run_w4a4(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
         m, k = x.shape
         r = proj_down.shape[1]
+        inv, extra = _exact_inv(extra)
         if m <= SMALL_M["w4a4"]:
             return self._small_w4a4(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra)
         use_quack = self._exact_on_quack(extra, r, m, x.dtype)
@@ -437,7 +440,7 @@ class Sm90Backend(Backend):
         xq_dtype = torch.bfloat16 if use_quack else None
 
         def quantize():
-            return self.kernels.quantize_act(x, smooth, out_dtype=xq_dtype)[0]
+            return self.kernels.quantize_act(x, smooth, out_dtype=xq_dtype, inv_smooth=inv)[0]
 
         pds = _proj_down_smoothed(extra, proj_down, smooth) if r else None
         env = getenv(self.tuning.ENV_EXACT_LORA) if r else None  # unset (the default): no plan to make
@@ -448,11 +451,11 @@ class Sm90Backend(Backend):
         if plan is not None:  # the pass and lora_act [M, R] bf16 in one read of x
             xq, lora = self.kernels.quantize_act_lora(
                 x, smooth, pds, out_dtype=xq_dtype, block_m=plan.block_m, block_k=plan.block_k, split=plan.split,
-                num_warps=plan.num_warps, num_stages=plan.num_stages)
+                num_warps=plan.num_warps, num_stages=plan.num_stages, inv_smooth=inv)
         elif lora_plan is not None:  # lora_act's partials (Triton), the pass beside it as its PDL dependent
             part = self.kernels.lora_act(x, pds, torch.float32, block_m=lora_plan.block_m, split=lora_plan.split,
                                          num_warps=lora_plan.num_warps, num_stages=lora_plan.num_stages, pdl=True)
-            xq, lora = self.kernels.quantize_act_after_lora(x, smooth, part, out_dtype=xq_dtype)
+            xq, lora = self.kernels.quantize_act_after_lora(x, smooth, part, out_dtype=xq_dtype, inv_smooth=inv)
         elif r:  # lora_act [M, R] bf16: x read once more, at copy speed (beside the pass: _lora_beside)
             lora, xq = _lora_beside(x, pds, quantize)
         else:
@@ -493,13 +496,15 @@ class Sm90Backend(Backend):
         if not self._exact_reads_cat(xa, xb):
             return super().run_w4a4_cat_gelu(xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias,
                                              extra)
+        inv, extra = _exact_inv(extra)
         lora = None
         if r:
             pds = _proj_down_smoothed(extra, proj_down, smooth)
             part = self._lora_act_cat(xa, xb, pds)  # fp32 ([S, M, R'] partial sums over K where split)
             lora = (part.sum(0) if part.dim() == 3 else part).to(torch.bfloat16)  # as x.to(bf16) @ pds
         use_quack = self._exact_on_quack(extra, r, m, xb.dtype)
-        xq, _, _ = self.kernels.quantize_act_cat(xa, xb, smooth, out_dtype=torch.bfloat16 if use_quack else None)
+        xq, _, _ = self.kernels.quantize_act_cat(xa, xb, smooth, out_dtype=torch.bfloat16 if use_quack else None,
+                                                 inv_smooth=inv)
         return self._exact_gemm(xq, lora, use_quack, xb.dtype, qweight, wscales, proj_up, wcscale, bias, extra)
 
     def _small_w4a4(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
@@ -687,6 +692,15 @@ class Sm90Backend(Backend):
                                   act=small_m.ACT_X, bias=bias, out_dtype=x.dtype)
         cfg = self.tuning.pick(x.shape[0], qweight.shape[0], x.shape[1])
         return self.kernels.w4_gemm(x, qweight, wscales, wcscale, bias, None, None, x.dtype, cfg)
+
+
+def _exact_inv(extra: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """``(inv_smooth, the rest)`` of an exact-mode ``extra``: the prepared ``1 / smooth`` comes last and is the
+    list's one 1-D float32 tensor (the quack weight's ``wc`` / ``bias`` are [1, N], the segments int32); a list
+    made without it (an unprepared call: []) gives None."""
+    if extra and extra[-1].dim() == 1 and extra[-1].dtype == torch.float32:
+        return extra[-1], extra[:-1]
+    return None, extra
 
 
 def _proj_down_smoothed(extra: list[torch.Tensor], proj_down: torch.Tensor, smooth: torch.Tensor) -> torch.Tensor:

@@ -757,7 +757,8 @@ def _check_pdl(device: torch.device, what: str) -> None:
 
 def quantize_act_after_lora(x: torch.Tensor, smooth: torch.Tensor, lora: torch.Tensor, *,
                             out_dtype: torch.dtype | None = None, block_m: int = 8, block_k: int = 256,
-                            num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                            num_warps: int = 4, inv_smooth: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(xq, la)``: ``quantize_act``'s ``xq`` (the same bytes) and ``la [M, R] bf16``, the sum in split order of
     ``lora [S, M, R]`` (or ``[M, R]``) fp32, rounded once: ``lora_act`` as the exact GEMM takes it.
 
@@ -772,10 +773,12 @@ def quantize_act_after_lora(x: torch.Tensor, smooth: torch.Tensor, lora: torch.T
     if lora.dtype != torch.float32:
         raise ValueError(f"lora must be lora_act's float32 output, got {lora.dtype}")
     _check_pdl(x.device, "quantize_act_after_lora")
+    if inv_smooth is not None:
+        _check_inv_smooth(inv_smooth, k)
     dt = out_dtype or (x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
     la = torch.empty(m, r, device=x.device, dtype=torch.bfloat16)
-    xq = _quantize_act_launch(x, None, smooth, m, k, dt, False, block_m, min(block_k, next_pow2(k)), num_warps,
-                              False, lora, la)[0]
+    xq = _quantize_act_launch(x, None, smooth if inv_smooth is None else inv_smooth, m, k, dt, False, block_m,
+                              min(block_k, next_pow2(k)), num_warps, False, lora, la, inv=inv_smooth is not None)[0]
     return xq, la
 
 
@@ -833,23 +836,27 @@ def quantize_act_lora(x: torch.Tensor, smooth: torch.Tensor, pds: torch.Tensor, 
 
 def quantize_act_cat(xa: torch.Tensor | None, xb: torch.Tensor, smooth: torch.Tensor, *, gelu_b: bool = True,
                      out_dtype: torch.dtype | None = None, packed: bool = False, block_m: int = 8,
-                     block_k: int = 256, num_warps: int = 4):
+                     block_k: int = 256, num_warps: int = 4, inv_smooth: torch.Tensor | None = None):
     """``quantize_act`` of the rows ``x = cat([xa, gelu_tanh(xb)], -1)`` (``nvfp4.cat_gelu``;
     ``gelu_b=False``: ``cat([xa, xb])``) read from the two sources, without writing x (the exact mode's
     form of ``quantize_act_fp8_cat``). ``xa [M, KA]`` (KA % 128 == 0, or None) and ``xb [M, KB]`` (KB %
     16 == 0) of one float dtype; xb is read with unit stride along K. A tile lies in one source: the
     k-block shrinks to a power of two dividing KA. Same results as ``quantize_act`` on the written x,
-    except where the GELU values differ from the tensor's (``quantize_act_fp8_cat``)."""
+    except where the GELU values differ from the tensor's (``quantize_act_fp8_cat``). ``inv_smooth`` as
+    ``quantize_act``'s."""
     ka, m, kb = _check_sources(xa, xb)
     if kb % nvfp4.BLOCK_SIZE:
         raise ValueError(f"expected xb's columns a multiple of 16, got {kb}")
     k = ka + kb
+    if inv_smooth is not None:
+        _check_inv_smooth(inv_smooth, k)
     block_k = min(block_k, next_pow2(k))
     while ka % block_k:
         block_k //= 2
     xb = xb if xb.stride(1) == 1 else xb.contiguous()
     dt = out_dtype or (xb.dtype if xb.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
-    return _quantize_act_launch(xa, xb, smooth, m, k, dt, packed, block_m, block_k, num_warps, gelu_b)
+    return _quantize_act_launch(xa, xb, smooth if inv_smooth is None else inv_smooth, m, k, dt, packed, block_m,
+                                block_k, num_warps, gelu_b, inv=inv_smooth is not None)
 
 
 def _check_sources(xa: torch.Tensor | None, xb: torch.Tensor) -> tuple[int, int, int]:
