@@ -41,6 +41,10 @@ CASES = {
     # way, same grid and code; docs/perf.md, twentieth session): the two launches' counters side by side
     "fastone-ffdown-m9": (9, 12288, 3072, "fastone"),
     "fastone-ffdown-m9pad16": (9, 12288, 3072, "fastonepad"),
+    # the exact activation pass alone, and with lora_act in one read of x (kernels.quantize_act_lora at the plan
+    # SVDQ_SM90_EXACT_LORA=one runs), fused q/k/v's input (N: the prepared proj_down's columns, 3 x 32)
+    "exactpass-qkv-4096": (4096, 3072, 96, "pass"),
+    "oneread-qkv-4096": (4096, 3072, 96, "oneread"),
 }
 
 
@@ -75,6 +79,19 @@ def main() -> None:
             if variant == "fastonepad":  # zero tokens up to the tile's 16 rows
                 x = torch.cat([x, x.new_zeros(16 - m, k)])
             fn = lambda: small_m_fast.linear(x, **ops)  # noqa: E731
+        elif variant in ("pass", "oneread"):
+            from svdq_linear.backends.sm90 import kernels, tuning
+
+            smooth = torch.rand(k, device=dev) + 0.5
+            inv = 1.0 / smooth
+            pds = (torch.randn(k, n, device=dev) / 20).bfloat16()
+            plan = tuning.exact_lora_plan(m, k, n, "one", tuning.sm_count(dev))
+            if variant == "pass":
+                fn = lambda: kernels.quantize_act(x, smooth, inv_smooth=inv)  # noqa: E731
+            else:
+                fn = lambda: kernels.quantize_act_lora(  # noqa: E731
+                    x, smooth, pds, block_m=plan.block_m, block_k=plan.block_k, split=plan.split,
+                    num_warps=plan.num_warps, num_stages=plan.num_stages, inv_smooth=inv)
         else:
             lin = random_w4a4(k, n, 32, torch.bfloat16, dev).set_mode(variant)
             fn = lambda: lin(x)  # noqa: E731

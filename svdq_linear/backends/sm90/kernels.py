@@ -154,7 +154,8 @@ def _nvfp4_dequant(q, finite, sf):
     # the sign of q < 0 (-0.0 + 0.0 is +0.0): the contract's code for -0.0 is +0
     sgn = (q + 0.0).to(tl.int32, bitcast=True) & -2147483648
     v = (v.to(tl.int32, bitcast=True) | sgn).to(tl.float32, bitcast=True)
-    return v * tl.where(finite != 0, sf, float("nan"))[:, :, None]  # NaN a block that held NaN or Inf
+    # NaN a block that held NaN or Inf (the GPU's canonical NaN: a product with a NaN factor)
+    return v * tl.where(finite != 0, sf, float("nan"))[:, :, None]
 
 
 @triton.jit

@@ -281,6 +281,7 @@ ENV_EXACT_LORA = "SVDQ_SM90_EXACT_LORA"
 EXACT_LORA_MAX_R = 128  # the widest measured (t-2: R = 128 at 4608 tokens), 64 fp32 sums a thread at 64 x 128
 EXACT_LORA_CONFIG = (64, 64, 4, 3)  # block rows, k-step, warps, stages: the best of 54 at fused q/k/v (t-2)
 EXACT_LORA_PROGRAMS = 2  # programs an SM the split aims at (its best split, 4, gives 2 an SM at 4096 tokens)
+EXACT_LORA_WAVE_FILL = 0.9  # the share of that wave the split fills at least
 
 
 @dataclass(frozen=True)
@@ -293,11 +294,13 @@ class ExactLoraPlan:
 
 
 def exact_lora_split(m: int, k: int, block_m: int, block_k: int, sms: int = SM_COUNT) -> int:
-    """Splits of K for ``kernels.quantize_act_lora``: the largest power of two (up to 8) whose programs fit one
-    wave of ``EXACT_LORA_PROGRAMS`` an SM, keeping at least two ``block_k`` steps a split."""
+    """Splits of K for ``kernels.quantize_act_lora``: the smallest power of two (up to 8) whose programs fill
+    ``EXACT_LORA_WAVE_FILL`` of one wave of ``EXACT_LORA_PROGRAMS`` an SM, keeping at least two ``block_k``
+    steps a split. (The rule before, the largest split inside one wave, took 2 at 4352-4608 tokens, where
+    4 measured 1.27-1.36x faster with a few programs past the wave: docs/perf.md, twenty-fifth session.)"""
     blocks = -(-m // block_m)
     s = 1
-    while blocks * 2 * s <= EXACT_LORA_PROGRAMS * sms and s < 8 and k // (2 * s) >= 2 * block_k:
+    while blocks * s < EXACT_LORA_WAVE_FILL * EXACT_LORA_PROGRAMS * sms and s < 8 and k // (2 * s) >= 2 * block_k:
         s *= 2
     return s
 
