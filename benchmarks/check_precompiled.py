@@ -44,19 +44,23 @@ def triton_main(cache: str) -> int:
     entries = lambda: {d.name for d in scratch.iterdir()}  # noqa: E731
     print(f"{len(entries())} entries in the precompiled Triton cache")
     ok = True
-    cases = [(f"exact {m}x3072x3072", m, lambda: random_w4a4(3072, 3072, 32, torch.bfloat16, "cuda").set_mode("exact"))
-             for m in (4608, 512, 64, 1)]
+    exact = lambda: random_w4a4(3072, 3072, 32, torch.bfloat16, "cuda").set_mode("exact")  # noqa: E731
+    cases = [(f"exact {m}x3072x3072", m, exact, {}) for m in (4608, 512, 64, 1)]
     cases.append(("w4a16 1x3072x18432", 1, lambda: NVFP4W4A16Linear.from_linear(
-        torch.nn.Linear(3072, 18432, device="cuda", dtype=torch.bfloat16))))
+        torch.nn.Linear(3072, 18432, device="cuda", dtype=torch.bfloat16)), {}))
+    cases.append(("exact 4608x3072x3072, SVDQ_SM90_PDL=1 (the pair)", 4608, exact, {"SVDQ_SM90_PDL": "1"}))
     with torch.no_grad():
-        for label, m, make in cases:
+        for label, m, make, env in cases:
             mod = make()
             x = torch.randn(m, 3072, device="cuda", dtype=torch.bfloat16)
             torch.cuda.synchronize()
             before = entries()
+            os.environ.update(env)
             t0 = time.perf_counter()
             mod(x)
             torch.cuda.synchronize()
+            for key in env:
+                os.environ.pop(key)
             first = time.perf_counter() - t0
             new = entries() - before
             kernels_built = [d for d in new if any((scratch / d).glob("*.cubin"))]

@@ -147,7 +147,8 @@ def _sm90_calls(quick: bool):
     tokens (activation pass, and the Triton W4 GEMM that serves it without quack-kernels), the small-M
     kernel (the exact mode on canonical weights and, from 9 tokens, on quack's blob, whose fewer tokens
     run ``small_m_mma`` on a GPU; W4A16 for the adaLN modulation at batch 1-32), the fast mode's
-    activation pass and ``lora_act``, and their two-source forms (``fuse_gelu_inputs``). quack's GEMMs
+    activation pass and ``lora_act``, their two-source forms (``fuse_gelu_inputs``), and the opt-in PDL pair of
+    both modes (``SVDQ_SM90_PDL=1``: ``lora_act`` and the pass, where ``lora_act`` runs on Triton). quack's GEMMs
     are compiled by ``precompile_sm90_quack``. Not covered (compiled on first use, seconds each): other ranks (their low-rank tile widths), other
     token counts where Triton specializes differently (1, multiples of 16, others), other widths.
     Routing that depends on the device (``x.is_cuda``) is the CPU's here: such variants are left out
@@ -215,6 +216,8 @@ def _sm90_calls(quick: bool):
                 kernels.quantize_act_fp8(x, inv, lora=be._lora_act(x, pds), inv_smooth=inv, gemm_order=True)
 
             yield f"fast_m{m}_{k}_{name}", fast_pass
+            if dt != torch.float32 and k <= kernels.ROW_MAX_K and tuning.lora_act_plan(m, k, 32) is not None:
+                yield f"pdl_m{m}_{k}_{name}", lambda x=x, inv=inv, pds=pds: _pdl_pair(kernels, tuning, x, inv, pds)
         for m, ka, kb in gelu_in if dt != torch.float32 else []:  # 16-bit inputs only
             xa = torch.zeros(m, ka, dtype=dt) if ka else None
             xb, inv = torch.zeros(m, kb, dtype=dt), torch.ones(ka + kb)
@@ -226,6 +229,27 @@ def _sm90_calls(quick: bool):
                 kernels.quantize_act_cat(xa, xb, inv, inv_smooth=inv)  # the exact mode's (lora_act: the same launch)
 
             yield f"fast_gelu_in_m{m}_{ka}+{kb}_{name}", gelu_pass
+
+
+def _pdl_pair(kernels, tuning, x, inv, pds) -> None:
+    """``SVDQ_SM90_PDL=1``'s launches for one layer (its ``lora_act`` plan): ``lora_act`` as the first grid of the
+    pair, then the exact mode's pass and the fast mode's as its programmatic dependents. The pair's device
+    check (``kernels.pdl_supported``: a GPU of capability 9.0 or later) is the target's here; a Triton without
+    grid dependency control has no pair to compile."""
+    import torch
+
+    if kernels.gdc_wait is None:
+        return
+    plan = tuning.lora_act_plan(x.shape[0], x.shape[1], pds.shape[1])
+    real = kernels.pdl_supported
+    kernels.pdl_supported = lambda device=None: True  # compiling for sm_90a, which has it
+    try:
+        part = kernels.lora_act(x, pds, torch.float32, block_m=plan.block_m, split=plan.split,
+                                num_warps=plan.num_warps, num_stages=plan.num_stages, pdl=True)
+        kernels.quantize_act_after_lora(x, inv, part, inv_smooth=inv)
+        kernels.quantize_act_fp8(x, inv, lora=part, inv_smooth=inv, gemm_order=True, lora_pdl=True)
+    finally:
+        kernels.pdl_supported = real
 
 
 def precompile_sm90(out_dir: Path, keep_sass: bool = False, quick: bool = False) -> list[dict]:

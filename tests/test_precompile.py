@@ -29,6 +29,14 @@ def test_sm90_kernels_compile_to_hgmma_without_spills(tmp_path):
     assert any(k["kernel"].startswith("quantize_act_fp8") for k in report)
     assert any(k["kernel"].startswith("quantize_act_fp8_rows") and k["constants"]["GELU_B"]
                and k["constants"]["NA"] > 0 for k in report)  # the two-source pass
+    from svdq_linear.backends.sm90 import kernels
+
+    if kernels.gdc_wait is not None:  # SVDQ_SM90_PDL=1's pair: lora_act, then each mode's pass as its dependent
+        pdl = {k["kernel"]: k for k in report if "_pdl_" in k["kernel"]}
+        assert {n.split("_pdl_")[0] for n in pdl} >= {"lora_act", "quantize_act", "quantize_act_fp8_rows",
+                                                       "lora_scale"}, sorted(pdl)
+        assert all(k["grid_waits"] >= 1 for k in pdl.values()), {n: k["grid_waits"] for n, k in pdl.items()}
+        assert all(k["constants"].get("PDL", k["constants"].get("AFTER_LORA", True)) for k in pdl.values())
     small = {k["kernel"]: k for k in report if k["kernel"].startswith("small_m")}
     # --quick: W4A16 at 1 token (adaLN), the exact mode at 1 and 64 tokens (canonical weights; quack's blob at 1)
     assert {"small_m_w4a16_m1_3072x18432_bfloat16", "small_m_exact_m1_3072x3072_bfloat16",

@@ -270,9 +270,10 @@ def lora_act_plan(m: int, k: int, r: int, env: str | None = None) -> LoraActPlan
 
 # The exact mode's activation pass and its lora_act above SMALL_M tokens: by default the pass, then cuBLAS
 # (two reads of x). kernels.quantize_act_lora reads x once (the pass's tiles feed a tensor-core lora_act as
-# they load); measured on the H100 (docs/perf.md, twenty-third session) it gained 1.03-1.14x over the two
-# launches at 4096 tokens but lost at 4352-4608 (0.74-0.95x: its 2 programs an SM leave a part-empty last
-# wave) and at 512-1024 (0.62x), so it is opt-in: SVDQ_SM90_EXACT_LORA="one" takes it at EXACT_LORA_CONFIG,
+# they load); measured on the H100 (docs/perf.md, twenty-fifth session, with the cheaper rounding and the
+# prepared 1 / smooth) the kernel alone gains 1.11-1.29x over the two launches at 4096-4608 tokens up to
+# R = 96, loses at R = 128 and at 1024 tokens, and through the module it gives 0.86-1.04x (fused q/k/v 1.01x),
+# so it is opt-in: SVDQ_SM90_EXACT_LORA="one" takes it at EXACT_LORA_CONFIG,
 # "bm,bk,w,S,st" sets its block rows, k-step, warps, split (0: exact_lora_split's rule) and pipeline stages;
 # unset or "two": the two launches. It serves lora_act widths (the prepared proj_down's columns) up to
 # EXACT_LORA_MAX_R; wider ones (rank 128 fused three ways) keep the two launches. With it, SVDQ_SM90_LORA_STREAM
