@@ -378,3 +378,49 @@ def test_gpu_module_takes_the_pdl_pair(mode, tokens, r, n, monkeypatch):
         assert _same(y, plain), "the fast mode's output moved with the PDL pair"
     else:
         _check(y, *_expected_and_bound(m, x), f"sm90 exact with PDL M={tokens} R={r}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_gpu_strided_input_keeps_the_plain_launches(mode, monkeypatch):
+    """``SVDQ_SM90_PDL=1`` with an input of non-unit stride along K (a transposed view): the pair would need a copy
+    of x between its two grids, so the backend keeps the plain launches (no PDL ``lora_act``, no dependent pass)
+    and the output is what the contiguous input gives without the switch: the same bits in the fast mode (the
+    same Triton ``lora_act``), within the contract's tolerance in the exact mode (cuBLAS may sum a transposed x in
+    another order)."""
+    _gpu()
+    pytest.importorskip("quack")
+    from test_conformance import _check, _expected_and_bound, random_w4a4
+
+    from svdq_linear import backends
+    from svdq_linear.backends import sm90
+    from svdq_linear.backends.sm90 import kernels
+
+    calls = []
+    after, lora_act = kernels.quantize_act_after_lora, kernels.lora_act
+    monkeypatch.setattr(kernels, "quantize_act_after_lora",
+                        lambda *a, **kw: calls.append("quantize_act_after_lora") or after(*a, **kw))
+    monkeypatch.setattr(kernels, "lora_act",
+                        lambda *a, **kw: calls.append(f"lora_act pdl={kw.get('pdl', False)}") or lora_act(*a, **kw))
+    torch.manual_seed(7)
+    k, n, tokens = 3072, 3072, 1000
+    m = random_w4a4(k, n, 32, torch.bfloat16, "cuda")
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16) * 3
+    xt = torch.empty(k, tokens, device="cuda", dtype=torch.bfloat16).t()
+    xt.copy_(x)
+    assert xt.stride(1) != 1
+    if mode == "fast":
+        m.set_mode("fast")
+    backend = backends.choose(m, x)
+    prepared = backend.prepare(m, x.device)
+    monkeypatch.delenv(sm90.ENV_PDL, raising=False)
+    plain = backend.linear(m, x, prepared)
+    calls.clear()
+    monkeypatch.setenv(sm90.ENV_PDL, "1")
+    y = backend.linear(m, xt, prepared)
+    torch.cuda.synchronize()
+    assert "quantize_act_after_lora" not in calls and "lora_act pdl=True" not in calls, calls
+    if mode == "fast":
+        assert _same(y, plain), "a strided input moved the fast mode's output"
+    else:
+        _check(y, *_expected_and_bound(m, x), "sm90 exact, strided input, PDL switch on")

@@ -151,7 +151,9 @@ def _nvfp4_dequant(q, finite, sf):
     e = tl.maximum(tl.abs(qc), 1.0).to(tl.int32, bitcast=True) & 0x7F800000
     c = (e + 0x0B400000).to(tl.float32, bitcast=True)  # 1.5 * 2**22 * 2**floor(log2 max(|q|, 1))
     v = (qc + c) - c
-    # the sign of q < 0 (-0.0 + 0.0 is +0.0): the contract's code for -0.0 is +0
+    # the sign of q < 0 (-0.0 + 0.0 is +0.0): the contract's code for -0.0 is +0. On the GPU the add contracts
+    # with q's product into one FFMA, which keeps the minus of a nonzero product rounding to zero: a zero code's
+    # sign, which the contract leaves open (nvfp4's docstring, item 4)
     sgn = (q + 0.0).to(tl.int32, bitcast=True) & -2147483648
     v = (v.to(tl.int32, bitcast=True) | sgn).to(tl.float32, bitcast=True)
     # NaN a block that held NaN or Inf (the GPU's canonical NaN: a product with a NaN factor)
