@@ -179,6 +179,15 @@ def _inputs(m, k, r, seed):
     return x, smooth, pds
 
 
+def _spy_pair(monkeypatch, kernels, calls: list) -> None:
+    """Record into ``calls`` each call of ``quantize_act_after_lora`` and of ``lora_act`` (with its ``pdl``)."""
+    after, lora_act = kernels.quantize_act_after_lora, kernels.lora_act
+    monkeypatch.setattr(kernels, "quantize_act_after_lora",
+                        lambda *a, **kw: calls.append("quantize_act_after_lora") or after(*a, **kw))
+    monkeypatch.setattr(kernels, "lora_act",
+                        lambda *a, **kw: calls.append(f"lora_act pdl={kw.get('pdl', False)}") or lora_act(*a, **kw))
+
+
 def _same(a, b):
     """The same bits (any dtype)."""
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
@@ -348,11 +357,7 @@ def test_gpu_module_takes_the_pdl_pair(mode, tokens, r, n, monkeypatch):
             calls.append(self.name)
             return self.orig[grid]
 
-    after, lora_act = kernels.quantize_act_after_lora, kernels.lora_act
-    monkeypatch.setattr(kernels, "quantize_act_after_lora",
-                        lambda *a, **kw: calls.append("quantize_act_after_lora") or after(*a, **kw))
-    monkeypatch.setattr(kernels, "lora_act",
-                        lambda *a, **kw: calls.append(f"lora_act pdl={kw.get('pdl', False)}") or lora_act(*a, **kw))
+    _spy_pair(monkeypatch, kernels, calls)
     monkeypatch.setattr(kernels, "_lora_scale_kernel", Spy("_lora_scale_kernel", kernels._lora_scale_kernel))
     torch.manual_seed(tokens + r)
     k = 3072
@@ -397,11 +402,7 @@ def test_gpu_strided_input_keeps_the_plain_launches(mode, monkeypatch):
     from svdq_linear.backends.sm90 import kernels
 
     calls = []
-    after, lora_act = kernels.quantize_act_after_lora, kernels.lora_act
-    monkeypatch.setattr(kernels, "quantize_act_after_lora",
-                        lambda *a, **kw: calls.append("quantize_act_after_lora") or after(*a, **kw))
-    monkeypatch.setattr(kernels, "lora_act",
-                        lambda *a, **kw: calls.append(f"lora_act pdl={kw.get('pdl', False)}") or lora_act(*a, **kw))
+    _spy_pair(monkeypatch, kernels, calls)
     torch.manual_seed(7)
     k, n, tokens = 3072, 3072, 1000
     m = random_w4a4(k, n, 32, torch.bfloat16, "cuda")
