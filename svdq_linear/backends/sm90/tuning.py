@@ -272,7 +272,7 @@ def lora_act_plan(m: int, k: int, r: int, env: str | None = None) -> LoraActPlan
 # (two reads of x). kernels.quantize_act_lora reads x once (the pass's tiles feed a tensor-core lora_act as
 # they load); measured on the H100 (docs/perf.md, twenty-fifth session, with the cheaper rounding and the
 # prepared 1 / smooth) the kernel alone gains 1.11-1.29x over the two launches at 4096-4608 tokens up to
-# R = 96, loses at R = 128 and at 1024 tokens, and through the module it gives 0.86-1.04x (fused q/k/v 1.01x),
+# R = 96, loses at R = 128 and at 1024 tokens, and through the module it gives 0.86-1.04x (fused q/k/v 0.98-1.01x),
 # so it is opt-in: SVDQ_SM90_EXACT_LORA="one" takes it at EXACT_LORA_CONFIG,
 # "bm,bk,w,S,st" sets its block rows, k-step, warps, split (0: exact_lora_split's rule) and pipeline stages;
 # unset or "two": the two launches. It serves lora_act widths (the prepared proj_down's columns) up to
