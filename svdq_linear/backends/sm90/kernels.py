@@ -702,16 +702,23 @@ def quantize_act(
     m, k = x.shape
     if k % nvfp4.BLOCK_SIZE:
         raise ValueError(f"expected K % 16 == 0, got {k}")
-    if inv_smooth is not None:
-        _check_inv_smooth(inv_smooth, k)
     dt = out_dtype or (x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
-    return _quantize_act_launch(x, None, smooth if inv_smooth is None else inv_smooth, m, k, dt, packed, block_m,
-                                min(block_k, next_pow2(k)), num_warps, False, inv=inv_smooth is not None)
+    return _quantize_act_launch(x, None, _smooth_operand(smooth, inv_smooth, k), m, k, dt, packed, block_m,
+                                min(block_k, next_pow2(k)), num_warps, False)
 
 
-def _quantize_act_launch(x, xb, smooth, m, k, dt, packed, block_m, block_k, num_warps, gelu_b, lora=None, la=None,
-                         inv=False):
-    # smooth: the smoothing factor, or (inv) its reciprocal
+def _smooth_operand(smooth: torch.Tensor, inv_smooth: torch.Tensor | None, k: int) -> tuple[torch.Tensor, bool]:
+    """``(tensor, INV)``: what the exact passes read for the smoothing: ``inv_smooth`` (checked) where given, the
+    kernels' ``INV`` form, else ``smooth`` itself, divided in the kernel."""
+    if inv_smooth is None:
+        return smooth, False
+    _check_inv_smooth(inv_smooth, k)
+    return inv_smooth, True
+
+
+def _quantize_act_launch(x, xb, smooth_op, m, k, dt, packed, block_m, block_k, num_warps, gelu_b, lora=None,
+                         la=None):
+    smooth, inv = smooth_op  # _smooth_operand's
     xq = None if packed else torch.empty(m, k, device=smooth.device, dtype=dt)
     codes = torch.empty(m, k // 2, device=smooth.device, dtype=torch.uint8) if packed else None
     scales = torch.empty(m, k // 16, device=smooth.device, dtype=torch.uint8) if packed else None
@@ -776,12 +783,11 @@ def quantize_act_after_lora(x: torch.Tensor, smooth: torch.Tensor, lora: torch.T
     if lora.dtype != torch.float32:
         raise ValueError(f"lora must be lora_act's float32 output, got {lora.dtype}")
     _check_pdl(x.device, "quantize_act_after_lora")
-    if inv_smooth is not None:
-        _check_inv_smooth(inv_smooth, k)
+    smooth_op = _smooth_operand(smooth, inv_smooth, k)
     dt = out_dtype or (x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
     la = torch.empty(m, r, device=x.device, dtype=torch.bfloat16)
-    xq = _quantize_act_launch(x, None, smooth if inv_smooth is None else inv_smooth, m, k, dt, False, block_m,
-                              min(block_k, next_pow2(k)), num_warps, False, lora, la, inv=inv_smooth is not None)[0]
+    xq = _quantize_act_launch(x, None, smooth_op, m, k, dt, False, block_m, min(block_k, next_pow2(k)), num_warps,
+                              False, lora, la)[0]
     return xq, la
 
 
@@ -811,8 +817,7 @@ def quantize_act_lora(x: torch.Tensor, smooth: torch.Tensor, pds: torch.Tensor, 
     if split < 1 or block_m < 16 or block_k < 16 or block_k & (block_k - 1) or block_m & (block_m - 1):
         raise ValueError(f"need split >= 1 and power-of-two blocks of at least 16 (tensor-core rows), got "
                          f"split={split}, block_m={block_m}, block_k={block_k}")
-    if inv_smooth is not None:
-        _check_inv_smooth(inv_smooth, k)
+    smooth, inv = _smooth_operand(smooth, inv_smooth, k)
     dt = out_dtype or (x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
     r = pds.shape[1]
     xq = torch.empty(m, k, device=x.device, dtype=dt)
@@ -831,9 +836,9 @@ def quantize_act_lora(x: torch.Tensor, smooth: torch.Tensor, pds: torch.Tensor, 
     else:
         part = cnt = lora
     _quantize_act_lora_kernel[(rows, split)](
-        x, smooth if inv_smooth is None else inv_smooth, xq, pds, lora, part, cnt, m, k, r, x.stride(0), x.stride(1),
-        k_split, split, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r), IS_SPLIT=split > 1, DOT_F32=_INTERPRET,
-        NUM_STAGES=num_stages, INV=inv_smooth is not None, num_warps=num_warps)
+        x, smooth, xq, pds, lora, part, cnt, m, k, r, x.stride(0), x.stride(1), k_split, split,
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r), IS_SPLIT=split > 1, DOT_F32=_INTERPRET,
+        NUM_STAGES=num_stages, INV=inv, num_warps=num_warps)
     return xq, lora
 
 
@@ -851,15 +856,13 @@ def quantize_act_cat(xa: torch.Tensor | None, xb: torch.Tensor, smooth: torch.Te
     if kb % nvfp4.BLOCK_SIZE:
         raise ValueError(f"expected xb's columns a multiple of 16, got {kb}")
     k = ka + kb
-    if inv_smooth is not None:
-        _check_inv_smooth(inv_smooth, k)
+    smooth_op = _smooth_operand(smooth, inv_smooth, k)
     block_k = min(block_k, next_pow2(k))
     while ka % block_k:
         block_k //= 2
     xb = xb if xb.stride(1) == 1 else xb.contiguous()
     dt = out_dtype or (xb.dtype if xb.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
-    return _quantize_act_launch(xa, xb, smooth if inv_smooth is None else inv_smooth, m, k, dt, packed, block_m,
-                                block_k, num_warps, gelu_b, inv=inv_smooth is not None)
+    return _quantize_act_launch(xa, xb, smooth_op, m, k, dt, packed, block_m, block_k, num_warps, gelu_b)
 
 
 def _check_sources(xa: torch.Tensor | None, xb: torch.Tensor) -> tuple[int, int, int]:
