@@ -256,6 +256,14 @@ def test_quantize_act_codes_are_bit_identical(device):
     assert torch.equal(nvfp4.unpack_e2m1(codes.cpu()), want_codes), "E2M1 codes differ"
 
 
+def _reference_values(xs):
+    """The independent encoder's dequantized values of ``xs [rows, K]`` (float64, signs of zero kept)."""
+    codes, scale_idx = _reference_codes(xs)
+    values = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+    scales = scale_idx.view(torch.float8_e4m3fn).double()
+    return (values[codes.long()].reshape(xs.shape[0], -1, 16) * scales.unsqueeze(-1)).reshape(xs.shape)
+
+
 @pytest.mark.parametrize("device", ["cuda"] if HAS_CUDA else ["cpu"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_quantize_act_writes_exact_values(device, dtype):
@@ -270,10 +278,7 @@ def test_quantize_act_writes_exact_values(device, dtype):
     assert xq.dtype == (dtype if dtype != torch.float32 else torch.bfloat16)
     xs = x.cpu().float() * (1.0 / smooth.cpu())
     xs[4, :16] = 0  # the NaN block is checked on its own below
-    codes, scale_idx = _reference_codes(xs)
-    values = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
-    scales = scale_idx.view(torch.float8_e4m3fn).double()
-    want = (values[codes.long()].reshape(20, -1, 16) * scales.unsqueeze(-1)).reshape(20, k)
+    want = _reference_values(xs)
     got = xq.double().cpu()
     nan_block = torch.zeros(20, k, dtype=torch.bool)
     nan_block[4, :16] = True
@@ -366,17 +371,17 @@ def test_quantize_act_exact_at_the_scale_limits(device, inv):
         r = (torch.rand(k, generator=g) * 2 - 1) * amax
         r[::16] = amax  # each block's max
         rows.append(r)
-    mag = torch.exp2(torch.empty(k).uniform_(-20, 3, generator=g)) * torch.where(torch.rand(k, generator=g) < 0.5, -1, 1)
+    mag = torch.exp2(torch.empty(k).uniform_(-20, 3, generator=g))
+    mag = mag * torch.where(torch.rand(k, generator=g) < 0.5, -1, 1)
     mag[::16] = 6.0
     rows.append(mag)
     x = torch.stack(rows).bfloat16()
     smooth = torch.exp(torch.randn(k, generator=g) * 0.1).clamp(0.5, 2.0)
     smooth[::16] = 1.0  # the block maxima stay where they were put
     xs = x.float() * (1.0 / smooth)
-    codes, scale_idx = _reference_codes(xs)
-    values = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+    _, scale_idx = _reference_codes(xs)
     scales = scale_idx.view(torch.float8_e4m3fn).double()
-    want = (values[codes.long()].reshape(len(rows), -1, 16) * scales.unsqueeze(-1)).reshape(len(rows), k)
+    want = _reference_values(xs)
     assert (scale_idx[:3] < 8).all() and (scale_idx[3:5] == 0x7E).all(), "not the scale limits meant"
     assert ((xs.reshape(len(rows), -1, 16) / scales.float().unsqueeze(-1)).abs() > 6.5).any(), "no q past 6"
     xd, sd = x.to(device), smooth.to(device)
