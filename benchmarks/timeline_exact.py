@@ -1,6 +1,6 @@
 """Kernel timeline of the whole linear's forward (H100/H200), each path in the same run:
 
-    python benchmarks/timeline_exact.py [--out FILE] [--shapes "fused qkv,single out"] [--modes exact,fast]
+    python benchmarks/timeline_exact.py [--out FILE] [--shapes fused_qkv,single_out] [--modes exact,fast]
                                         [--reps 20] [--rounds 3]
 
 Why: timed alone, the exact one read is 4-31 us faster than the pass and ``lora_act`` it replaces, yet the
@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    want = [s.strip() for s in args.shapes.split(",")]
+    want = [s.strip().replace("_", " ") for s in args.shapes.split(",")]  # "fused_qkv": no space to split on
     modes = [s.strip() for s in args.modes.split(",")]
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}; graphs of {args.reps} calls, "
              f"{args.rounds} rounds", ""]
