@@ -1,6 +1,6 @@
 """Kernel timeline of the whole linear's forward (H100/H200), each path in the same run:
 
-    python benchmarks/timeline_exact.py [--out FILE] [--shapes fused_qkv,single_out] [--modes exact,fast]
+    python benchmarks/timeline_exact.py [--out FILE] [--shapes fused_qkv,single_out,1x3072x3072] [--modes exact,fast]
                                         [--reps 20] [--rounds 3]
 
 Why: timed alone, the exact one read is 4-31 us faster than the pass and ``lora_act`` it replaces, yet the
@@ -108,7 +108,10 @@ def main() -> None:
 
     dev = torch.device("cuda")
     with torch.no_grad():
-        for label, m, k, n, mode in [(*s, md) for s in FLUX if s[0] in want for md in modes]:
+        # a FLUX label, or MxKxN for any layer (rank 32): e.g. 1x3072x3072, a token at attention's shape
+        shapes = [s for s in FLUX if s[0] in want] + [(w, *map(int, w.split("x"))) for w in want
+                                                       if w.count("x") == 2 and w.replace("x", "").isdigit()]
+        for label, m, k, n, mode in [(*s, md) for s in shapes for md in modes]:
             torch.manual_seed(0)
             mod = whole_module(label, k, n, dev).set_mode(mode)
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -126,7 +129,7 @@ def main() -> None:
 
             graphs = {"cuBLAS bf16": graph_of(lambda: F.linear(x, w), args.reps)}
             plan = None
-            if mode == "exact":
+            if mode == "exact" and m >= 128:  # the one read and the GEMM alone: the large-M path
                 be, prep = backends.resolve(mod, x)
                 inv, ex = sm90._exact_inv(be.extra_tensors(prep))
                 pds = ex[0]
@@ -146,7 +149,9 @@ def main() -> None:
                     "forward one": graph_of(forward({tuning.ENV_EXACT_LORA: "one"}), args.reps),
                     "forward PDL": graph_of(forward({sm90.ENV_PDL: "1"}), args.reps),
                     "GEMM alone": graph_of(gemm, args.reps)})
-            else:
+            elif mode == "exact":
+                graphs["forward"] = graph_of(forward({}), args.reps)
+            elif m % 16 == 0:  # _scaled_mm's FP8 GEMM wants whole 16-row blocks
                 # torch's FP8 GEMM with per-row / per-column scales (8-bit weights), the issue's yardstick
                 sa = x.abs().amax(1, keepdim=True).float() / 448
                 a8 = (x / sa).to(torch.float8_e4m3fn)
@@ -155,6 +160,7 @@ def main() -> None:
                 graphs["_scaled_mm FP8"] = graph_of(
                     lambda: torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw.t(), out_dtype=torch.bfloat16),
                     args.reps)
+            if mode == "fast":
                 graphs.update({"forward": graph_of(forward({}), args.reps),
                                "forward PDL": graph_of(forward({sm90.ENV_PDL: "1"}), args.reps)})
             one = "" if plan is None else (f" (one read: {plan.block_m}x{plan.block_k} w{plan.num_warps} "
