@@ -180,6 +180,12 @@ def main() -> None:
             base = med["cuBLAS bf16"]
             log("\nMedian periods over the rounds (us; ratio = cuBLAS bf16 / it): " + ", ".join(
                 f"{what} {p:.1f} ({base / p:.3f}x)" for what, p in med.items()))
+            # the card's clock moves every path of a round together (a GEMM's period by 10 % between rounds), so
+            # each round's ratio to the cuBLAS timed just before it is the steadier figure
+            ratios = {what: sorted(b / q for b, q in zip(periods["cuBLAS bf16"], p)) for what, p in periods.items()
+                      if what != "cuBLAS bf16"}
+            log("Per-round ratios to that round's cuBLAS bf16, median [min, max]: " + ", ".join(
+                f"{what} {statistics.median(r):.3f}x [{r[0]:.3f}, {r[-1]:.3f}]" for what, r in ratios.items()))
     text = "\n".join(lines) + "\n"
     if args.out:
         Path(args.out).write_text(text)
