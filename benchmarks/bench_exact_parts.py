@@ -51,10 +51,12 @@ def main() -> None:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             def forwards():
                 out = {}
+                os.environ[sm90.ENV_PDL] = "0"  # the plain launches (by default a captured call takes the PDL pair)
                 for env in ("two", "one"):
                     os.environ[tuning.ENV_EXACT_LORA] = env
                     out[env] = us(lambda: mod(x))
                 os.environ.pop(tuning.ENV_EXACT_LORA)
+                os.environ.pop(sm90.ENV_PDL)
                 return out
 
             fwd = forwards()

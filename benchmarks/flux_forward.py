@@ -221,7 +221,8 @@ def main():
                    help="comma-separated: bf16, fp8, exact, fast, fast-cublas (lora_act on cuBLAS), fast-cp (compiled "
                         "calls leave the activation pass to the compiler: SVDQ_SM90_COMPILER_PASS=1); a -gelu suffix "
                         "(fast-gelu, exact-gelu, ...) switches the blocks with fuse_gelu_inputs (the linears after a "
-                        "GELU read its parts); a -pdl suffix before it (fast-pdl) sets SVDQ_SM90_PDL=1 for the variant")
+                        "GELU read its parts); a -pdl suffix before it (fast-pdl) sets SVDQ_SM90_PDL=1 for the "
+                        "variant, -nopdl (fast-nopdl) SVDQ_SM90_PDL=0")
     p.add_argument("--graph", action="store_true", help="also time the eager forward captured in a CUDA graph")
     p.add_argument("--fuse", action="store_true",
                    help="fuse q/k/v (diffusers' fuse_qkv_projections; one quantization pass for the svdq variants)")
@@ -278,9 +279,10 @@ def main():
         gelu_in = variant.endswith("-gelu")
         v = variant.removesuffix("-gelu")
         # "-pdl" (fast-pdl, exact-pdl): lora_act and the activation pass as a PDL pair (SVDQ_SM90_PDL=1)
-        if v.endswith("-pdl"):
-            os.environ["SVDQ_SM90_PDL"] = "1"
-            v = v.removesuffix("-pdl")
+        # "-nopdl": never (SVDQ_SM90_PDL=0); without either, the default: the pair in captured graphs only
+        if v.endswith("-pdl") or v.endswith("-nopdl"):
+            os.environ["SVDQ_SM90_PDL"] = "1" if v.endswith("-pdl") else "0"
+            v = v.removesuffix("-pdl").removesuffix("-nopdl")
         else:
             os.environ.pop("SVDQ_SM90_PDL", None)
         # "fast-cp": compiled calls leave the activation pass to the compiler (SVDQ_SM90_COMPILER_PASS=1)

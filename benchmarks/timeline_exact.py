@@ -10,11 +10,11 @@ kernel's start and end inside a CUDA-graph replay, so this shows where a forward
 duration in the forward, and the gap (negative: overlap) between the end of the kernel before and its start.
 
 For each layer (``bench_lowrank``'s whole-linear rows, rank 32), in ``--rounds`` alternating rounds: cuBLAS
-bf16 (``F.linear``); in the exact mode the module forward with the two launches, with the one read
-(``SVDQ_SM90_EXACT_LORA``) and with the PDL pair (``SVDQ_SM90_PDL=1``), and the GEMM alone on the one read's
-outputs; in the fast mode the forward and the forward with the PDL pair. Each is one graph of ``--reps``
-back-to-back calls, replayed under the profiler; a forward's period is the replay's span over ``--reps``. Per
-kernel (by name): how many a call, the median duration and the median gap before it, us.
+bf16 (``F.linear``); in the exact mode the module forward with the two plain launches (``SVDQ_SM90_PDL=0``),
+with the one read (``SVDQ_SM90_EXACT_LORA``) and by default (in a graph: the PDL pair), and the GEMM alone on
+the one read's outputs; in the fast mode the forward with the plain launches and by default. Each is one graph
+of ``--reps`` back-to-back calls, replayed under the profiler; a forward's period is the replay's span over
+``--reps``. Per kernel (by name): how many a call, the median duration and the median gap before it, us.
 """
 
 from __future__ import annotations
@@ -145,9 +145,9 @@ def main() -> None:
                                           t["wcscale"], t["bias"], ex)
 
                 graphs.update({
-                    "forward two": graph_of(forward({tuning.ENV_EXACT_LORA: "two"}), args.reps),
+                    "forward two": graph_of(forward({tuning.ENV_EXACT_LORA: "two", sm90.ENV_PDL: "0"}), args.reps),
                     "forward one": graph_of(forward({tuning.ENV_EXACT_LORA: "one"}), args.reps),
-                    "forward PDL": graph_of(forward({sm90.ENV_PDL: "1"}), args.reps),
+                    "forward (default)": graph_of(forward({}), args.reps),  # in a graph: the PDL pair
                     "GEMM alone": graph_of(gemm, args.reps)})
             elif mode == "exact":
                 graphs["forward"] = graph_of(forward({}), args.reps)
@@ -161,8 +161,8 @@ def main() -> None:
                     lambda: torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw.t(), out_dtype=torch.bfloat16),
                     args.reps)
             if mode == "fast":
-                graphs.update({"forward": graph_of(forward({}), args.reps),
-                               "forward PDL": graph_of(forward({sm90.ENV_PDL: "1"}), args.reps)})
+                graphs.update({"forward plain": graph_of(forward({sm90.ENV_PDL: "0"}), args.reps),
+                               "forward (default)": graph_of(forward({}), args.reps)})  # in a graph: the PDL pair
             one = "" if plan is None else (f" (one read: {plan.block_m}x{plan.block_k} w{plan.num_warps} "
                                            f"s{plan.split} st{plan.num_stages})")
             log(f"\n## {mode}: {label} {m}x{k}->{n}{one}\n")

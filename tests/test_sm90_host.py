@@ -284,6 +284,7 @@ def test_gpu_exact_lora_beside_the_pass_in_a_graph_gives_the_same_bits(r, monkey
 
     mod = random_w4a4(3072, 3072, r, torch.bfloat16, "cuda").set_mode("exact")
     x = torch.randn(512, 3072, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setenv(sm90.ENV_PDL, "0")  # the serial capture: cuBLAS's lora_act, as the eager call (not the PDL pair)
     monkeypatch.setenv(sm90.ENV_LORA_STREAM, "0")
     y = mod(x)
     for env in ("0", "1"):

@@ -125,25 +125,40 @@ def test_pdl_is_refused_where_it_cannot_run(monkeypatch):
 
 
 def test_backend_switch_reads_the_environment_per_call(monkeypatch):
-    """``SVDQ_SM90_PDL``: only "1" turns it on, read per call, and only for a CUDA tensor on a device that has
-    PDL; ``kernels.pdl_supported`` asks a device's capability once."""
+    """``SVDQ_SM90_PDL``, read per call: unset, empty or "auto" takes the pair for a call captured into a CUDA graph
+    only, "1" for every call, "0" for none, and only for a CUDA tensor on a device that has PDL; another value is an
+    error naming the variable. ``kernels.pdl_supported`` asks a device's capability once."""
     from svdq_linear.backends import sm90
     from svdq_linear.backends.sm90 import kernels
 
     monkeypatch.setattr(kernels, "pdl_supported", lambda device=None: device.type == "cuda")
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     x = torch.empty(2, 2)
     gpu_x = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))  # no GPU needed: a stand-in
-    for env in (None, "0", "", "yes"):
+    for env in (None, "", "auto", "0", "1"):
         if env is None:
             monkeypatch.delenv(sm90.ENV_PDL, raising=False)
         else:
             monkeypatch.setenv(sm90.ENV_PDL, env)
-        assert not sm90._pdl(x, kernels) and not sm90._pdl(gpu_x, kernels)
-    monkeypatch.setenv(sm90.ENV_PDL, "1")
-    assert not sm90._pdl(x, kernels)  # a CPU tensor
-    assert sm90._pdl(gpu_x, kernels)
-    monkeypatch.setenv(sm90.ENV_PDL, "0")
-    assert not sm90._pdl(gpu_x, kernels)  # read per call
+        for capturing[0] in (False, True):
+            want = env == "1" or (env != "0" and capturing[0])
+            assert sm90._pdl(gpu_x, kernels) == want, (env, capturing[0])
+            assert not sm90._pdl(x, kernels)  # a CPU tensor
+    capturing[0] = True  # auto=False: the caller has another setting asked for (SVDQ_SM90_LORA_STREAM=1)
+    for env, want in ((None, False), ("auto", False), ("1", True), ("0", False)):
+        if env is None:
+            monkeypatch.delenv(sm90.ENV_PDL, raising=False)
+        else:
+            monkeypatch.setenv(sm90.ENV_PDL, env)
+        assert sm90._pdl(gpu_x, kernels, auto=False) == want, env
+    monkeypatch.setattr(kernels, "pdl_supported", lambda device=None: False)  # a device without PDL
+    for env in ("1", "auto"):
+        monkeypatch.setenv(sm90.ENV_PDL, env)
+        assert not sm90._pdl(gpu_x, kernels)
+    monkeypatch.setenv(sm90.ENV_PDL, "yes")
+    with pytest.raises(ValueError, match="SVDQ_SM90_PDL must be 1, 0 or auto"):
+        sm90._pdl(gpu_x, kernels)
     monkeypatch.undo()
 
     asked = []
@@ -425,3 +440,63 @@ def test_gpu_strided_input_keeps_the_plain_launches(mode, monkeypatch):
         assert _same(y, plain), "a strided input moved the fast mode's output"
     else:
         _check(y, *_expected_and_bound(m, x), "sm90 exact, strided input, PDL switch on")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_gpu_captured_calls_take_the_pdl_pair_by_default(mode, monkeypatch):
+    """With ``SVDQ_SM90_PDL`` unset, an eager call keeps the plain launches and a call captured into a CUDA graph
+    takes the pair; "0" keeps a captured call plain. The graph, replayed on new input, gives what an eager call
+    gives on it: the same bits in the fast mode (the same Triton ``lora_act`` and ``la`` arithmetic), within the
+    contract's tolerance in the exact mode (Triton's ``lora_act`` partials against cuBLAS's product)."""
+    _gpu()
+    pytest.importorskip("quack")
+    from test_conformance import _check, _expected_and_bound, random_w4a4
+
+    from svdq_linear.backends import sm90
+    from svdq_linear.backends.sm90 import kernels
+
+    calls = []
+    _spy_pair(monkeypatch, kernels, calls)
+    monkeypatch.delenv(sm90.ENV_PDL, raising=False)
+    torch.manual_seed(11)
+    k, n, tokens = 3072, 3072, 1000
+    m = random_w4a4(k, n, 32, torch.bfloat16, "cuda")
+    if mode == "fast":
+        m.set_mode("fast")
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16) * 3
+    with torch.no_grad():
+        eager = m(x)
+        assert "lora_act pdl=True" not in calls and "quantize_act_after_lora" not in calls, calls
+
+        def captured(env):
+            if env is None:
+                monkeypatch.delenv(sm90.ENV_PDL, raising=False)
+            else:
+                monkeypatch.setenv(sm90.ENV_PDL, env)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                m(x)  # warm-up outside the capture (eager: plain)
+            torch.cuda.current_stream().wait_stream(s)
+            calls.clear()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                y = m(x)
+            return g, y, list(calls)
+
+        g, y, seen = captured(None)
+        want = ["lora_act pdl=True"] + (["quantize_act_after_lora"] if mode == "exact" else [])
+        assert [c for c in seen if c in want] == want, seen
+        _, _, seen_off = captured("0")
+        assert "lora_act pdl=True" not in seen_off and "quantize_act_after_lora" not in seen_off, seen_off
+        monkeypatch.delenv(sm90.ENV_PDL, raising=False)
+        x2 = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16) * 3
+        x.copy_(x2)
+        g.replay()
+        torch.cuda.synchronize()
+        if mode == "fast":
+            assert _same(y, m(x2)), "the captured pair's output differs from an eager call's"
+        else:
+            _check(y, *_expected_and_bound(m, x2), "sm90 exact, captured with the PDL pair by default")
+        assert not _same(y, eager), "the replay did not compute on the new input"

@@ -98,16 +98,30 @@ ENV_COMPILER_PASS = "SVDQ_SM90_COMPILER_PASS"
 # (a stream fork costs host time there, where the calls are host-bound).
 ENV_LORA_STREAM = "SVDQ_SM90_LORA_STREAM"
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-# "1": lora_act (Triton) launched with programmatic dependent launch (PDL), the activation pass as its
-# dependent reading x beside it (kernels.quantize_act_after_lora / quantize_act_fp8(lora_pdl=True)), in eager
-# calls and CUDA graphs alike. Opt-in: it moved neither the large layers nor the Flux forward (docs/perf.md,
-# twenty-fourth session).
+# lora_act (Triton) launched with programmatic dependent launch (PDL), the activation pass as its dependent
+# reading x beside it (kernels.quantize_act_after_lora / quantize_act_fp8(lora_pdl=True)). "1": every call that
+# can; "0": never; unset (or "auto"): the calls captured into a CUDA graph. Measured on the H100 in graphs of
+# back-to-back calls (docs/perf.md, twenty-sixth session, timeline_exact.py, 10-12 rounds): the pair was faster
+# at every Flux shape but one in both modes (exact 1.04-1.26x the two launches, fast 1.02-1.10x; the single
+# blocks' fused input in the exact mode 0.98x, within that layer's spread), largely because the plain pass's
+# writes are still in L2 when the GEMM starts and their write-back slows it (8 us at fused q/k/v). In eager
+# and compiled calls without a graph, where the host's launches bound the forward, the pair's extra launch
+# lost (the Flux forward 4-6 %, twenty-fourth session), so they keep the plain launches.
 ENV_PDL = "SVDQ_SM90_PDL"
 
 
-def _pdl(x: torch.Tensor, kernels) -> bool:
-    """Whether this call takes the PDL pair (``SVDQ_SM90_PDL=1``, read per call, on a device that has it)."""
-    return x.is_cuda and getenv(ENV_PDL) == "1" and kernels.pdl_supported(x.device)
+def _pdl(x: torch.Tensor, kernels, auto: bool = True) -> bool:
+    """Whether this call takes the PDL pair (``SVDQ_SM90_PDL``, read per call: "1", "0", or unset / "auto" for
+    a call captured into a CUDA graph) on a device that has it. ``auto=False``: the caller has another setting
+    the user asked for (``SVDQ_SM90_LORA_STREAM=1``), which unset / "auto" leaves in place."""
+    if not x.is_cuda:
+        return False
+    env = getenv(ENV_PDL)
+    if env in ("0", "1"):
+        return env == "1" and kernels.pdl_supported(x.device)
+    if env not in (None, "", "auto"):
+        raise ValueError(f"{ENV_PDL} must be 1, 0 or auto (the same as unset), got {env!r}")
+    return auto and kernels.pdl_supported(x.device) and torch.cuda.is_current_stream_capturing()
 
 
 def _lora_beside(x: torch.Tensor, pds: torch.Tensor, pass_fn):
@@ -445,8 +459,10 @@ class Sm90Backend(Backend):
         pds = _proj_down_smoothed(extra, proj_down, smooth) if r else None
         env = getenv(self.tuning.ENV_EXACT_LORA) if r else None  # unset (the default): no plan to make
         plan = self.tuning.exact_lora_plan(m, k, pds.shape[1], env, self.tuning.sm_count(x.device)) if env else None
-        # the PDL pair (SVDQ_SM90_PDL=1; unset, the default: no plan to make): lora_act reads x as it lies
-        pdl = plan is None and r > 0 and x.stride(1) == 1 and _pdl(x, self.kernels)
+        # the PDL pair (SVDQ_SM90_PDL; by default in captured graphs, unless SVDQ_SM90_LORA_STREAM=1 asks for the
+        # second stream there): lora_act reads x as it lies
+        pdl = (plan is None and r > 0 and x.stride(1) == 1
+               and _pdl(x, self.kernels, auto=getenv(ENV_LORA_STREAM) != "1"))
         lora_plan = self.tuning.lora_act_plan(m, k, pds.shape[1], getenv(self.tuning.ENV_LORA_ACT)) if pdl else None
         if plan is not None:  # the pass and lora_act [M, R] bf16 in one read of x
             xq, lora = self.kernels.quantize_act_lora(
