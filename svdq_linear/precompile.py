@@ -147,10 +147,12 @@ def _sm90_calls(quick: bool):
     tokens (activation pass, and the Triton W4 GEMM that serves it without quack-kernels), the small-M
     kernel (the exact mode on canonical weights and, from 9 tokens, on quack's blob, whose fewer tokens
     run ``small_m_mma`` on a GPU; W4A16 for the adaLN modulation at batch 1-32), the fast mode's
-    activation pass and ``lora_act``, their two-source forms (``fuse_gelu_inputs``), and the opt-in PDL pair of
-    both modes (``SVDQ_SM90_PDL=1``: ``lora_act`` and the pass, where ``lora_act`` runs on Triton). quack's GEMMs
-    are compiled by ``precompile_sm90_quack``. Not covered (compiled on first use, seconds each): other ranks (their low-rank tile widths), other
-    token counts where Triton specializes differently (1, multiples of 16, others), other widths.
+    activation pass and ``lora_act``, their two-source forms (``fuse_gelu_inputs``), and the PDL pair of both
+    modes (what calls captured into a CUDA graph take, or every call with ``SVDQ_SM90_PDL=1``: ``lora_act`` and
+    the pass, where ``lora_act`` runs on Triton). quack's GEMMs
+    are compiled by ``precompile_sm90_quack``. Not covered (compiled on first use, seconds each): other ranks
+    (their low-rank tile widths), other token counts where Triton specializes differently (1, multiples of
+    16, others), other widths.
     Routing that depends on the device (``x.is_cuda``) is the CPU's here: such variants are left out
     rather than compiled for nothing."""
     import torch
@@ -232,7 +234,7 @@ def _sm90_calls(quick: bool):
 
 
 def _pdl_pair(kernels, tuning, x, inv, pds) -> None:
-    """``SVDQ_SM90_PDL=1``'s launches for one layer (its ``lora_act`` plan): ``lora_act`` as the first grid of the
+    """The PDL pair's launches for one layer (its ``lora_act`` plan): ``lora_act`` as the first grid of the
     pair, then the exact mode's pass and the fast mode's as its programmatic dependents. The pair's device
     check (``kernels.pdl_supported``: a GPU of capability 9.0 or later) is the target's here; a Triton without
     grid dependency control has no pair to compile."""
