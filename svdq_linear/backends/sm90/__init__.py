@@ -102,7 +102,7 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 # reading x beside it (kernels.quantize_act_after_lora / quantize_act_fp8(lora_pdl=True)). "1": every call that
 # can; "0": never; unset (or "auto"): the calls captured into a CUDA graph. Measured on the H100 in graphs of
 # back-to-back calls (docs/perf.md, twenty-sixth session, timeline_exact.py, 10-12 rounds): the pair was faster
-# at every Flux shape but one in both modes (exact 1.04-1.26x the two launches, fast 1.02-1.10x; the single
+# at every Flux shape but one in both modes (exact 1.01-1.26x the two launches, fast 1.02-1.10x; the single
 # blocks' fused input in the exact mode 0.98x, within that layer's spread), largely because the plain pass's
 # writes are still in L2 when the GEMM starts and their write-back slows it (8 us at fused q/k/v). In eager
 # and compiled calls without a graph, where the host's launches bound the forward, the pair's extra launch
