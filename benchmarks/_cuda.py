@@ -8,8 +8,8 @@ import time
 import torch
 
 
-def graphed(fn):
-    """``fn`` captured in a CUDA graph: replaying it times the GPU work without Python's launch cost."""
+def graph_of(fn, reps: int = 1) -> torch.cuda.CUDAGraph:
+    """``reps`` calls of ``fn`` captured back to back in one CUDA graph (after two warm-up calls)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -18,8 +18,14 @@ def graphed(fn):
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
-    return g.replay
+        for _ in range(reps):
+            fn()
+    return g
+
+
+def graphed(fn):
+    """``fn`` captured in a CUDA graph: replaying it times the GPU work without Python's launch cost."""
+    return graph_of(fn).replay
 
 
 def host_profile(fn, calls: int = 1, top: int = 30, warmup: int = 1) -> tuple[str, float, float]:

@@ -77,7 +77,8 @@ def main() -> None:
 
     from bench_lowrank import FLUX, whole_module
     from test_conformance import random_w4a4
-    from timeline_exact import graph_of, kernel_spans, summarize
+    from _cuda import graph_of
+    from timeline_exact import kernel_spans, summarize
 
     shapes = {label.replace(" ", "_"): (m, k, n) for label, m, k, n in FLUX}
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}; accounting {args.accounting}; graphs of "

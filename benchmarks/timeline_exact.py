@@ -29,26 +29,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cuda import graph_of  # noqa: E402
 from bench_lowrank import FLUX, whole_module  # noqa: E402
 
 from svdq_linear import backends  # noqa: E402
 from svdq_linear.backends import sm90  # noqa: E402
 from svdq_linear.backends.sm90 import kernels, tuning  # noqa: E402
-
-
-def graph_of(fn, reps: int):
-    """``reps`` calls of ``fn`` captured back to back in one CUDA graph (after two warm-up calls)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return g
 
 
 def kernel_spans(g) -> list[tuple[float, float, str]]:
