@@ -129,6 +129,48 @@ def test_w4a4_with_the_one_read_pass_within_tolerance(backend, device, m_tokens,
 
 
 @pytest.mark.parametrize("backend,device", [(b, d) for b, d in BACKENDS if b == "sm90"])
+def test_w4a4_takes_the_one_read_by_default_where_tuning_says(backend, device, monkeypatch):
+    """With ``SVDQ_SM90_EXACT_LORA`` unset and no PDL pair (an eager call): the one read from
+    ``EXACT_LORA_AUTO_MIN_M`` tokens up to ``EXACT_LORA_AUTO_MAX_R`` columns (lowered here so the interpreter can
+    run it), within the tolerance; "two", a wider branch, fewer tokens, ``SVDQ_SM90_LORA_STREAM=1`` or
+    ``SVDQ_SM90_PDL=1`` (where the device has it) keep the other launches."""
+    from svdq_linear.backends import sm90
+    from svdq_linear.backends.sm90 import kernels, tuning
+
+    assert tuning.exact_lora_by_default(4096, 96) and tuning.exact_lora_by_default(2048, 32)
+    assert not tuning.exact_lora_by_default(1024, 32) and not tuning.exact_lora_by_default(4096, 128)
+    assert not tuning.exact_lora_by_default(4096, 0)
+    calls = []
+    one_read = kernels.quantize_act_lora
+    monkeypatch.setattr(kernels, "quantize_act_lora", lambda *a, **kw: calls.append(1) or one_read(*a, **kw))
+    monkeypatch.setattr(tuning, "EXACT_LORA_AUTO_MIN_M", 128)
+    for name in (tuning.ENV_EXACT_LORA, sm90.ENV_PDL, sm90.ENV_LORA_STREAM):
+        monkeypatch.delenv(name, raising=False)
+    k, n = SHAPES[-1]
+    mods = {r: random_w4a4(k, n, r, torch.bfloat16, device) for r in (32, 128)}
+    x = torch.randn(256, k, device=device, dtype=torch.bfloat16) * 3
+
+    def took_one_read(r, tokens=256, **env):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        calls.clear()
+        y = _run(backend, mods[r], x[:tokens])
+        for name in env:
+            monkeypatch.delenv(name)
+        _check(y, *_expected_and_bound(mods[r], x[:tokens]), f"{backend} M={tokens} R={r} {env}")
+        return bool(calls)
+
+    assert took_one_read(32), "unset, 256 tokens, R = 32: the one read"
+    assert not took_one_read(32, **{tuning.ENV_EXACT_LORA: "two"})
+    assert sm90.SMALL_M["w4a4"] < 127
+    assert not took_one_read(32, tokens=127), "fewer tokens than EXACT_LORA_AUTO_MIN_M: the two launches"
+    assert not took_one_read(128), "wider than EXACT_LORA_AUTO_MAX_R: the two launches"
+    assert not took_one_read(32, **{sm90.ENV_LORA_STREAM: "1"})
+    if kernels.pdl_supported(x.device):
+        assert not took_one_read(32, **{sm90.ENV_PDL: "1"}), "the PDL pair first"
+
+
+@pytest.mark.parametrize("backend,device", [(b, d) for b, d in BACKENDS if b == "sm90"])
 def test_exact_passes_read_the_prepared_inv_smooth(backend, device, monkeypatch):
     """The exact mode's activation pass is given the prepared ``1 / smooth`` (no division a column in the kernel),
     bit-equal to the IEEE quotient; an ``extra`` made without it (an unprepared call, or the lists tests build)

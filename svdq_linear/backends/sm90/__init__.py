@@ -457,13 +457,15 @@ class Sm90Backend(Backend):
             return self.kernels.quantize_act(x, smooth, out_dtype=xq_dtype, inv_smooth=inv)[0]
 
         pds = _proj_down_smoothed(extra, proj_down, smooth) if r else None
-        env = getenv(self.tuning.ENV_EXACT_LORA) if r else None  # unset (the default): no plan to make
+        env = getenv(self.tuning.ENV_EXACT_LORA) if r else None
         plan = self.tuning.exact_lora_plan(m, k, pds.shape[1], env, self.tuning.sm_count(x.device)) if env else None
-        # the PDL pair (SVDQ_SM90_PDL; by default in captured graphs, unless SVDQ_SM90_LORA_STREAM=1 asks for the
-        # second stream there): lora_act reads x as it lies
-        pdl = (plan is None and r > 0 and x.stride(1) == 1
-               and _pdl(x, self.kernels, auto=getenv(ENV_LORA_STREAM) != "1"))
+        # the PDL pair (SVDQ_SM90_PDL; by default in captured graphs), then with SVDQ_SM90_EXACT_LORA unset the one
+        # read where tuning says: unless SVDQ_SM90_LORA_STREAM=1 asks for the second stream (the two launches)
+        stream = getenv(ENV_LORA_STREAM) == "1"
+        pdl = plan is None and r > 0 and x.stride(1) == 1 and _pdl(x, self.kernels, auto=not stream)
         lora_plan = self.tuning.lora_act_plan(m, k, pds.shape[1], getenv(self.tuning.ENV_LORA_ACT)) if pdl else None
+        if r and not env and lora_plan is None and not stream and self.tuning.exact_lora_by_default(m, pds.shape[1]):
+            plan = self.tuning.exact_lora_plan(m, k, pds.shape[1], "one", self.tuning.sm_count(x.device))
         if plan is not None:  # the pass and lora_act [M, R] bf16 in one read of x
             xq, lora = self.kernels.quantize_act_lora(
                 x, smooth, pds, out_dtype=xq_dtype, block_m=plan.block_m, block_k=plan.block_k, split=plan.split,

@@ -268,21 +268,27 @@ def lora_act_plan(m: int, k: int, r: int, env: str | None = None) -> LoraActPlan
     return LoraActPlan(bm, _fit_split(s, k, block_k), w, st)
 
 
-# The exact mode's activation pass and its lora_act above SMALL_M tokens: by default the pass, then cuBLAS
-# (two reads of x). kernels.quantize_act_lora reads x once (the pass's tiles feed a tensor-core lora_act as
-# they load); measured on the H100 (docs/perf.md, twenty-fifth session, with the cheaper rounding and the
-# prepared 1 / smooth) the kernel alone gains 1.11-1.29x over the two launches at 4096-4608 tokens up to
-# R = 96, loses at R = 128 and at 1024 tokens, and through the module it gives 0.86-1.04x (fused q/k/v 0.98-1.01x),
-# so it is opt-in: SVDQ_SM90_EXACT_LORA="one" takes it at EXACT_LORA_CONFIG,
-# "bm,bk,w,S,st" sets its block rows, k-step, warps, split (0: exact_lora_split's rule) and pipeline stages;
-# unset or "two": the two launches. It serves lora_act widths (the prepared proj_down's columns) up to
-# EXACT_LORA_MAX_R; wider ones (rank 128 fused three ways) keep the two launches. With it, SVDQ_SM90_LORA_STREAM
-# has nothing to move beside the pass.
+# The exact mode's activation pass and its lora_act above SMALL_M tokens: the pass, then cuBLAS (two reads of
+# x), or kernels.quantize_act_lora, which reads x once (the pass's tiles feed a tensor-core lora_act as they
+# load). Measured on the H100: the kernel alone gains 1.11-1.29x over the two launches at 4096-4608 tokens up
+# to R = 96 and loses at R = 128 and at 1024 tokens (twenty-fifth session); through the module, in graphs of
+# back-to-back calls over 10-12 rounds, 1.02-1.08x at six Flux shapes of 4096-4608 tokens and R <= 96, 0.99x
+# at 512 tokens and at R = 128 (twenty-sixth session: the plain pass's writes are still in L2 when the GEMM
+# starts, and their write-back slows it). So where no PDL pair is taken (SVDQ_SM90_PDL; by default in
+# captured graphs, where it measured faster still), unset takes it from EXACT_LORA_AUTO_MIN_M tokens up to
+# EXACT_LORA_AUTO_MAX_R columns (exact_lora_by_default). SVDQ_SM90_EXACT_LORA="one" takes it at any size,
+# at EXACT_LORA_CONFIG; "bm,bk,w,S,st" sets its block rows, k-step, warps, split (0: exact_lora_split's rule)
+# and pipeline stages; "two": the two launches. It serves lora_act widths (the prepared proj_down's columns)
+# up to EXACT_LORA_MAX_R; wider ones (rank 128 fused three ways) keep the two launches. With it,
+# SVDQ_SM90_LORA_STREAM has nothing to move beside the pass, so an explicit SVDQ_SM90_LORA_STREAM=1 keeps
+# the two launches when unset.
 ENV_EXACT_LORA = "SVDQ_SM90_EXACT_LORA"
 EXACT_LORA_MAX_R = 128  # the widest measured (t-2: R = 128 at 4608 tokens), 64 fp32 sums a thread at 64 x 128
 EXACT_LORA_CONFIG = (64, 64, 4, 3)  # block rows, k-step, warps, stages: the best of 54 at fused q/k/v (t-2)
 EXACT_LORA_PROGRAMS = 2  # programs an SM the split aims at (its best split, 4, gives 2 an SM at 4096 tokens)
 EXACT_LORA_WAVE_FILL = 0.9  # the share of that wave the split fills at least
+EXACT_LORA_AUTO_MIN_M = 2048  # unset: the one read from this many tokens (measured 4096-4608; 0.99x at 512)
+EXACT_LORA_AUTO_MAX_R = 96  # ... up to this many lora_act columns (measured to 96: fused q/k/v; 0.99x at 128)
 
 
 @dataclass(frozen=True)
@@ -306,11 +312,18 @@ def exact_lora_split(m: int, k: int, block_m: int, block_k: int, sms: int = SM_C
     return s
 
 
+def exact_lora_by_default(m: int, r: int) -> bool:
+    """Whether an exact call with ``SVDQ_SM90_EXACT_LORA`` unset, and no PDL pair, takes the one read: from
+    ``EXACT_LORA_AUTO_MIN_M`` tokens and up to ``EXACT_LORA_AUTO_MAX_R`` columns of the prepared proj_down."""
+    return m >= EXACT_LORA_AUTO_MIN_M and 0 < r <= EXACT_LORA_AUTO_MAX_R
+
+
 def exact_lora_plan(m: int, k: int, r: int, env: str | None = None, sms: int = SM_COUNT) -> ExactLoraPlan | None:
     """How the exact mode gets ``lora_act`` beside its activation pass for ``x [M, K]`` and ``R`` columns of the
-    prepared ``proj_down``: None for the two launches (the pass, then cuBLAS; the default, and every R above
+    prepared ``proj_down``: None for the two launches (the pass, then cuBLAS: "two", unset, and every R above
     ``EXACT_LORA_MAX_R``), else ``kernels.quantize_act_lora``'s plan (``env``: the value of
-    ``SVDQ_SM90_EXACT_LORA``, read per call by the caller)."""
+    ``SVDQ_SM90_EXACT_LORA``, read per call by the caller; the caller asks "one" for an unset call that
+    ``exact_lora_by_default`` serves)."""
     env = (env or "").strip().lower()
     if r == 0 or r > EXACT_LORA_MAX_R or env in ("", "two"):
         return None
