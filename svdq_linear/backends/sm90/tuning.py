@@ -272,7 +272,7 @@ def lora_act_plan(m: int, k: int, r: int, env: str | None = None) -> LoraActPlan
 # x), or kernels.quantize_act_lora, which reads x once (the pass's tiles feed a tensor-core lora_act as they
 # load). Measured on the H100: the kernel alone gains 1.11-1.29x over the two launches at 4096-4608 tokens up
 # to R = 96 and loses at R = 128 and at 1024 tokens (twenty-fifth session); through the module, in graphs of
-# back-to-back calls over 10-12 rounds, 1.02-1.08x at six Flux shapes of 4096-4608 tokens and R <= 96, 0.99x
+# back-to-back calls over 10-12 rounds, 1.02-1.08x at six Flux shapes of 4096-4608 tokens and R <= 96, 0.98-0.99x
 # at 512 tokens and at R = 128 (twenty-sixth session: the plain pass's writes are still in L2 when the GEMM
 # starts, and their write-back slows it). So where no PDL pair is taken (SVDQ_SM90_PDL; by default in
 # captured graphs, where it measured faster still), unset takes it from EXACT_LORA_AUTO_MIN_M tokens up to
