@@ -160,7 +160,7 @@ print(json.dumps(out))
 
 
 def test_one_read_pass_compiles_to_wgmma_on_a_pipelined_loop(tmp_path):
-    """``kernels.quantize_act_lora`` at the opt-in config (``tuning.EXACT_LORA_CONFIG``), compiled for sm_90a here
+    """``kernels.quantize_act_lora`` at its config (``tuning.EXACT_LORA_CONFIG``), compiled for sm_90a here
     (the real compiler, in a child process): its K loop issues ``lora_act`` as warpgroup MMAs (one
     ``HGMMA.64xRx16`` per 16 columns of the k-step), loads through ``LDGSTS`` (the stages in flight), keeps
     nothing in local memory, and counts in on one atomic a program."""

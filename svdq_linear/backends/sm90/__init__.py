@@ -2,9 +2,10 @@
 
 E2M1 codes times E4M3 scales are exact in bf16 and fp16, so the contract's block-scaled product is
 computed exactly on Hopper's 16-bit tensor cores: ``quantize_act`` writes the exact dequantized
-activations in one pass; ``lora_act`` is one cuBLAS GEMM of ``x`` with ``proj_down / smooth``
-(``SVDQ_SM90_EXACT_LORA=one``: both in one read of ``x``, ``kernels.quantize_act_lora``; opt-in, see
-``tuning.exact_lora_plan``).
+activations in one pass; ``lora_act`` is one cuBLAS GEMM of ``x`` with ``proj_down / smooth``, or both come
+from one read of ``x`` (``kernels.quantize_act_lora``: by default from 2048 tokens up to 96 columns,
+``tuning.exact_lora_by_default``; ``SVDQ_SM90_EXACT_LORA``), or, in a captured graph, the two launch as a PDL
+pair (``SVDQ_SM90_PDL``).
 By tokens M (bf16):
 
 - M <= 2, exact mode on quack's blob, on a GPU: ``small_m_fast.linear_exact``, the whole linear in one launch
