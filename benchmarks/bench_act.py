@@ -31,6 +31,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cuda import graphed  # noqa: E402
+from _table import emit  # noqa: E402
 
 from svdq_linear.backends.sm90 import fast_layout, kernels, tuning  # noqa: E402
 
@@ -181,10 +182,7 @@ def main():
     lines = [f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}", ""]
     if args.exact_lora:
         exact_lora(lines, load_baseline(args.baseline) if args.baseline else None)
-        text = "\n".join(lines) + "\n"
-        if args.out:
-            Path(args.out).write_text(text)
-        print(text)
+        emit(lines, args.out)
         return
     lines += ["### FP8 pass (per-token E4M3): us / GB/s / % of copy", "",
               "| M | K | copy GB/s | variant | us | GB/s | % copy | bytes |", "|---|---|---|---|---|---|---|---|"]
@@ -263,10 +261,7 @@ def main():
             gbs = nbytes / t / 1e6
             lines.append(f"| {m} | {k} | {copy_gbs:.0f} | {name} | {t * 1e3:.1f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f} | same |")
         print("\n".join(lines[-10:]), flush=True)
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

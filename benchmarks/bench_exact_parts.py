@@ -22,6 +22,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cuda import graphed  # noqa: E402
+from _table import emit  # noqa: E402
 from bench_lowrank import FLUX, whole_module  # noqa: E402
 
 from svdq_linear import backends  # noqa: E402
@@ -86,10 +87,7 @@ def main() -> None:
                          f"s{plan.split} st{plan.num_stages}) | {t_gemm:.1f} | {fwd['two'] - t_two - t_gemm:.1f} | "
                          f"{fwd['one'] - t_one - t_gemm:.1f} | {again['two']:.1f} / {again['one']:.1f} |")
             print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _cuda import graphed  # noqa: E402
+from _table import emit  # noqa: E402
 
 from svdq_linear import nvfp4  # noqa: E402
 from svdq_linear.backends.sm90 import Sm90Backend, kernels, tuning  # noqa: E402
@@ -101,10 +102,7 @@ def main():
             print(whole[-1], flush=True)
             del mod
     plan = tuning.lora_act_plan(4608, 15360, 32, os.environ.get(tuning.ENV_LORA_ACT))
-    text = "\n".join(lines + (whole if len(whole) > 3 else []) + ["", f"lora_act plan at 4608 x 15360: {plan}"]) + "\n"
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
+    emit(lines + (whole if len(whole) > 3 else []) + ["", f"lora_act plan at 4608 x 15360: {plan}"], args.out)
 
 
 if __name__ == "__main__":

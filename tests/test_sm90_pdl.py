@@ -203,6 +203,20 @@ def _spy_pair(monkeypatch, kernels, calls: list) -> None:
                         lambda *a, **kw: calls.append(f"lora_act pdl={kw.get('pdl', False)}") or lora_act(*a, **kw))
 
 
+def _plain_call(m, x, mode, monkeypatch):
+    """``m`` in ``mode``, the backend chosen for ``x``, its prepared state, and its eager output on ``x`` with
+    ``SVDQ_SM90_PDL`` unset (the plain launches)."""
+    from svdq_linear import backends
+    from svdq_linear.backends import sm90
+
+    if mode == "fast":
+        m.set_mode("fast")
+    backend = backends.choose(m, x)
+    prepared = backend.prepare(m, x.device)
+    monkeypatch.delenv(sm90.ENV_PDL, raising=False)
+    return backend, prepared, backend.linear(m, x, prepared)
+
+
 def _same(a, b):
     """The same bits (any dtype)."""
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
@@ -358,7 +372,6 @@ def test_gpu_module_takes_the_pdl_pair(mode, tokens, r, n, monkeypatch):
     pytest.importorskip("quack")
     from test_conformance import _check, _expected_and_bound, random_w4a4
 
-    from svdq_linear import backends
     from svdq_linear.backends import sm90
     from svdq_linear.backends.sm90 import kernels
 
@@ -382,12 +395,7 @@ def test_gpu_module_takes_the_pdl_pair(mode, tokens, r, n, monkeypatch):
         with torch.no_grad():
             m.proj_up.mul_(torch.block_diag(*[torch.ones(h, 32) for h in parts]).to(m.proj_up))
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16) * 3
-    if mode == "fast":
-        m.set_mode("fast")
-    backend = backends.choose(m, x)
-    prepared = backend.prepare(m, x.device)
-    monkeypatch.delenv(sm90.ENV_PDL, raising=False)
-    plain = backend.linear(m, x, prepared)
+    backend, prepared, plain = _plain_call(m, x, mode, monkeypatch)
     assert calls == ([] if mode == "exact" else ["lora_act pdl=False"]), calls  # exact: cuBLAS's lora_act
     calls.clear()
     monkeypatch.setenv(sm90.ENV_PDL, "1")
@@ -412,7 +420,6 @@ def test_gpu_strided_input_keeps_the_plain_launches(mode, monkeypatch):
     pytest.importorskip("quack")
     from test_conformance import _check, _expected_and_bound, random_w4a4
 
-    from svdq_linear import backends
     from svdq_linear.backends import sm90
     from svdq_linear.backends.sm90 import kernels
 
@@ -425,12 +432,7 @@ def test_gpu_strided_input_keeps_the_plain_launches(mode, monkeypatch):
     xt = torch.empty(k, tokens, device="cuda", dtype=torch.bfloat16).t()
     xt.copy_(x)
     assert xt.stride(1) != 1
-    if mode == "fast":
-        m.set_mode("fast")
-    backend = backends.choose(m, x)
-    prepared = backend.prepare(m, x.device)
-    monkeypatch.delenv(sm90.ENV_PDL, raising=False)
-    plain = backend.linear(m, x, prepared)
+    backend, prepared, plain = _plain_call(m, x, mode, monkeypatch)
     calls.clear()
     monkeypatch.setenv(sm90.ENV_PDL, "1")
     y = backend.linear(m, xt, prepared)
