@@ -57,10 +57,11 @@ class DynamicFP8Linear(nn.Module):
         return y.reshape(*shape[:-1], -1)
 
 
-def fuse_qkv(model, variant: str) -> None:
+def fuse_qkv(model, variant: str, single_mlp: bool = True) -> None:
     """One GEMM for q/k/v (and the context twins) in every attention: diffusers' ``fuse_qkv_projections()``
     for bf16, ``svdq_linear.fuse`` for the svdq variants (one quantization pass, the packed weight
-    shared), the rows of the E4M3 weights and their per-channel scales stacked for dynamic FP8."""
+    shared; in single blocks with ``proj_mlp`` too, unless ``single_mlp`` is False), the rows of the E4M3
+    weights and their per-channel scales stacked for dynamic FP8."""
     if variant == "fp8":
         for attn in model.modules():
             if isinstance(getattr(attn, "to_q", None), DynamicFP8Linear):
@@ -73,6 +74,9 @@ def fuse_qkv(model, variant: str) -> None:
         from svdq_linear.fuse import fuse_attention_projections
 
         fuse_attention_projections(model)
+        if not single_mlp:  # what svdq_linear did before single blocks stacked proj_mlp with q/k/v
+            for attn in model.modules():
+                attn.__dict__.pop("_svdq_single_block", None)
     model.fuse_qkv_projections()
 
 
@@ -222,7 +226,8 @@ def main():
                         "calls leave the activation pass to the compiler: SVDQ_SM90_COMPILER_PASS=1); a -gelu suffix "
                         "(fast-gelu, exact-gelu, ...) switches the blocks with fuse_gelu_inputs (the linears after a "
                         "GELU read its parts); a -pdl suffix before it (fast-pdl) sets SVDQ_SM90_PDL=1 for the "
-                        "variant, -nopdl (fast-nopdl) SVDQ_SM90_PDL=0")
+                        "variant, -nopdl (fast-nopdl) SVDQ_SM90_PDL=0; with --fuse, -sep after those (fast-sep, "
+                        "fast-nopdl-sep-gelu) keeps single blocks' proj_mlp apart from their fused q/k/v")
     p.add_argument("--graph", action="store_true", help="also time the eager forward captured in a CUDA graph")
     p.add_argument("--fuse", action="store_true",
                    help="fuse q/k/v (diffusers' fuse_qkv_projections; one quantization pass for the svdq variants)")
@@ -278,6 +283,9 @@ def main():
         # input from its parts (svdq_linear.fuse.fuse_gelu_inputs)
         gelu_in = variant.endswith("-gelu")
         v = variant.removesuffix("-gelu")
+        # "-sep" (fast-sep): with --fuse, single blocks keep proj_mlp apart from their fused q/k/v
+        single_mlp = not v.endswith("-sep")
+        v = v.removesuffix("-sep")
         # "-pdl" (fast-pdl, exact-pdl): lora_act and the activation pass as a PDL pair (SVDQ_SM90_PDL=1)
         # "-nopdl": never (SVDQ_SM90_PDL=0); without either, the default: the pair in captured graphs only
         if v.endswith("-pdl") or v.endswith("-nopdl"):
@@ -300,7 +308,7 @@ def main():
         model = build_variant(base, kind, recipe)
         gb = weight_bytes(model) / 1e9  # before fusing: bf16's and FP8's fused q/k/v are copies
         if args.fuse:
-            fuse_qkv(model, kind)
+            fuse_qkv(model, kind, single_mlp)
         if gelu_in:
             from svdq_linear.fuse import fuse_gelu_inputs
 

@@ -8,7 +8,10 @@ exact zeros in the FP32 accumulation). The fused layer quantizes its input once 
 ``fuse_attention_projections`` makes diffusers' ``fuse_qkv_projections()`` work on quantized
 transformers: each attention module gets ``to_qkv`` (and ``to_added_qkv``) built this way, the
 separate q/k/v modules become views of the fused packed weight (no second copy of it), and the fused
-modules stay out of ``state_dict`` so saved checkpoints are unchanged.
+modules stay out of ``state_dict`` so saved checkpoints are unchanged. A Flux single block's attention
+fuses its q/k/v with the block's ``proj_mlp`` too (they read the block's one norm output): one layer,
+``attn.to_qkv_mlp``, that the block's forward (``svdq_linear._diffusers_blocks``) splits into q, k, v and
+the MLP's input.
 
 ``fuse_gelu_inputs`` lets the linears after a tanh GELU (Flux single blocks' ``proj_out``, feed-forward
 down projections) read the GELU's input, and the tensor concatenated before it, without that input
@@ -17,7 +20,6 @@ being written out.
 
 from __future__ import annotations
 
-import types
 import warnings
 import weakref
 
@@ -94,10 +96,49 @@ def _fuse_group(attn: nn.Module, names: tuple[str, ...], fused_name: str) -> boo
     return True
 
 
+def _single_block_mlp(attn: nn.Module) -> SVDQW4A4Linear | None:
+    """The quantized ``proj_mlp`` of the Flux single block ``attn`` belongs to (``fuse_attention_projections``
+    noted it), when it can join q/k/v in one layer: same input width, smoothing factor and device."""
+    block = attn.__dict__.get("_svdq_single_block")
+    mlp = getattr(block, "proj_mlp", None)
+    q = getattr(attn, "to_q", None)
+    if not (isinstance(mlp, SVDQW4A4Linear) and isinstance(q, SVDQW4A4Linear)):
+        return None
+    if (mlp.in_features != q.in_features or mlp.qweight.device != q.qweight.device
+            or mlp.proj_up.dtype != q.proj_up.dtype or not torch.equal(mlp.smooth, q.smooth)):
+        return None
+    return mlp
+
+
+def _switch_single_block(block: nn.Module) -> None:
+    """Give a diffusers Flux single block the class whose forward reads ``attn.to_qkv_mlp``."""
+    from ._diffusers_blocks import FUSED, FluxSingleTransformerBlock
+
+    base = next(b for b, f in FUSED.items() if f is FluxSingleTransformerBlock)
+    if type(block) is base:
+        if "forward" in block.__dict__:  # a hook holds the class's forward: the block keeps calling it
+            warnings.warn("svdq-linear: a Flux single block's forward is wrapped by a hook (offloading, caching): "
+                          "its q/k/v and proj_mlp stay separate calls; fuse before enabling such hooks", stacklevel=3)
+        block.__class__ = FluxSingleTransformerBlock
+
+
 @torch.no_grad()
 def _fuse_projections(self, *args, **kwargs):
-    """``Attention.fuse_projections`` for quantized q/k/v (diffusers calls it per attention module)."""
-    if getattr(self, "fused_projections", False):
+    """``Attention.fuse_projections`` for quantized q/k/v (diffusers calls it per attention module). In a Flux
+    single block the block's ``proj_mlp`` joins them (``to_qkv_mlp``); the attention module then keeps
+    ``fused_projections`` False, so a processor other than diffusers' own still finds q/k/v as separate
+    layers (row views of the fused weight)."""
+    if getattr(self, "fused_projections", False) or "to_qkv_mlp" in self._modules:
+        return
+    mlp = None if getattr(self, "is_cross_attention", False) else _single_block_mlp(self)
+    if mlp is not None:
+        block = self.__dict__["_svdq_single_block"]
+        layers = [self.to_q, self.to_k, self.to_v, mlp]
+        fused = concat_w4a4(layers)
+        _share_packed_weight(fused, layers)
+        fused._split = [layer.out_features for layer in layers]  # q, k, v, the MLP's input
+        self.to_qkv_mlp = fused
+        _switch_single_block(block)
         return
     if getattr(self, "is_cross_attention", False):
         done = _fuse_group(self, ("to_k", "to_v"), "to_kv")
@@ -111,20 +152,45 @@ def _fuse_projections(self, *args, **kwargs):
 
 @torch.no_grad()
 def _unfuse_projections(self, *args, **kwargs):
-    for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
-        layer = getattr(self, name, None)
+    block = self.__dict__.get("_svdq_single_block")
+    parts = [getattr(self, name, None) for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")]
+    if "to_qkv_mlp" in self._modules:
+        parts.append(getattr(block, "proj_mlp", None))
+    for layer in parts:
         if isinstance(layer, SVDQW4A4Linear):
             layer._restore()  # rows rebuilt from the fused module now, so nothing keeps it alive
-    for name in ("to_qkv", "to_kv", "to_added_qkv"):
+    for name in ("to_qkv", "to_kv", "to_added_qkv", "to_qkv_mlp"):
         if hasattr(self, name):
             delattr(self, name)
     self.fused_projections = False
+    if block is not None and not block.__dict__.get("_svdq_gelu_in"):
+        _unswitch_single_block(block)
+
+
+def _unswitch_single_block(block: nn.Module) -> None:
+    from ._diffusers_blocks import FUSED
+
+    back = {fused: base for base, fused in FUSED.items()}
+    if type(block) in back:
+        block.__class__ = back[type(block)]
 
 
 def _drop_fused_from_state_dict(module, state_dict, prefix, local_metadata):
     for key in [k for k in state_dict if k.startswith((prefix + "to_qkv.", prefix + "to_kv.",
-                                                        prefix + "to_added_qkv."))]:
+                                                        prefix + "to_added_qkv.", prefix + "to_qkv_mlp."))]:
         del state_dict[key]
+
+
+class _Bound:
+    """``fn`` bound to an attention module, stored in its ``__dict__``. Not a bound method: pickle rebuilds
+    one by looking its name up on the object, which is not restored yet at that point (and holds it under
+    another name), so a quantized transformer would not pickle."""
+
+    def __init__(self, fn, attn: nn.Module):
+        self.fn, self.attn = fn, attn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(self.attn, *args, **kwargs)
 
 
 def fuse_attention_projections(model: nn.Module) -> int:
@@ -135,9 +201,14 @@ def fuse_attention_projections(model: nn.Module) -> int:
     """
     patched = 0
     for module in model.modules():
+        attn = getattr(module, "attn", None)
+        if type(module).__name__ == "FluxSingleTransformerBlock" and isinstance(attn, nn.Module):
+            # its proj_mlp reads the same input as q/k/v: _fuse_projections stacks the four. Held outside
+            # _modules (no second path to the block in modules() or state_dict; copies and pickles keep it)
+            attn.__dict__["_svdq_single_block"] = module
         if isinstance(getattr(module, "to_q", None), SVDQW4A4Linear) and hasattr(module, "fuse_projections"):
-            module.fuse_projections = types.MethodType(_fuse_projections, module)
-            module.unfuse_projections = types.MethodType(_unfuse_projections, module)
+            module.fuse_projections = _Bound(_fuse_projections, module)
+            module.unfuse_projections = _Bound(_unfuse_projections, module)
             module._register_state_dict_hook(_drop_fused_from_state_dict)
             patched += 1
     return patched
@@ -148,9 +219,11 @@ def _gelu_tanh_module(m) -> bool:
     return type(m) is nn.GELU and m.approximate == "tanh"
 
 
-def _reads_gelu_input(block: nn.Module, base: type) -> bool:
-    """Whether ``block`` (of class ``base`` exactly) ends in a quantized linear on a tanh-GELU'd input."""
-    if type(block) is not base:
+def _reads_gelu_input(block: nn.Module, base: type, fused: type) -> bool:
+    """Whether ``block`` (of class ``base`` exactly, or a single block switched for ``to_qkv_mlp`` whose
+    ``proj_out`` does not read the GELU's parts yet) ends in a quantized linear on a tanh-GELU'd input."""
+    if type(block) is not base and not (type(block) is fused and base.__name__ == "FluxSingleTransformerBlock"
+                                        and not block._svdq_gelu_in):
         return False
     if base.__name__ == "FluxSingleTransformerBlock":
         return _gelu_tanh_module(block.act_mlp) and isinstance(block.proj_out, SVDQW4A4Linear)
@@ -177,11 +250,13 @@ def fuse_gelu_inputs(model: nn.Module) -> int:
     done, wrapped = 0, []
     for name, module in model.named_modules():
         for base, fused in FUSED.items():
-            if _reads_gelu_input(module, base):
+            if _reads_gelu_input(module, base, fused):
                 if "forward" in module.__dict__:  # a hook holds the class's forward already: no effect
                     wrapped.append(name)
                     continue
                 module.__class__ = fused
+                if hasattr(fused, "_svdq_gelu_in"):
+                    module._svdq_gelu_in = True
                 done += 1
     if wrapped:
         warnings.warn(f"svdq-linear: fuse_gelu_inputs left {len(wrapped)} blocks as they are (first: {wrapped[0]!r}): "
@@ -197,11 +272,19 @@ def unfuse_gelu_inputs(model: nn.Module) -> int:
     back = {fused: base for base, fused in FUSED.items()}
     done, wrapped = 0, []
     for name, module in model.named_modules():
-        if type(module) in back:
-            module.__class__ = back[type(module)]
-            done += 1
-            if "forward" in module.__dict__:
-                wrapped.append(name)
+        if type(module) not in back:
+            continue
+        if hasattr(type(module), "_svdq_gelu_in"):  # a single block: its flag, and its class if nothing else needs it
+            if not module._svdq_gelu_in:
+                continue
+            del module._svdq_gelu_in
+            if hasattr(module.attn, "to_qkv_mlp"):
+                done += 1
+                continue
+        module.__class__ = back[type(module)]
+        done += 1
+        if "forward" in module.__dict__:
+            wrapped.append(name)
     if wrapped:
         warnings.warn(f"svdq-linear: {len(wrapped)} blocks (first: {wrapped[0]!r}) have a hook that kept the "
                       "switched forward: it still runs until the hook is removed (outputs are the same up to "

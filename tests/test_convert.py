@@ -3,6 +3,7 @@
 All offline on CPU in float32: tiny Flux / SD3 / SD3.5 pipelines are built and saved by the tests.
 """
 
+import io
 import json
 import os
 import runpy
@@ -176,12 +177,23 @@ def test_fuse_qkv_projections_is_exact_and_keeps_the_checkpoint(converted, kind)
         # q/k/v keep views of the fused packed weight: no second copy
         assert attn.to_q.qweight.data_ptr() == attn.to_qkv.qweight.data_ptr()
         calls = []
-        hook = attn.to_q.register_forward_hook(lambda *a: calls.append(1))
+        hooks = [attn.to_q.register_forward_hook(lambda *a: calls.append(1))]
+        if kind == "flux":  # single blocks: q/k/v and proj_mlp in one layer (tests/test_fuse_single.py)
+            single = model.single_transformer_blocks[0]
+            assert single.attn.to_qkv_mlp.out_features == 3 * single.attn.to_q.out_features + single.mlp_hidden_dim
+            hooks.append(single.proj_mlp.register_forward_hook(lambda *a: calls.append(2)))
         after = model(**inputs).sample
-        hook.remove()
-    assert not calls, "the fused model still ran the separate q projection"
+        for hook in hooks:
+            hook.remove()
+    assert not calls, "the fused model still ran a separate projection"
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
     assert set(model.state_dict()) == keys, "fusing must not change what a checkpoint holds"
+    buf = io.BytesIO()
+    torch.save(model, buf)  # the whole fused model pickles (its attention modules' fuse methods included)
+    buf.seek(0)
+    twin = torch.load(buf, weights_only=False)
+    with torch.no_grad():  # (the unpickled tensors may take other CPU matmul paths: an fp32 ulp)
+        torch.testing.assert_close(twin(**inputs).sample, after, rtol=1e-6, atol=1e-6)
 
 
 def test_concat_refuses_layers_that_do_not_share_an_input():

@@ -1,0 +1,195 @@
+"""Flux single blocks under ``fuse_qkv_projections``: q/k/v and ``proj_mlp`` stacked into one layer
+(``attn.to_qkv_mlp``) that the block splits; on the CPU (reference backend), against the block's own
+diffusers forward as the oracle."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+from svdq_linear import SVDQW4A4Linear
+
+diffusers = pytest.importorskip("diffusers")
+from diffusers.models.transformers import transformer_flux as flux  # noqa: E402
+
+from svdq_linear.fuse import fuse_attention_projections, fuse_gelu_inputs, unfuse_gelu_inputs  # noqa: E402
+
+DIM, HEADS = 64, 2
+
+
+def _block(seed: int = 0) -> torch.nn.Module:
+    """A Flux single block with every linear but the adaLN one quantized (no calibration: unit smoothing, so
+    q/k/v and proj_mlp share it as the converter's group smoothing makes them)."""
+    torch.manual_seed(seed)
+    block = flux.FluxSingleTransformerBlock(DIM, HEADS, DIM // HEADS).float().eval()
+    attn = block.attn
+    for owner, name in ((attn, "to_q"), (attn, "to_k"), (attn, "to_v"), (block, "proj_mlp"), (block, "proj_out")):
+        setattr(owner, name, SVDQW4A4Linear.from_linear(getattr(owner, name), rank=4))
+    return block
+
+
+def _inputs(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    hs, enc = torch.randn(2, 12, DIM, generator=g), torch.randn(2, 4, DIM, generator=g)
+    temb = torch.randn(2, DIM, generator=g)
+    pos = torch.randn(16, DIM // HEADS // 2, generator=g)
+    rope = (pos.cos().repeat_interleave(2, -1), pos.sin().repeat_interleave(2, -1))
+    return hs, enc, temb, rope
+
+
+def _run(block, inputs, **kwargs):
+    hs, enc, temb, rope = inputs
+    with torch.no_grad():
+        return torch.cat(block(hs, enc, temb, image_rotary_emb=rope, **kwargs), dim=1)
+
+
+def _fused_block():
+    block = _block()
+    model = torch.nn.ModuleDict({"b": block})
+    assert fuse_attention_projections(model) == 1
+    return block
+
+
+def _calls(block):
+    """Which of the separate layers run during a call (forward hooks)."""
+    seen, hooks = [], []
+    for name, layer in (("to_q", block.attn.to_q), ("proj_mlp", block.proj_mlp), ("to_qkv_mlp", block.attn.to_qkv_mlp)):
+        hooks.append(layer.register_forward_hook(lambda *a, n=name: seen.append(n)))
+    return seen, hooks
+
+
+def test_single_block_runs_one_layer_for_qkv_and_mlp_with_the_same_outputs():
+    block = _fused_block()
+    inputs = _inputs()
+    before = _run(block, inputs)
+    keys = set(block.state_dict())
+    block.attn.fuse_projections()  # what FluxTransformer2DModel.fuse_qkv_projections calls per attention module
+    fused = block.attn.to_qkv_mlp
+    assert isinstance(fused, SVDQW4A4Linear) and fused.out_features == 3 * DIM + block.mlp_hidden_dim
+    assert fused.rank == 4 * 4 and type(block).__name__ == "FluxSingleTransformerBlock"
+    assert type(block) is not flux.FluxSingleTransformerBlock
+    # the four layers keep row views of the stacked packed weight: the weight is held once
+    assert block.proj_mlp.qweight.data_ptr() == fused.qweight.data_ptr() + 3 * DIM * DIM // 2
+    assert block.attn.to_q.qweight.data_ptr() == fused.qweight.data_ptr()
+    assert not hasattr(block.attn, "to_qkv") and not block.attn.fused_projections
+    seen, hooks = _calls(block)
+    after = _run(block, inputs)
+    assert seen == ["to_qkv_mlp"]
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    assert set(block.state_dict()) == keys, "fusing must not change what a checkpoint holds"
+    block.attn.fuse_projections()  # a second call changes nothing
+    assert block.attn.to_qkv_mlp is fused
+    for h in hooks:
+        h.remove()
+
+
+def test_single_block_takes_the_separate_layers_for_another_processor_or_attention_kwargs():
+    block = _fused_block()
+    inputs = _inputs(2)
+    before = _run(block, inputs)
+    block.attn.fuse_projections()
+
+    class Mine(flux.FluxAttnProcessor):
+        pass
+
+    seen, hooks = _calls(block)
+    block.attn.set_processor(Mine())
+    torch.testing.assert_close(_run(block, inputs), before, rtol=1e-5, atol=1e-5)
+    assert seen == ["proj_mlp", "to_q"]
+    block.attn.set_processor(flux.FluxAttnProcessor())
+    seen.clear()
+    _run(block, inputs, joint_attention_kwargs={"attention_mask": None})
+    assert seen == ["proj_mlp", "to_q"]
+    for h in hooks:
+        h.remove()
+
+
+def test_single_block_fusions_combine_and_undo_in_any_order():
+    block = _fused_block()
+    inputs = _inputs(3)
+    with torch.no_grad():
+        before = _run(block, inputs)
+    block.attn.fuse_projections()
+    assert fuse_gelu_inputs(block) == 1 and block._svdq_gelu_in
+    both = _run(block, inputs)
+    torch.testing.assert_close(both, before, rtol=1e-5, atol=1e-5)
+    assert unfuse_gelu_inputs(block) == 1
+    assert hasattr(block.attn, "to_qkv_mlp") and type(block) is not flux.FluxSingleTransformerBlock
+    assert not block._svdq_gelu_in
+    torch.testing.assert_close(_run(block, inputs), before, rtol=1e-5, atol=1e-5)
+    assert fuse_gelu_inputs(block) == 1
+    block.attn.unfuse_projections()
+    assert not hasattr(block.attn, "to_qkv_mlp") and block._svdq_gelu_in
+    assert type(block) is not flux.FluxSingleTransformerBlock  # the GELU fusion still needs the class
+    assert block.proj_mlp.qweight.numel() == block.proj_mlp.out_features * DIM // 2  # its rows back
+    torch.testing.assert_close(_run(block, inputs), before, rtol=1e-5, atol=1e-5)
+    assert unfuse_gelu_inputs(block) == 1 and type(block) is flux.FluxSingleTransformerBlock
+    assert torch.equal(_run(block, inputs), before)
+
+
+def test_fused_single_block_copies_pickles_and_compiles():
+    block = _fused_block()
+    inputs = _inputs(4)
+    block.attn.fuse_projections()
+    want = _run(block, inputs)
+    buf = io.BytesIO()
+    torch.save(block, buf)  # a whole module: torch's pickle, the block held in its attention's __dict__
+    buf.seek(0)
+    for twin in (copy.deepcopy(block), torch.load(buf, weights_only=False)):
+        assert twin.attn.__dict__["_svdq_single_block"] is twin
+        assert torch.equal(_run(twin, inputs), want)
+        twin.attn.unfuse_projections()  # the twin's own parts, not the original's
+        assert type(twin) is flux.FluxSingleTransformerBlock and hasattr(block.attn, "to_qkv_mlp")
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(_run(compiled, inputs), want, rtol=1e-5, atol=1e-5)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_single_block_whose_mlp_has_its_own_smoothing_fuses_qkv_only():
+    block = _block()
+    block.proj_mlp.smooth.mul_(2.0)  # another smoothing factor: stacking would not be exact
+    fuse_attention_projections(block)
+    block.attn.fuse_projections()
+    assert isinstance(block.attn.to_qkv, SVDQW4A4Linear) and block.attn.fused_projections
+    assert not hasattr(block.attn, "to_qkv_mlp") and type(block) is flux.FluxSingleTransformerBlock
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_gpu_fused_single_block_matches_its_separate_layers(mode):
+    """On an sm90 GPU (quack's GEMMs: 4 + 300 tokens, bf16), the fused block's output against the same
+    block with its layers apart, in both modes: the stacked layer's columns are the same products (the
+    zero blocks of its block-diagonal proj_up add exact zeros), so they differ by accumulation order only."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm90 GPU")
+    pytest.importorskip("quack")
+    from svdq_linear import set_mode
+
+    dim, heads = 512, 4
+    torch.manual_seed(5)
+    block = flux.FluxSingleTransformerBlock(dim, heads, dim // heads).cuda().bfloat16().eval()
+    attn = block.attn
+    for owner, name in ((attn, "to_q"), (attn, "to_k"), (attn, "to_v"), (block, "proj_mlp"), (block, "proj_out")):
+        setattr(owner, name, SVDQW4A4Linear.from_linear(getattr(owner, name), rank=32))
+    set_mode(block, mode)
+    fuse_attention_projections(block)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    hs = torch.randn(1, 300, dim, device="cuda", generator=g).bfloat16()
+    enc = torch.randn(1, 4, dim, device="cuda", generator=g).bfloat16()
+    temb = torch.randn(1, dim, device="cuda", generator=g).bfloat16()
+    with torch.no_grad():
+        apart = torch.cat(block(hs, enc, temb), dim=1)
+        attn.fuse_projections()
+        assert hasattr(attn, "to_qkv_mlp")
+        fused = torch.cat(block(hs, enc, temb), dim=1)
+        attn.unfuse_projections()
+        again = torch.cat(block(hs, enc, temb), dim=1)
+    assert torch.equal(again, apart)
+    err = (fused.float() - apart.float()).abs().max().item()
+    assert err <= 2e-2 * apart.float().abs().max().item(), err
