@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call for the sm90 backend: GPU conformance + seam tests, the config sweep, the benchmark.
 # Through the device tool with carry [".devcarry/wheels"]:  bash benchmarks/h200_sm90.sh [--sweep]
-# STEPS (default "tests bench"; also lora, lowrank (LOWRANK_ARGS=--pdl: the PDL pair, both modes), pdl (bench_pdl.py: the pair alone), parts (bench_exact_parts.py: an exact linear's parts, two launches against the one read), stages (bench_lowrank_stages.py, the library's against a tighter low-rank shared-memory count, STAGES_ALT alternations, STAGES_ARGS), timeline (timeline_exact.py: each kernel of the exact forward, two launches against the one read; TIMELINE_ARGS), fast, flux, small (SMALL_ARGS=--fast-one / --exact-one: a mode's one launch; --exact-kernel: the exact one alone, no quack; SMALL_TAG suffixes its files), decode (bench_decode_dense.py: decode-once + dense GEMM against quack's W4, measured and rejected; DECODE_ARGS=--quick), trace (where the one-launch kernel's time goes; TRACE_ARGS=--exact or --tokens ...), diag, act, gelu, cachehit, pctriton, fallback, host, ncu, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
+# STEPS (default "tests bench"; also lora, lowrank (LOWRANK_ARGS=--pdl: the PDL pair, both modes), pdl (bench_pdl.py: the pair alone), parts (bench_exact_parts.py: an exact linear's parts, two launches against the one read), stages (bench_lowrank_stages.py, the library's against a tighter low-rank shared-memory count, STAGES_ALT alternations, STAGES_ARGS), timeline (timeline_exact.py: each kernel of the exact forward, two launches against the one read; TIMELINE_ARGS), normin (bench_norm_in.py: the pass fused into the adaLN norm; NORMIN_ARGS), fast, flux, small (SMALL_ARGS=--fast-one / --exact-one: a mode's one launch; --exact-kernel: the exact one alone, no quack; SMALL_TAG suffixes its files), decode (bench_decode_dense.py: decode-once + dense GEMM against quack's W4, measured and rejected; DECODE_ARGS=--quick), trace (where the one-launch kernel's time goes; TRACE_ARGS=--exact or --tokens ...), diag, act, gelu, cachehit, pctriton, fallback, host, ncu, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
 # spaces: select tests by node id (file::test), not with a quoted -k expression.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -28,6 +28,8 @@ for step in ${STEPS:-tests bench}; do
              > "$OUT/parts.log" 2>&1; tail -12 "$OUT/parts.log" ;;
     timeline) timeout "${TIMELINE_LIMIT:-300}" python3 benchmarks/timeline_exact.py --out "$OUT/timeline_exact.md" ${TIMELINE_ARGS:-} \
              > "$OUT/timeline.log" 2>&1; tail -40 "$OUT/timeline.log" ;;
+    normin) timeout "${NORMIN_LIMIT:-300}" python3 benchmarks/bench_norm_in.py --out "$OUT/bench_norm_in.md" ${NORMIN_ARGS:-} \
+             > "$OUT/normin.log" 2>&1; tail -20 "$OUT/normin.log" ;;
     stages) # the low-rank GEMMs' K-stages under the library's and a tighter shared-memory count, alternating processes,
             # each accounting with its own quack cache (the switch does not change the kernels' cache key)
             for i in $(seq "${STAGES_ALT:-1}"); do for acc in library tight; do

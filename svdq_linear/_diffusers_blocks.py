@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from diffusers.models import attention as _attention
+from diffusers.models import normalization as _normalization
 from diffusers.models.transformers import transformer_flux as _flux
 
 # The subclasses keep the diffusers class names: diffusers finds blocks by class name
@@ -43,7 +44,8 @@ class FluxSingleTransformerBlock(_flux.FluxSingleTransformerBlock):
     """diffusers' ``FluxSingleTransformerBlock`` with either or both of two fusions, the same operations otherwise:
 
     - ``attn.to_qkv_mlp`` (``fuse_qkv_projections``): one quantized layer computes q, k, v and the MLP's
-      input from the norm output (one activation pass, one GEMM), and the attention runs as diffusers'
+      input from the adaLN norm's input (``SVDQW4A4Linear.forward_ada_norm``: one activation pass that
+      normalizes as it loads where the backend can, one GEMM), and the attention runs as diffusers'
       ``FluxAttnProcessor`` would on them. A call with ``joint_attention_kwargs`` or another processor class
       takes the separate layers;
     - ``_svdq_gelu_in`` (``fuse_gelu_inputs``): ``proj_out`` reads the attention output and the MLP's output
@@ -55,12 +57,20 @@ class FluxSingleTransformerBlock(_flux.FluxSingleTransformerBlock):
                 joint_attention_kwargs=None):
         n_text = encoder_hidden_states.shape[1]
         x = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-        normed, gate = self.norm(x, emb=temb)
         fused = getattr(self.attn, "to_qkv_mlp", None)
+        norm = self.norm
         if fused is not None and not joint_attention_kwargs and type(self.attn.processor) is _flux.FluxAttnProcessor:
-            query, key, value, mlp = fused(normed).split(fused._split, dim=-1)
+            if type(norm) is _normalization.AdaLayerNormZeroSingle and norm.norm.weight is None:
+                # AdaLayerNormZeroSingle's steps, the norm and modulation left to the fused layer's activation pass
+                shift, scale, gate = norm.linear(norm.silu(temb)).chunk(3, dim=1)
+                qkvm = fused.forward_ada_norm(x, shift, scale, norm.norm.eps)
+            else:
+                normed, gate = norm(x, emb=temb)
+                qkvm = fused(normed)
+            query, key, value, mlp = qkvm.split(fused._split, dim=-1)
             attn = _single_attention(self.attn, query, key, value, image_rotary_emb)
         else:
+            normed, gate = norm(x, emb=temb)
             mlp = self.proj_mlp(normed)
             attn = self.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb,
                              **(joint_attention_kwargs or {}))

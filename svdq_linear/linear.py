@@ -442,6 +442,32 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
             y = backend.linear_cat_gelu(self, xa2d, xb2d, prepared, kind)
         return y.reshape(*lead, self.out_features)
 
+    def forward_ada_norm(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+        """``self(nvfp4.ada_norm(x, shift, scale, eps))``: the layer on ``layer_norm(x) * (1 + scale) + shift`` (``x
+        [B, S, K]``, ``shift`` / ``scale [B, K]``, no affine weight in the norm), the input that diffusers'
+        ``AdaLayerNormZero`` / ``AdaLayerNormZeroSingle`` hand a block's q/k/v (a Flux single block's fused
+        ``to_qkv_mlp`` calls this). Where the backend normalizes as it loads (sm90, both modes, from
+        ``tuning.ADA_NORM_MIN_M`` tokens) that input is never written; elsewhere, and whenever the module's call is
+        wrapped (hooks, an offloader's forward), it is written and the layer is called on it.
+        The contract: ``svdq_linear.nvfp4``, "Inputs made by an adaLN norm"."""
+        if x.dim() != 3 or x.shape[-1] != self.in_features:
+            raise ValueError(f"expected x [B, S, {self.in_features}], got {tuple(x.shape)}")
+        want = (x.shape[0], self.in_features)
+        for name, t in (("shift", shift), ("scale", scale)):
+            if tuple(t.shape) != want or t.dtype != x.dtype or t.device != x.device:
+                raise ValueError(f"{name} must be [{want[0]}, {want[1]}] {x.dtype} on {x.device} like x, got "
+                                 f"{tuple(t.shape)} {t.dtype} {t.device}")
+        kind = self.kind
+        if (_CHECK_RANGE and not torch.compiler.is_compiling() and kind == "w4a4") or self._call_is_wrapped():
+            return self(nvfp4.ada_norm(x, shift, scale, eps))
+        self._enter_call(x)
+        b, s_, k = x.shape
+        x2d = x.reshape(b * s_, k)
+        with backends.device_guard(x2d):
+            backend, prepared = backends.resolve(self, x2d, kind)
+            y = backend.linear_ada_norm(self, x2d, shift, scale, float(eps), s_, prepared, kind)
+        return y.reshape(b, s_, self.out_features)
+
     def _call_is_wrapped(self) -> bool:
         """Whether a call of this module runs more than ``forward``: forward (pre-)hooks, global ones, or
         a ``forward`` replaced on the instance (accelerate's and diffusers' hooks)."""

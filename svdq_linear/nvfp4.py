@@ -88,6 +88,13 @@ Inputs built from two tensors (``cat_gelu``; ``SVDQW4A4Linear.forward_cat_gelu``
     bf16), which moves the output within the activation rounding's share of the tolerances above.
     PyTorch's own float32 GELU cancels in ``1 + tanh(u)`` below v ~ -4.5 (-0.0 from v ~ -5.5): there
     it sits further from the exact value than a backend's, on values below 1e-5.
+
+Inputs made by an adaLN norm (``ada_norm``; ``SVDQW4A4Linear.forward_ada_norm``)
+    The q/k/v of Flux and SD3 blocks (and a Flux single block's MLP) read ``layer_norm(x) * (1 + scale) +
+    shift`` (``ada_norm``, each step in the input's dtype). A backend may read ``x``, ``shift`` and ``scale``
+    and normalize as it loads instead of writing that input. Its row mean and variance are summed in
+    another order than PyTorch's (and a compiler's), so an element of its input may be the neighbour of
+    the tensor's (a relative 2**-8 in bf16), as for the GELU above.
 """
 
 from __future__ import annotations
@@ -267,6 +274,14 @@ def cat_gelu(xa: torch.Tensor | None, xb: torch.Tensor) -> torch.Tensor:
     ``SVDQW4A4Linear.forward_cat_gelu``."""
     g = torch.nn.functional.gelu(xb, approximate="tanh")
     return g if xa is None else torch.cat([xa, g], dim=-1)
+
+
+def ada_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """``layer_norm(x) * (1 + scale) + shift`` in x's dtype, as diffusers' ``AdaLayerNormZero`` computes it: ``x [B,
+    S, K]``, ``shift`` / ``scale`` ``[B, K]`` (no affine weight in the norm). The input of
+    ``SVDQW4A4Linear.forward_ada_norm``."""
+    normed = torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=eps)
+    return normed * (1 + scale[:, None]) + shift[:, None]
 
 
 def smooth_input(x: torch.Tensor, smooth: torch.Tensor) -> torch.Tensor:

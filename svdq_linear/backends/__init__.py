@@ -91,6 +91,14 @@ class Backend:
         return self.run_w4a4_fast(nvfp4.cat_gelu(xa, xb), qweight, wscales, smooth, proj_down, proj_up, wcscale,
                                   bias, extra)
 
+    def run_w4a4_ada_norm(self, x, shift, scale, eps, tokens, qweight, wscales, smooth, proj_down, proj_up, wcscale,
+                          bias, extra, fast) -> torch.Tensor:
+        """The layer (``fast``: its fast mode) on the input ``nvfp4.ada_norm`` of ``x [M, K]`` (``tokens`` rows a
+        batch element), ``shift`` / ``scale [M / tokens, K]``: by default that input written out."""
+        inp = nvfp4.ada_norm(x.reshape(-1, tokens, x.shape[1]), shift, scale, eps).reshape(x.shape)
+        run = self.run_w4a4_fast if fast else self.run_w4a4
+        return run(inp, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra)
+
     def run_fast_gemm(self, a8, sa, la, extra, out_dtype) -> torch.Tensor:
         raise NotImplementedError(f"backend {self.name!r} has no fast-mode GEMM entry point")
 
@@ -115,6 +123,15 @@ class Backend:
         by default that input written out and passed to ``linear``; a backend that reads the two tensors
         itself overrides this."""
         return self.linear(module, nvfp4.cat_gelu(xa, xb), prepared, kind)
+
+
+    def linear_ada_norm(self, module, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
+                        tokens: int, prepared, kind: str | None = None) -> torch.Tensor:
+        """``y [M, N]`` for the input ``nvfp4.ada_norm`` of ``x [M, K]`` (``tokens`` rows a batch element) and
+        ``shift`` / ``scale [M / tokens, K]``: by default that input written out and passed to ``linear``; a
+        backend that normalizes as it loads overrides this."""
+        inp = nvfp4.ada_norm(x.reshape(-1, tokens, x.shape[1]), shift, scale, eps).reshape(x.shape)
+        return self.linear(module, inp, prepared, kind)
 
 
 def device_guard(x: torch.Tensor):
@@ -575,6 +592,36 @@ def w4a4_cat_gelu_linear(
 @w4a4_cat_gelu_linear.register_fake
 def _(xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra, fast, backend):
     return xb.new_empty(xb.shape[0], wcscale.shape[0])
+
+
+@torch.library.custom_op("svdq_linear::w4a4_ada_norm_linear", mutates_args=())
+def w4a4_ada_norm_linear(
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    tokens: int,
+    qweight: torch.Tensor,
+    wscales: torch.Tensor,
+    smooth: torch.Tensor,
+    proj_down: torch.Tensor,
+    proj_up: torch.Tensor,
+    wcscale: torch.Tensor,
+    bias: torch.Tensor | None,
+    extra: list[torch.Tensor],
+    fast: bool,
+    backend: str,
+) -> torch.Tensor:
+    """``y [M, N]`` (x's dtype) of the contract (``fast``: of the fast mode) on the input ``nvfp4.ada_norm`` of
+    ``x [M, K]`` (``tokens`` rows a batch element) and ``shift`` / ``scale [M / tokens, K]``, computed by
+    ``backend``."""
+    return get_backend(backend).run_w4a4_ada_norm(x, shift, scale, eps, tokens, qweight, wscales, smooth, proj_down,
+                                                  proj_up, wcscale, bias, extra, fast)
+
+
+@w4a4_ada_norm_linear.register_fake
+def _(x, shift, scale, eps, tokens, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra, fast, backend):
+    return x.new_empty(x.shape[0], wcscale.shape[0])
 
 
 @torch.library.custom_op("svdq_linear::w4a8_fast_gemm", mutates_args=())

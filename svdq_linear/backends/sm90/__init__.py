@@ -54,7 +54,8 @@ import torch
 
 from ..._env import getenv
 
-from .. import (Backend, device_capability, plain_eager_call, tracing, w4a4_cat_gelu_linear, w4a8_fast_gemm,
+from .. import (Backend, device_capability, plain_eager_call, tracing, w4a4_ada_norm_linear, w4a4_cat_gelu_linear,
+                w4a8_fast_gemm,
                 weights_are_offloaded)
 from . import tuning  # plain Python: no Triton, cutlass or quack
 from .fast_layout import fast_act_ops  # plain torch
@@ -629,6 +630,60 @@ class Sm90Backend(Backend):
         if plain_eager_call(xb) and (xa is None or plain_eager_call(xa)):
             return (self.run_w4a4_fast_cat_gelu if fast else self.run_w4a4_cat_gelu)(*args)
         return w4a4_cat_gelu_linear(*args, fast, self.name)
+
+    def linear_ada_norm(self, module, x, shift, scale, eps, tokens, prepared, kind=None):
+        kind = kind or module.kind
+        fast = kind == "w4a4_fast"
+        if not ((fast or kind == "w4a4") and self._reads_ada_norm(module, x, shift, scale, prepared, fast)):
+            return super().linear_ada_norm(module, x, shift, scale, eps, tokens, prepared, kind)
+        t = module._parameters
+        args = (x, shift, scale, eps, tokens, t["qweight"], t["wscales"], t["smooth"], t["proj_down"], t["proj_up"],
+                t["wcscale"], t["bias"], self.extra_tensors(prepared), fast)
+        if plain_eager_call(x) and plain_eager_call(shift) and plain_eager_call(scale):
+            return self.run_w4a4_ada_norm(*args)
+        return w4a4_ada_norm_linear(*args, self.name)
+
+    def _reads_ada_norm(self, module, x, shift, scale, prepared, fast: bool) -> bool:
+        """Whether this call normalizes as it loads (``norm_pass``): quack's GEMM (the fast one, or the exact one
+        with bf16 input) with the low-rank branch in its accumulator (or none), at least ``tuning.ADA_NORM_MIN_M``
+        tokens (a static count), K % 128 == 0, 16-bit x, shift and scale of unit stride along K sharing a row
+        stride, and ``SVDQ_SM90_ADA_NORM`` not "0"; else the input is written out and the layer runs on it."""
+        m, k = x.shape
+        if (self.interpret or not isinstance(m, int) or m < tuning.ADA_NORM_MIN_M or k % 128
+                or getenv(tuning.ENV_ADA_NORM) == "0" or x.dtype not in (torch.bfloat16, torch.float16)
+                or shift.stride(1) != 1 or scale.stride(1) != 1 or shift.stride(0) != scale.stride(0)):
+            return False
+        want = "FastWeight" if fast else "QuackWeight"
+        if type(getattr(prepared, "quack", None)).__name__ != want or (not fast and x.dtype != torch.bfloat16):
+            return False
+        return module.rank == 0 or prepared.lowrank_segments is not None
+
+    def run_w4a4_ada_norm(self, x, shift, scale, eps, tokens, qweight, wscales, smooth, proj_down, proj_up, wcscale,
+                          bias, extra, fast):
+        """``norm_pass``: the activation pass (and ``lora_act``) normalizing ``x`` as it loads, then the mode's quack
+        GEMM with the low-rank branch in its accumulator; an unprepared call (no ``inv_smooth`` in ``extra``) writes
+        the input."""
+        from . import norm_pass
+
+        r = proj_down.shape[1]
+        if fast:
+            inv, ex = extra[-1], extra[:-1]  # Sm90Prepared.tensors(): inv_smooth comes last
+            if len(ex) != (7 if r else 4):
+                return super().run_w4a4_ada_norm(x, shift, scale, eps, tokens, qweight, wscales, smooth, proj_down,
+                                                 proj_up, wcscale, bias, extra, fast)
+            quack_fast = _quack_fast_module()
+            fw = quack_fast.weight(ex[-4:])
+            a8, sa, la = norm_pass.ada_norm_fast(x, shift, scale, eps, inv, ex[0] if r else None, tokens=tokens)
+            out = quack_fast.gemm(a8, sa, fw, out_dtype=torch.float16 if x.dtype == torch.float16 else torch.bfloat16,
+                                  lr_acc=(ex[1], la, ex[2]) if r else None)
+            return out if out.dtype == x.dtype else out.to(x.dtype)
+        inv, ex = _exact_inv(extra)
+        if inv is None or len(ex) != (7 if r else 4):
+            return super().run_w4a4_ada_norm(x, shift, scale, eps, tokens, qweight, wscales, smooth, proj_down,
+                                             proj_up, wcscale, bias, extra, fast)
+        xq, lora = norm_pass.ada_norm_exact(x, shift, scale, eps, inv, ex[0] if r else None, tokens=tokens,
+                                            out_dtype=torch.bfloat16)
+        return self._exact_gemm(xq, lora, True, x.dtype, qweight, wscales, proj_up, wcscale, bias, ex)
 
     def _reads_cat_gelu(self, module, xa, xb, prepared) -> bool:
         """Whether the fast mode reads ``cat_gelu(xa, xb)`` from its two tensors (``kernels.quantize_act_fp8_cat``

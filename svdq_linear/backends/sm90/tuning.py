@@ -218,6 +218,11 @@ ENV_LORA_ACT = "SVDQ_SM90_LORA_ACT"
 # the whole linear 0.99-1.02x the written input's at 4096-4608 tokens, 0.70-0.71x at 512 (its two-source
 # lora_act pass takes 51 us where the written input and cuBLAS's take 14 + 24).
 CAT_GELU_MIN_M = 2048
+# forward_ada_norm (a Flux single block's fused to_qkv_mlp) normalizes as it loads from this many tokens (a row
+# block a program: fewer rows leave SMs idle); below, it writes the input and runs the plain path
+# (bench_norm_in.py; docs/perf.md, twenty-seventh session). SVDQ_SM90_ADA_NORM=0 always writes the input.
+ADA_NORM_MIN_M = 2048
+ENV_ADA_NORM = "SVDQ_SM90_ADA_NORM"
 LORA_ACT_MIN_M = 128
 LORA_ACT_CONFIG = (64, 4, 4, 3)
 

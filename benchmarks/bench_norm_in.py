@@ -1,0 +1,120 @@
+"""The activation pass fused into the adaLN norm (``sm90.norm_pass``, ``SVDQW4A4Linear.forward_ada_norm``) against
+the norm written out, each whole: norm + linear, as a Flux single block (and a double block's q/k/v) run them.
+
+    python benchmarks/bench_norm_in.py [--out FILE] [--shapes fused_qkv,single_fused_in] [--modes exact,fast]
+                                       [--reps 20] [--rounds 5]
+
+Per layer (``bench_lowrank``'s whole-linear rows: what fuse_qkv_projections builds, R = 32 a part) and mode, in
+``--rounds`` alternating rounds, each a CUDA graph of ``--reps`` back-to-back calls timed by its kernels' span
+(torch.profiler, as ``timeline_exact.py``):
+
+- ``bf16``: the norm and modulation compiled (inductor's one kernel, ``nvfp4.ada_norm``) then ``F.linear``;
+- ``written``: the same norm, then the layer on its output (the default path of every other layer);
+- ``fused``: ``forward_ada_norm`` (the pass reads the norm's input and normalizes as it loads);
+- ``norm alone`` / ``norm pass alone``: the compiled norm, and the fused pass without its GEMM.
+
+Ratios: bf16 / path, each round's to the bf16 of that round, median over the rounds. The fused output is
+checked against the written one first (the inputs differ by a rounding in a few elements).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cuda import graph_of  # noqa: E402
+from bench_lowrank import FLUX, whole_module  # noqa: E402
+from timeline_exact import kernel_spans, summarize  # noqa: E402
+
+from svdq_linear import backends, nvfp4  # noqa: E402
+from svdq_linear.backends.sm90 import norm_pass, tuning  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--shapes", default="fused_qkv,single_fused_in")
+    ap.add_argument("--modes", default="exact,fast")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    want = [s.strip().replace("_", " ") for s in args.shapes.split(",")]
+    modes = [s.strip() for s in args.modes.split(",")]
+    lines = [f"# adaLN norm + linear: the pass fused into the norm — {torch.cuda.get_device_name()}, torch "
+             f"{torch.__version__}; graphs of {args.reps} calls, {args.rounds} rounds; us a call", ""]
+
+    def log(s: str = "") -> None:
+        lines.append(s)
+        print(s, flush=True)
+
+    dev = torch.device("cuda")
+    norm_c = torch.compile(nvfp4.ada_norm, dynamic=False)
+    log("| layer | M x K -> N | mode | bf16 | written | fused | fused / written | norm alone | norm pass alone | "
+        "max err / max | bf16 / written | bf16 / fused |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    with torch.no_grad():
+        for label, m, k, n in [s for s in FLUX if s[0] in want]:
+            g = torch.Generator(device=dev).manual_seed(0)
+            x = torch.randn(1, m, k, device=dev, generator=g).bfloat16() * 2
+            shift = (torch.randn(1, k, device=dev, generator=g) * 0.3).bfloat16()
+            scale = (torch.randn(1, k, device=dev, generator=g) * 0.3).bfloat16()
+            w = (torch.randn(n, k, device=dev, generator=g) / k ** 0.5).bfloat16()
+            for mode in modes:
+                torch.manual_seed(0)
+                mod = whole_module(label, k, n, dev).set_mode(mode)
+                written = mod(norm_c(x, shift, scale, 1e-6))
+                fused = mod.forward_ada_norm(x, shift, scale, 1e-6)
+                err = ((fused.float() - written.float()).abs().max() / written.float().abs().max()).item()
+                be, prep = backends.resolve(mod, x[0])
+                ex = be.extra_tensors(prep)
+                inv = ex[-1]
+                pds = ex[0]
+                if mode == "fast":
+                    def npass():
+                        return norm_pass.ada_norm_fast(x[0], shift, scale, 1e-6, inv, pds)
+                else:
+                    def npass():
+                        return norm_pass.ada_norm_exact(x[0], shift, scale, 1e-6, inv, pds, out_dtype=torch.bfloat16)
+                graphs = {
+                    "bf16": graph_of(lambda: F.linear(norm_c(x, shift, scale, 1e-6), w), args.reps),
+                    "written": graph_of(lambda: mod(norm_c(x, shift, scale, 1e-6)), args.reps),
+                    "fused": graph_of(lambda: mod.forward_ada_norm(x, shift, scale, 1e-6), args.reps),
+                    "norm": graph_of(lambda: norm_c(x, shift, scale, 1e-6), args.reps),
+                    "npass": graph_of(npass, args.reps),
+                }
+                periods: dict[str, list[float]] = {}
+                kernels_of: dict[str, list] = {}
+                for _ in range(args.rounds):
+                    for what, gr in graphs.items():
+                        period, rows = summarize(kernel_spans(gr), args.reps)
+                        periods.setdefault(what, []).append(period)
+                        kernels_of.setdefault(what, rows)
+                med = {what: statistics.median(p) for what, p in periods.items()}
+
+                def ratio(what: str) -> float:
+                    return statistics.median(b / q for b, q in zip(periods["bf16"], periods[what]))
+
+                gain = statistics.median(w_ / f for w_, f in zip(periods["written"], periods["fused"]))
+                log(f"| {label} | {m}x{k}->{n} | {mode} | {med['bf16']:.1f} | {med['written']:.1f} | "
+                    f"{med['fused']:.1f} | {gain:.3f}x | "
+                    f"{med['norm']:.1f} | {med['npass']:.1f} | {err:.2e} | {ratio('written'):.3f}x | "
+                    f"{ratio('fused'):.3f}x |")
+                for what in ("written", "fused"):
+                    log("|  | kernels: " + what + " | " + "; ".join(
+                        f"`{name[:40]}` {dur:.1f} (gap {gap:.1f})" for name, _, dur, gap in kernels_of[what])
+                        + " |||||||||")
+    log("")
+    log(f"tuning.ADA_NORM_MIN_M = {tuning.ADA_NORM_MIN_M}; {os.environ.get('SVDQ_SM90_PDL', 'PDL: default')}")
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""The activation pass fused into the adaLN norm that produces a linear's input (Flux, SD3).
+
+diffusers' ``AdaLayerNormZero`` / ``AdaLayerNormZeroSingle`` hand the q/k/v (and a single block's MLP)
+``layer_norm(x) * (1 + scale) + shift`` (``nvfp4.ada_norm``): a norm kernel writes that [M, K] tensor and the
+linear's activation pass reads it again. These kernels read the norm's input ``x`` instead and write what the
+pass writes, so the normed tensor is never stored: per row block, one read of ``x`` for the row's mean and
+variance (chunked, Chan's combination of each chunk's mean and squared deviations), then the pass's own loop(s)
+over ``x`` again (from L2), each value normalized, scaled and shifted with the roundings of the eager diffusers
+code (the norm's output, ``1 + scale``, the product and the sum each rounded to the input's dtype) before the
+pass's arithmetic:
+
+- ``ada_norm_exact``: the exact mode's dequantized NVFP4 values ``xq`` and ``lora_act = x.to(bf16) @ pds``
+  (tensor cores; ``kernels.quantize_act_lora``'s loop);
+- ``ada_norm_fast``: the fast mode's E4M3 ``a8`` (in the fast GEMM's k order), ``sa`` and ``la = lora_act / sa``
+  (one loop for the row max and ``lora_act``, one for the codes: ``kernels._quantize_act_fp8_kernel``'s).
+
+The row statistics are computed in another order than PyTorch's layer norm (and the compiler's), so a
+normalized value may differ from the tensor's by one unit of its last place: the contract's "Inputs built from
+two tensors" rule covers it (the layer on an input a rounding away). Measured by
+``benchmarks/bench_norm_in.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import nvfp4
+from .kernels import (_INTERPRET, _block_r, _e4m3_bits, _gemm_k, _lora_dot, _nvfp4_dequant, _nvfp4_tile, _round_to,
+                      cdiv, next_pow2)
+
+
+@triton.jit
+def _row_stats(x_ptr, rm, m_ok, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    # mean and (biased) variance of rows rm over K columns, fp32: each chunk's mean and sum of squared
+    # deviations, combined as Chan et al. (no cancellation of E[x^2] - E[x]^2 on rows with a large mean)
+    mean = tl.zeros([BLOCK_M], tl.float32)
+    m2 = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        n_c = tl.minimum(K - k0, BLOCK_K).to(tl.float32)
+        c_mean = tl.sum(x, axis=1) / n_c
+        d = tl.where(k_ok[None, :], x - c_mean[:, None], 0.0)
+        c_m2 = tl.sum(d * d, axis=1)
+        n_prev = k0 * 1.0
+        n = n_prev + n_c
+        delta = c_mean - mean
+        mean = mean + delta * (n_c / n)
+        m2 = m2 + c_m2 + delta * delta * (n_prev * n_c / n)
+    return mean, m2 / K
+
+
+@triton.jit
+def _ada_apply(x, mean, rstd, rm, lk, mask, shift_ptr, scale_ptr, S, stride_mod, like_ptr, RNE_BITS: tl.constexpr):
+    # layer_norm(x) * (1 + scale) + shift of fp32 x [rows, cols] at columns lk, each step rounded to like_ptr's
+    # dtype as the eager diffusers code's tensors hold it; rows rm of batch element rm // S
+    v = _round_to((x - mean[:, None]) * rstd[:, None], like_ptr, RNE_BITS)
+    off = (rm // S)[:, None] * stride_mod + lk[None, :]
+    sc = tl.load(scale_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    sh = tl.load(shift_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    v = _round_to(v * _round_to(sc + 1.0, like_ptr, RNE_BITS), like_ptr, RNE_BITS)
+    return _round_to(v + sh, like_ptr, RNE_BITS)
+
+
+@triton.jit
+def _ada_norm_exact_kernel(
+    x_ptr, shift_ptr, scale_ptr, inv_ptr, xq_ptr, pd_ptr, lora_ptr, M, K, R, S, stride_xm, stride_mod, eps,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    mean, var = _row_stats(x_ptr, rm, m_ok, K, stride_xm, BLOCK_M, BLOCK_K)
+    rstd = 1.0 / tl.sqrt_rn(var + eps)
+    rr = tl.arange(0, BLOCK_R)
+    r_ok = rr < R
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        mask = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = _ada_apply(x, mean, rstd, rm, rk, mask, shift_ptr, scale_ptr, S, stride_mod, x_ptr, DOT_F32)
+        v = tl.where(mask, v, 0.0)
+        finite, sf, q = _nvfp4_tile(v, inv_ptr, rk, k_ok, BLOCK_M, BLOCK_K, True)
+        xq = _nvfp4_dequant(q, finite, sf)
+        tl.store(xq_ptr + rm[:, None] * K + rk[None, :], tl.reshape(xq, (BLOCK_M, BLOCK_K)).to(xq_ptr.dtype.element_ty),
+                 mask=mask)
+        if HAS_LORA:
+            w = tl.load(pd_ptr + rk[:, None] * R + rr[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+            acc = _lora_dot(v, w, acc, DOT_F32)
+    if HAS_LORA:
+        tl.store(lora_ptr + rm[:, None] * R + rr[None, :],
+                 _round_to(acc, lora_ptr, DOT_F32).to(lora_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _ada_norm_fast_kernel(
+    x_ptr, shift_ptr, scale_ptr, inv_ptr, a8_ptr, sa_ptr, pd_ptr, la_ptr, M, K, R, S, stride_xm, stride_mod, eps,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
+    DOT_F32: tl.constexpr, GEMM_ORDER: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    mean, var = _row_stats(x_ptr, rm, m_ok, K, stride_xm, BLOCK_M, BLOCK_K)
+    rstd = 1.0 / tl.sqrt_rn(var + eps)
+    rr = tl.arange(0, BLOCK_R)
+    r_ok = rr < R
+    lacc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    mx = tl.zeros([BLOCK_M], tl.int32)  # the magnitudes' bits: one integer max gives the row max and NaN
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        mask = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = tl.where(mask, _ada_apply(x, mean, rstd, rm, rk, mask, shift_ptr, scale_ptr, S, stride_mod, x_ptr,
+                                      DOT_F32), 0.0)
+        inv = tl.load(inv_ptr + rk, mask=k_ok, other=1.0)
+        mx = tl.maximum(mx, tl.max((v * inv[None, :]).to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+        if HAS_LORA:
+            w = tl.load(pd_ptr + rk[:, None] * R + rr[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+            lacc = _lora_dot(v, w, lacc, DOT_F32)
+    # as nvfp4.fast_act: 1 for an all-zero row and where a NaN is in the row (+-Inf: sa = Inf)
+    ok = (mx > 0) & (mx <= 0x7F800000)
+    sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([BLOCK_M], 448.0, tl.float32)), 1.0)
+    r = tl.minimum(tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sa), 3.4028234663852886e38)
+    tl.store(sa_ptr + rm, sa, mask=m_ok)
+    if HAS_LORA:
+        la = tl.math.div_rn(lacc, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_R)))
+        tl.store(la_ptr + rm[:, None] * R + rr[None, :], la.to(tl.bfloat16), mask=m_ok[:, None] & r_ok[None, :])
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        mask = m_ok[:, None] & k_ok[None, :]
+        lk = _gemm_k(rk, GEMM_ORDER)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + lk[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = _ada_apply(x, mean, rstd, rm, lk, mask, shift_ptr, scale_ptr, S, stride_mod, x_ptr, DOT_F32)
+        inv = tl.load(inv_ptr + lk, mask=k_ok, other=1.0)
+        q = (v * inv[None, :]) * r[:, None]
+        ptrs = a8_ptr + rm[:, None] * K + rk[None, :]
+        if HW_CVT:  # the convert rounds to nearest even and saturates at 448; +-Inf -> NaN, every NaN the positive
+            q = q + q * 0.0  # one (0x7F), as the contract's round_e4m3
+            tl.store(ptrs, tl.where(q == q, q, float("nan")).to(tl.float8e4nv), mask=mask)
+        else:  # Triton's interpreter mis-rounds conversions that carry into the exponent: by arithmetic
+            tl.store(ptrs.to(tl.pointer_type(tl.uint8), bitcast=True), _e4m3_bits(q), mask=mask)
+
+
+def _check(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, tokens: int, inv_smooth: torch.Tensor,
+           pds: torch.Tensor | None) -> tuple[int, int, int]:
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"expected a 2-D bf16 or fp16 x [M, K], got {tuple(x.shape)} {x.dtype}")
+    m, k = x.shape
+    if k % nvfp4.BLOCK_SIZE:
+        raise ValueError(f"expected K % 16 == 0, got {k}")
+    if tokens < 1 or m % tokens:
+        raise ValueError(f"x's {m} rows are not whole batch elements of {tokens} tokens")
+    want = (m // tokens, k)
+    for name, t in (("shift", shift), ("scale", scale)):
+        if tuple(t.shape) != want or t.dtype != x.dtype or t.stride(1) != 1:
+            raise ValueError(f"{name} must be [{want[0]}, {k}] {x.dtype} with unit stride along K, got "
+                             f"{tuple(t.shape)} {t.dtype}")
+    if shift.stride(0) != scale.stride(0):
+        raise ValueError("shift and scale must share their row stride (chunks of one modulation tensor)")
+    if inv_smooth.shape != (k,) or inv_smooth.dtype != torch.float32 or not inv_smooth.is_contiguous():
+        raise ValueError(f"inv_smooth must be a contiguous [{k}] float32 tensor (1 / smooth)")
+    r = 0
+    if pds is not None:
+        if pds.dim() != 2 or pds.shape[0] != k or pds.dtype != torch.bfloat16 or not pds.is_contiguous():
+            raise ValueError(f"pds must be a contiguous [{k}, R] bf16 tensor, got {tuple(pds.shape)} {pds.dtype}")
+        r = pds.shape[1]
+    return m, k, r
+
+
+def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, inv_smooth: torch.Tensor,
+                   pds: torch.Tensor | None = None, *, tokens: int | None = None, out_dtype: torch.dtype | None = None,
+                   block_m: int = 32, block_k: int = 128, num_warps: int = 4):
+    """``(xq, lora)`` of the exact mode for the input ``nvfp4.ada_norm(x, shift, scale, eps)`` read from ``x [M, K]``
+    (bf16 / fp16, unit stride along K): ``xq`` the dequantized NVFP4 values of ``input / smooth``
+    (``inv_smooth = 1 / smooth``, fp32), ``lora = input.to(bf16) @ pds`` in bf16 (None without ``pds``). ``shift``
+    and ``scale`` are ``[B, K]`` (x's dtype), x's rows ``tokens`` (default all M) per batch element."""
+    tokens = tokens or x.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k, r = _check(x, shift, scale, tokens, inv_smooth, pds)
+    if block_m < 16 or block_m & (block_m - 1) or block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"need power-of-two blocks of at least 16 (tensor-core rows), got {block_m} x {block_k}")
+    xq = torch.empty(m, k, device=x.device, dtype=out_dtype or x.dtype)
+    lora = torch.empty(m, r, device=x.device, dtype=torch.bfloat16) if r else None
+    if m:
+        _ada_norm_exact_kernel[(cdiv(m, block_m),)](
+            x, shift, scale, inv_smooth, xq, xq if pds is None else pds, xq if lora is None else lora, m, k, r,
+            tokens, x.stride(0), shift.stride(0), float(eps), BLOCK_M=block_m, BLOCK_K=min(block_k, next_pow2(k)),
+            BLOCK_R=_block_r(r), HAS_LORA=r > 0, DOT_F32=_INTERPRET, num_warps=num_warps)
+    return xq, lora
+
+
+def ada_norm_fast(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, inv_smooth: torch.Tensor,
+                  pds: torch.Tensor | None = None, *, tokens: int | None = None, gemm_order: bool = True,
+                  block_m: int = 16, block_k: int = 128, num_warps: int = 4):
+    """``(a8, sa, la)`` of the fast mode for the input ``nvfp4.ada_norm(x, shift, scale, eps)`` read from
+    ``x [M, K]``: ``nvfp4.fast_act`` of ``input / smooth`` (``a8`` in the fast GEMM's k order with
+    ``gemm_order``, K % 128 == 0) and ``la = (input.to(bf16) @ pds) / sa`` in bf16 (None without ``pds``).
+    Arguments as ``ada_norm_exact``'s."""
+    tokens = tokens or x.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k, r = _check(x, shift, scale, tokens, inv_smooth, pds)
+    if gemm_order and k % 128:
+        raise ValueError(f"the fast GEMM's k order needs K % 128 == 0, got {k}")
+    if block_m < 16 or block_m & (block_m - 1) or block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"need power-of-two blocks of at least 16 (tensor-core rows), got {block_m} x {block_k}")
+    a8 = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
+    sa = torch.empty(m, device=x.device, dtype=torch.float32)
+    la = torch.empty(m, r, device=x.device, dtype=torch.bfloat16) if r else None
+    if m:
+        _ada_norm_fast_kernel[(cdiv(m, block_m),)](
+            x, shift, scale, inv_smooth, a8, sa, sa if pds is None else pds,
+            sa if la is None else la, m, k, r, tokens, x.stride(0), shift.stride(0), float(eps),
+            BLOCK_M=block_m, BLOCK_K=min(block_k, next_pow2(k)), BLOCK_R=_block_r(r), HAS_LORA=r > 0,
+            DOT_F32=_INTERPRET, GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, num_warps=num_warps)
+    return a8, sa, la
+

@@ -1,0 +1,160 @@
+"""The activation pass fused into the adaLN norm (``sm90.norm_pass``): on the CPU under Triton's interpreter,
+on an sm90 GPU compiled. The oracle is PyTorch: ``nvfp4.ada_norm`` (``F.layer_norm`` and the modulation in the
+input's dtype), then the contract's reference quantizers (``nvfp4.quantize_nvfp4``, ``nvfp4.fast_act``) and a
+float64 ``lora_act``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from svdq_linear import nvfp4
+from svdq_linear.backends.sm90 import norm_pass
+from test_sm90_fast import _logical_k
+
+
+def _case(m_per, batch, k, r, dtype, device="cpu", seed=0, mean=0.0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = (torch.randn(batch, m_per, k, generator=g, device=device) * 3 + mean).to(dtype)
+    x[..., 5] *= 40  # an outlier channel, as Flux's residual stream has
+    shift = (torch.randn(batch, k, generator=g, device=device) * 0.5).to(dtype)
+    scale = (torch.randn(batch, k, generator=g, device=device) * 0.5).to(dtype)
+    smooth = (torch.rand(k, generator=g, device=device) * 4 + 0.25).float()
+    pds = (torch.randn(k, r, generator=g, device=device) / k ** 0.5).bfloat16() if r else None
+    return x, shift, scale, smooth, pds
+
+
+def _blocks_agree(got: torch.Tensor, want: torch.Tensor, k: int) -> float:
+    """The fraction of NVFP4 blocks (rows of 16) whose values are the same bits."""
+    same = (got == want) | (got.isnan() & want.isnan())
+    same = same.view(-1, k // 16, 16)
+    return same.all(-1).float().mean().item()
+
+
+@pytest.mark.parametrize("m_per,batch,k,r,dtype,mean", [(40, 1, 256, 16, torch.bfloat16, 0.0),
+                                                        (17, 2, 384, 32, torch.bfloat16, 50.0),
+                                                        (24, 2, 128, 0, torch.float16, 0.0)])
+def test_exact_pass_on_the_norm_is_the_pass_on_the_written_input(m_per, batch, k, r, dtype, mean):
+    x, shift, scale, smooth, pds = _case(m_per, batch, k, r, dtype, mean=mean)
+    inp = nvfp4.ada_norm(x, shift, scale, 1e-6).reshape(-1, k)
+    xq, lora = norm_pass.ada_norm_exact(x.reshape(-1, k), shift, scale, 1e-6, 1.0 / smooth, pds, tokens=m_per,
+                                        out_dtype=torch.float32)
+    packed, sc = nvfp4.quantize_nvfp4(nvfp4.smooth_input(inp, smooth))
+    want = nvfp4.dequantize_nvfp4(packed, sc)
+    # an element of the kernel's input may be the neighbour of PyTorch's (another order of the row sums)
+    assert _blocks_agree(xq, want, k) >= 0.97
+    err = (xq - want).abs().max().item()
+    assert err <= 0.25 * want.abs().max().item()
+    if r:
+        ref = inp.to(torch.bfloat16).double() @ pds.double()
+        torch.testing.assert_close(lora.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    else:
+        assert lora is None
+
+
+@pytest.mark.parametrize("m_per,batch,k,r,gemm_order", [(40, 1, 256, 16, True), (9, 3, 384, 32, False)])
+def test_fast_pass_on_the_norm_is_the_pass_on_the_written_input(m_per, batch, k, r, gemm_order):
+    x, shift, scale, smooth, pds = _case(m_per, batch, k, r, torch.bfloat16, seed=1)
+    inp = nvfp4.ada_norm(x, shift, scale, 1e-6).reshape(-1, k)
+    a8, sa, la = norm_pass.ada_norm_fast(x.reshape(-1, k), shift, scale, 1e-6, 1.0 / smooth, pds, tokens=m_per,
+                                         gemm_order=gemm_order)
+    a8_ref, sa_ref = nvfp4.fast_act(nvfp4.smooth_input(inp, smooth))
+    if gemm_order:  # position p of each 128-column tile holds logical column _logical_k(p)
+        perm = torch.tensor([t * 128 + _logical_k(p) for t in range(k // 128) for p in range(128)])
+        a8_ref = a8_ref[:, perm]
+    same = (a8.view(torch.uint8) == a8_ref.view(torch.uint8)).float().mean().item()
+    assert same >= 0.97, same
+    torch.testing.assert_close(sa, sa_ref, rtol=2 ** -7, atol=0)  # the row max of a rounding-neighbour input
+    got = a8.float() * sa[:, None]
+    assert (got - a8_ref.float() * sa_ref[:, None]).abs().max() <= 0.07 * (a8_ref.float() * sa_ref[:, None]).abs().max()
+    ref = (inp.to(torch.bfloat16).double() @ pds.double()) / sa_ref[:, None].double()
+    torch.testing.assert_close(la.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def test_norm_pass_refuses_bad_operands():
+    x, shift, scale, smooth, pds = _case(8, 2, 128, 16, torch.bfloat16)
+    x2 = x.reshape(-1, 128)
+    with pytest.raises(ValueError, match="whole batch elements"):
+        norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, 1.0 / smooth, pds, tokens=5)
+    with pytest.raises(ValueError, match="shift must be"):
+        norm_pass.ada_norm_exact(x2, shift[:1], scale, 1e-6, 1.0 / smooth, pds, tokens=8)
+    with pytest.raises(ValueError, match="scale must be"):
+        norm_pass.ada_norm_fast(x2, shift, scale.half(), 1e-6, 1.0 / smooth, pds, tokens=8)
+    with pytest.raises(ValueError, match="inv_smooth"):
+        norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, smooth.double(), pds, tokens=8)
+    with pytest.raises(ValueError, match="K % 16"):
+        norm_pass.ada_norm_exact(x2[:, :120], shift[:, :120], scale[:, :120], 1e-6, 1.0 / smooth[:120], tokens=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast", [False, True])
+def test_gpu_norm_pass_at_a_flux_width(fast):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm90 GPU")
+    k = 3072
+    x, shift, scale, smooth, pds = _case(1000, 2, k, 32, torch.bfloat16, device="cuda", seed=3, mean=5.0)
+    inp = nvfp4.ada_norm(x, shift, scale, 1e-6).reshape(-1, k)
+    xs = nvfp4.smooth_input(inp, smooth)
+    if fast:
+        a8, sa, la = norm_pass.ada_norm_fast(x.reshape(-1, k), shift, scale, 1e-6, 1.0 / smooth, pds, tokens=1000,
+                                             gemm_order=False)
+        a8_ref, sa_ref = nvfp4.fast_act(xs)
+        assert (a8.view(torch.uint8) == a8_ref.view(torch.uint8)).float().mean().item() >= 0.97
+        torch.testing.assert_close(sa, sa_ref, rtol=2 ** -7, atol=0)
+        ref = (inp.double() @ pds.double()) / sa_ref[:, None].double()
+        torch.testing.assert_close(la.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    else:
+        xq, lora = norm_pass.ada_norm_exact(x.reshape(-1, k), shift, scale, 1e-6, 1.0 / smooth, pds, tokens=1000)
+        packed, sc = nvfp4.quantize_nvfp4(xs)
+        want = nvfp4.dequantize_nvfp4(packed, sc, torch.bfloat16)
+        assert _blocks_agree(xq, want, k) >= 0.97
+        ref = inp.double() @ pds.double()
+        torch.testing.assert_close(lora.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_gpu_forward_ada_norm_normalizes_as_it_loads(mode, monkeypatch):
+    """``SVDQW4A4Linear.forward_ada_norm`` on an sm90 GPU from ``tuning.ADA_NORM_MIN_M`` tokens takes the norm pass
+    (counted) and gives the layer's output on the written input within bf16 roundings; under
+    ``SVDQ_SM90_ADA_NORM=0`` it writes the input (the same bits as the plain call)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm90 GPU")
+    pytest.importorskip("quack")
+    from svdq_linear import SVDQW4A4Linear
+
+    k, n = 3072, 1024
+    torch.manual_seed(4)
+    layer = SVDQW4A4Linear.from_linear(torch.nn.Linear(k, n).cuda(), rank=32).bfloat16().set_mode(mode)
+    x, shift, scale, _, _ = _case(1152, 2, k, 0, torch.bfloat16, device="cuda", seed=5)
+    calls = []
+    real = {f: getattr(norm_pass, f) for f in ("ada_norm_exact", "ada_norm_fast")}
+    for f, fn in real.items():
+        monkeypatch.setattr(norm_pass, f, lambda *a, _fn=fn, _f=f, **kw: calls.append(_f) or _fn(*a, **kw))
+    with torch.no_grad():
+        want = layer(nvfp4.ada_norm(x, shift, scale, 1e-6))
+        got = layer.forward_ada_norm(x, shift, scale, 1e-6)
+        assert calls == ["ada_norm_fast" if mode == "fast" else "ada_norm_exact"]
+        err = (got.float() - want.float()).abs()
+        assert err.max().item() <= 0.05 * want.float().abs().max().item()
+        assert err.mean().item() <= 1e-3 * want.float().abs().mean().item() + 1e-6
+        monkeypatch.setenv("SVDQ_SM90_ADA_NORM", "0")
+        assert torch.equal(layer.forward_ada_norm(x, shift, scale, 1e-6), want) and len(calls) == 1
+        with pytest.raises(ValueError, match="shift must be"):
+            layer.forward_ada_norm(x, shift[:1], scale, 1e-6)
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_forward_ada_norm_is_the_layer_on_the_written_input_on_the_reference(mode):
+    from svdq_linear import SVDQW4A4Linear
+
+    torch.manual_seed(2)
+    layer = SVDQW4A4Linear.from_linear(torch.nn.Linear(128, 64), rank=8).bfloat16().set_mode(mode)
+    x, shift, scale, _, _ = _case(6, 2, 128, 0, torch.bfloat16)
+    with torch.no_grad():
+        want = layer(nvfp4.ada_norm(x, shift, scale, 1e-6))
+        assert torch.equal(layer.forward_ada_norm(x, shift, scale, 1e-6), want)
+    with pytest.raises(ValueError, match=r"expected x \[B, S, 128\]"):
+        layer.forward_ada_norm(x[0], shift, scale, 1e-6)
+    with pytest.raises(ValueError, match="scale must be"):
+        layer.forward_ada_norm(x, shift, scale.float(), 1e-6)
