@@ -15,9 +15,12 @@ Imported only by ``svdq_linear.fuse`` when it switches a block: it needs diffuse
 from __future__ import annotations
 
 import torch
+from diffusers.models import activations as _activations
 from diffusers.models import attention as _attention
 from diffusers.models import normalization as _normalization
 from diffusers.models.transformers import transformer_flux as _flux
+
+from .linear import SVDQW4A4Linear
 
 # The subclasses keep the diffusers class names: diffusers finds blocks by class name
 # (``compile_repeated_blocks``' ``_repeated_blocks``, ``_no_split_modules``), and pickle finds these by
@@ -84,6 +87,105 @@ class FluxSingleTransformerBlock(_flux.FluxSingleTransformerBlock):
         return out[:, :n_text], out[:, n_text:]
 
 
+def _plain_layer_norm(norm) -> bool:
+    """A ``nn.LayerNorm`` without affine parameters (what ``nvfp4.ada_norm`` computes)."""
+    return type(norm) is torch.nn.LayerNorm and norm.weight is None and norm.bias is None
+
+
+def _ada_zero_ok(norm) -> bool:
+    """An ``AdaLayerNormZero`` whose steps ``_ada_zero`` reproduces (no class embedding, a plain layer norm)."""
+    return type(norm) is _normalization.AdaLayerNormZero and norm.emb is None and _plain_layer_norm(norm.norm)
+
+
+def _ada_zero(norm, temb):
+    """``AdaLayerNormZero``'s modulation vectors (shift, scale, gate of the attention; shift, scale, gate of the MLP)
+    without its norm."""
+    return norm.linear(norm.silu(temb)).chunk(6, dim=1)
+
+
+def _ff_from_norm(ff, x, shift, scale, eps):
+    """``ff(nvfp4.ada_norm(x, shift, scale, eps))`` for diffusers' tanh-GELU ``FeedForward`` whose first linear is
+    quantized: that linear normalizes as it loads (``forward_ada_norm``); the rest as ``ff`` runs it (its down
+    projection reading the GELU's input where ``fuse_gelu_inputs`` switched it)."""
+    gelu, dropout, down = ff.net[0], ff.net[1], ff.net[2]
+    h = gelu.proj.forward_ada_norm(x, shift, scale, eps)
+    if type(ff) is FeedForward and not (ff.training and dropout.p > 0):
+        return down.forward_cat_gelu(None, h)
+    return down(dropout(gelu.gelu(h)))
+
+
+def _ff_reads_norm(ff) -> bool:
+    net = getattr(ff, "net", None)
+    if not isinstance(ff, _attention.FeedForward) or len(net) != 3 or "forward" in ff.__dict__:
+        return False
+    gelu = net[0]
+    return (type(gelu) is _activations.GELU and gelu.approximate == "tanh" and isinstance(gelu.proj, SVDQW4A4Linear)
+            and isinstance(net[1], torch.nn.Dropout) and "forward" not in gelu.__dict__)
+
+
+def _joint_attention(attn, x, enc, mods, eps, image_rotary_emb):
+    """What diffusers' ``FluxAttnProcessor`` computes for a double block (image and context streams, no mask), its
+    fused q/k/v layers normalizing their inputs as they load: ``mods = (shift, scale, c_shift, c_scale)``, ``eps``
+    the two norms'."""
+    proc = attn.processor
+    shift, scale, c_shift, c_scale = mods
+    eps_x, eps_c = eps
+    query, key, value = attn.to_qkv.forward_ada_norm(x, shift, scale, eps_x).chunk(3, dim=-1)
+    e_query, e_key, e_value = attn.to_added_qkv.forward_ada_norm(enc, c_shift, c_scale, eps_c).chunk(3, dim=-1)
+    query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
+    key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
+    value = value.unflatten(-1, (-1, attn.head_dim))
+    e_query = attn.norm_added_q(e_query.unflatten(-1, (-1, attn.head_dim)))
+    e_key = attn.norm_added_k(e_key.unflatten(-1, (-1, attn.head_dim)))
+    e_value = e_value.unflatten(-1, (-1, attn.head_dim))
+    query, key, value = (torch.cat([e_query, query], dim=1), torch.cat([e_key, key], dim=1),
+                         torch.cat([e_value, value], dim=1))
+    if image_rotary_emb is not None:
+        query = _flux.apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        key = _flux.apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+    out = _flux.dispatch_attention_fn(query, key, value, attn_mask=None, backend=proc._attention_backend,
+                                      parallel_config=proc._parallel_config)
+    out = out.flatten(2, 3).to(query.dtype)
+    enc_out, out = out.split_with_sizes([enc.shape[1], out.shape[1] - enc.shape[1]], dim=1)
+    out = attn.to_out[1](attn.to_out[0](out.contiguous()))
+    return out, attn.to_add_out(enc_out.contiguous())
+
+
+class FluxTransformerBlock(_flux.FluxTransformerBlock):
+    """diffusers' ``FluxTransformerBlock`` whose quantized linears after an adaLN norm read the norm's input
+    (``SVDQW4A4Linear.forward_ada_norm``): the fused ``to_qkv`` / ``to_added_qkv`` (``fuse_qkv_projections``
+    switches the block to this class) and each feed-forward's first linear. The same operations otherwise,
+    in the same order. A call with ``joint_attention_kwargs``, another processor class, or norms other than
+    diffusers' plain ones runs diffusers' own forward."""
+
+    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
+                joint_attention_kwargs=None):
+        attn = self.attn
+        if (joint_attention_kwargs or type(attn.processor) is not _flux.FluxAttnProcessor
+                or not isinstance(getattr(attn, "to_qkv", None), SVDQW4A4Linear)
+                or not isinstance(getattr(attn, "to_added_qkv", None), SVDQW4A4Linear)
+                or not (_ada_zero_ok(self.norm1) and _ada_zero_ok(self.norm1_context))
+                or not (_plain_layer_norm(self.norm2) and _plain_layer_norm(self.norm2_context))
+                or not (_ff_reads_norm(self.ff) and _ff_reads_norm(self.ff_context))):
+            return super().forward(hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                                   joint_attention_kwargs)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = _ada_zero(self.norm1, temb)
+        c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = _ada_zero(self.norm1_context, temb)
+        attn_output, context_attn_output = _joint_attention(
+            attn, hidden_states, encoder_hidden_states, (shift_msa, scale_msa, c_shift_msa, c_scale_msa),
+            (self.norm1.norm.eps, self.norm1_context.norm.eps), image_rotary_emb)
+        hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
+        ff_output = _ff_from_norm(self.ff, hidden_states, shift_mlp, scale_mlp, self.norm2.eps)
+        hidden_states = hidden_states + gate_mlp.unsqueeze(1) * ff_output
+        encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * context_attn_output
+        context_ff_output = _ff_from_norm(self.ff_context, encoder_hidden_states, c_shift_mlp, c_scale_mlp,
+                                          self.norm2_context.eps)
+        encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * context_ff_output
+        if encoder_hidden_states.dtype == torch.float16:
+            encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+        return encoder_hidden_states, hidden_states
+
+
 class FeedForward(_attention.FeedForward):
     """diffusers' ``FeedForward`` (``GELU`` with ``approximate="tanh"``, dropout, linear) whose last linear reads the
     GELU's input; in training with a dropout probability the original order runs."""
@@ -96,3 +198,5 @@ class FeedForward(_attention.FeedForward):
 
 
 FUSED = {_flux.FluxSingleTransformerBlock: FluxSingleTransformerBlock, _attention.FeedForward: FeedForward}
+# switched by fuse_qkv_projections (svdq_linear.fuse), not by fuse_gelu_inputs
+NORM_IN = {_flux.FluxTransformerBlock: FluxTransformerBlock}

@@ -148,6 +148,9 @@ def _fuse_projections(self, *args, **kwargs):
         raise RuntimeError(f"{type(self).__name__}: expected quantized to_q/to_k/to_v to fuse")
     _fuse_group(self, ("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_qkv")
     self.fused_projections = True
+    block = self.__dict__.get("_svdq_double_block")
+    if block is not None:
+        _switch_norm_in(block)
 
 
 @torch.no_grad()
@@ -165,6 +168,26 @@ def _unfuse_projections(self, *args, **kwargs):
     self.fused_projections = False
     if block is not None and not block.__dict__.get("_svdq_gelu_in"):
         _unswitch_single_block(block)
+    double = self.__dict__.get("_svdq_double_block")
+    if double is not None:
+        from ._diffusers_blocks import NORM_IN
+
+        back = {fused: base for base, fused in NORM_IN.items()}
+        if type(double) in back:
+            double.__class__ = back[type(double)]
+
+
+def _switch_norm_in(block: nn.Module) -> None:
+    """Give a diffusers Flux double block the class whose fused q/k/v and feed-forwards read its norms' inputs."""
+    from ._diffusers_blocks import NORM_IN
+
+    fused = NORM_IN.get(type(block))
+    if fused is not None:
+        if "forward" in block.__dict__:
+            warnings.warn("svdq-linear: a Flux block's forward is wrapped by a hook (offloading, caching): its "
+                          "linears keep reading the written norm outputs; fuse before enabling such hooks",
+                          stacklevel=3)
+        block.__class__ = fused
 
 
 def _unswitch_single_block(block: nn.Module) -> None:
@@ -206,6 +229,9 @@ def fuse_attention_projections(model: nn.Module) -> int:
             # its proj_mlp reads the same input as q/k/v: _fuse_projections stacks the four. Held outside
             # _modules (no second path to the block in modules() or state_dict; copies and pickles keep it)
             attn.__dict__["_svdq_single_block"] = module
+        if type(module).__name__ == "FluxTransformerBlock" and isinstance(attn, nn.Module):
+            # once its q/k/v are fused, the block's fused layers (and feed-forwards) read its norms' inputs
+            attn.__dict__["_svdq_double_block"] = module
         if isinstance(getattr(module, "to_q", None), SVDQW4A4Linear) and hasattr(module, "fuse_projections"):
             module.fuse_projections = _Bound(_fuse_projections, module)
             module.unfuse_projections = _Bound(_unfuse_projections, module)

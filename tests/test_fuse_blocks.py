@@ -1,5 +1,6 @@
-"""Flux single blocks under ``fuse_qkv_projections``: q/k/v and ``proj_mlp`` stacked into one layer
-(``attn.to_qkv_mlp``) that the block splits; on the CPU (reference backend), against the block's own
+"""Flux blocks under ``fuse_qkv_projections``: a single block's q/k/v and ``proj_mlp`` stacked into one layer
+(``attn.to_qkv_mlp``) that the block splits, and the linears after an adaLN norm reading the norm's input
+(``forward_ada_norm``) in single and double blocks; on the CPU (reference backend), against the blocks' own
 diffusers forward as the oracle."""
 
 from __future__ import annotations
@@ -161,11 +162,13 @@ def test_a_single_block_whose_mlp_has_its_own_smoothing_fuses_qkv_only():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["single", "double"])
 @pytest.mark.parametrize("mode", ["exact", "fast"])
-def test_gpu_fused_single_block_matches_its_separate_layers(mode):
-    """On an sm90 GPU (quack's GEMMs: 4 + 300 tokens, bf16), the fused block's output against the same
-    block with its layers apart, in both modes: the stacked layer's columns are the same products (the
-    zero blocks of its block-diagonal proj_up add exact zeros), so they differ by accumulation order only."""
+def test_gpu_fused_blocks_match_their_separate_layers(mode, kind):
+    """On an sm90 GPU (quack's GEMMs; 2100 + 64 tokens, bf16, so the fused layers normalize as they load), the
+    fused block's output against the same block with its layers apart and its norms written, in both modes: the
+    stacked layers' columns are the same products (the zero blocks of a block-diagonal proj_up add exact zeros),
+    and the norm pass's inputs differ from the written ones by a rounding in a few elements."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm90 GPU")
     pytest.importorskip("quack")
@@ -173,23 +176,81 @@ def test_gpu_fused_single_block_matches_its_separate_layers(mode):
 
     dim, heads = 512, 4
     torch.manual_seed(5)
-    block = flux.FluxSingleTransformerBlock(dim, heads, dim // heads).cuda().bfloat16().eval()
-    attn = block.attn
-    for owner, name in ((attn, "to_q"), (attn, "to_k"), (attn, "to_v"), (block, "proj_mlp"), (block, "proj_out")):
-        setattr(owner, name, SVDQW4A4Linear.from_linear(getattr(owner, name), rank=32))
+    if kind == "single":
+        block = flux.FluxSingleTransformerBlock(dim, heads, dim // heads)
+        places = ((block.attn, ("to_q", "to_k", "to_v")), (block, ("proj_mlp", "proj_out")))
+    else:
+        block = flux.FluxTransformerBlock(dim, heads, dim // heads)
+        a = block.attn
+        places = ((a, ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")),
+                  (a.to_out, ("0",)), (block.ff.net[0], ("proj",)), (block.ff_context.net[0], ("proj",)))
+    block = block.cuda().bfloat16().eval()
+    for owner, names in places:
+        for name in names:
+            setattr(owner, name, SVDQW4A4Linear.from_linear(getattr(owner, name), rank=32))
     set_mode(block, mode)
     fuse_attention_projections(block)
     g = torch.Generator(device="cuda").manual_seed(6)
-    hs = torch.randn(1, 300, dim, device="cuda", generator=g).bfloat16()
-    enc = torch.randn(1, 4, dim, device="cuda", generator=g).bfloat16()
+    hs = torch.randn(1, 2100, dim, device="cuda", generator=g).bfloat16()
+    enc = torch.randn(1, 64, dim, device="cuda", generator=g).bfloat16()
     temb = torch.randn(1, dim, device="cuda", generator=g).bfloat16()
     with torch.no_grad():
         apart = torch.cat(block(hs, enc, temb), dim=1)
-        attn.fuse_projections()
-        assert hasattr(attn, "to_qkv_mlp")
+        block.attn.fuse_projections()
+        assert type(block).__module__ == "svdq_linear._diffusers_blocks"
         fused = torch.cat(block(hs, enc, temb), dim=1)
-        attn.unfuse_projections()
+        block.attn.unfuse_projections()
         again = torch.cat(block(hs, enc, temb), dim=1)
     assert torch.equal(again, apart)
-    err = (fused.float() - apart.float()).abs().max().item()
-    assert err <= 2e-2 * apart.float().abs().max().item(), err
+    err = (fused.float() - apart.float()).abs()
+    assert err.max().item() <= 3e-2 * apart.float().abs().max().item(), err.max().item()
+    assert err.mean().item() <= 2e-3 * apart.float().abs().mean().item()
+
+
+def _double_block(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    block = flux.FluxTransformerBlock(DIM, HEADS, DIM // HEADS).float().eval()
+    attn = block.attn
+    for owner, names in ((attn, ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")),
+                         (attn.to_out, ("0",)), (block.ff.net[0], ("proj",)), (block.ff_context.net[0], ("proj",)),
+                         (block.ff.net, ("2",)), (block.ff_context.net, ("2",))):
+        for name in names:
+            setattr(owner, name, SVDQW4A4Linear.from_linear(getattr(owner, name), rank=4))
+    return block
+
+
+def test_double_block_linears_read_their_norms_inputs(monkeypatch):
+    block = _double_block()
+    fuse_attention_projections(block)
+    hs, enc, temb, rope = _inputs(5)
+    with torch.no_grad():
+        before = block(hs, enc, temb, image_rotary_emb=rope)
+    block.attn.fuse_projections()
+    assert type(block) is not flux.FluxTransformerBlock and type(block).__name__ == "FluxTransformerBlock"
+    calls = []
+    real = SVDQW4A4Linear.forward_ada_norm
+    monkeypatch.setattr(SVDQW4A4Linear, "forward_ada_norm",
+                        lambda self, *a: calls.append(self.out_features) or real(self, *a))
+    with torch.no_grad():
+        after = block(hs, enc, temb, image_rotary_emb=rope)
+    # to_qkv, to_added_qkv, then each feed-forward's first linear (4 x DIM wide)
+    assert calls == [3 * DIM, 3 * DIM, 4 * DIM, 4 * DIM]
+    for a, b in zip(after, before):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert fuse_gelu_inputs(block) == 2  # the feed-forwards: their down projections read the GELU's input
+    calls.clear()
+    with torch.no_grad():
+        both = block(hs, enc, temb, image_rotary_emb=rope)
+    assert len(calls) == 4
+    for a, b in zip(both, before):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    calls.clear()
+    with torch.no_grad():  # attention kwargs: diffusers' own forward
+        block(hs, enc, temb, image_rotary_emb=rope, joint_attention_kwargs={"attention_mask": None})
+    assert calls == []
+    block.attn.unfuse_projections()
+    assert type(block) is flux.FluxTransformerBlock
+    with torch.no_grad():
+        again = block(hs, enc, temb, image_rotary_emb=rope)
+    for a, b in zip(again, before):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
