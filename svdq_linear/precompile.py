@@ -147,7 +147,8 @@ def _sm90_calls(quick: bool):
     tokens (activation pass, and the Triton W4 GEMM that serves it without quack-kernels), the small-M
     kernel (the exact mode on canonical weights and, from 9 tokens, on quack's blob, whose fewer tokens
     run ``small_m_mma`` on a GPU; W4A16 for the adaLN modulation at batch 1-32), the fast mode's
-    activation pass and ``lora_act``, their two-source forms (``fuse_gelu_inputs``), and the PDL pair of both
+    activation pass and ``lora_act``, their two-source forms (``fuse_gelu_inputs``), the passes that normalize as
+    they load (``forward_ada_norm``, Flux blocks after ``fuse_qkv_projections``), and the PDL pair of both
     modes (what calls captured into a CUDA graph take, or every call with ``SVDQ_SM90_PDL=1``: ``lora_act`` and
     the pass, where ``lora_act`` runs on Triton). quack's GEMMs
     are compiled by ``precompile_sm90_quack``. Not covered (compiled on first use, seconds each): other ranks
@@ -231,6 +232,22 @@ def _sm90_calls(quick: bool):
                 kernels.quantize_act_cat(xa, xb, inv, inv_smooth=inv)  # the exact mode's (lora_act: the same launch)
 
             yield f"fast_gelu_in_m{m}_{ka}+{kb}_{name}", gelu_pass
+        # the passes that normalize as they load (forward_ada_norm: Flux blocks' fused q/k/v, a single block's
+        # q/k/v + MLP, the feed-forwards' first linears), both modes, bf16 (quack's GEMMs), the prepared
+        # proj_down / smooth's widths (a window of 32 a part: 32, 96, 128)
+        from .backends.sm90 import norm_pass
+
+        for m, r in ([(4608, 128)] if quick else [(m, r) for m in (4096, 4608) for r in (32, 96, 128)]):
+            if dt != torch.bfloat16:
+                break
+            x, mod, inv = torch.zeros(m, 3072, dtype=dt), torch.zeros(3, 3072, dtype=dt), torch.ones(3072)
+            pds = torch.zeros(3072, r, dtype=torch.bfloat16)
+
+            def norm_in(x=x, mod=mod, inv=inv, pds=pds):
+                norm_pass.ada_norm_exact(x, mod[:1], mod[1:2], 1e-6, inv, pds, out_dtype=torch.bfloat16)
+                norm_pass.ada_norm_fast(x, mod[:1], mod[1:2], 1e-6, inv, pds)
+
+            yield f"norm_in_m{m}_r{r}", norm_in
 
 
 def _pdl_pair(kernels, tuning, x, inv, pds) -> None:
