@@ -54,6 +54,7 @@ def main() -> None:
         lines.append(s)
         print(s, flush=True)
 
+    os.environ["SVDQ_SM90_ADA_NORM"] = "1"  # forward_ada_norm's pass (opt-in)
     dev = torch.device("cuda")
     norm_c = torch.compile(nvfp4.ada_norm, dynamic=False)
     log("| layer | M x K -> N | mode | bf16 | written | fused | fused / written | norm alone | norm pass alone | "

@@ -227,8 +227,8 @@ def main():
                         "(fast-gelu, exact-gelu, ...) switches the blocks with fuse_gelu_inputs (the linears after a "
                         "GELU read its parts); a -pdl suffix before it (fast-pdl) sets SVDQ_SM90_PDL=1 for the "
                         "variant, -nopdl (fast-nopdl) SVDQ_SM90_PDL=0; with --fuse, -sep after those (fast-sep, "
-                        "fast-nopdl-sep-gelu) keeps single blocks' proj_mlp apart from their fused q/k/v; -nonorm "
-                        "before -sep (fast-nonorm) has their fused layer read the norm's written output")
+                        "fast-nopdl-sep-gelu) keeps single blocks' proj_mlp apart from their fused q/k/v; -norm "
+                        "before -sep (fast-norm) has the layers after an adaLN norm read the norm's input")
     p.add_argument("--graph", action="store_true", help="also time the eager forward captured in a CUDA graph")
     p.add_argument("--fuse", action="store_true",
                    help="fuse q/k/v (diffusers' fuse_qkv_projections; one quantization pass for the svdq variants)")
@@ -287,10 +287,11 @@ def main():
         # "-sep" (fast-sep): with --fuse, single blocks keep proj_mlp apart from their fused q/k/v
         single_mlp = not v.endswith("-sep")
         v = v.removesuffix("-sep")
-        # "-nonorm" (fast-nonorm): the fused single blocks write their norm's output (SVDQ_SM90_ADA_NORM=0)
-        if v.endswith("-nonorm"):
-            os.environ["SVDQ_SM90_ADA_NORM"] = "0"
-            v = v.removesuffix("-nonorm")
+        # "-norm" (fast-norm): with --fuse, the fused layers after an adaLN norm normalize as they load
+        # (SVDQ_SM90_ADA_NORM=1); without it they read the norm's written output
+        if v.endswith("-norm"):
+            os.environ["SVDQ_SM90_ADA_NORM"] = "1"
+            v = v.removesuffix("-norm")
         else:
             os.environ.pop("SVDQ_SM90_ADA_NORM", None)
         # "-pdl" (fast-pdl, exact-pdl): lora_act and the activation pass as a PDL pair (SVDQ_SM90_PDL=1)

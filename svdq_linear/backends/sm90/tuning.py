@@ -218,9 +218,10 @@ ENV_LORA_ACT = "SVDQ_SM90_LORA_ACT"
 # the whole linear 0.99-1.02x the written input's at 4096-4608 tokens, 0.70-0.71x at 512 (its two-source
 # lora_act pass takes 51 us where the written input and cuBLAS's take 14 + 24).
 CAT_GELU_MIN_M = 2048
-# forward_ada_norm (a Flux single block's fused to_qkv_mlp) normalizes as it loads from this many tokens (a row
-# block a program: fewer rows leave SMs idle); below, it writes the input and runs the plain path
-# (bench_norm_in.py; docs/perf.md, twenty-seventh session). SVDQ_SM90_ADA_NORM=0 always writes the input.
+# forward_ada_norm (Flux blocks' fused q/k/v and feed-forwards after fuse_qkv_projections) normalizes as it loads
+# with SVDQ_SM90_ADA_NORM=1, from this many tokens; by default it writes the norm's output and runs the plain
+# path: on the H100 the norm pass lost to the compiled norm + pass (bench_norm_in.py; docs/perf.md,
+# twenty-seventh session).
 ADA_NORM_MIN_M = 2048
 ENV_ADA_NORM = "SVDQ_SM90_ADA_NORM"
 LORA_ACT_MIN_M = 128
