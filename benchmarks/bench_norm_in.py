@@ -2,7 +2,7 @@
 the norm written out, each whole: norm + linear, as a Flux single block (and a double block's q/k/v) run them.
 
     python benchmarks/bench_norm_in.py [--out FILE] [--shapes fused_qkv,single_fused_in] [--modes exact,fast]
-                                       [--reps 20] [--rounds 5]
+                                       [--reps 20] [--rounds 5] [--splits 0,2,8]
 
 Per layer (``bench_lowrank``'s whole-linear rows: what fuse_qkv_projections builds, R = 32 a part) and mode, in
 ``--rounds`` alternating rounds, each a CUDA graph of ``--reps`` back-to-back calls timed by its kernels' span
@@ -11,7 +11,8 @@ Per layer (``bench_lowrank``'s whole-linear rows: what fuse_qkv_projections buil
 - ``bf16``: the norm and modulation compiled (inductor's one kernel, ``nvfp4.ada_norm``) then ``F.linear``;
 - ``written``: the same norm, then the layer on its output (the default path of every other layer);
 - ``fused``: ``forward_ada_norm`` (the pass reads the norm's input and normalizes as it loads);
-- ``norm alone`` / ``norm pass alone``: the compiled norm, and the fused pass without its GEMM.
+- ``norm alone`` / ``norm pass alone``: the compiled norm, and the fused pass without its GEMM (its two launches at
+  ``norm_pass.auto_split``, and at ``--splits``).
 
 Ratios: bf16 / path, each round's to the bf16 of that round, median over the rounds. The fused output is
 checked against the written one first (the inputs differ by a rounding in a few elements).
@@ -44,6 +45,7 @@ def main() -> None:
     ap.add_argument("--modes", default="exact,fast")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--splits", default="0,2,8", help="the norm pass alone at these splits too (0: one launch)")
     args = ap.parse_args()
     want = [s.strip().replace("_", " ") for s in args.shapes.split(",")]
     modes = [s.strip() for s in args.modes.split(",")]
@@ -77,19 +79,25 @@ def main() -> None:
                 ex = be.extra_tensors(prep)
                 inv = ex[-1]
                 pds = ex[0]
-                if mode == "fast":
-                    def npass():
-                        return norm_pass.ada_norm_fast(x[0], shift, scale, 1e-6, inv, pds)
-                else:
-                    def npass():
-                        return norm_pass.ada_norm_exact(x[0], shift, scale, 1e-6, inv, pds, out_dtype=torch.bfloat16)
+                def npass(split=None):
+                    def fn():
+                        if mode == "fast":
+                            return norm_pass.ada_norm_fast(x[0], shift, scale, 1e-6, inv, pds, split=split)
+                        return norm_pass.ada_norm_exact(x[0], shift, scale, 1e-6, inv, pds, out_dtype=torch.bfloat16,
+                                                        split=split)
+                    return fn
+                auto = norm_pass.auto_split(m, k, dev)
                 graphs = {
                     "bf16": graph_of(lambda: F.linear(norm_c(x, shift, scale, 1e-6), w), args.reps),
                     "written": graph_of(lambda: mod(norm_c(x, shift, scale, 1e-6)), args.reps),
                     "fused": graph_of(lambda: mod.forward_ada_norm(x, shift, scale, 1e-6), args.reps),
                     "norm": graph_of(lambda: norm_c(x, shift, scale, 1e-6), args.reps),
-                    "npass": graph_of(npass, args.reps),
+                    "npass": graph_of(npass(), args.reps),
                 }
+                for sp in args.splits.split(","):  # the pass alone at other splits (0: the one-launch form)
+                    sp = int(sp)
+                    if sp != auto:
+                        graphs[f"npass split {sp}"] = graph_of(npass(sp), args.reps)
                 periods: dict[str, list[float]] = {}
                 kernels_of: dict[str, list] = {}
                 for _ in range(args.rounds):
@@ -107,6 +115,10 @@ def main() -> None:
                     f"{med['fused']:.1f} | {gain:.3f}x | "
                     f"{med['norm']:.1f} | {med['npass']:.1f} | {err:.2e} | {ratio('written'):.3f}x | "
                     f"{ratio('fused'):.3f}x |")
+                others = [w_ for w_ in med if w_.startswith("npass split")]
+                if others:
+                    log(f"|  | norm pass alone: split {auto} (auto) {med['npass']:.1f}; " + "; ".join(
+                        f"{w_.removeprefix('npass ')} {med[w_]:.1f}" for w_ in others) + " |||||||||")
                 for what in ("written", "fused"):
                     log("|  | kernels: " + what + " | " + "; ".join(
                         f"`{name[:40]}` {dur:.1f} (gap {gap:.1f})" for name, _, dur, gap in kernels_of[what])

@@ -1,5 +1,6 @@
 """The activation pass fused into the adaLN norm (``sm90.norm_pass``): on the CPU under Triton's interpreter,
-on a GPU compiled (the same tests; PyTorch's CUDA layer norm rounds a few more values the other way). The oracle is PyTorch: ``nvfp4.ada_norm`` (``F.layer_norm`` and the modulation in the
+on a GPU compiled (the same tests; PyTorch's CUDA layer norm rounds a few more values the other
+way). The oracle is PyTorch: ``nvfp4.ada_norm`` (``F.layer_norm`` and the modulation in the
 input's dtype), then the contract's reference quantizers (``nvfp4.quantize_nvfp4``, ``nvfp4.fast_act``) and a
 float64 ``lora_act``."""
 
@@ -34,14 +35,15 @@ def _blocks_agree(got: torch.Tensor, want: torch.Tensor, k: int) -> float:
     return same.all(-1).float().mean().item()
 
 
+@pytest.mark.parametrize("split", [0, 1, 3])
 @pytest.mark.parametrize("m_per,batch,k,r,dtype,mean", [(40, 1, 256, 16, torch.bfloat16, 0.0),
                                                         (17, 2, 384, 32, torch.bfloat16, 50.0),
                                                         (24, 2, 128, 0, torch.float16, 0.0)])
-def test_exact_pass_on_the_norm_is_the_pass_on_the_written_input(m_per, batch, k, r, dtype, mean):
+def test_exact_pass_on_the_norm_is_the_pass_on_the_written_input(m_per, batch, k, r, dtype, mean, split):
     x, shift, scale, smooth, pds = _case(m_per, batch, k, r, dtype, device=DEV, mean=mean)
     inp = nvfp4.ada_norm(x, shift, scale, 1e-6).reshape(-1, k)
     xq, lora = norm_pass.ada_norm_exact(x.reshape(-1, k), shift, scale, 1e-6, 1.0 / smooth, pds, tokens=m_per,
-                                        out_dtype=torch.float32)
+                                        out_dtype=torch.float32, split=split)
     packed, sc = nvfp4.quantize_nvfp4(nvfp4.smooth_input(inp, smooth))
     want = nvfp4.dequantize_nvfp4(packed, sc)
     # an element of the kernel's input may be the neighbour of PyTorch's (another order of the row sums)
@@ -55,12 +57,13 @@ def test_exact_pass_on_the_norm_is_the_pass_on_the_written_input(m_per, batch, k
         assert lora is None
 
 
+@pytest.mark.parametrize("split", [0, 1, 3])
 @pytest.mark.parametrize("m_per,batch,k,r,gemm_order", [(40, 1, 256, 16, True), (9, 3, 384, 32, False)])
-def test_fast_pass_on_the_norm_is_the_pass_on_the_written_input(m_per, batch, k, r, gemm_order):
+def test_fast_pass_on_the_norm_is_the_pass_on_the_written_input(m_per, batch, k, r, gemm_order, split):
     x, shift, scale, smooth, pds = _case(m_per, batch, k, r, torch.bfloat16, device=DEV, seed=1)
     inp = nvfp4.ada_norm(x, shift, scale, 1e-6).reshape(-1, k)
     a8, sa, la = norm_pass.ada_norm_fast(x.reshape(-1, k), shift, scale, 1e-6, 1.0 / smooth, pds, tokens=m_per,
-                                         gemm_order=gemm_order)
+                                         gemm_order=gemm_order, split=split)
     a8_ref, sa_ref = nvfp4.fast_act(nvfp4.smooth_input(inp, smooth))
     if gemm_order:  # position p of each 128-column tile holds logical column _logical_k(p)
         perm = torch.tensor([t * 128 + _logical_k(p) for t in range(k // 128) for p in range(128)], device=DEV)

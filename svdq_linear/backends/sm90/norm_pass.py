@@ -149,6 +149,150 @@ def _ada_norm_fast_kernel(
             tl.store(ptrs.to(tl.pointer_type(tl.uint8), bitcast=True), _e4m3_bits(q), mask=mask)
 
 
+@triton.jit
+def _ada_stats_kernel(x_ptr, shift_ptr, scale_ptr, inv_ptr, mean_ptr, rstd_ptr, sa_ptr, M, K, S, stride_xm, stride_mod,
+                      eps, ROWS: tl.constexpr, CHUNK: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr):
+    # The split form's first launch: ROWS rows a program (many programs, so the read of x runs at HBM speed), each
+    # row's mean and 1 / sqrt(var + eps); FAST: also the row scale sa of the normalized, modulated, smoothed row
+    # (a second walk along the program's rows, from L1 / L2), as nvfp4.fast_act sets it
+    rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    m_ok = rm < M
+    mean, var = _row_stats(x_ptr, rm, m_ok, K, stride_xm, ROWS, CHUNK)
+    rstd = 1.0 / tl.sqrt_rn(var + eps)
+    tl.store(mean_ptr + rm, mean, mask=m_ok)
+    tl.store(rstd_ptr + rm, rstd, mask=m_ok)
+    if FAST:
+        mx = tl.zeros([ROWS], tl.int32)
+        for k0 in range(0, K, CHUNK):
+            rk = k0 + tl.arange(0, CHUNK)
+            k_ok = rk < K
+            mask = m_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+            v = tl.where(mask, _ada_apply(x, mean, rstd, rm, rk, mask, shift_ptr, scale_ptr, S, stride_mod, x_ptr,
+                                          DOT_F32), 0.0)
+            inv = tl.load(inv_ptr + rk, mask=k_ok, other=1.0)
+            mx = tl.maximum(mx, tl.max((v * inv[None, :]).to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+        ok = (mx > 0) & (mx <= 0x7F800000)
+        sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([ROWS], 448.0, tl.float32)), 1.0)
+        tl.store(sa_ptr + rm, sa, mask=m_ok)
+
+
+@triton.jit
+def _ada_apply_kernel(
+    x_ptr, shift_ptr, scale_ptr, inv_ptr, mean_ptr, rstd_ptr, sa_ptr, out_ptr, pd_ptr, lora_ptr, part_ptr, cnt_ptr,
+    M, K, R, S, stride_xm, stride_mod, K_SPLIT, SPLIT,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
+    IS_SPLIT: tl.constexpr, FAST: tl.constexpr, GEMM_ORDER: tl.constexpr, HW_CVT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    # The split form's second launch: program (i, s) takes rows [i BLOCK_M, (i + 1) BLOCK_M) and the columns [s K_SPLIT,
+    # (s + 1) K_SPLIT) in BLOCK_K steps, normalizes and modulates each tile with its rows' statistics, and writes the
+    # exact mode's dequantized NVFP4 values (out: xq) or the fast mode's E4M3 codes (out: a8, in the fast GEMM's k order
+    # with GEMM_ORDER; sa from the first launch). lora_act's partial sums on tensor cores; with SPLIT > 1 the last
+    # program of a row block to count itself in (an atomic counter, left at zero) adds the partials in split order
+    # (kernels.quantize_act_lora's scheme) and writes lora (exact: bf16) or la = lora / sa (fast: bf16).
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    mean = tl.load(mean_ptr + rm, mask=m_ok, other=0.0)
+    rstd = tl.load(rstd_ptr + rm, mask=m_ok, other=0.0)
+    if FAST:
+        sa = tl.load(sa_ptr + rm, mask=m_ok, other=1.0)
+        r = tl.minimum(tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sa), 3.4028234663852886e38)
+    rr = tl.arange(0, BLOCK_R)
+    r_ok = rr < R
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    kb = pid_s * K_SPLIT
+    for k0 in range(kb, tl.minimum(kb + K_SPLIT, K), BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        mask = m_ok[:, None] & k_ok[None, :]
+        lk = _gemm_k(rk, GEMM_ORDER)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + lk[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = tl.where(mask, _ada_apply(x, mean, rstd, rm, lk, mask, shift_ptr, scale_ptr, S, stride_mod, x_ptr,
+                                      DOT_F32), 0.0)
+        if FAST:
+            inv = tl.load(inv_ptr + lk, mask=k_ok, other=1.0)
+            q = (v * inv[None, :]) * r[:, None]
+            ptrs = out_ptr + rm[:, None] * K + rk[None, :]
+            if HW_CVT:  # nearest even, saturating at 448; +-Inf -> NaN, every NaN the positive one (round_e4m3)
+                q = q + q * 0.0
+                tl.store(ptrs, tl.where(q == q, q, float("nan")).to(tl.float8e4nv), mask=mask)
+            else:
+                tl.store(ptrs.to(tl.pointer_type(tl.uint8), bitcast=True), _e4m3_bits(q), mask=mask)
+        else:
+            finite, sf, q = _nvfp4_tile(v, inv_ptr, rk, k_ok, BLOCK_M, BLOCK_K, True)
+            xq = _nvfp4_dequant(q, finite, sf)
+            tl.store(out_ptr + rm[:, None] * K + rk[None, :],
+                     tl.reshape(xq, (BLOCK_M, BLOCK_K)).to(out_ptr.dtype.element_ty), mask=mask)
+        if HAS_LORA:
+            w = tl.load(pd_ptr + lk[:, None] * R + rr[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+            acc = _lora_dot(v, w, acc, DOT_F32)
+    if HAS_LORA:
+        out_mask = m_ok[:, None] & r_ok[None, :]
+        if IS_SPLIT:
+            tl.store(part_ptr + pid_s.to(tl.int64) * M * R + rm[:, None] * R + rr[None, :], acc, mask=out_mask)
+            tl.debug_barrier()  # every thread's partial is written before the counter moves
+            done = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel")
+            if done == SPLIT - 1:
+                acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+                part = part_ptr + rm[:, None] * R + rr[None, :]
+                for _ in range(SPLIT):
+                    acc += tl.load(part, mask=out_mask, other=0.0, cache_modifier=".cg")
+                    part += M * R
+                tl.store(cnt_ptr + pid_m, 0)  # ready for the next call
+                if FAST:
+                    acc = tl.math.div_rn(acc, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_R)))
+                    tl.store(lora_ptr + rm[:, None] * R + rr[None, :], acc.to(tl.bfloat16), mask=out_mask)
+                else:
+                    tl.store(lora_ptr + rm[:, None] * R + rr[None, :],
+                             _round_to(acc, lora_ptr, DOT_F32).to(lora_ptr.dtype.element_ty), mask=out_mask)
+        elif FAST:
+            acc = tl.math.div_rn(acc, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_R)))
+            tl.store(lora_ptr + rm[:, None] * R + rr[None, :], acc.to(tl.bfloat16), mask=out_mask)
+        else:
+            tl.store(lora_ptr + rm[:, None] * R + rr[None, :],
+                     _round_to(acc, lora_ptr, DOT_F32).to(lora_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast, gemm_order, split, block_m, block_k,
+                  num_warps, stats_rows=4):
+    """The split form: ``_ada_stats_kernel`` then ``_ada_apply_kernel`` over ``split`` ranges of K."""
+    m, k = x.shape
+    r = 0 if pds is None else pds.shape[1]
+    mean = torch.empty(m, device=x.device, dtype=torch.float32)
+    rstd = torch.empty_like(mean)
+    sa = torch.empty_like(mean) if fast else mean
+    chunk = min(1024, next_pow2(k))
+    _ada_stats_kernel[(cdiv(m, stats_rows),)](x, shift, scale, inv_smooth, mean, rstd, sa, m, k, tokens, x.stride(0),
+                                              shift.stride(0), float(eps), ROWS=stats_rows, CHUNK=chunk, FAST=fast,
+                                              DOT_F32=_INTERPRET, num_warps=4)
+    block_k = min(block_k, next_pow2(k))
+    k_split = cdiv(cdiv(k, split), block_k) * block_k
+    split = cdiv(k, k_split)
+    rows = cdiv(m, block_m)
+    part = cnt = mean
+    if r and split > 1:
+        from .small_m import sync_words
+
+        part = torch.empty(split, m, r, device=x.device, dtype=torch.float32)
+        cnt = sync_words(x.device, rows, "norm_pass")
+    _ada_apply_kernel[(rows, split)](
+        x, shift, scale, inv_smooth, mean, rstd, sa, out, mean if pds is None else pds, mean if lora is None else lora,
+        part, cnt, m, k, r, tokens, x.stride(0), shift.stride(0), k_split, split,
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r), HAS_LORA=r > 0, IS_SPLIT=split > 1, FAST=fast,
+        GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, DOT_F32=_INTERPRET, num_warps=num_warps)
+    return sa
+
+
+def auto_split(m: int, k: int, device: torch.device, block_m: int = 32, block_k: int = 128) -> int:
+    """The split form's K ranges: about four programs an SM (32-row blocks), whole ``block_k`` steps each."""
+    from .tuning import sm_count
+
+    return max(1, min(cdiv(k, block_k), round(4 * sm_count(device) / max(1, cdiv(m, block_m)))))
+
+
 def _check(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, tokens: int, inv_smooth: torch.Tensor,
            pds: torch.Tensor | None) -> tuple[int, int, int]:
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
@@ -177,20 +321,31 @@ def _check(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, tokens: in
 
 def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, inv_smooth: torch.Tensor,
                    pds: torch.Tensor | None = None, *, tokens: int | None = None, out_dtype: torch.dtype | None = None,
-                   block_m: int = 32, block_k: int = 128, num_warps: int = 4):
+                   block_m: int = 32, block_k: int = 128, num_warps: int = 4, split: int | None = None):
     """``(xq, lora)`` of the exact mode for the input ``nvfp4.ada_norm(x, shift, scale, eps)`` read from ``x [M, K]``
     (bf16 / fp16, unit stride along K): ``xq`` the dequantized NVFP4 values of ``input / smooth``
     (``inv_smooth = 1 / smooth``, fp32), ``lora = input.to(bf16) @ pds`` in bf16 (None without ``pds``). ``shift``
-    and ``scale`` are ``[B, K]`` (x's dtype), x's rows ``tokens`` (default all M) per batch element."""
+    and ``scale`` are ``[B, K]`` (x's dtype), x's rows ``tokens`` (default all M) per batch element.
+
+    ``split >= 1``: two launches, the statistics first (a few rows a program), then ``block_m`` x K / ``split`` tiles
+    a program, their ``lora_act`` partial sums added in split order by the last of a row block (the same bits for
+    any ``split`` but lora_act's fp32 summation order); None (default): ``auto_split``. ``split=0``: one launch, a
+    ``block_m``-row block a program walking its rows twice (the statistics, then the pass): measured 2x slower on
+    the H100 (too few programs for the GPU), kept for comparison."""
     tokens = tokens or x.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k, r = _check(x, shift, scale, tokens, inv_smooth, pds)
+    if split is None:
+        split = auto_split(m, k, x.device)
     if block_m < 16 or block_m & (block_m - 1) or block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"need power-of-two blocks of at least 16 (tensor-core rows), got {block_m} x {block_k}")
     xq = torch.empty(m, k, device=x.device, dtype=out_dtype or x.dtype)
     lora = torch.empty(m, r, device=x.device, dtype=torch.bfloat16) if r else None
-    if m:
+    if m and split:
+        _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, xq, lora, False, False, split, block_m, block_k,
+                      num_warps)
+    elif m:
         _ada_norm_exact_kernel[(cdiv(m, block_m),)](
             x, shift, scale, inv_smooth, xq, xq if pds is None else pds, xq if lora is None else lora, m, k, r,
             tokens, x.stride(0), shift.stride(0), float(eps), BLOCK_M=block_m, BLOCK_K=min(block_k, next_pow2(k)),
@@ -200,7 +355,7 @@ def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
 
 def ada_norm_fast(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, inv_smooth: torch.Tensor,
                   pds: torch.Tensor | None = None, *, tokens: int | None = None, gemm_order: bool = True,
-                  block_m: int = 16, block_k: int = 128, num_warps: int = 4):
+                  block_m: int | None = None, block_k: int = 128, num_warps: int = 4, split: int | None = None):
     """``(a8, sa, la)`` of the fast mode for the input ``nvfp4.ada_norm(x, shift, scale, eps)`` read from
     ``x [M, K]``: ``nvfp4.fast_act`` of ``input / smooth`` (``a8`` in the fast GEMM's k order with
     ``gemm_order``, K % 128 == 0) and ``la = (input.to(bf16) @ pds) / sa`` in bf16 (None without ``pds``).
@@ -209,6 +364,9 @@ def ada_norm_fast(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k, r = _check(x, shift, scale, tokens, inv_smooth, pds)
+    if split is None:
+        split = auto_split(m, k, x.device)
+    block_m = block_m or (32 if split else 16)
     if gemm_order and k % 128:
         raise ValueError(f"the fast GEMM's k order needs K % 128 == 0, got {k}")
     if block_m < 16 or block_m & (block_m - 1) or block_k < 16 or block_k & (block_k - 1):
@@ -216,7 +374,10 @@ def ada_norm_fast(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps
     a8 = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
     sa = torch.empty(m, device=x.device, dtype=torch.float32)
     la = torch.empty(m, r, device=x.device, dtype=torch.bfloat16) if r else None
-    if m:
+    if m and split:
+        sa = _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, a8, la, True, gemm_order, split, block_m,
+                           block_k, num_warps)
+    elif m:
         _ada_norm_fast_kernel[(cdiv(m, block_m),)](
             x, shift, scale, inv_smooth, a8, sa, sa if pds is None else pds,
             sa if la is None else la, m, k, r, tokens, x.stride(0), shift.stride(0), float(eps),
