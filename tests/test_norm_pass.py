@@ -166,3 +166,23 @@ def test_forward_ada_norm_is_the_layer_on_the_written_input_on_the_reference(mod
         layer.forward_ada_norm(x[0], shift, scale, 1e-6)
     with pytest.raises(ValueError, match="scale must be"):
         layer.forward_ada_norm(x, shift, scale.float(), 1e-6)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_ada_norm_op_passes_opcheck(fast):
+    """The op every backend's ``forward_ada_norm`` goes through when traced: its fake and registration (the
+    reference backend's run: the input written, then the layer)."""
+    from svdq_linear import SVDQW4A4Linear, backends
+
+    torch.manual_seed(3)
+    m = SVDQW4A4Linear.from_linear(torch.nn.Linear(128, 48), rank=8).bfloat16()
+    x, shift, scale, _, _ = _case(5, 2, 128, 0, torch.bfloat16)
+    args = (x.reshape(-1, 128), shift, scale, 1e-6, 5, m.qweight, m.wscales, m.smooth, m.proj_down, m.proj_up,
+            m.wcscale, m.bias, [], fast, "reference")
+    y = backends.w4a4_ada_norm_linear(*args)
+    assert y.shape == (10, 48)
+    m.set_mode("fast" if fast else "exact")
+    with torch.no_grad():
+        assert torch.equal(y, m(nvfp4.ada_norm(x, shift, scale, 1e-6)).reshape(10, 48))
+    torch.library.opcheck(backends.w4a4_ada_norm_linear, args,
+                          test_utils=("test_autograd_registration", "test_faketensor"))
