@@ -2,7 +2,7 @@
 the norm written out, each whole: norm + linear, as a Flux single block (and a double block's q/k/v) run them.
 
     python benchmarks/bench_norm_in.py [--out FILE] [--shapes fused_qkv,single_fused_in] [--modes exact,fast]
-                                       [--reps 20] [--rounds 5] [--splits 0,2,8]
+                                       [--reps 20] [--rounds 5] [--splits 2,8]
 
 Per layer (``bench_lowrank``'s whole-linear rows: what fuse_qkv_projections builds, R = 32 a part) and mode, in
 ``--rounds`` alternating rounds, each a CUDA graph of ``--reps`` back-to-back calls timed by its kernels' span
@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--modes", default="exact,fast")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--splits", default="0,2,8", help="the norm pass alone at these splits too (0: one launch)")
+    ap.add_argument("--splits", default="2,8", help="the norm pass alone at these splits too")
     args = ap.parse_args()
     want = [s.strip().replace("_", " ") for s in args.shapes.split(",")]
     modes = [s.strip() for s in args.modes.split(",")]
@@ -94,7 +94,7 @@ def main() -> None:
                     "norm": graph_of(lambda: norm_c(x, shift, scale, 1e-6), args.reps),
                     "npass": graph_of(npass(), args.reps),
                 }
-                for sp in args.splits.split(","):  # the pass alone at other splits (0: the one-launch form)
+                for sp in args.splits.split(","):  # the pass alone at other splits
                     sp = int(sp)
                     if sp != auto:
                         graphs[f"npass split {sp}"] = graph_of(npass(sp), args.reps)

@@ -1,23 +1,24 @@
-"""The activation pass fused into the adaLN norm that produces a linear's input (Flux, SD3).
+"""The activation pass fused into the adaLN norm that produces a linear's input (Flux).
 
-diffusers' ``AdaLayerNormZero`` / ``AdaLayerNormZeroSingle`` hand the q/k/v (and a single block's MLP)
-``layer_norm(x) * (1 + scale) + shift`` (``nvfp4.ada_norm``): a norm kernel writes that [M, K] tensor and the
-linear's activation pass reads it again. These kernels read the norm's input ``x`` instead and write what the
-pass writes, so the normed tensor is never stored: per row block, one read of ``x`` for the row's mean and
-variance (chunked, Chan's combination of each chunk's mean and squared deviations), then the pass's own loop(s)
-over ``x`` again (from L2), each value normalized, scaled and shifted with the roundings of the eager diffusers
-code (the norm's output, ``1 + scale``, the product and the sum each rounded to the input's dtype) before the
-pass's arithmetic:
+diffusers' ``AdaLayerNormZero`` / ``AdaLayerNormZeroSingle`` hand the q/k/v (and a single block's MLP, a
+feed-forward's first linear) ``layer_norm(x) * (1 + scale) + shift`` (``nvfp4.ada_norm``): a norm kernel writes
+that [M, K] tensor and the linear's activation pass reads it again. These kernels read the norm's input ``x``
+instead and write what the pass writes, so the normed tensor is never stored. Two launches:
 
-- ``ada_norm_exact``: the exact mode's dequantized NVFP4 values ``xq`` and ``lora_act = x.to(bf16) @ pds``
-  (tensor cores; ``kernels.quantize_act_lora``'s loop);
-- ``ada_norm_fast``: the fast mode's E4M3 ``a8`` (in the fast GEMM's k order), ``sa`` and ``la = lora_act / sa``
-  (one loop for the row max and ``lora_act``, one for the codes: ``kernels._quantize_act_fp8_kernel``'s).
+1. ``_ada_stats_kernel``, a few rows a program: each row's mean and ``1 / sqrt(var + eps)`` (chunks combined as
+   Chan et al.: no cancellation on rows with a large mean); in the fast mode also the row scale ``sa`` of the
+   normalized, modulated, smoothed row (a second walk along the program's rows, from L1);
+2. ``_ada_apply_kernel``, split-K tiles: each value normalized, scaled and shifted with the roundings of the eager
+   diffusers code (the norm's output, ``1 + scale``, the product and the sum each rounded to x's dtype), then the
+   pass's arithmetic: the exact mode's dequantized NVFP4 values ``xq`` and ``lora_act = input.to(bf16) @ pds``
+   (``ada_norm_exact``), or the fast mode's E4M3 ``a8`` in the fast GEMM's k order and ``la = lora_act / sa``
+   (``ada_norm_fast``); ``lora_act``'s partial sums on tensor cores, added in split order.
 
-The row statistics are computed in another order than PyTorch's layer norm (and the compiler's), so a
-normalized value may differ from the tensor's by one unit of its last place: the contract's "Inputs built from
-two tensors" rule covers it (the layer on an input a rounding away). Measured by
-``benchmarks/bench_norm_in.py``.
+The row statistics are summed in another order than PyTorch's layer norm (and the compiler's), so a normalized
+value may differ from the tensor's by one unit of its last place: the contract's "Inputs made by an adaLN norm".
+A first form (one launch, a 16-32-row block a program walking K) measured 2x slower than the compiled norm plus
+the pass on the H100 (docs/perf.md, twenty-seventh session); this form is not timed yet, so
+``forward_ada_norm`` takes it only with ``SVDQ_SM90_ADA_NORM=1``. ``benchmarks/bench_norm_in.py`` measures it.
 """
 
 from __future__ import annotations
@@ -67,86 +68,13 @@ def _ada_apply(x, mean, rstd, rm, lk, mask, shift_ptr, scale_ptr, S, stride_mod,
 
 
 @triton.jit
-def _ada_norm_exact_kernel(
-    x_ptr, shift_ptr, scale_ptr, inv_ptr, xq_ptr, pd_ptr, lora_ptr, M, K, R, S, stride_xm, stride_mod, eps,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = rm < M
-    mean, var = _row_stats(x_ptr, rm, m_ok, K, stride_xm, BLOCK_M, BLOCK_K)
-    rstd = 1.0 / tl.sqrt_rn(var + eps)
-    rr = tl.arange(0, BLOCK_R)
-    r_ok = rr < R
-    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        mask = m_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-        v = _ada_apply(x, mean, rstd, rm, rk, mask, shift_ptr, scale_ptr, S, stride_mod, x_ptr, DOT_F32)
-        v = tl.where(mask, v, 0.0)
-        finite, sf, q = _nvfp4_tile(v, inv_ptr, rk, k_ok, BLOCK_M, BLOCK_K, True)
-        xq = _nvfp4_dequant(q, finite, sf)
-        tl.store(xq_ptr + rm[:, None] * K + rk[None, :], tl.reshape(xq, (BLOCK_M, BLOCK_K)).to(xq_ptr.dtype.element_ty),
-                 mask=mask)
-        if HAS_LORA:
-            w = tl.load(pd_ptr + rk[:, None] * R + rr[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-            acc = _lora_dot(v, w, acc, DOT_F32)
-    if HAS_LORA:
-        tl.store(lora_ptr + rm[:, None] * R + rr[None, :],
-                 _round_to(acc, lora_ptr, DOT_F32).to(lora_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
-
-
-@triton.jit
-def _ada_norm_fast_kernel(
-    x_ptr, shift_ptr, scale_ptr, inv_ptr, a8_ptr, sa_ptr, pd_ptr, la_ptr, M, K, R, S, stride_xm, stride_mod, eps,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
-    DOT_F32: tl.constexpr, GEMM_ORDER: tl.constexpr, HW_CVT: tl.constexpr,
-):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = rm < M
-    mean, var = _row_stats(x_ptr, rm, m_ok, K, stride_xm, BLOCK_M, BLOCK_K)
-    rstd = 1.0 / tl.sqrt_rn(var + eps)
-    rr = tl.arange(0, BLOCK_R)
-    r_ok = rr < R
-    lacc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    mx = tl.zeros([BLOCK_M], tl.int32)  # the magnitudes' bits: one integer max gives the row max and NaN
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        mask = m_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-        v = tl.where(mask, _ada_apply(x, mean, rstd, rm, rk, mask, shift_ptr, scale_ptr, S, stride_mod, x_ptr,
-                                      DOT_F32), 0.0)
-        inv = tl.load(inv_ptr + rk, mask=k_ok, other=1.0)
-        mx = tl.maximum(mx, tl.max((v * inv[None, :]).to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
-        if HAS_LORA:
-            w = tl.load(pd_ptr + rk[:, None] * R + rr[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-            lacc = _lora_dot(v, w, lacc, DOT_F32)
-    # as nvfp4.fast_act: 1 for an all-zero row and where a NaN is in the row (+-Inf: sa = Inf)
-    ok = (mx > 0) & (mx <= 0x7F800000)
-    sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([BLOCK_M], 448.0, tl.float32)), 1.0)
-    r = tl.minimum(tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sa), 3.4028234663852886e38)
-    tl.store(sa_ptr + rm, sa, mask=m_ok)
-    if HAS_LORA:
-        la = tl.math.div_rn(lacc, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_R)))
-        tl.store(la_ptr + rm[:, None] * R + rr[None, :], la.to(tl.bfloat16), mask=m_ok[:, None] & r_ok[None, :])
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        mask = m_ok[:, None] & k_ok[None, :]
-        lk = _gemm_k(rk, GEMM_ORDER)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + lk[None, :], mask=mask, other=0.0).to(tl.float32)
-        v = _ada_apply(x, mean, rstd, rm, lk, mask, shift_ptr, scale_ptr, S, stride_mod, x_ptr, DOT_F32)
-        inv = tl.load(inv_ptr + lk, mask=k_ok, other=1.0)
-        q = (v * inv[None, :]) * r[:, None]
-        ptrs = a8_ptr + rm[:, None] * K + rk[None, :]
-        if HW_CVT:  # the convert rounds to nearest even and saturates at 448; +-Inf -> NaN, every NaN the positive
-            q = q + q * 0.0  # one (0x7F), as the contract's round_e4m3
-            tl.store(ptrs, tl.where(q == q, q, float("nan")).to(tl.float8e4nv), mask=mask)
-        else:  # Triton's interpreter mis-rounds conversions that carry into the exponent: by arithmetic
-            tl.store(ptrs.to(tl.pointer_type(tl.uint8), bitcast=True), _e4m3_bits(q), mask=mask)
+def _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, lk, K, S, stride_xm, stride_mod,
+              RNE_BITS: tl.constexpr):
+    # columns lk of rows rm, normalized and modulated (_ada_apply); 0 outside the tensor
+    mask = m_ok[:, None] & (lk < K)[None, :]
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + lk[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.where(mask, _ada_apply(x, mean, rstd, rm, lk, mask, shift_ptr, scale_ptr, S, stride_mod, x_ptr,
+                                     RNE_BITS), 0.0), mask
 
 
 @triton.jit
@@ -165,12 +93,9 @@ def _ada_stats_kernel(x_ptr, shift_ptr, scale_ptr, inv_ptr, mean_ptr, rstd_ptr, 
         mx = tl.zeros([ROWS], tl.int32)
         for k0 in range(0, K, CHUNK):
             rk = k0 + tl.arange(0, CHUNK)
-            k_ok = rk < K
-            mask = m_ok[:, None] & k_ok[None, :]
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-            v = tl.where(mask, _ada_apply(x, mean, rstd, rm, rk, mask, shift_ptr, scale_ptr, S, stride_mod, x_ptr,
-                                          DOT_F32), 0.0)
-            inv = tl.load(inv_ptr + rk, mask=k_ok, other=1.0)
+            v, _ = _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, rk, K, S, stride_xm, stride_mod,
+                             DOT_F32)
+            inv = tl.load(inv_ptr + rk, mask=rk < K, other=1.0)
             mx = tl.maximum(mx, tl.max((v * inv[None, :]).to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
         ok = (mx > 0) & (mx <= 0x7F800000)
         sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([ROWS], 448.0, tl.float32)), 1.0)
@@ -207,11 +132,8 @@ def _ada_apply_kernel(
     for k0 in range(kb, tl.minimum(kb + K_SPLIT, K), BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
-        mask = m_ok[:, None] & k_ok[None, :]
         lk = _gemm_k(rk, GEMM_ORDER)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + lk[None, :], mask=mask, other=0.0).to(tl.float32)
-        v = tl.where(mask, _ada_apply(x, mean, rstd, rm, lk, mask, shift_ptr, scale_ptr, S, stride_mod, x_ptr,
-                                      DOT_F32), 0.0)
+        v, mask = _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, lk, K, S, stride_xm, stride_mod, DOT_F32)
         if FAST:
             inv = tl.load(inv_ptr + lk, mask=k_ok, other=1.0)
             q = (v * inv[None, :]) * r[:, None]
@@ -286,6 +208,15 @@ def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast
     return sa
 
 
+def _check_blocks(m: int, k: int, device: torch.device, block_m: int, block_k: int, split: int | None) -> int:
+    """The split to launch (``auto_split`` for None), after checking the blocks."""
+    if block_m < 16 or block_m & (block_m - 1) or block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"need power-of-two blocks of at least 16 (tensor-core rows), got {block_m} x {block_k}")
+    if split is not None and split < 1:
+        raise ValueError(f"expected split >= 1, got {split}")
+    return auto_split(m, k, device, block_m, block_k) if split is None else split
+
+
 def auto_split(m: int, k: int, device: torch.device, block_m: int = 32, block_k: int = 128) -> int:
     """The split form's K ranges: about four programs an SM (32-row blocks), whole ``block_k`` steps each."""
     from .tuning import sm_count
@@ -327,35 +258,25 @@ def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
     (``inv_smooth = 1 / smooth``, fp32), ``lora = input.to(bf16) @ pds`` in bf16 (None without ``pds``). ``shift``
     and ``scale`` are ``[B, K]`` (x's dtype), x's rows ``tokens`` (default all M) per batch element.
 
-    ``split >= 1``: two launches, the statistics first (a few rows a program), then ``block_m`` x K / ``split`` tiles
-    a program, their ``lora_act`` partial sums added in split order by the last of a row block (the same bits for
-    any ``split`` but lora_act's fp32 summation order); None (default): ``auto_split``. ``split=0``: one launch, a
-    ``block_m``-row block a program walking its rows twice (the statistics, then the pass): measured 2x slower on
-    the H100 (too few programs for the GPU), kept for comparison."""
+    Two launches: the statistics (a few rows a program), then ``block_m`` x K / ``split`` tiles a program, their
+    ``lora_act`` partial sums added in split order by the last of a row block (the same bits for any ``split`` but
+    lora_act's fp32 summation order; None: ``auto_split``)."""
     tokens = tokens or x.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k, r = _check(x, shift, scale, tokens, inv_smooth, pds)
-    if split is None:
-        split = auto_split(m, k, x.device)
-    if block_m < 16 or block_m & (block_m - 1) or block_k < 16 or block_k & (block_k - 1):
-        raise ValueError(f"need power-of-two blocks of at least 16 (tensor-core rows), got {block_m} x {block_k}")
+    split = _check_blocks(m, k, x.device, block_m, block_k, split)
     xq = torch.empty(m, k, device=x.device, dtype=out_dtype or x.dtype)
     lora = torch.empty(m, r, device=x.device, dtype=torch.bfloat16) if r else None
-    if m and split:
+    if m:
         _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, xq, lora, False, False, split, block_m, block_k,
                       num_warps)
-    elif m:
-        _ada_norm_exact_kernel[(cdiv(m, block_m),)](
-            x, shift, scale, inv_smooth, xq, xq if pds is None else pds, xq if lora is None else lora, m, k, r,
-            tokens, x.stride(0), shift.stride(0), float(eps), BLOCK_M=block_m, BLOCK_K=min(block_k, next_pow2(k)),
-            BLOCK_R=_block_r(r), HAS_LORA=r > 0, DOT_F32=_INTERPRET, num_warps=num_warps)
     return xq, lora
 
 
 def ada_norm_fast(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, inv_smooth: torch.Tensor,
                   pds: torch.Tensor | None = None, *, tokens: int | None = None, gemm_order: bool = True,
-                  block_m: int | None = None, block_k: int = 128, num_warps: int = 4, split: int | None = None):
+                  block_m: int = 32, block_k: int = 128, num_warps: int = 4, split: int | None = None):
     """``(a8, sa, la)`` of the fast mode for the input ``nvfp4.ada_norm(x, shift, scale, eps)`` read from
     ``x [M, K]``: ``nvfp4.fast_act`` of ``input / smooth`` (``a8`` in the fast GEMM's k order with
     ``gemm_order``, K % 128 == 0) and ``la = (input.to(bf16) @ pds) / sa`` in bf16 (None without ``pds``).
@@ -364,24 +285,14 @@ def ada_norm_fast(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k, r = _check(x, shift, scale, tokens, inv_smooth, pds)
-    if split is None:
-        split = auto_split(m, k, x.device)
-    block_m = block_m or (32 if split else 16)
     if gemm_order and k % 128:
         raise ValueError(f"the fast GEMM's k order needs K % 128 == 0, got {k}")
-    if block_m < 16 or block_m & (block_m - 1) or block_k < 16 or block_k & (block_k - 1):
-        raise ValueError(f"need power-of-two blocks of at least 16 (tensor-core rows), got {block_m} x {block_k}")
+    split = _check_blocks(m, k, x.device, block_m, block_k, split)
     a8 = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
-    sa = torch.empty(m, device=x.device, dtype=torch.float32)
+    sa = torch.ones(0, device=x.device, dtype=torch.float32)
     la = torch.empty(m, r, device=x.device, dtype=torch.bfloat16) if r else None
-    if m and split:
+    if m:
         sa = _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, a8, la, True, gemm_order, split, block_m,
                            block_k, num_warps)
-    elif m:
-        _ada_norm_fast_kernel[(cdiv(m, block_m),)](
-            x, shift, scale, inv_smooth, a8, sa, sa if pds is None else pds,
-            sa if la is None else la, m, k, r, tokens, x.stride(0), shift.stride(0), float(eps),
-            BLOCK_M=block_m, BLOCK_K=min(block_k, next_pow2(k)), BLOCK_R=_block_r(r), HAS_LORA=r > 0,
-            DOT_F32=_INTERPRET, GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, num_warps=num_warps)
     return a8, sa, la
 
