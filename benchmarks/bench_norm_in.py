@@ -12,7 +12,7 @@ Per layer (``bench_lowrank``'s whole-linear rows: what fuse_qkv_projections buil
 - ``written``: the same norm, then the layer on its output (the default path of every other layer);
 - ``fused``: ``forward_ada_norm`` (the pass reads the norm's input and normalizes as it loads);
 - ``norm alone`` / ``norm pass alone``: the compiled norm, and the fused pass without its GEMM (its two launches at
-  ``norm_pass.auto_split``, and at ``--splits``; and at 64-column steps).
+  ``norm_pass.auto_split``, and at ``--splits``; and at 128-column steps).
 
 Ratios: bf16 / path, each round's to the bf16 of that round, median over the rounds. The fused output is
 checked against the written one first (the inputs differ by a rounding in a few elements).
@@ -80,7 +80,7 @@ def main() -> None:
                 inv = ex[-1]
                 pds = ex[0]
 
-                def npass(split=None, block_k=128):
+                def npass(split=None, block_k=64):
                     def fn():
                         if mode == "fast":
                             return norm_pass.ada_norm_fast(x[0], shift, scale, 1e-6, inv, pds, split=split,
@@ -100,9 +100,9 @@ def main() -> None:
                     sp = int(sp)
                     if sp != auto:
                         graphs[f"npass split {sp}"] = graph_of(npass(sp), args.reps)
-                # 64-column steps: half the proj_down tile (the 128-column apply kernel holds 120 KB of shared memory
-                # and 250 registers a program at R = 128: svdq-precompile)
-                graphs["npass split auto, 64-column steps"] = graph_of(npass(None, 64), args.reps)
+                # 128-column steps: twice the proj_down tile (120 KB of shared memory and 198-250 registers a program at
+                # R = 128 against the default 64 columns' 60 KB and 142-152: svdq-precompile)
+                graphs["npass split auto, 128-column steps"] = graph_of(npass(None, 128), args.reps)
                 periods: dict[str, list[float]] = {}
                 kernels_of: dict[str, list] = {}
                 for _ in range(args.rounds):

@@ -217,7 +217,7 @@ def _check_blocks(m: int, k: int, device: torch.device, block_m: int, block_k: i
     return auto_split(m, k, device, block_m, block_k) if split is None else split
 
 
-def auto_split(m: int, k: int, device: torch.device, block_m: int = 32, block_k: int = 128) -> int:
+def auto_split(m: int, k: int, device: torch.device, block_m: int = 32, block_k: int = 64) -> int:
     """The split form's K ranges: about four programs an SM (32-row blocks), whole ``block_k`` steps each."""
     from .tuning import sm_count
 
@@ -252,13 +252,15 @@ def _check(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, tokens: in
 
 def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, inv_smooth: torch.Tensor,
                    pds: torch.Tensor | None = None, *, tokens: int | None = None, out_dtype: torch.dtype | None = None,
-                   block_m: int = 32, block_k: int = 128, num_warps: int = 4, split: int | None = None):
+                   block_m: int = 32, block_k: int = 64, num_warps: int = 4, split: int | None = None):
     """``(xq, lora)`` of the exact mode for the input ``nvfp4.ada_norm(x, shift, scale, eps)`` read from ``x [M, K]``
     (bf16 / fp16, unit stride along K): ``xq`` the dequantized NVFP4 values of ``input / smooth``
     (``inv_smooth = 1 / smooth``, fp32), ``lora = input.to(bf16) @ pds`` in bf16 (None without ``pds``). ``shift``
     and ``scale`` are ``[B, K]`` (x's dtype), x's rows ``tokens`` (default all M) per batch element.
 
-    Two launches: the statistics (a few rows a program), then ``block_m`` x K / ``split`` tiles a program, their
+    Two launches: the statistics (a few rows a program), then ``block_m`` x K / ``split`` tiles a program in
+    ``block_k``-column steps (64 by default: at R = 128 the apply kernel holds 60 KB of shared memory and 142-152
+    registers a program against 120 KB and 198-250 at 128 columns, svdq-precompile's counts), their
     ``lora_act`` partial sums added in split order by the last of a row block (the same bits for any ``split`` but
     lora_act's fp32 summation order; None: ``auto_split``)."""
     tokens = tokens or x.shape[0]
@@ -276,7 +278,7 @@ def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
 
 def ada_norm_fast(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, inv_smooth: torch.Tensor,
                   pds: torch.Tensor | None = None, *, tokens: int | None = None, gemm_order: bool = True,
-                  block_m: int = 32, block_k: int = 128, num_warps: int = 4, split: int | None = None):
+                  block_m: int = 32, block_k: int = 64, num_warps: int = 4, split: int | None = None):
     """``(a8, sa, la)`` of the fast mode for the input ``nvfp4.ada_norm(x, shift, scale, eps)`` read from
     ``x [M, K]``: ``nvfp4.fast_act`` of ``input / smooth`` (``a8`` in the fast GEMM's k order with
     ``gemm_order``, K % 128 == 0) and ``la = (input.to(bf16) @ pds) / sa`` in bf16 (None without ``pds``).
