@@ -27,20 +27,29 @@ from .linear import SVDQW4A4Linear
 # their own module and name.
 
 
-def _single_attention(attn, query, key, value, image_rotary_emb):
-    """What diffusers' ``FluxAttnProcessor`` computes for a single block's attention (no context stream, no mask)
-    from the projections already made: per-head RMS norms, the rotary embedding, the attention backend and
-    parallel config the processor carries."""
+def _heads(attn, t, norm=None):
+    """A projection ``[B, S, H * D]`` as heads ``[B, S, H, D]`` (``attn.head_dim``), through ``norm`` if given."""
+    t = t.unflatten(-1, (-1, attn.head_dim))
+    return t if norm is None else norm(t)
+
+
+def _attend(attn, query, key, value, image_rotary_emb):
+    """The tail of diffusers' ``FluxAttnProcessor`` from the normed heads: the rotary embedding, the attention
+    backend and parallel config the processor carries, the heads flattened back (no mask)."""
     proc = attn.processor
-    query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
-    key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
-    value = value.unflatten(-1, (-1, attn.head_dim))
     if image_rotary_emb is not None:
         query = _flux.apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
         key = _flux.apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
     out = _flux.dispatch_attention_fn(query, key, value, attn_mask=None, backend=proc._attention_backend,
                                       parallel_config=proc._parallel_config)
     return out.flatten(2, 3).to(query.dtype)
+
+
+def _single_attention(attn, query, key, value, image_rotary_emb):
+    """What diffusers' ``FluxAttnProcessor`` computes for a single block's attention (no context stream) from the
+    projections already made."""
+    return _attend(attn, _heads(attn, query, attn.norm_q), _heads(attn, key, attn.norm_k), _heads(attn, value),
+                   image_rotary_emb)
 
 
 class FluxSingleTransformerBlock(_flux.FluxSingleTransformerBlock):
@@ -127,25 +136,12 @@ def _joint_attention(attn, x, enc, mods, eps, image_rotary_emb):
     """What diffusers' ``FluxAttnProcessor`` computes for a double block (image and context streams, no mask), its
     fused q/k/v layers normalizing their inputs as they load: ``mods = (shift, scale, c_shift, c_scale)``, ``eps``
     the two norms'."""
-    proc = attn.processor
     shift, scale, c_shift, c_scale = mods
-    eps_x, eps_c = eps
-    query, key, value = attn.to_qkv.forward_ada_norm(x, shift, scale, eps_x).chunk(3, dim=-1)
-    e_query, e_key, e_value = attn.to_added_qkv.forward_ada_norm(enc, c_shift, c_scale, eps_c).chunk(3, dim=-1)
-    query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
-    key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
-    value = value.unflatten(-1, (-1, attn.head_dim))
-    e_query = attn.norm_added_q(e_query.unflatten(-1, (-1, attn.head_dim)))
-    e_key = attn.norm_added_k(e_key.unflatten(-1, (-1, attn.head_dim)))
-    e_value = e_value.unflatten(-1, (-1, attn.head_dim))
-    query, key, value = (torch.cat([e_query, query], dim=1), torch.cat([e_key, key], dim=1),
-                         torch.cat([e_value, value], dim=1))
-    if image_rotary_emb is not None:
-        query = _flux.apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-        key = _flux.apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-    out = _flux.dispatch_attention_fn(query, key, value, attn_mask=None, backend=proc._attention_backend,
-                                      parallel_config=proc._parallel_config)
-    out = out.flatten(2, 3).to(query.dtype)
+    query, key, value = attn.to_qkv.forward_ada_norm(x, shift, scale, eps[0]).chunk(3, dim=-1)
+    e_query, e_key, e_value = attn.to_added_qkv.forward_ada_norm(enc, c_shift, c_scale, eps[1]).chunk(3, dim=-1)
+    out = _attend(attn, torch.cat([_heads(attn, e_query, attn.norm_added_q), _heads(attn, query, attn.norm_q)], dim=1),
+                  torch.cat([_heads(attn, e_key, attn.norm_added_k), _heads(attn, key, attn.norm_k)], dim=1),
+                  torch.cat([_heads(attn, e_value), _heads(attn, value)], dim=1), image_rotary_emb)
     enc_out, out = out.split_with_sizes([enc.shape[1], out.shape[1] - enc.shape[1]], dim=1)
     out = attn.to_out[1](attn.to_out[0](out.contiguous()))
     return out, attn.to_add_out(enc_out.contiguous())

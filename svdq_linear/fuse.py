@@ -110,16 +110,26 @@ def _single_block_mlp(attn: nn.Module) -> SVDQW4A4Linear | None:
     return mlp
 
 
-def _switch_single_block(block: nn.Module) -> None:
-    """Give a diffusers Flux single block the class whose forward reads ``attn.to_qkv_mlp``."""
-    from ._diffusers_blocks import FUSED, FluxSingleTransformerBlock
+def _switch_class(block: nn.Module, table: str, hooked: str) -> None:
+    """Give ``block`` the svdq class that ``_diffusers_blocks.<table>`` maps its diffusers class to (if any); a
+    block whose forward a hook holds keeps calling that forward (``hooked`` says what then stays unfused)."""
+    from . import _diffusers_blocks
 
-    base = next(b for b, f in FUSED.items() if f is FluxSingleTransformerBlock)
-    if type(block) is base:
-        if "forward" in block.__dict__:  # a hook holds the class's forward: the block keeps calling it
-            warnings.warn("svdq-linear: a Flux single block's forward is wrapped by a hook (offloading, caching): "
-                          "its q/k/v and proj_mlp stay separate calls; fuse before enabling such hooks", stacklevel=3)
-        block.__class__ = FluxSingleTransformerBlock
+    fused = getattr(_diffusers_blocks, table).get(type(block))
+    if fused is not None:
+        if "forward" in block.__dict__:
+            warnings.warn(f"svdq-linear: a Flux block's forward is wrapped by a hook (offloading, caching): {hooked}; "
+                          "fuse before enabling such hooks", stacklevel=4)
+        block.__class__ = fused
+
+
+def _unswitch_class(block: nn.Module, table: str) -> None:
+    """Give ``block`` back the diffusers class that ``_diffusers_blocks.<table>`` maps to its class."""
+    from . import _diffusers_blocks
+
+    back = {fused: base for base, fused in getattr(_diffusers_blocks, table).items()}
+    if type(block) in back:
+        block.__class__ = back[type(block)]
 
 
 @torch.no_grad()
@@ -138,7 +148,7 @@ def _fuse_projections(self, *args, **kwargs):
         _share_packed_weight(fused, layers)
         fused._split = [layer.out_features for layer in layers]  # q, k, v, the MLP's input
         self.to_qkv_mlp = fused
-        _switch_single_block(block)
+        _switch_class(block, "FUSED", "its q/k/v and proj_mlp stay separate calls")
         return
     if getattr(self, "is_cross_attention", False):
         done = _fuse_group(self, ("to_k", "to_v"), "to_kv")
@@ -150,7 +160,7 @@ def _fuse_projections(self, *args, **kwargs):
     self.fused_projections = True
     block = self.__dict__.get("_svdq_double_block")
     if block is not None:
-        _switch_norm_in(block)
+        _switch_class(block, "NORM_IN", "its linears keep reading the written norm outputs")
 
 
 @torch.no_grad()
@@ -167,35 +177,10 @@ def _unfuse_projections(self, *args, **kwargs):
             delattr(self, name)
     self.fused_projections = False
     if block is not None and not block.__dict__.get("_svdq_gelu_in"):
-        _unswitch_single_block(block)
+        _unswitch_class(block, "FUSED")
     double = self.__dict__.get("_svdq_double_block")
     if double is not None:
-        from ._diffusers_blocks import NORM_IN
-
-        back = {fused: base for base, fused in NORM_IN.items()}
-        if type(double) in back:
-            double.__class__ = back[type(double)]
-
-
-def _switch_norm_in(block: nn.Module) -> None:
-    """Give a diffusers Flux double block the class whose fused q/k/v and feed-forwards read its norms' inputs."""
-    from ._diffusers_blocks import NORM_IN
-
-    fused = NORM_IN.get(type(block))
-    if fused is not None:
-        if "forward" in block.__dict__:
-            warnings.warn("svdq-linear: a Flux block's forward is wrapped by a hook (offloading, caching): its "
-                          "linears keep reading the written norm outputs; fuse before enabling such hooks",
-                          stacklevel=3)
-        block.__class__ = fused
-
-
-def _unswitch_single_block(block: nn.Module) -> None:
-    from ._diffusers_blocks import FUSED
-
-    back = {fused: base for base, fused in FUSED.items()}
-    if type(block) in back:
-        block.__class__ = back[type(block)]
+        _unswitch_class(double, "NORM_IN")
 
 
 def _drop_fused_from_state_dict(module, state_dict, prefix, local_metadata):

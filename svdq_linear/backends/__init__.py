@@ -95,7 +95,7 @@ class Backend:
                           bias, extra, fast) -> torch.Tensor:
         """The layer (``fast``: its fast mode) on the input ``nvfp4.ada_norm`` of ``x [M, K]`` (``tokens`` rows a
         batch element), ``shift`` / ``scale [M / tokens, K]``: by default that input written out."""
-        inp = nvfp4.ada_norm(x.reshape(-1, tokens, x.shape[1]), shift, scale, eps).reshape(x.shape)
+        inp = _ada_input(x, shift, scale, eps, tokens)
         run = self.run_w4a4_fast if fast else self.run_w4a4
         return run(inp, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra)
 
@@ -130,8 +130,12 @@ class Backend:
         """``y [M, N]`` for the input ``nvfp4.ada_norm`` of ``x [M, K]`` (``tokens`` rows a batch element) and
         ``shift`` / ``scale [M / tokens, K]``: by default that input written out and passed to ``linear``; a
         backend that normalizes as it loads overrides this."""
-        inp = nvfp4.ada_norm(x.reshape(-1, tokens, x.shape[1]), shift, scale, eps).reshape(x.shape)
-        return self.linear(module, inp, prepared, kind)
+        return self.linear(module, _ada_input(x, shift, scale, eps, tokens), prepared, kind)
+
+
+def _ada_input(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, tokens: int) -> torch.Tensor:
+    """``nvfp4.ada_norm`` written out for ``x [M, K]`` of ``tokens`` rows a batch element: ``[M, K]``."""
+    return nvfp4.ada_norm(x.reshape(-1, tokens, x.shape[1]), shift, scale, eps).reshape(x.shape)
 
 
 def device_guard(x: torch.Tensor):

@@ -125,6 +125,8 @@ def _ada_apply_kernel(
     if FAST:
         sa = tl.load(sa_ptr + rm, mask=m_ok, other=1.0)
         r = tl.minimum(tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sa), 3.4028234663852886e38)
+    else:
+        sa = mean  # not read in the exact mode (_store_lora)
     rr = tl.arange(0, BLOCK_R)
     r_ok = rr < R
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
@@ -156,26 +158,28 @@ def _ada_apply_kernel(
         if IS_SPLIT:
             tl.store(part_ptr + pid_s.to(tl.int64) * M * R + rm[:, None] * R + rr[None, :], acc, mask=out_mask)
             tl.debug_barrier()  # every thread's partial is written before the counter moves
-            done = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel")
-            if done == SPLIT - 1:
+            if tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel") == SPLIT - 1:  # the last of the row block
                 acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
                 part = part_ptr + rm[:, None] * R + rr[None, :]
                 for _ in range(SPLIT):
                     acc += tl.load(part, mask=out_mask, other=0.0, cache_modifier=".cg")
                     part += M * R
                 tl.store(cnt_ptr + pid_m, 0)  # ready for the next call
-                if FAST:
-                    acc = tl.math.div_rn(acc, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_R)))
-                    tl.store(lora_ptr + rm[:, None] * R + rr[None, :], acc.to(tl.bfloat16), mask=out_mask)
-                else:
-                    tl.store(lora_ptr + rm[:, None] * R + rr[None, :],
-                             _round_to(acc, lora_ptr, DOT_F32).to(lora_ptr.dtype.element_ty), mask=out_mask)
-        elif FAST:
-            acc = tl.math.div_rn(acc, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_R)))
-            tl.store(lora_ptr + rm[:, None] * R + rr[None, :], acc.to(tl.bfloat16), mask=out_mask)
+                _store_lora(acc, sa, lora_ptr, rm, rr, out_mask, R, BLOCK_M, BLOCK_R, FAST, DOT_F32)
         else:
-            tl.store(lora_ptr + rm[:, None] * R + rr[None, :],
-                     _round_to(acc, lora_ptr, DOT_F32).to(lora_ptr.dtype.element_ty), mask=out_mask)
+            _store_lora(acc, sa, lora_ptr, rm, rr, out_mask, R, BLOCK_M, BLOCK_R, FAST, DOT_F32)
+
+
+@triton.jit
+def _store_lora(acc, sa, lora_ptr, rm, rr, out_mask, R, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                FAST: tl.constexpr, DOT_F32: tl.constexpr):
+    # lora_act's sums as the GEMM reads them: la = lora_act / sa rounded once to bf16 (FAST), else lora_act
+    # rounded once to lora_ptr's dtype
+    if FAST:
+        val = tl.math.div_rn(acc, tl.broadcast_to(sa[:, None], (BLOCK_M, BLOCK_R))).to(tl.bfloat16)
+    else:
+        val = _round_to(acc, lora_ptr, DOT_F32).to(lora_ptr.dtype.element_ty)
+    tl.store(lora_ptr + rm[:, None] * R + rr[None, :], val, mask=out_mask)
 
 
 def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast, gemm_order, split, block_m, block_k,
@@ -291,7 +295,7 @@ def ada_norm_fast(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps
         raise ValueError(f"the fast GEMM's k order needs K % 128 == 0, got {k}")
     split = _check_blocks(m, k, x.device, block_m, block_k, split)
     a8 = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
-    sa = torch.ones(0, device=x.device, dtype=torch.float32)
+    sa = torch.empty(0, device=x.device, dtype=torch.float32)
     la = torch.empty(m, r, device=x.device, dtype=torch.bfloat16) if r else None
     if m:
         sa = _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, a8, la, True, gemm_order, split, block_m,
