@@ -253,19 +253,30 @@ def _quantize_act_lora_kernel(
         lora = _round_to(acc, lora_ptr, DOT_F32).to(lora_ptr.dtype.element_ty)
         tl.store(lora_ptr + rm[:, None] * R + rr[None, :], lora, mask=out_mask)
     else:
-        tl.store(part_ptr + pid_s.to(tl.int64) * M * R + rm[:, None] * R + rr[None, :], acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        done = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel")
-        if done == SPLIT - 1:
-            total = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-            part = part_ptr + rm[:, None] * R + rr[None, :]
-            for _ in range(SPLIT):
-                total += tl.load(part, mask=out_mask, other=0.0, cache_modifier=".cg")
-                part += M * R  # (pointer arithmetic: 64-bit)
-            # ready for the next call: no other program touches the counter again in this launch
-            tl.store(cnt_ptr + pid_m, 0)
+        total, last = _split_total(acc, part_ptr, cnt_ptr, pid_m, pid_s, rm, rr, out_mask, M, R, SPLIT, BLOCK_M,
+                                   BLOCK_R)
+        if last:
             tl.store(lora_ptr + rm[:, None] * R + rr[None, :],
                      _round_to(total, lora_ptr, DOT_F32).to(lora_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _split_total(acc, part_ptr, cnt_ptr, pid_m, pid_s, rm, rr, out_mask, M, R, SPLIT, BLOCK_M: tl.constexpr,
+                 BLOCK_R: tl.constexpr):
+    # Split-K sums of a [BLOCK_M, BLOCK_R] fp32 tile (lora_act), a fixed order for any timing: program (pid_m, pid_s)
+    # writes its partial; the last of row block pid_m to count itself in (an atomic counter, nobody waits) adds the
+    # SPLIT partials in split order and leaves the counter at zero for the next call. Returns (sum, is the last).
+    tl.store(part_ptr + pid_s.to(tl.int64) * M * R + rm[:, None] * R + rr[None, :], acc, mask=out_mask)
+    tl.debug_barrier()  # every thread's partial is written before the counter moves
+    last = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel") == SPLIT - 1
+    total = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    if last:
+        part = part_ptr + rm[:, None] * R + rr[None, :]
+        for _ in range(SPLIT):
+            total += tl.load(part, mask=out_mask, other=0.0, cache_modifier=".cg")
+            part += M * R  # (pointer arithmetic: 64-bit)
+        tl.store(cnt_ptr + pid_m, 0)  # no other program touches the counter again in this launch
+    return total, last
 
 
 @triton.jit

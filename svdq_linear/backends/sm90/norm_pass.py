@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ... import nvfp4
 from .kernels import (_INTERPRET, _block_r, _e4m3_bits, _gemm_k, _lora_dot, _nvfp4_dequant, _nvfp4_tile, _round_to,
-                      cdiv, next_pow2)
+                      _split_total, cdiv, next_pow2)
 
 
 @triton.jit
@@ -115,7 +115,7 @@ def _ada_apply_kernel(
     # exact mode's dequantized NVFP4 values (out: xq) or the fast mode's E4M3 codes (out: a8, in the fast GEMM's k order
     # with GEMM_ORDER; sa from the first launch). lora_act's partial sums on tensor cores; with SPLIT > 1 the last
     # program of a row block to count itself in (an atomic counter, left at zero) adds the partials in split order
-    # (kernels.quantize_act_lora's scheme) and writes lora (exact: bf16) or la = lora / sa (fast: bf16).
+    # (kernels._split_total, as kernels.quantize_act_lora) and writes lora (exact: bf16) or la = lora / sa (fast: bf16).
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -156,16 +156,10 @@ def _ada_apply_kernel(
     if HAS_LORA:
         out_mask = m_ok[:, None] & r_ok[None, :]
         if IS_SPLIT:
-            tl.store(part_ptr + pid_s.to(tl.int64) * M * R + rm[:, None] * R + rr[None, :], acc, mask=out_mask)
-            tl.debug_barrier()  # every thread's partial is written before the counter moves
-            if tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel") == SPLIT - 1:  # the last of the row block
-                acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-                part = part_ptr + rm[:, None] * R + rr[None, :]
-                for _ in range(SPLIT):
-                    acc += tl.load(part, mask=out_mask, other=0.0, cache_modifier=".cg")
-                    part += M * R
-                tl.store(cnt_ptr + pid_m, 0)  # ready for the next call
-                _store_lora(acc, sa, lora_ptr, rm, rr, out_mask, R, BLOCK_M, BLOCK_R, FAST, DOT_F32)
+            total, last = _split_total(acc, part_ptr, cnt_ptr, pid_m, pid_s, rm, rr, out_mask, M, R, SPLIT, BLOCK_M,
+                                       BLOCK_R)
+            if last:
+                _store_lora(total, sa, lora_ptr, rm, rr, out_mask, R, BLOCK_M, BLOCK_R, FAST, DOT_F32)
         else:
             _store_lora(acc, sa, lora_ptr, rm, rr, out_mask, R, BLOCK_M, BLOCK_R, FAST, DOT_F32)
 
