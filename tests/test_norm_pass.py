@@ -68,9 +68,14 @@ def test_fast_pass_on_the_norm_is_the_pass_on_the_written_input(m_per, batch, k,
     if gemm_order:  # position p of each 128-column tile holds logical column _logical_k(p)
         perm = torch.tensor([t * 128 + _logical_k(p) for t in range(k // 128) for p in range(128)], device=DEV)
         a8_ref = a8_ref[:, perm]
-    same = (a8.view(torch.uint8) == a8_ref.view(torch.uint8)).float().mean().item()
+    # a row whose largest value moved by a rounding takes another sa, and every code of the row moves with it: the
+    # codes are compared on the rows of the same sa (most rows)
+    row_same = sa == sa_ref
+    assert row_same.float().mean().item() >= 0.85
+    same = (a8.view(torch.uint8) == a8_ref.view(torch.uint8))[row_same].float().mean().item()
     assert same >= (0.97 if DEV == "cpu" else 0.95), same
-    torch.testing.assert_close(sa, sa_ref, rtol=2 ** -7, atol=0)  # the row max of a rounding-neighbour input
+    # the row max of a rounding-neighbour input: one bf16 unit (2 ** -7 of it at most) and sa's own fp32 rounding
+    torch.testing.assert_close(sa, sa_ref, rtol=2 ** -7 + 2 ** -20, atol=0)
     got = a8.float() * sa[:, None]
     assert (got - a8_ref.float() * sa_ref[:, None]).abs().max() <= 0.07 * (a8_ref.float() * sa_ref[:, None]).abs().max()
     ref = (inp.to(torch.bfloat16).double() @ pds.double()) / sa_ref[:, None].double()
@@ -106,7 +111,8 @@ def test_gpu_norm_pass_at_a_flux_width(fast):
                                              gemm_order=False)
         a8_ref, sa_ref = nvfp4.fast_act(xs)
         assert (a8.view(torch.uint8) == a8_ref.view(torch.uint8)).float().mean().item() >= 0.95
-        torch.testing.assert_close(sa, sa_ref, rtol=2 ** -7, atol=0)
+        # a row's largest value one bf16 unit off (at most 2 ** -7 of it) and sa's own fp32 division rounding
+        torch.testing.assert_close(sa, sa_ref, rtol=2 ** -7 + 2 ** -20, atol=0)
         ref = (inp.double() @ pds.double()) / sa_ref[:, None].double()
         torch.testing.assert_close(la.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
     else:
