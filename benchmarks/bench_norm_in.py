@@ -12,7 +12,8 @@ Per layer (``bench_lowrank``'s whole-linear rows: what fuse_qkv_projections buil
 - ``written``: the same norm, then the layer on its output (the default path of every other layer);
 - ``fused``: ``forward_ada_norm`` (the pass reads the norm's input and normalizes as it loads);
 - ``norm alone`` / ``norm pass alone``: the compiled norm, and the fused pass without its GEMM (its two launches at
-  ``norm_pass.auto_split``, and at ``--splits``; and at 128-column steps).
+  ``norm_pass.auto_split``, and at ``--splits``; and at the apply tiles ``--tiles``, rows x warps). The fused rows
+  take ``SVDQ_SM90_ADA_NORM_TILE``'s tile (32 x 4 by default).
 
 Ratios: bf16 / path, each round's to the bf16 of that round, median over the rounds. The fused output is
 checked against the written one first (the inputs differ by a rounding in a few elements).
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--splits", default="2,8", help="the norm pass alone at these splits too")
+    ap.add_argument("--tiles", default="32x4,64x4,64x8", help="and at these apply tiles (rows x warps)")
     args = ap.parse_args()
     want = [s.strip().replace("_", " ") for s in args.shapes.split(",")]
     modes = [s.strip() for s in args.modes.split(",")]
@@ -80,13 +82,13 @@ def main() -> None:
                 inv = ex[-1]
                 pds = ex[0]
 
-                def npass(split=None, block_k=64):
+                def npass(split=None, block_k=64, tile=tuning.ada_norm_tile()):
                     def fn():
+                        kw = dict(split=split, block_k=block_k, block_m=tile[0], num_warps=tile[1])
                         if mode == "fast":
-                            return norm_pass.ada_norm_fast(x[0], shift, scale, 1e-6, inv, pds, split=split,
-                                                           block_k=block_k)
+                            return norm_pass.ada_norm_fast(x[0], shift, scale, 1e-6, inv, pds, **kw)
                         return norm_pass.ada_norm_exact(x[0], shift, scale, 1e-6, inv, pds, out_dtype=torch.bfloat16,
-                                                        split=split, block_k=block_k)
+                                                        **kw)
                     return fn
                 auto = norm_pass.auto_split(m, k, dev)
                 graphs = {
@@ -100,9 +102,12 @@ def main() -> None:
                     sp = int(sp)
                     if sp != auto:
                         graphs[f"npass split {sp}"] = graph_of(npass(sp), args.reps)
-                # 128-column steps: twice the proj_down tile (120 KB of shared memory and 198-250 registers a program at
-                # R = 128 against the default 64 columns' 60 KB and 142-152: svdq-precompile)
-                graphs["npass split auto, 128-column steps"] = graph_of(npass(None, 128), args.reps)
+                # other apply tiles (rows x warps; the fused row takes SVDQ_SM90_ADA_NORM_TILE's): 64 rows run
+                # lora_act on wgmma with half the proj_down reloads (128-column steps measured 5-30 % slower: y-2)
+                for t in args.tiles.split(",") if args.tiles else ():
+                    tile = tuple(int(v) for v in t.split("x"))
+                    if tile != tuning.ada_norm_tile():
+                        graphs[f"npass split auto, tile {t}"] = graph_of(npass(tile=tile), args.reps)
                 periods: dict[str, list[float]] = {}
                 kernels_of: dict[str, list] = {}
                 for _ in range(args.rounds):
@@ -129,7 +134,8 @@ def main() -> None:
                         f"`{name[:40]}` {dur:.1f} (gap {gap:.1f})" for name, _, dur, gap in kernels_of[what])
                         + " |||||||||")
     log("")
-    log(f"tuning.ADA_NORM_MIN_M = {tuning.ADA_NORM_MIN_M}; {os.environ.get('SVDQ_SM90_PDL', 'PDL: default')}")
+    log(f"tuning.ADA_NORM_MIN_M = {tuning.ADA_NORM_MIN_M}; apply tile {tuning.ada_norm_tile()}; "
+        f"{os.environ.get('SVDQ_SM90_PDL', 'PDL: default')}")
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
 

@@ -104,6 +104,36 @@ def test_fast_statistics_from_registers_are_those_of_the_chunked_walk(k, monkeyp
         assert (a8_w.view(torch.uint8) == a8_c.view(torch.uint8))[rows].float().mean().item() >= 0.97
 
 
+def test_apply_tiles_give_the_same_bits(monkeypatch):
+    """``SVDQ_SM90_ADA_NORM_TILE`` picks the apply launch's rows x warps (``tuning.ada_norm_tile``); every tile it
+    accepts writes the same ``xq`` / ``a8`` / ``sa`` bits (``lora_act``: its fp32 sums in another order), and a tile
+    outside the list is refused by name rather than replaced by the default."""
+    from svdq_linear.backends.sm90 import tuning
+
+    x, shift, scale, smooth, pds = _case(70, 2, 512, 96, torch.bfloat16, device=DEV, seed=4)
+    x2, inv = x.reshape(-1, 512), 1.0 / smooth
+    got = {}
+    for tile in tuning.ADA_NORM_TILES:
+        monkeypatch.setenv(tuning.ENV_ADA_NORM_TILE, f"{tile[0]}x{tile[1]}")
+        block_m, warps = tuning.ada_norm_tile()
+        assert (block_m, warps) == tile
+        ex = norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, tokens=70, block_m=block_m, num_warps=warps)
+        fa = norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, tokens=70, block_m=block_m, num_warps=warps)
+        got[tile] = ex + fa
+    first = got[tuning.ADA_NORM_TILES[0]]
+    for tile, (xq, lora, a8, sa, la) in got.items():
+        assert torch.equal(xq, first[0]) and torch.equal(a8.view(torch.uint8), first[2].view(torch.uint8)), tile
+        assert torch.equal(sa, first[3]), tile
+        torch.testing.assert_close(lora.float(), first[1].float(), rtol=2 ** -7, atol=1e-3)
+        torch.testing.assert_close(la.float(), first[4].float(), rtol=2 ** -7, atol=1e-3)
+    monkeypatch.delenv(tuning.ENV_ADA_NORM_TILE)
+    assert tuning.ada_norm_tile() == (32, 4)
+    for bad in ("64", "128x4", "32xfour"):
+        monkeypatch.setenv(tuning.ENV_ADA_NORM_TILE, bad)
+        with pytest.raises(ValueError, match=tuning.ENV_ADA_NORM_TILE):
+            tuning.ada_norm_tile()
+
+
 def test_norm_pass_refuses_bad_operands():
     x, shift, scale, smooth, pds = _case(8, 2, 128, 16, torch.bfloat16, device=DEV)
     x2 = x.reshape(-1, 128)

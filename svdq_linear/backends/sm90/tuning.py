@@ -13,6 +13,8 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from ..._env import getenv
+
 SM_COUNT = 132  # H100 SXM / H200
 _TABLE = Path(__file__).with_name("configs.json")
 M_BUCKETS = (1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -224,6 +226,27 @@ CAT_GELU_MIN_M = 2048
 # twenty-seventh session).
 ADA_NORM_MIN_M = 2048
 ENV_ADA_NORM = "SVDQ_SM90_ADA_NORM"
+# the norm pass's apply tile, rows x warps: 32 x 4 (mma.sync for lora_act; 142-152 registers and 60 KB at R = 128)
+# by default; SVDQ_SM90_ADA_NORM_TILE=64x4 / 64x8 takes wgmma and half the proj_down reloads (docs/perf.md,
+# twenty-eighth session: the 32-row tile's lora_act costs ~30 us at R = 96-128). The same bits at any tile.
+ENV_ADA_NORM_TILE = "SVDQ_SM90_ADA_NORM_TILE"
+ADA_NORM_TILES = ((16, 4), (32, 4), (32, 8), (64, 4), (64, 8))
+
+
+def ada_norm_tile() -> tuple[int, int]:
+    """``(block_m, num_warps)`` of ``norm_pass``'s apply launch: ``SVDQ_SM90_ADA_NORM_TILE`` ("ROWSxWARPS", one
+    of ``ADA_NORM_TILES``), else 32 x 4. A value outside the list is an error, not a silent default."""
+    v = getenv(ENV_ADA_NORM_TILE)
+    if not v:
+        return 32, 4
+    try:
+        tile = tuple(int(p) for p in v.lower().split("x"))
+    except ValueError:
+        tile = ()
+    if tile not in ADA_NORM_TILES:
+        raise ValueError(f"{ENV_ADA_NORM_TILE}={v!r}: expected one of "
+                         + ", ".join(f"{b}x{w}" for b, w in ADA_NORM_TILES))
+    return tile
 LORA_ACT_MIN_M = 128
 LORA_ACT_CONFIG = (64, 4, 4, 3)
 
