@@ -1,4 +1,4 @@
-"""Shared GPU timing for the benchmarks: a callable captured in a CUDA graph; a host profile."""
+"""Shared GPU timing for the benchmarks: a callable captured in a CUDA graph, its replays timed; a host profile."""
 
 import cProfile
 import io
@@ -26,6 +26,20 @@ def graph_of(fn, reps: int = 1) -> torch.cuda.CUDAGraph:
 def graphed(fn):
     """``fn`` captured in a CUDA graph: replaying it times the GPU work without Python's launch cost."""
     return graph_of(fn).replay
+
+
+def graph_call_ms(fn, calls: int, replays: int = 30) -> float:
+    """Median ms of one call of ``fn``, from ``replays`` event-timed replays of a graph of ``calls`` calls."""
+    g = graph_of(fn, calls)
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / calls)
+    return sorted(times)[len(times) // 2]
 
 
 def host_profile(fn, calls: int = 1, top: int = 30, warmup: int = 1) -> tuple[str, float, float]:

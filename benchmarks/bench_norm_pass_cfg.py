@@ -11,14 +11,13 @@ A config is ``block_m x num_warps x block_k``. Each row: a CUDA graph of ``--rep
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _cuda import graph_of  # noqa: E402
+from _cuda import graph_call_ms  # noqa: E402
 
 from svdq_linear import nvfp4  # noqa: E402
 from svdq_linear.backends.sm90 import kernels, norm_pass  # noqa: E402
@@ -28,16 +27,7 @@ SHAPES = [("fused_qkv", 4096, 3072, 96), ("ff_up", 4096, 3072, 32), ("single_fus
 
 
 def timed(fn, reps: int) -> float:
-    g = graph_of(fn, reps)
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(times)
+    return graph_call_ms(fn, reps, 5) * 1e3
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _cuda import graphed  # noqa: E402
+from _cuda import graph_call_ms  # noqa: E402
 from _table import emit  # noqa: E402
 from test_conformance import random_w4a4  # noqa: E402
 
@@ -46,16 +46,7 @@ CALLS = 20
 
 def graph_time(fn) -> float:
     """Median ms of one call, from replays of a graph of CALLS calls."""
-    replay = graphed(lambda: [fn() for _ in range(CALLS)])
-    times = []
-    for _ in range(30):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / CALLS)
-    return sorted(times)[len(times) // 2]
+    return graph_call_ms(fn, CALLS)
 
 
 def copy_gbs_now() -> float:
