@@ -247,6 +247,8 @@ def ada_norm_tile() -> tuple[int, int]:
         raise ValueError(f"{ENV_ADA_NORM_TILE}={v!r}: expected one of "
                          + ", ".join(f"{b}x{w}" for b, w in ADA_NORM_TILES))
     return tile
+
+
 LORA_ACT_MIN_M = 128
 LORA_ACT_CONFIG = (64, 4, 4, 3)
 
