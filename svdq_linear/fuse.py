@@ -44,6 +44,9 @@ def concat_w4a4(layers: list[SVDQW4A4Linear]) -> SVDQW4A4Linear:
             raise ValueError(f"layer {i} has another smoothing factor than layer 0: fusing would not be exact")
         if layer.proj_up.dtype != first.proj_up.dtype or layer.qweight.device != first.qweight.device:
             raise ValueError(f"layer {i} differs from layer 0 in dtype or device")
+        if _own_mode(layer) != _own_mode(first):
+            raise ValueError(f"layer {i} is set to mode {_own_mode(layer)!r}, layer 0 to {_own_mode(first)!r}: the "
+                             "fused layer runs one mode (set_mode them alike first)")
     ranks = [layer.rank for layer in layers]
     n_total, r_total = sum(layer.out_features for layer in layers), sum(ranks)
     has_bias = any(layer.bias is not None for layer in layers)
@@ -67,7 +70,13 @@ def concat_w4a4(layers: list[SVDQW4A4Linear]) -> SVDQW4A4Linear:
                                 torch.zeros(layer.out_features, dtype=dt, device=dev) for layer in layers])
     fused.load_state_dict(sd, assign=True)
     fused._backend_pref = first._backend_pref
+    fused.set_mode(_own_mode(first))  # set_mode(model, ...) before fusing holds for the fused layer too
     return fused
+
+
+def _own_mode(layer: SVDQW4A4Linear) -> str | None:
+    """The mode ``set_mode`` gave ``layer`` (None: the environment's, else "auto")."""
+    return layer.__dict__.get("_mode")
 
 
 def _share_packed_weight(fused: SVDQW4A4Linear, layers: list[SVDQW4A4Linear]) -> None:
@@ -98,14 +107,15 @@ def _fuse_group(attn: nn.Module, names: tuple[str, ...], fused_name: str) -> boo
 
 def _single_block_mlp(attn: nn.Module) -> SVDQW4A4Linear | None:
     """The quantized ``proj_mlp`` of the Flux single block ``attn`` belongs to (``fuse_attention_projections``
-    noted it), when it can join q/k/v in one layer: same input width, smoothing factor and device."""
+    noted it), when it can join q/k/v in one layer: same input width, smoothing factor, device and mode."""
     block = attn.__dict__.get("_svdq_single_block")
     mlp = getattr(block, "proj_mlp", None)
     q = getattr(attn, "to_q", None)
     if not (isinstance(mlp, SVDQW4A4Linear) and isinstance(q, SVDQW4A4Linear)):
         return None
     if (mlp.in_features != q.in_features or mlp.qweight.device != q.qweight.device
-            or mlp.proj_up.dtype != q.proj_up.dtype or not torch.equal(mlp.smooth, q.smooth)):
+            or mlp.proj_up.dtype != q.proj_up.dtype or not torch.equal(mlp.smooth, q.smooth)
+            or _own_mode(mlp) != _own_mode(q)):
         return None
     return mlp
 

@@ -161,6 +161,48 @@ def test_a_single_block_whose_mlp_has_its_own_smoothing_fuses_qkv_only():
     assert not hasattr(block.attn, "to_qkv_mlp") and type(block) is flux.FluxSingleTransformerBlock
 
 
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_the_fused_layer_runs_the_mode_set_before_fusing(mode):
+    """``set_mode(model, ...)`` and then ``fuse_qkv_projections``: the stacked layer runs that mode, not "auto" (which
+    on an sm90 GPU is the fast mode), so its columns are the separate layers' outputs in that mode."""
+    from svdq_linear import nvfp4, set_mode
+
+    block = _block()
+    set_mode(block, mode)
+    fuse_attention_projections(block)
+    x = torch.randn(2, 16, DIM, generator=torch.Generator().manual_seed(3))
+    parts = (block.attn.to_q, block.attn.to_k, block.attn.to_v, block.proj_mlp)
+    with torch.no_grad():
+        block.attn.fuse_projections()
+        fused = block.attn.to_qkv_mlp
+        assert fused.mode == mode
+        got = fused(x).reshape(-1, fused.out_features)
+        x2 = x.reshape(-1, DIM)
+        # the oracle: each layer's contract in that mode, from its own tensors
+        run = nvfp4.w4a8_fast_linear if mode == "fast" else nvfp4.w4a4_linear
+        want = torch.cat([run(x2, p.qweight, p.wscales, p.smooth, p.proj_down, p.proj_up, p.wcscale, p.bias)
+                          for p in parts], dim=1)
+    torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_layers_set_to_other_modes_do_not_stack():
+    from svdq_linear import set_mode
+    from svdq_linear.fuse import concat_w4a4
+
+    block = _block()
+    set_mode(block, "exact")
+    block.attn.to_k.set_mode("fast")
+    with pytest.raises(ValueError, match="layer 1 is set to mode 'fast', layer 0 to 'exact'"):
+        concat_w4a4([block.attn.to_q, block.attn.to_k, block.attn.to_v])
+    # a single block whose proj_mlp alone runs another mode fuses q/k/v only
+    block = _block()
+    set_mode(block, "exact")
+    block.proj_mlp.set_mode("fast")
+    fuse_attention_projections(block)
+    block.attn.fuse_projections()
+    assert not hasattr(block.attn, "to_qkv_mlp") and block.attn.to_qkv.mode == "exact"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["single", "double"])
 @pytest.mark.parametrize("mode", ["exact", "fast"])
