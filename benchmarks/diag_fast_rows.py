@@ -9,6 +9,8 @@ import os
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
@@ -20,6 +22,30 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> str:
     d = (a.float() - b.float()).abs()
     big, avg = b.float().abs().max().item(), b.float().abs().mean().item()
     return f"max {d.max().item() / big:.2e} mean {d.mean().item() / avg:.2e}"
+
+
+@triton.jit
+def _steps_kernel(x_ptr, shift_ptr, scale_ptr, mean_ptr, rstd_ptr, out_ptr, K, S, BLOCK: tl.constexpr):
+    # row program_id(0): _ada_apply's value (norm_pass) and its steps as _ada_apply writes them, to out [4, M, K]
+    row = tl.program_id(0)
+    lk = tl.arange(0, BLOCK)
+    ok = lk < K
+    x = tl.load(x_ptr + row * K + lk, mask=ok, other=0.0).to(tl.float32)
+    mean = tl.load(mean_ptr + row + tl.zeros([1], tl.int32))
+    rstd = tl.load(rstd_ptr + row + tl.zeros([1], tl.int32))
+    rm = row + tl.zeros([1], tl.int32)
+    v = norm_pass._ada_apply(x[None, :], mean, rstd, rm, lk, ok[None, :], shift_ptr, scale_ptr, S, K, x_ptr, False)
+    n = (x - tl.sum(mean)) * tl.sum(rstd)
+    step1 = n.to(tl.bfloat16).to(tl.float32)
+    sc = tl.load(scale_ptr + (row // S) * K + lk, mask=ok, other=0.0).to(tl.float32)
+    one = (sc + 1.0).to(tl.bfloat16).to(tl.float32)
+    step2 = (step1 * one).to(tl.bfloat16).to(tl.float32)
+    base = out_ptr + row * K + lk
+    M = tl.num_programs(0)
+    tl.store(base, tl.reshape(v, [BLOCK]), mask=ok)
+    tl.store(base + M * K, step1, mask=ok)
+    tl.store(base + 2 * M * K, one, mask=ok)
+    tl.store(base + 3 * M * K, step2, mask=ok)
 
 
 def norm_pass_rows():
@@ -44,6 +70,47 @@ def norm_pass_rows():
             line.append(f"{name}: sa == ref {same:.3f}, max |sa/ref - 1| {ratio:.2e};")
         line.append(f"registers == walk {(got['registers'] == got['walk']).float().mean().item():.3f}")
         print(" ".join(line))
+        # an oracle in float64 rounded to bf16 at each step the eager bf16 code rounds (the ideal of both)
+        d = xd - xd.mean(1, keepdim=True)
+        nrm = (d / (d.pow(2).mean(1, keepdim=True) + 1e-6).sqrt()).bfloat16().double()
+        b = torch.arange(x2.shape[0], device="cuda") // m_per
+        one = (1 + scale.double()).bfloat16().double()[b]
+        ideal = ((nrm * one).bfloat16().double() + shift.double()[b]).bfloat16().float()
+        sa_ideal = nvfp4.fast_act(nvfp4.smooth_input(ideal, smooth))[1]
+        inp_same = (inp.float() == ideal).float().mean().item()
+        torch_ok, kernel_ok = ((s == sa_ideal).float().mean().item() for s in (sa_ref, got["walk"]))
+        print(f"  float64 oracle: norm values == PyTorch's {inp_same:.5f}; sa == oracle: PyTorch {torch_ok:.3f},",
+              f"kernel {kernel_ok:.3f}")
+        # the statistics launch alone: its mean / rstd against float64's, and sa from them in PyTorch (fp32, the
+        # kernel's roundings): equal to the kernel's sa when the statistics are what moves it
+        m_, k_ = x2.shape
+        mean, rstd, sa_k = (torch.empty(m_, device="cuda") for _ in range(3))
+        norm_pass._ada_stats_kernel[(triton.cdiv(m_, 4),)](
+            x2, shift, scale, 1.0 / smooth, mean, rstd, sa_k, m_, k_, m_per, x2.stride(0), shift.stride(0), 1e-6,
+            ROWS=4, CHUNK=min(1024, triton.next_power_of_2(k_)), FAST=True, WHOLE=False, DOT_F32=False, num_warps=4)
+        mean64 = xd.mean(1)
+        rstd64 = 1 / (d.pow(2).mean(1) + 1e-6).sqrt()
+        em = ((x2.float() - mean[:, None]) * rstd[:, None]).bfloat16().float()
+        em = (em * (1 + scale.float()).bfloat16().float()[b]).bfloat16().float()
+        em = (em + shift.float()[b]).bfloat16().float()
+        sa_em = nvfp4.fast_act(nvfp4.smooth_input(em, smooth))[1]
+        print(f"  stats: mean rel err {((mean.double() - mean64).abs() / mean64.abs()).max().item():.2e},",
+              f"rstd rel err {((rstd.double() / rstd64) - 1).abs().max().item():.2e}; sa from them in PyTorch ==",
+              f"kernel sa {(sa_em == sa_k).float().mean().item():.3f}, == oracle {(sa_em == sa_ideal).float().mean().item():.3f};",
+              f"norm values from them == oracle {(em == ideal).float().mean().item():.5f}")
+        out = torch.empty(4, m_, k_, device="cuda")
+        _steps_kernel[(m_,)](x2, shift, scale, mean, rstd, out, k_, m_per, BLOCK=triton.next_power_of_2(k_))
+        n1 = ((x2.float() - mean[:, None]) * rstd[:, None]).bfloat16().float()
+        one_t = (1 + scale.float()).bfloat16().float()[b]
+        n2 = (n1 * one_t).bfloat16().float()
+        print(f"  in-kernel steps == PyTorch's: _ada_apply {(out[0] == em).float().mean().item():.5f}, norm",
+              f"{(out[1] == n1).float().mean().item():.5f}, 1 + scale {(out[2] == one_t).float().mean().item():.5f},",
+              f"times it {(out[3] == n2).float().mean().item():.5f}")
+        bad = (out[0] != em).nonzero()[:3].tolist()
+        for i, j in bad:
+            print(f"    [{i},{j}] x {x2[i, j].item()!r} kernel {out[0, i, j].item()!r} torch {em[i, j].item()!r}",
+                  f"norm {out[1, i, j].item()!r}/{n1[i, j].item()!r} scale {scale[i // m_per, j].item()!r}",
+                  f"shift {shift[i // m_per, j].item()!r}")
         # which column holds the row max, and is the written norm's value there the same bits as the pass's?
         xs = nvfp4.smooth_input(inp, smooth)
         arg = xs.abs().argmax(dim=1)

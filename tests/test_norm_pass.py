@@ -1,6 +1,8 @@
 """The activation pass fused into the adaLN norm (``sm90.norm_pass``): on the CPU under Triton's interpreter,
-on a GPU compiled (the same tests; PyTorch's CUDA layer norm rounds a few more values the other
-way). The oracle is PyTorch: ``nvfp4.ada_norm`` (``F.layer_norm`` and the modulation in the
+on a GPU compiled (the same tests and thresholds: the kernel's row sums run in another order than PyTorch's, so
+an element may round the other way now and then; a compiled kernel that contracts the modulation's two roundings
+into one fma, as it did before ``norm_pass._round_kept``, moves a bf16 unit in about a quarter of the values and
+fails them). The oracle is PyTorch: ``nvfp4.ada_norm`` (``F.layer_norm`` and the modulation in the
 input's dtype), then the contract's reference quantizers (``nvfp4.quantize_nvfp4``, ``nvfp4.fast_act``) and a
 float64 ``lora_act``."""
 
@@ -47,7 +49,7 @@ def test_exact_pass_on_the_norm_is_the_pass_on_the_written_input(m_per, batch, k
     packed, sc = nvfp4.quantize_nvfp4(nvfp4.smooth_input(inp, smooth))
     want = nvfp4.dequantize_nvfp4(packed, sc)
     # an element of the kernel's input may be the neighbour of PyTorch's (another order of the row sums)
-    assert _blocks_agree(xq, want, k) >= (0.97 if DEV == "cpu" else 0.9)
+    assert _blocks_agree(xq, want, k) >= 0.97
     err = (xq - want).abs().max().item()
     assert err <= 0.25 * want.abs().max().item()
     if r:
@@ -71,9 +73,9 @@ def test_fast_pass_on_the_norm_is_the_pass_on_the_written_input(m_per, batch, k,
     # a row whose largest value moved by a rounding takes another sa, and every code of the row moves with it: the
     # codes are compared on the rows of the same sa (most rows)
     row_same = sa == sa_ref
-    assert row_same.float().mean().item() >= 0.85
+    assert row_same.float().mean().item() >= 0.95
     same = (a8.view(torch.uint8) == a8_ref.view(torch.uint8))[row_same].float().mean().item()
-    assert same >= (0.97 if DEV == "cpu" else 0.95), same
+    assert same >= 0.97, same
     # the row max of a rounding-neighbour input: one bf16 unit (2 ** -7 of it at most) and sa's own fp32 rounding
     torch.testing.assert_close(sa, sa_ref, rtol=2 ** -7 + 2 ** -20, atol=0)
     got = a8.float() * sa[:, None]
@@ -162,6 +164,7 @@ def test_gpu_norm_pass_at_a_flux_width(fast):
         a8, sa, la = norm_pass.ada_norm_fast(x.reshape(-1, k), shift, scale, 1e-6, 1.0 / smooth, pds, tokens=1000,
                                              gemm_order=False)
         a8_ref, sa_ref = nvfp4.fast_act(xs)
+        assert (sa == sa_ref).float().mean().item() >= 0.95
         assert (a8.view(torch.uint8) == a8_ref.view(torch.uint8)).float().mean().item() >= 0.95
         # a row's largest value one bf16 unit off (at most 2 ** -7 of it) and sa's own fp32 division rounding
         torch.testing.assert_close(sa, sa_ref, rtol=2 ** -7 + 2 ** -20, atol=0)
@@ -171,7 +174,7 @@ def test_gpu_norm_pass_at_a_flux_width(fast):
         xq, lora = norm_pass.ada_norm_exact(x.reshape(-1, k), shift, scale, 1e-6, 1.0 / smooth, pds, tokens=1000)
         packed, sc = nvfp4.quantize_nvfp4(xs)
         want = nvfp4.dequantize_nvfp4(packed, sc, torch.bfloat16)
-        assert _blocks_agree(xq, want, k) >= 0.9 and (xq == want).float().mean().item() >= 0.95
+        assert _blocks_agree(xq, want, k) >= 0.97 and (xq == want).float().mean().item() >= 0.99
         assert (xq.float() - want.float()).abs().max().item() <= 0.25 * want.float().abs().max().item()
         ref = inp.double() @ pds.double()
         torch.testing.assert_close(lora.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
