@@ -183,6 +183,9 @@ def test_the_fused_layer_runs_the_mode_set_before_fusing(mode):
         want = torch.cat([run(x2, p.qweight, p.wscales, p.smooth, p.proj_down, p.proj_up, p.wcscale, p.bias)
                           for p in parts], dim=1)
     torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    other = "exact" if mode == "fast" else "fast"
+    set_mode(block, other)  # after fusing: the stacked layer is one of the model's modules
+    assert fused.mode == other and block.attn.to_q.mode == other
 
 
 def test_layers_set_to_other_modes_do_not_stack():
