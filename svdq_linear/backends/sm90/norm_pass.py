@@ -7,8 +7,8 @@ instead and write what the pass writes, so the normed tensor is never stored. Tw
 
 1. ``_ada_stats_kernel``, a few rows a program: each row's mean and ``1 / sqrt(var + eps)`` (chunks combined as
    Chan et al.: no cancellation on rows with a large mean); in the fast mode also the row scale ``sa`` of the
-   normalized, modulated, smoothed row (from the rows held in registers up to ``WHOLE_K`` columns, else a second
-   walk along them, from L1);
+   normalized, modulated, smoothed row, from a second walk along them (from L1 / L2; holding rows of up to 4096
+   columns in registers instead measured no faster: docs/perf.md, twenty-ninth session);
 2. ``_ada_apply_kernel``, split-K tiles: each value normalized, scaled and shifted with the roundings of the eager
    diffusers code (the norm's output, ``1 + scale``, the product and the sum each rounded to x's dtype), then the
    pass's arithmetic: the exact mode's dequantized NVFP4 values ``xq`` and ``lora_act = input.to(bf16) @ pds``
@@ -63,7 +63,8 @@ def _round_kept(v, like_ptr, RNE_BITS: tl.constexpr):
     # two 16-bit values rounded to 16 bits into a 16-bit multiply (exact to do) and then contracts it with the add
     # after it into one fma.rn.bf16x2: one rounding where the eager code rounds twice, a bf16 unit off in about a
     # quarter of the modulated values (measured on the H100, benchmarks/diag_fast_rows.py). A cvt in inline PTX is
-    # opaque to both steps; the interpreter (RNE_BITS) runs no such passes.
+    # opaque to both steps (enable_fp_fusion=False on the launch would stop the contraction too, and every fp32 fma
+    # of the kernel with it); the interpreter (RNE_BITS) runs no such passes.
     if RNE_BITS:
         return _round_to(v, like_ptr, RNE_BITS)
     if like_ptr.dtype.element_ty == tl.bfloat16:
@@ -98,40 +99,24 @@ def _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, lk, K, S, strid
 
 @triton.jit
 def _ada_stats_kernel(x_ptr, shift_ptr, scale_ptr, inv_ptr, mean_ptr, rstd_ptr, sa_ptr, M, K, S, stride_xm, stride_mod,
-                      eps, ROWS: tl.constexpr, CHUNK: tl.constexpr, FAST: tl.constexpr, WHOLE: tl.constexpr,
-                      DOT_F32: tl.constexpr):
+                      eps, ROWS: tl.constexpr, CHUNK: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr):
     # The split form's first launch: ROWS rows a program (many programs, so the read of x runs at HBM speed), each
     # row's mean and 1 / sqrt(var + eps); FAST: also the row scale sa of the normalized, modulated, smoothed row, as
-    # nvfp4.fast_act sets it. WHOLE (K <= CHUNK): the rows held in registers, the statistics and sa from the one load
-    # (what _row_stats gives for one chunk); else chunks of CHUNK columns, sa from a second walk (from L1 / L2).
+    # nvfp4.fast_act sets it, from a second walk along the rows in chunks of CHUNK columns (from L1 / L2)
     rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     m_ok = rm < M
-    if WHOLE:
-        rk = tl.arange(0, CHUNK)
-        mask = m_ok[:, None] & (rk < K)[None, :]
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) / K
-        d = tl.where(mask, x - mean[:, None], 0.0)
-        var = tl.sum(d * d, axis=1) / K
-    else:
-        mean, var = _row_stats(x_ptr, rm, m_ok, K, stride_xm, ROWS, CHUNK)
+    mean, var = _row_stats(x_ptr, rm, m_ok, K, stride_xm, ROWS, CHUNK)
     rstd = 1.0 / tl.sqrt_rn(var + eps)
     tl.store(mean_ptr + rm, mean, mask=m_ok)
     tl.store(rstd_ptr + rm, rstd, mask=m_ok)
     if FAST:
-        if WHOLE:
-            v = tl.where(mask, _ada_apply(x, mean, rstd, rm, rk, mask, shift_ptr, scale_ptr, S, stride_mod, x_ptr,
-                                          DOT_F32), 0.0)
+        mx = tl.zeros([ROWS], tl.int32)
+        for k0 in range(0, K, CHUNK):
+            rk = k0 + tl.arange(0, CHUNK)
+            v, _ = _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, rk, K, S, stride_xm, stride_mod,
+                             DOT_F32)
             inv = tl.load(inv_ptr + rk, mask=rk < K, other=1.0)
-            mx = tl.max((v * inv[None, :]).to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
-        else:
-            mx = tl.zeros([ROWS], tl.int32)
-            for k0 in range(0, K, CHUNK):
-                rk = k0 + tl.arange(0, CHUNK)
-                v, _ = _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, rk, K, S, stride_xm, stride_mod,
-                                 DOT_F32)
-                inv = tl.load(inv_ptr + rk, mask=rk < K, other=1.0)
-                mx = tl.maximum(mx, tl.max((v * inv[None, :]).to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+            mx = tl.maximum(mx, tl.max((v * inv[None, :]).to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
         ok = (mx > 0) & (mx <= 0x7F800000)
         sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([ROWS], 448.0, tl.float32)), 1.0)
         tl.store(sa_ptr + rm, sa, mask=m_ok)
@@ -211,9 +196,6 @@ def _store_lora(acc, sa, lora_ptr, rm, rr, out_mask, R, BLOCK_M: tl.constexpr, B
     tl.store(lora_ptr + rm[:, None] * R + rr[None, :], val, mask=out_mask)
 
 
-WHOLE_K = 4096
-
-
 def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast, gemm_order, split, block_m, block_k,
                   num_warps, stats_rows=4):
     """The split form: ``_ada_stats_kernel`` then ``_ada_apply_kernel`` over ``split`` ranges of K."""
@@ -222,13 +204,9 @@ def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast
     mean = torch.empty(m, device=x.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
     sa = torch.empty_like(mean) if fast else mean
-    # the fast mode holds rows of up to WHOLE_K columns in registers (8 warps: 64 values a thread at 4096), so that
-    # its row scale needs no second read of them
-    whole = fast and next_pow2(k) <= WHOLE_K
-    chunk = next_pow2(k) if whole else min(1024, next_pow2(k))
     _ada_stats_kernel[(cdiv(m, stats_rows),)](x, shift, scale, inv_smooth, mean, rstd, sa, m, k, tokens, x.stride(0),
-                                              shift.stride(0), float(eps), ROWS=stats_rows, CHUNK=chunk, FAST=fast,
-                                              WHOLE=whole, DOT_F32=_INTERPRET, num_warps=8 if whole else 4)
+                                              shift.stride(0), float(eps), ROWS=stats_rows,
+                                              CHUNK=min(1024, next_pow2(k)), FAST=fast, DOT_F32=_INTERPRET)
     block_k = min(block_k, next_pow2(k))
     k_split = cdiv(cdiv(k, split), block_k) * block_k
     split = cdiv(k, k_split)
