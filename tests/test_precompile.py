@@ -91,6 +91,36 @@ def test_quack_cache_is_filed_for_the_gpu_machines_python(tmp_path, monkeypatch)
         qp.python_fingerprint("3.12")
 
 
+def test_quack_variants_compile_each_shape_with_its_own_weight(monkeypatch):
+    """``quack_precompile.variants`` returns thunks that run after its loop over shapes: each must prepare the
+    weight of its own shape (N x K), not the last shape's (a late-bound closure compiled the full list's
+    K != 3072 shapes against a 3072-wide weight and failed on them)."""
+    pytest.importorskip("quack")
+    from svdq_linear.backends.sm90 import quack_fast, quack_gemm
+    from svdq_linear.backends.sm90 import quack_precompile as qp
+
+    seen = []
+
+    def prepare(qweight, wscales, ones, bias):
+        return (qweight.shape[0], qweight.shape[1] * 2, wscales.shape, ones.shape)
+
+    def gemm(a, *args, **kwargs):
+        w = args[-1] if len(args) == 2 else args[0]
+        seen.append((tuple(a.shape), w))
+
+    for mod in (quack_gemm, quack_fast):
+        monkeypatch.setattr(mod, "prepare", prepare)
+        monkeypatch.setattr(mod, "gemm", gemm)
+    shapes = [(4096, 3072, 9216), (4096, 12288, 3072), (4096, 3072, 12288)]
+    for _, thunk in qp.variants(shapes, quick=True):
+        thunk()
+    assert len(seen) == 2 * len(shapes)
+    for (m, k), (n, wk, sc, cs) in seen:
+        assert (m, k) in {(s[0], s[1]) for s in shapes}
+        assert wk == k and sc == (n, k // 16) and cs == (n,), (m, k, n, wk)
+    assert {(a[1], w[0]) for a, w in seen} == {(k, n) for _, k, n in shapes}
+
+
 def test_precompile_refuses_a_malformed_python_version(capsys):
     from svdq_linear.precompile import main
 

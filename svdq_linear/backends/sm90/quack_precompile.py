@@ -107,12 +107,13 @@ def variants(shapes, quick: bool, rank: int = 32):
             lr_acc = lr if with_lowrank else None
             tag = f"{m}x{k}x{n}{f'_r{rank}' if with_lowrank else ''}"
             if m >= QUACK_MIN_M:
-                def exact(lr_acc=lr_acc, m=m, k=k, n=n):
+                # this shape's tensors bound now: the thunks run after the loop
+                def exact(lr_acc=lr_acc, m=m, k=k, qweight=qweight, wscales=wscales, ones=ones):
                     w = quack_gemm.prepare(qweight, wscales, ones, None)
                     quack_gemm.gemm(torch.zeros(m, k, dtype=torch.bfloat16), w, launch=False, lr_acc=lr_acc)
                 out.append((f"quack_w4a16_{tag}", exact))
             if n % 64 == 0 and k % fast_layout.TILE_K == 0:
-                def fast(lr_acc=lr_acc, m=m, k=k, n=n):
+                def fast(lr_acc=lr_acc, m=m, k=k, qweight=qweight, wscales=wscales, ones=ones):
                     w = quack_fast.prepare(qweight, wscales, ones, None)
                     a8 = torch.zeros(m, k).to(torch.float8_e4m3fn)
                     quack_fast.gemm(a8, torch.ones(m), w, launch=False, lr_acc=lr_acc)
