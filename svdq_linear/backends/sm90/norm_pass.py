@@ -65,8 +65,9 @@ def _round_kept(v, like_ptr, RNE_BITS: tl.constexpr):
     # quarter of the modulated values (measured on the H100, benchmarks/diag_fast_rows.py). A cvt in inline PTX is
     # opaque to both steps (enable_fp_fusion=False on the launch would stop the contraction too, and every fp32 fma
     # of the kernel with it); the interpreter (RNE_BITS) runs no such passes.
-    if RNE_BITS:
+    if RNE_BITS or like_ptr.dtype.element_ty == tl.float32:
         return _round_to(v, like_ptr, RNE_BITS)
+    tl.static_assert(like_ptr.dtype.element_ty == tl.bfloat16 or like_ptr.dtype.element_ty == tl.float16)
     if like_ptr.dtype.element_ty == tl.bfloat16:
         h = tl.inline_asm_elementwise("cvt.rn.bf16.f32 $0, $1;", "=h,r", [v], dtype=tl.bfloat16, is_pure=True,
                                       pack=1)
