@@ -78,6 +78,12 @@ def fuse_qkv(model, variant: str, single_mlp: bool = True) -> None:
             for attn in model.modules():
                 attn.__dict__.pop("_svdq_single_block", None)
     model.fuse_qkv_projections()
+    if variant in ("exact", "fast"):  # every layer, the stacked ones included, times the variant's mode
+        from svdq_linear import SVDQW4A4Linear
+
+        modes = {m.mode for m in model.modules() if isinstance(m, SVDQW4A4Linear)}
+        if modes != {variant}:
+            raise RuntimeError(f"{variant}: after fusing, the quantized layers run modes {sorted(modes)}")
 
 
 def unfuse_qkv(model) -> None:
