@@ -71,6 +71,9 @@ def concat_w4a4(layers: list[SVDQW4A4Linear]) -> SVDQW4A4Linear:
     fused.load_state_dict(sd, assign=True)
     fused._backend_pref = first._backend_pref
     fused.set_mode(_own_mode(first))  # set_mode(model, ...) before fusing holds for the fused layer too
+    names = [getattr(layer, "layer_name", None) for layer in layers]
+    if all(names):  # name_layers ran: warnings name the parts ("blocks.0.attn.to_q+to_k+to_v")
+        fused.layer_name = names[0] + "".join("+" + n.rsplit(".", 1)[-1] for n in names[1:])
     return fused
 
 

@@ -183,9 +183,20 @@ def test_the_fused_layer_runs_the_mode_set_before_fusing(mode):
         want = torch.cat([run(x2, p.qweight, p.wscales, p.smooth, p.proj_down, p.proj_up, p.wcscale, p.bias)
                           for p in parts], dim=1)
     torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert not hasattr(fused, "layer_name")  # name_layers has not run
     other = "exact" if mode == "fast" else "fast"
     set_mode(block, other)  # after fusing: the stacked layer is one of the model's modules
     assert fused.mode == other and block.attn.to_q.mode == other
+
+
+def test_the_fused_layer_is_named_after_its_parts():
+    from svdq_linear.linear import name_layers
+
+    block = _block()
+    name_layers(torch.nn.ModuleDict({"b": block}))
+    fuse_attention_projections(block)
+    block.attn.fuse_projections()
+    assert block.attn.to_qkv_mlp.layer_name == "b.attn.to_q+to_k+to_v+proj_mlp"
 
 
 def test_layers_set_to_other_modes_do_not_stack():
