@@ -227,8 +227,9 @@ CAT_GELU_MIN_M = 2048
 ADA_NORM_MIN_M = 2048
 ENV_ADA_NORM = "SVDQ_SM90_ADA_NORM"
 # the norm pass's apply tile, rows x warps: 32 x 4 (mma.sync for lora_act; 142-152 registers and 60 KB at R = 128)
-# by default; SVDQ_SM90_ADA_NORM_TILE=64x4 / 64x8 takes wgmma and half the proj_down reloads (docs/perf.md,
-# twenty-eighth session: the 32-row tile's lora_act costs ~30 us at R = 96-128). The same bits at any tile.
+# by default; SVDQ_SM90_ADA_NORM_TILE=64x4 / 64x8 takes wgmma and half the proj_down reloads, which measured only
+# 4-8 us faster at R = 96-128 and slower at R = 32 (docs/perf.md, twenty-ninth session, z-2). The same bits at any
+# tile.
 ENV_ADA_NORM_TILE = "SVDQ_SM90_ADA_NORM_TILE"
 ADA_NORM_TILES = ((16, 4), (32, 4), (32, 8), (64, 4), (64, 8))
 
