@@ -602,9 +602,10 @@ class Sm90Backend(Backend):
             return out if x.dtype == out_dtype else out.to(x.dtype)
         if len(extra) == 7:  # [proj_down', proj_up', segments] + FastWeight: the low-rank MMA in the accumulator
             pds, up, seg = extra[:3]
-            pdl = self._fast_lora_pdl(x, pds)
-            a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=self._lora_act(x, pds, pdl), inv_smooth=inv,
-                                                       gemm_order=True, lora_pdl=pdl)
+            plan = _lora_plan(x, pds)  # read once: the pair's choice and lora_act's launch take the same plan
+            pdl = self._fast_lora_pdl(x, plan)
+            a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=self._lora_act(x, pds, pdl, plan),
+                                                       inv_smooth=inv, gemm_order=True, lora_pdl=pdl)
             out = quack_fast.gemm(a8, sa, fw, out_dtype=out_dtype, lr_acc=(up, la, seg))
         else:
             lowrank = None
@@ -744,17 +745,19 @@ class Sm90Backend(Backend):
                                      num_warps=plan.num_warps, num_stages=plan.num_stages, xb=xb, gelu_b=True,
                                      pdl=pdl)
 
-    def _fast_lora_pdl(self, x: torch.Tensor, pds: torch.Tensor) -> bool:
+    def _fast_lora_pdl(self, x: torch.Tensor, plan: tuning.LoraActPlan | None) -> bool:
         """Whether this fast call takes the PDL pair: the switch on, x of unit stride along K and within the
-        one-pass kernel's rows, and ``lora_act`` on the Triton kernel (its plan)."""
+        one-pass kernel's rows, and ``lora_act`` on the Triton kernel (``plan``, from ``_lora_plan``)."""
         return (x.stride(1) == 1 and x.shape[1] <= self.kernels.ROW_MAX_K and _pdl(x, self.kernels)
-                and tuning.lora_act_plan(x.shape[0], x.shape[1], pds.shape[1], getenv(tuning.ENV_LORA_ACT)) is not None)
+                and plan is not None)
 
-    def _lora_act(self, x: torch.Tensor, pds: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    def _lora_act(self, x: torch.Tensor, pds: torch.Tensor, pdl: bool = False, plan: object = ...) -> torch.Tensor:
         """The fast mode's ``lora_act = x @ pds`` in fp32: cuBLAS, or ``kernels.lora_act`` where
-        ``tuning.lora_act_plan`` says (its split's partial sums, which ``quantize_act_fp8`` adds). ``pdl``: the
-        Triton kernel as the PDL pair's first launch (``_fast_lora_pdl`` said so)."""
-        plan = tuning.lora_act_plan(x.shape[0], x.shape[1], pds.shape[1], getenv(tuning.ENV_LORA_ACT))
+        ``tuning.lora_act_plan`` says (its split's partial sums, which ``quantize_act_fp8`` adds); ``plan``: that
+        plan when the caller has it (``_lora_plan``; None: cuBLAS; unset: read here). ``pdl``: the Triton kernel
+        as the PDL pair's first launch (``_fast_lora_pdl`` said so)."""
+        if plan is ...:
+            plan = _lora_plan(x, pds)
         if plan is None:
             return _mm_f32(x.to(torch.bfloat16), pds)
         return self.kernels.lora_act(x, pds, torch.float32, block_m=plan.block_m, split=plan.split,
@@ -770,6 +773,12 @@ class Sm90Backend(Backend):
                                   act=small_m.ACT_X, bias=bias, out_dtype=x.dtype)
         cfg = self.tuning.pick(x.shape[0], qweight.shape[0], x.shape[1])
         return self.kernels.w4_gemm(x, qweight, wscales, wcscale, bias, None, None, x.dtype, cfg)
+
+
+def _lora_plan(x: torch.Tensor, pds: torch.Tensor) -> tuning.LoraActPlan | None:
+    """``tuning.lora_act_plan`` of the fast mode's ``lora_act`` for ``x`` and ``pds [K, R]`` under
+    ``SVDQ_SM90_LORA_ACT`` (read per call): None for cuBLAS."""
+    return tuning.lora_act_plan(x.shape[0], x.shape[1], pds.shape[1], getenv(tuning.ENV_LORA_ACT))
 
 
 def _exact_inv(extra: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:

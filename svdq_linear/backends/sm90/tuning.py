@@ -236,8 +236,13 @@ ADA_NORM_TILES = ((16, 4), (32, 4), (32, 8), (64, 4), (64, 8))
 
 def ada_norm_tile() -> tuple[int, int]:
     """``(block_m, num_warps)`` of ``norm_pass``'s apply launch: ``SVDQ_SM90_ADA_NORM_TILE`` ("ROWSxWARPS", one
-    of ``ADA_NORM_TILES``), else 32 x 4. A value outside the list is an error, not a silent default."""
-    v = getenv(ENV_ADA_NORM_TILE)
+    of ``ADA_NORM_TILES``), else 32 x 4. A value outside the list is an error, not a silent default. Read per
+    call; the parse of each value is kept."""
+    return _ada_norm_tile(getenv(ENV_ADA_NORM_TILE) or "")
+
+
+@functools.lru_cache(maxsize=16)
+def _ada_norm_tile(v: str) -> tuple[int, int]:
     if not v:
         return 32, 4
     try:
