@@ -58,7 +58,14 @@ def test_setuptools_finds_no_converters_package_although_the_folder_is_there():
 
 
 def test_the_installed_distribution_has_no_top_level_converters(tmp_path):
-    # A fresh interpreter outside the repository, with only what is installed on its path.
+    # A fresh interpreter outside the repository, with only what is installed on its path. A source tree run
+    # through PYTHONPATH (the GPU machine's) has no distribution to check.
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("svdq-linear")
+    except PackageNotFoundError:
+        pytest.skip("svdq-linear is not installed (the tests run from a source tree): nothing installed to check")
     env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
     code = "import importlib.util as u; print(u.find_spec('converters'), u.find_spec('svdq_linear') is not None)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
