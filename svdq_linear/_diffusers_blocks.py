@@ -14,6 +14,8 @@ Imported only by ``svdq_linear.fuse`` when it switches a block: it needs diffuse
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from diffusers.models import activations as _activations
 from diffusers.models import attention as _attention
@@ -24,7 +26,27 @@ from .linear import SVDQW4A4Linear
 
 # The subclasses keep the diffusers class names: diffusers finds blocks by class name
 # (``compile_repeated_blocks``' ``_repeated_blocks``, ``_no_split_modules``), and pickle finds these by
-# their own module and name.
+# their own module and name. Its hooks that cache or skip whole blocks (first-block cache, layer skip, MagCache)
+# look blocks up by class object in ``TransformerBlockRegistry``: ``_register_block_metadata`` (below) gives
+# each subclass its base's entry.
+
+
+def _wrapped(module: torch.nn.Module) -> bool:
+    """Whether a call of ``module`` runs more than its ``forward``: forward (pre-)hooks, global ones, or a
+    ``forward`` replaced on the instance (diffusers' hook registry: attention caches, layer skip; accelerate's
+    offload). A fused path that would not call such a module takes the path that does."""
+    return bool("forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks
+                or torch.nn.modules.module._global_forward_hooks
+                or torch.nn.modules.module._global_forward_pre_hooks)
+
+
+def _mods_fit(x: torch.Tensor, *mods: torch.Tensor) -> bool:
+    """Whether the modulation vectors ``mods`` are what ``SVDQW4A4Linear.forward_ada_norm`` takes for ``x [B, S,
+    K]``: one ``[B, K]`` row per sample, x's dtype and device. diffusers' norms also broadcast a single row over
+    the batch and promote mixed dtypes (autocast gives the adaLN linear's 16-bit output beside an fp32 stream): such
+    calls take the norm's own forward."""
+    want = (x.shape[0], x.shape[-1])
+    return all(tuple(t.shape) == want and t.dtype == x.dtype and t.device == x.device for t in mods)
 
 
 def _heads(attn, t, norm=None):
@@ -67,16 +89,23 @@ class FluxSingleTransformerBlock(_flux.FluxSingleTransformerBlock):
 
     def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
                 joint_attention_kwargs=None):
+        if not isinstance(self, FluxSingleTransformerBlock):  # unfused since a hook took this forward: diffusers'
+            return _flux.FluxSingleTransformerBlock.forward(self, hidden_states, encoder_hidden_states, temb,
+                                                            image_rotary_emb, joint_attention_kwargs)
         n_text = encoder_hidden_states.shape[1]
         x = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         fused = getattr(self.attn, "to_qkv_mlp", None)
         norm = self.norm
-        if fused is not None and not joint_attention_kwargs and type(self.attn.processor) is _flux.FluxAttnProcessor:
-            if type(norm) is _normalization.AdaLayerNormZeroSingle and norm.norm.weight is None:
+        if (fused is not None and not joint_attention_kwargs and type(self.attn.processor) is _flux.FluxAttnProcessor
+                and not _wrapped(self.attn)):
+            qkvm = None
+            if (type(norm) is _normalization.AdaLayerNormZeroSingle and norm.norm.weight is None
+                    and not (_wrapped(norm) or _wrapped(norm.norm))):
                 # AdaLayerNormZeroSingle's steps, the norm and modulation left to the fused layer's activation pass
                 shift, scale, gate = norm.linear(norm.silu(temb)).chunk(3, dim=1)
-                qkvm = fused.forward_ada_norm(x, shift, scale, norm.norm.eps)
-            else:
+                if _mods_fit(x, shift, scale):
+                    qkvm = fused.forward_ada_norm(x, shift, scale, norm.norm.eps)
+            if qkvm is None:
                 normed, gate = norm(x, emb=temb)
                 qkvm = fused(normed)
             query, key, value, mlp = qkvm.split(fused._split, dim=-1)
@@ -86,7 +115,7 @@ class FluxSingleTransformerBlock(_flux.FluxSingleTransformerBlock):
             mlp = self.proj_mlp(normed)
             attn = self.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb,
                              **(joint_attention_kwargs or {}))
-        if self._svdq_gelu_in:  # act_mlp (GELU, tanh form) is applied by proj_out as it reads it
+        if self._svdq_gelu_in and not _wrapped(self.act_mlp):  # act_mlp (GELU, tanh form): applied by proj_out
             y = self.proj_out.forward_cat_gelu(attn, mlp)
         else:
             y = self.proj_out(torch.cat([attn, self.act_mlp(mlp)], dim=2))
@@ -125,11 +154,11 @@ def _ff_from_norm(ff, x, shift, scale, eps):
 
 def _ff_reads_norm(ff) -> bool:
     net = getattr(ff, "net", None)
-    if not isinstance(ff, _attention.FeedForward) or len(net) != 3 or "forward" in ff.__dict__:
+    if not isinstance(ff, _attention.FeedForward) or len(net) != 3 or _wrapped(ff):
         return False
     gelu = net[0]
     return (type(gelu) is _activations.GELU and gelu.approximate == "tanh" and isinstance(gelu.proj, SVDQW4A4Linear)
-            and isinstance(net[1], torch.nn.Dropout) and "forward" not in gelu.__dict__)
+            and isinstance(net[1], torch.nn.Dropout) and not (_wrapped(gelu) or _wrapped(net[1])))
 
 
 def _joint_attention(attn, x, enc, mods, eps, image_rotary_emb):
@@ -156,17 +185,27 @@ class FluxTransformerBlock(_flux.FluxTransformerBlock):
 
     def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
                 joint_attention_kwargs=None):
+        if not isinstance(self, FluxTransformerBlock):  # unfused since a hook took this forward: diffusers'
+            return _flux.FluxTransformerBlock.forward(self, hidden_states, encoder_hidden_states, temb,
+                                                      image_rotary_emb, joint_attention_kwargs)
         attn = self.attn
-        if (joint_attention_kwargs or type(attn.processor) is not _flux.FluxAttnProcessor
+        norms = (self.norm1, self.norm1_context, self.norm2, self.norm2_context)
+        if (joint_attention_kwargs or type(attn.processor) is not _flux.FluxAttnProcessor or _wrapped(attn)
                 or not isinstance(getattr(attn, "to_qkv", None), SVDQW4A4Linear)
                 or not isinstance(getattr(attn, "to_added_qkv", None), SVDQW4A4Linear)
                 or not (_ada_zero_ok(self.norm1) and _ada_zero_ok(self.norm1_context))
                 or not (_plain_layer_norm(self.norm2) and _plain_layer_norm(self.norm2_context))
+                or any(_wrapped(n) for n in norms) or _wrapped(self.norm1.norm) or _wrapped(self.norm1_context.norm)
                 or not (_ff_reads_norm(self.ff) and _ff_reads_norm(self.ff_context))):
             return super().forward(hidden_states, encoder_hidden_states, temb, image_rotary_emb,
                                    joint_attention_kwargs)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = _ada_zero(self.norm1, temb)
         c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = _ada_zero(self.norm1_context, temb)
+        if not (_mods_fit(hidden_states, shift_msa, scale_msa) and _mods_fit(encoder_hidden_states, c_shift_msa,
+                                                                              c_scale_msa)):
+            # a broadcast temb row or mixed dtypes (autocast): diffusers' forward (the adaLN linears run again)
+            return super().forward(hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                                   joint_attention_kwargs)
         attn_output, context_attn_output = _joint_attention(
             attn, hidden_states, encoder_hidden_states, (shift_msa, scale_msa, c_shift_msa, c_scale_msa),
             (self.norm1.norm.eps, self.norm1_context.norm.eps), image_rotary_emb)
@@ -187,8 +226,10 @@ class FeedForward(_attention.FeedForward):
     GELU's input; in training with a dropout probability the original order runs."""
 
     def forward(self, hidden_states, *args, **kwargs):
+        if not isinstance(self, FeedForward):  # unfused since a hook took this forward: diffusers'
+            return _attention.FeedForward.forward(self, hidden_states, *args, **kwargs)
         gelu, dropout, down = self.net[0], self.net[1], self.net[2]
-        if args or kwargs or (self.training and dropout.p > 0):
+        if args or kwargs or (self.training and dropout.p > 0) or _wrapped(gelu) or _wrapped(dropout):
             return super().forward(hidden_states, *args, **kwargs)
         return down.forward_cat_gelu(None, gelu.proj(hidden_states))
 
@@ -196,3 +237,22 @@ class FeedForward(_attention.FeedForward):
 FUSED = {_flux.FluxSingleTransformerBlock: FluxSingleTransformerBlock, _attention.FeedForward: FeedForward}
 # switched by fuse_qkv_projections (svdq_linear.fuse), not by fuse_gelu_inputs
 NORM_IN = {_flux.FluxTransformerBlock: FluxTransformerBlock}
+
+
+def _register_block_metadata() -> None:
+    """Give each subclass the ``TransformerBlockRegistry`` entry of its diffusers base (same outputs in the same
+    order), so that the block hooks that look blocks up by class find them. A diffusers without the registry, or
+    without an entry for a base, leaves the subclass unregistered, as the base is."""
+    try:
+        from diffusers.hooks._helpers import TransformerBlockRegistry
+    except ImportError:  # pragma: no cover - diffusers before its hook registry
+        return
+    for base, ours in (*FUSED.items(), *NORM_IN.items()):
+        try:
+            meta = TransformerBlockRegistry.get(base)
+        except ValueError:  # not a registered block (FeedForward)
+            continue
+        TransformerBlockRegistry.register(ours, dataclasses.replace(meta, _cached_parameter_indices=None))
+
+
+_register_block_metadata()

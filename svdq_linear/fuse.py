@@ -108,6 +108,17 @@ def _fuse_group(attn: nn.Module, names: tuple[str, ...], fused_name: str) -> boo
     return True
 
 
+def _concat_linears(layers: list[nn.Linear]) -> nn.Linear:
+    """One ``nn.Linear`` of ``layers`` stacked along N (diffusers' own ``fuse_projections`` for plain layers)."""
+    first = layers[0]
+    w = torch.cat([layer.weight for layer in layers])
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=first.bias is not None, device=w.device, dtype=w.dtype)
+    fused.weight.copy_(w)
+    if first.bias is not None:
+        fused.bias.copy_(torch.cat([layer.bias for layer in layers]))
+    return fused
+
+
 def _single_block_mlp(attn: nn.Module) -> SVDQW4A4Linear | None:
     """The quantized ``proj_mlp`` of the Flux single block ``attn`` belongs to (``fuse_attention_projections``
     noted it), when it can join q/k/v in one layer: same input width, smoothing factor, device and mode."""
@@ -163,13 +174,22 @@ def _fuse_projections(self, *args, **kwargs):
         self.to_qkv_mlp = fused
         _switch_class(block, "FUSED", "its q/k/v and proj_mlp stay separate calls")
         return
-    if getattr(self, "is_cross_attention", False):
-        done = _fuse_group(self, ("to_k", "to_v"), "to_kv")
+    main = ("to_k", "to_v") if getattr(self, "is_cross_attention", False) else ("to_q", "to_k", "to_v")
+    if not all(isinstance(getattr(self, n, None), SVDQW4A4Linear) for n in main):
+        raise RuntimeError(f"{type(self).__name__}: expected quantized {'/'.join(main)} to fuse")
+    context = ("add_q_proj", "add_k_proj", "add_v_proj")
+    ctx = [getattr(self, n, None) for n in context]
+    ctx_plain = all(type(layer) is nn.Linear for layer in ctx)
+    if any(layer is not None for layer in ctx) and not (ctx_plain or all(isinstance(layer, SVDQW4A4Linear)
+                                                                          for layer in ctx)):
+        kinds = ", ".join(f"{n}: {type(layer).__name__}" for n, layer in zip(context, ctx))
+        raise RuntimeError(f"{type(self).__name__}: the context projections are partly quantized ({kinds}); "
+                           "quantize all three or none to fuse them")
+    _fuse_group(self, main, "to_kv" if len(main) == 2 else "to_qkv")
+    if ctx_plain:  # the context stream kept in 16 bits: one nn.Linear of the three, as diffusers fuses them
+        self.to_added_qkv = _concat_linears(ctx)
     else:
-        done = _fuse_group(self, ("to_q", "to_k", "to_v"), "to_qkv")
-    if not done:
-        raise RuntimeError(f"{type(self).__name__}: expected quantized to_q/to_k/to_v to fuse")
-    _fuse_group(self, ("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_qkv")
+        _fuse_group(self, context, "to_added_qkv")
     self.fused_projections = True
     block = self.__dict__.get("_svdq_double_block")
     if block is not None:
@@ -185,7 +205,7 @@ def _unfuse_projections(self, *args, **kwargs):
     for layer in parts:
         if isinstance(layer, SVDQW4A4Linear):
             layer._restore()  # rows rebuilt from the fused module now, so nothing keeps it alive
-    for name in ("to_qkv", "to_kv", "to_added_qkv", "to_qkv_mlp"):
+    for name in _FUSED_NAMES:
         if hasattr(self, name):
             delattr(self, name)
     self.fused_projections = False
@@ -196,10 +216,27 @@ def _unfuse_projections(self, *args, **kwargs):
         _unswitch_class(double, "NORM_IN")
 
 
+_FUSED_NAMES = ("to_qkv", "to_kv", "to_added_qkv", "to_qkv_mlp")
+
+
 def _drop_fused_from_state_dict(module, state_dict, prefix, local_metadata):
-    for key in [k for k in state_dict if k.startswith((prefix + "to_qkv.", prefix + "to_kv.",
-                                                        prefix + "to_added_qkv.", prefix + "to_qkv_mlp."))]:
+    for key in [k for k in state_dict if k.startswith(tuple(prefix + name + "." for name in _FUSED_NAMES))]:
         del state_dict[key]
+
+
+def _unfuse_for_load(module, state_dict, prefix, *args):
+    """Load pre-hook of a patched attention module: a state_dict holds the separate layers' keys only (the fused
+    modules stay out of it), so a fused module is undone before its parts load, and ``_refuse_after_load`` stacks
+    the loaded parts again. Loading into the parts alone would leave the fused layer's own tensors (smoothing,
+    ``wcscale``, low-rank branch, bias) as they were, and a strict load would miss the fused keys."""
+    if any(name in module._modules for name in _FUSED_NAMES):
+        module.__dict__["_svdq_refuse"] = True
+        _unfuse_projections(module)
+
+
+def _refuse_after_load(module, incompatible_keys):
+    if module.__dict__.pop("_svdq_refuse", False):
+        _fuse_projections(module)
 
 
 class _Bound:
@@ -234,6 +271,8 @@ def fuse_attention_projections(model: nn.Module) -> int:
             module.fuse_projections = _Bound(_fuse_projections, module)
             module.unfuse_projections = _Bound(_unfuse_projections, module)
             module._register_state_dict_hook(_drop_fused_from_state_dict)
+            module._register_load_state_dict_pre_hook(_unfuse_for_load, with_module=True)
+            module.register_load_state_dict_post_hook(_refuse_after_load)
             patched += 1
     return patched
 
@@ -290,12 +329,13 @@ def fuse_gelu_inputs(model: nn.Module) -> int:
 
 
 def unfuse_gelu_inputs(model: nn.Module) -> int:
-    """Undo ``fuse_gelu_inputs``: the blocks get their diffusers classes back. Returns how many."""
+    """Undo ``fuse_gelu_inputs``: the blocks get their diffusers classes back. Returns how many. A hook that kept a
+    switched block's forward keeps calling it, and that forward then runs diffusers' own (``_diffusers_blocks``)."""
     from ._diffusers_blocks import FUSED
 
     back = {fused: base for base, fused in FUSED.items()}
-    done, wrapped = 0, []
-    for name, module in model.named_modules():
+    done = 0
+    for module in model.modules():
         if type(module) not in back:
             continue
         if hasattr(type(module), "_svdq_gelu_in"):  # a single block: its flag, and its class if nothing else needs it
@@ -307,10 +347,4 @@ def unfuse_gelu_inputs(model: nn.Module) -> int:
                 continue
         module.__class__ = back[type(module)]
         done += 1
-        if "forward" in module.__dict__:
-            wrapped.append(name)
-    if wrapped:
-        warnings.warn(f"svdq-linear: {len(wrapped)} blocks (first: {wrapped[0]!r}) have a hook that kept the "
-                      "switched forward: it still runs until the hook is removed (outputs are the same up to "
-                      "the GELU's last bit)", stacklevel=2)
     return done

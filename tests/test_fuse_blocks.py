@@ -310,3 +310,153 @@ def test_double_block_linears_read_their_norms_inputs(monkeypatch):
         again = block(hs, enc, temb, image_rotary_emb=rope)
     for a, b in zip(again, before):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ---- what diffusers' own blocks accept, the fused ones accept too -------------------------------------------
+
+
+def _fused_pair(seed: int = 0):
+    """A fused Flux single block and a fused double block (q/k/v stacked; the double one switched to read its
+    norms' inputs), fp32, on the reference backend."""
+    single, double = _block(seed), _double_block(seed)
+    fuse_attention_projections(torch.nn.ModuleDict({"s": single, "d": double}))
+    single.attn.fuse_projections()
+    double.attn.fuse_projections()
+    assert type(single) is not flux.FluxSingleTransformerBlock and type(double) is not flux.FluxTransformerBlock
+    return single, double
+
+
+def _base_forward(block, *args, **kwargs):
+    """diffusers' own forward of the block's base class on the same (fused) layers: the oracle."""
+    base = flux.FluxSingleTransformerBlock if isinstance(block, flux.FluxSingleTransformerBlock) else \
+        flux.FluxTransformerBlock
+    with torch.no_grad():
+        return torch.cat(base.forward(block, *args, **kwargs), dim=1)
+
+
+def test_fused_blocks_run_under_autocast_and_broadcast_a_single_temb_row():
+    """diffusers' norms promote mixed dtypes (autocast makes the adaLN linear's output bf16 beside an fp32 stream)
+    and broadcast a one-row ``temb`` over the batch. The fused blocks used to refuse both (``forward_ada_norm``'s
+    shape and dtype check); they now take the norm's own forward for such calls."""
+    single, double = _fused_pair()
+    hs, enc, temb, rope = _inputs(7)
+    for block in (single, double):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            got = torch.cat(block(hs, enc, temb, image_rotary_emb=rope), dim=1)
+            want = _base_forward(block, hs, enc, temb, image_rotary_emb=rope)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        row = temb[:1]
+        with torch.no_grad():
+            got = torch.cat(block(hs, enc, row, image_rotary_emb=rope), dim=1)
+        assert got.shape[0] == hs.shape[0]
+        torch.testing.assert_close(got, _base_forward(block, hs, enc, row, image_rotary_emb=rope), rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_fused_blocks_call_a_hooked_attention_module():
+    """A hook on the attention module (diffusers' attention caches and layer skip replace its forward; a plain
+    forward hook) is called: the fused path, which computes the attention itself, gives way to the block's path
+    through ``attn(...)``. The same holds for a hooked norm."""
+    single, double = _fused_pair(1)
+    inputs = _inputs(8)
+    for block in (single, double):
+        plain = _run(block, inputs)
+        seen = []
+        h = block.attn.register_forward_hook(lambda *a: seen.append(1))
+        torch.testing.assert_close(_run(block, inputs), plain, rtol=1e-5, atol=1e-5)
+        assert seen == [1], "the attention module's hook did not run"
+        h.remove()
+        norm = block.norm if isinstance(block, flux.FluxSingleTransformerBlock) else block.norm2
+        h = norm.register_forward_pre_hook(lambda *a: seen.append(2))
+        torch.testing.assert_close(_run(block, inputs), plain, rtol=1e-5, atol=1e-5)
+        assert seen[1:] == [2], "the norm's hook did not run"
+        h.remove()
+
+
+def test_diffusers_block_hooks_find_the_switched_classes():
+    """diffusers' block hooks (first-block cache, layer skip, MagCache) look blocks up by class object: the switched
+    classes carry their bases' entries."""
+    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+    from diffusers.hooks._helpers import TransformerBlockRegistry
+
+    single, double = _fused_pair(2)
+    for block, base in ((single, flux.FluxSingleTransformerBlock), (double, flux.FluxTransformerBlock)):
+        ours, theirs = TransformerBlockRegistry.get(type(block)), TransformerBlockRegistry.get(base)
+        assert ours is not theirs and ours._cls is type(block)
+        assert (ours.return_hidden_states_index, ours.return_encoder_hidden_states_index) == \
+            (theirs.return_hidden_states_index, theirs.return_encoder_hidden_states_index)
+    model = torch.nn.ModuleDict({"transformer_blocks": torch.nn.ModuleList([double, _double_block(3)])})
+    apply_first_block_cache(model, FirstBlockCacheConfig(threshold=0.1))  # raised "not registered" before
+
+
+def test_a_fused_model_loads_a_state_dict_of_its_keys():
+    """A fused model's ``state_dict`` holds the separate layers' keys only (checkpoints unchanged). Loading one
+    (strict) into another fused model undoes its fused layers, loads the parts and stacks them again: its outputs
+    become the source's, the parts are views of the new stacked weight again. Loading into the parts alone used to
+    miss the fused keys (strict) or leave the fused layers' own tensors stale."""
+    src_s, src_d = _fused_pair(4)
+    dst_s, dst_d = _fused_pair(5)
+    src, dst = torch.nn.ModuleDict({"s": src_s, "d": src_d}), torch.nn.ModuleDict({"s": dst_s, "d": dst_d})
+    sd = src.state_dict()
+    assert not [k for k in sd if ".to_qkv" in k or ".to_added_qkv." in k]
+    inputs = _inputs(9)
+    assert not torch.allclose(_run(dst_s, inputs), _run(src_s, inputs))
+    result = dst.load_state_dict(sd)
+    assert not result.missing_keys and not result.unexpected_keys
+    for got, want in ((dst_s, src_s), (dst_d, src_d)):
+        assert type(got) is type(want)
+        torch.testing.assert_close(_run(got, inputs), _run(want, inputs), rtol=0, atol=0)
+    fused = dst_s.attn.to_qkv_mlp
+    assert dst_s.attn.to_q.qweight.data_ptr() == fused.qweight.data_ptr()
+    assert dst_s.proj_mlp.qweight.data_ptr() == fused.qweight.data_ptr() + 3 * DIM * DIM // 2
+    assert dst_d.attn.to_k.qweight.data_ptr() == dst_d.attn.to_qkv.qweight.data_ptr() + DIM * DIM // 2
+    assert set(dst.state_dict()) == set(sd)
+
+
+def test_unfusing_under_a_hook_that_kept_the_switched_forward():
+    """A hook added after fusing keeps the switched class's forward; after unfusing (class back to diffusers')
+    that forward runs diffusers' own instead of failing on ``super()`` or a missing flag."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    single, double = _fused_pair(6)
+    fuse_gelu_inputs(torch.nn.ModuleDict({"s": single, "d": double}))
+    inputs = _inputs(10)
+    before = [_run(b, inputs) for b in (single, double)]
+    for b in (single, double):
+        HookRegistry.check_if_exists_or_initialize(b).register_hook(ModelHook(), "noop")
+        b.attn.unfuse_projections()
+    unfuse_gelu_inputs(torch.nn.ModuleDict({"s": single, "d": double}))
+    assert type(single) is flux.FluxSingleTransformerBlock and type(double) is flux.FluxTransformerBlock
+    for b, want in zip((single, double), before):
+        torch.testing.assert_close(_run(b, inputs), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_context_stream_kept_in_16_bits_fuses_as_diffusers_does():
+    """q/k/v quantized, the context projections plain ``nn.Linear``: those stack into one plain ``to_added_qkv``
+    (diffusers' own fusion) instead of leaving the processor a missing layer; partly quantized context
+    projections are refused by name before anything changes."""
+    block = _double_block(7)
+    for name in ("add_q_proj", "add_k_proj", "add_v_proj"):
+        layer = getattr(block.attn, name)
+        plain = torch.nn.Linear(layer.in_features, layer.out_features)
+        setattr(block.attn, name, plain)
+    fuse_attention_projections(block)
+    hs, enc, temb, rope = _inputs(11)
+    with torch.no_grad():
+        before = torch.cat(block(hs, enc, temb, image_rotary_emb=rope), dim=1)
+    keys = set(block.state_dict())
+    block.attn.fuse_projections()
+    assert type(block.attn.to_added_qkv) is torch.nn.Linear and isinstance(block.attn.to_qkv, SVDQW4A4Linear)
+    with torch.no_grad():
+        after = torch.cat(block(hs, enc, temb, image_rotary_emb=rope), dim=1)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    assert set(block.state_dict()) == keys
+    block.attn.unfuse_projections()
+
+    mixed = _double_block(8)
+    fuse_attention_projections(mixed)
+    add_k = mixed.attn.add_k_proj
+    mixed.attn.add_k_proj = torch.nn.Linear(add_k.in_features, add_k.out_features)
+    with pytest.raises(RuntimeError, match="partly quantized.*add_k_proj: Linear"):
+        mixed.attn.fuse_projections()
+    assert not hasattr(mixed.attn, "to_qkv") and not mixed.attn.fused_projections
