@@ -271,6 +271,35 @@ def test_overwrite_replaces_only_an_svdq_convert_output(sources, tmp_path):
     assert not out.with_name("o.partial").exists() and not out.with_name("o.replaced").exists()
 
 
+def test_overwrite_removes_no_partial_or_replaced_folder_it_did_not_write(sources, tmp_path):
+    """``--overwrite`` removes ``<out>.partial`` only when it is an unfinished svdq-convert run (its progress.json,
+    or the empty ``transformer/`` a run leaves before writing it), and the swap's ``<out>.replaced`` only when it
+    is an svdq-convert output (an earlier swap's leftover); other folders there are refused by name, untouched."""
+    from svdq_linear.convert.convert import ConvertError, ConvertOptions, convert
+
+    opts = ConvertOptions(rank=4, calib=False, dtype="float32", progress=False, overwrite=True)
+    out, partial, replaced = tmp_path / "o", tmp_path / "o.partial", tmp_path / "o.replaced"
+    (partial / "precious").mkdir(parents=True)
+    (partial / "precious" / "notes.txt").write_text("keep me")
+    for o in (opts, ConvertOptions(rank=4, calib=False, dtype="float32", progress=False)):
+        with pytest.raises(ConvertError, match="not an unfinished svdq-convert run.*remove it or pick another"):
+            convert(str(sources["sd3"]), out, o)
+        assert (partial / "precious" / "notes.txt").read_text() == "keep me" and not out.exists()
+    shutil.rmtree(partial / "precious")
+    (partial / "transformer").mkdir()  # what a run leaves when stopped before its progress.json
+    convert(str(sources["sd3"]), out, opts)
+    assert (out / "transformer" / "config.json").is_file() and not partial.exists()
+    (replaced / "precious").mkdir(parents=True)
+    (replaced / "precious" / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="o.replaced exists and is not an svdq-convert output"):
+        convert(str(sources["sd3"]), out, opts)
+    assert (replaced / "precious" / "notes.txt").read_text() == "keep me" and (out / "transformer").is_dir()
+    shutil.rmtree(replaced)
+    shutil.copytree(out, replaced)  # an earlier swap's leftover goes
+    convert(str(sources["sd3"]), out, opts)
+    assert not replaced.exists() and not partial.exists() and (out / "transformer" / "config.json").is_file()
+
+
 def test_unsupported_pipeline_is_a_clear_error(sources, tmp_path):
     src = tmp_path / "pixart"
     shutil.copytree(sources["flux"], src)

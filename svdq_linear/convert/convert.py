@@ -367,12 +367,23 @@ def _calibrate(src: Path, recipe: recipes.Recipe, opts: ConvertOptions, prompts:
 # ---- the partial folder --------------------------------------------------------------------------
 
 
+def _check_our_partial(partial: Path) -> None:
+    """``--overwrite`` removes only an unfinished svdq-convert run: a folder with its ``progress.json``, or one that
+    a run left before writing it (nothing but an empty ``transformer/``)."""
+    if (partial / "progress.json").is_file():
+        return
+    names = [p.name for p in partial.iterdir()] if partial.is_dir() else None
+    sub = partial / "transformer"
+    if names == [] or (names == ["transformer"] and sub.is_dir() and not any(sub.iterdir())):
+        return
+    raise ConvertError(f"{partial} exists but has no progress.json (not an unfinished svdq-convert run): "
+                       "remove it or pick another output folder (--overwrite removes only svdq-convert's own)")
+
+
 def _read_progress(partial: Path) -> dict:
     path = partial / "progress.json"
     fix = "pass --overwrite to start over"
-    if not path.is_file():
-        raise ConvertError(f"{partial} exists but has no progress.json (not an unfinished svdq-convert run): "
-                           f"{fix}, or remove it")
+    _check_our_partial(partial)
     try:
         state = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -399,6 +410,7 @@ def _open_partial(partial: Path, settings: dict, opts: ConvertOptions) -> dict:
     settings; one with finished blocks needs ``--resume`` (same settings) or ``--overwrite``.
     """
     if partial.exists() and opts.overwrite:
+        _check_our_partial(partial)
         _note(f"--overwrite: removing {partial}")
         shutil.rmtree(partial)
     if partial.exists():
@@ -491,6 +503,9 @@ def convert(model_id: str, out_dir: str | os.PathLike, opts: ConvertOptions | No
         if not opts.overwrite:
             raise FileExistsError(f"{out} already exists; pass --overwrite to replace it, or pick another output folder")
         _check_replaceable(out)
+        replaced = out.with_name(out.name + ".replaced")
+        if replaced.exists():  # the swap's stand-by name: an earlier swap's leftover may go, nothing else
+            _check_replaceable(replaced)
     state = _open_partial(partial, opts.settings(model_id), opts)
     try:
         return _convert(str(model_id), out, partial, state, opts, prompts, t0)
@@ -613,7 +628,8 @@ def _convert(model_id: str, out: Path, partial: Path, state: dict, opts: Convert
     progress_file.unlink()
     if out.exists():  # --overwrite: the earlier output goes only now that the new one is complete
         old = out.with_name(out.name + ".replaced")
-        shutil.rmtree(old, ignore_errors=True)
+        if old.exists():  # an earlier swap's leftover (convert() checked it is an svdq-convert output)
+            shutil.rmtree(old)
         os.replace(out, old)
         os.replace(partial, out)
         shutil.rmtree(old)
