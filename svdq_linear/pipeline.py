@@ -135,10 +135,11 @@ def quantize_linears(
 
 
 def load_svdq_pipeline(
-    path_or_id: str | os.PathLike, device: str | torch.device | None = None, dtype: torch.dtype = torch.bfloat16,
+    path_or_id: str | os.PathLike, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
     mode: str | None = None, **kwargs
 ):
-    """A ready diffusers pipeline from an ``svdq-convert`` folder (or hub id) in ``dtype`` on ``device``.
+    """A ready diffusers pipeline from an ``svdq-convert`` folder (or hub id) in ``dtype`` (bf16 unless given; also
+    taken as ``torch_dtype``, diffusers' older name) on ``device``.
 
     The pipeline class comes from ``model_index.json``; diffusers' ``from_pretrained`` loads it, its
     transformer through the ``svdq_w4a4`` quantizer (``svdq_linear.diffusers_quantizer``: targets
@@ -161,6 +162,11 @@ def load_svdq_pipeline(
     if not dq.is_svdq_config(qdict):
         raise ValueError(f"{root}/transformer: quant_method is {qdict.get('quant_method')!r}, "
                          f"expected {dq.QUANT_METHOD!r}")
+    if "torch_dtype" in kwargs:
+        if dtype is not None:
+            raise ValueError("pass dtype or torch_dtype (the same setting), not both")
+        dtype = kwargs.pop("torch_dtype")
+    dtype = torch.bfloat16 if dtype is None else dtype
     kwargs.setdefault("use_safetensors", True)  # never unpickle a folder's other components
     if mode is not None and mode not in MODES:
         raise ValueError(f"expected a mode in {MODES}, got {mode!r}")

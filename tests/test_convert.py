@@ -442,6 +442,16 @@ def test_load_svdq_pipeline_goes_through_the_diffusers_quantizer(converted, monk
     assert all(auto.AUTO_QUANTIZER_MAPPING[k] is Foreign for k in QUANT_METHOD_KEYS), "the foreign entry is put back"
 
 
+def test_load_svdq_pipeline_takes_torch_dtype_as_dtype(converted):
+    """diffusers' older keyword ``torch_dtype`` sets the pipeline's dtype as ``dtype`` does (it used to clash with
+    the ``dtype`` default passed along); both at once are refused."""
+    pipe = load_svdq_pipeline(converted["sd3"], torch_dtype=torch.float16)
+    assert pipe.transformer.dtype == torch.float16
+    assert load_svdq_pipeline(converted["sd3"]).transformer.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype or torch_dtype"):
+        load_svdq_pipeline(converted["sd3"], dtype=torch.float16, torch_dtype=torch.float16)
+
+
 def test_newer_format_version_is_refused(converted, tmp_path):
     out = _copy(converted, tmp_path)
     _edit_json(out / "transformer" / "config.json", lambda c: c["quantization_config"].update(format_version=99))
