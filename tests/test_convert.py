@@ -488,6 +488,31 @@ def test_quantize_pipeline_in_place_then_save_and_load(kind, references, tmp_pat
     assert np.array_equal(generate(again, kind), img)
 
 
+def test_quantize_pipeline_refuses_a_partly_quantized_transformer(monkeypatch):
+    """A run stopped partway (an error, Ctrl-C) leaves its quantized layers in place and no quantization_config.
+    Quantizing again would take the rest only and record only those, so the saved folder would not load: refused,
+    naming what is there."""
+    from svdq_linear.convert import convert as convert_mod
+
+    pipe = build_tiny_pipeline("flux")
+    real, calls = convert_mod.quantize_linears, []
+
+    def stop_after_two(*a, **k):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(convert_mod, "quantize_linears", stop_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        svdq_linear.quantize_pipeline(pipe, rank=4, calib=False, progress=False)
+    monkeypatch.setattr(convert_mod, "quantize_linears", real)
+    held = sum(isinstance(m, (SVDQW4A4Linear, NVFP4W4A16Linear)) for m in pipe.transformer.modules())
+    assert held > 0
+    with pytest.raises(ValueError, match=rf"already holds {held} quantized layers .*load it again"):
+        svdq_linear.quantize_pipeline(pipe, rank=4, calib=False, progress=False)
+
+
 def test_quantize_linears_in_any_module():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))

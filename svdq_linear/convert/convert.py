@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from svdq_linear import diffusers_quantizer as dq
 from svdq_linear.files import checkpoint_files, pipeline_components, read_json, resolve_model_path, safetensors_keys
-from svdq_linear.linear import MODES, SVDQW4A4Linear, name_layers, set_mode
+from svdq_linear.linear import MODES, SVDQW4A4Linear, _PackedNVFP4Linear, name_layers, set_mode
 from svdq_linear.pipeline import LayerStats, quantize_linears, quantize_state_dict
 from svdq_linear.svdquant import (
     DEFAULT_ACT_HEADROOM,
@@ -681,6 +681,11 @@ def quantize_pipeline(
     transformer = pipe.transformer
     if mode is not None and mode not in MODES:
         raise ValueError(f"expected a mode in {MODES}, got {mode!r}")
+    held = [n for n, m in transformer.named_modules() if isinstance(m, _PackedNVFP4Linear)]
+    if held:
+        # the recipe would take the rest only, and the saved folder's quantization_config would miss these
+        raise ValueError(f"the transformer already holds {len(held)} quantized layers (first: {held[0]!r}); "
+                         "quantize_pipeline takes an unquantized pipeline: after an interrupted run, load it again")
     recipe = recipes.recipe_for(transformer)
     act_max = {}
     if calib:
