@@ -188,8 +188,22 @@ class SVDQuantizer(_quantizer_base()):
         return torch_dtype
 
     def maybe_update_loaded_keys(self, loaded_keys, checkpoint_files):
+        held: dict[str, str] = {}  # tensor name -> the file that holds it
         for f in checkpoint_files or ():
-            files.safetensors_keys(f)  # safetensors only, and whole: a clear error naming the file
+            for key in files.safetensors_keys(f):  # safetensors only, and whole: a clear error naming the file
+                if key in held:  # a later shard's copy would silently replace the one the index names
+                    raise ValueError(f"{key} is in two checkpoint files: {held[key]} and {f}")
+                held[key] = str(f)
+        if len(checkpoint_files or ()) > 1:  # sharded: the index's keys are what diffusers loads, so hold the
+            # shards to them (a tensor the index does not list would load unchecked)
+            listed = set(loaded_keys)
+            extra, absent = sorted(set(held) - listed), sorted(listed - set(held))
+            if extra:
+                raise ValueError(f"{len(extra)} tensors in the checkpoint's shards are not in its index (e.g. "
+                                 f"{extra[:4]}, in {held[extra[0]]})")
+            if absent:
+                raise ValueError(f"the checkpoint's index lists {len(absent)} tensors that no shard holds (e.g. "
+                                 f"{absent[:4]})")
         self.loaded_keys = set(loaded_keys)
         return loaded_keys
 

@@ -346,6 +346,37 @@ def test_corrupted_shard_is_a_clear_error(converted, tmp_path):
         load_svdq_pipeline(out, dtype=torch.float32)
 
 
+def test_shards_are_held_to_their_index(converted, tmp_path):
+    """A sharded checkpoint's tensors are what its index lists, each in one shard: a second copy in another shard
+    (which would silently replace the one the index names) and a tensor the index does not list (which would load
+    unchecked) are refused by name, as is an index key no shard holds."""
+    from safetensors.torch import save_file
+
+    def shard_of(folder, key):
+        index = json.loads((folder / "transformer" / "diffusion_pytorch_model.safetensors.index.json").read_text())
+        return folder / "transformer" / index["weight_map"][key], sorted(set(index["weight_map"].values()))
+
+    key = "transformer_blocks.0.attn.to_q.proj_up"
+    for case, match in (("copy", f"{key} is in two checkpoint files"),
+                        ("unlisted", r"1 tensors in the checkpoint's shards are not in its index \(e.g. \['extra'\]"),
+                        ("absent", rf"index lists 1 tensors that no shard holds \(e.g. \['{key}'\]")):
+        out = _copy(converted, tmp_path / case)
+        home, shards = shard_of(out, key)
+        other = out / "transformer" / next(s for s in shards if s != home.name)
+        tensors = load_file(other)
+        if case == "copy":
+            tensors[key] = torch.full_like(load_file(home)[key], 7.0)
+        elif case == "unlisted":
+            tensors["extra"] = torch.zeros(3)
+        save_file(tensors, other)
+        if case == "absent":
+            tensors = load_file(home)
+            del tensors[key]
+            save_file(tensors, home)
+        with pytest.raises(ValueError, match=match):
+            load_svdq_pipeline(out, dtype=torch.float32)
+
+
 def test_config_that_does_not_match_the_weights_is_a_clear_error(converted, tmp_path):
     from diffusers import FluxTransformer2DModel
 
