@@ -207,6 +207,14 @@ class SVDQuantizer(_quantizer_base()):
         self.loaded_keys = set(loaded_keys)
         return loaded_keys
 
+    def validate_environment(self, *args, device_map=None, **kwargs):
+        # diffusers calls this with the device_map it resolved ("auto" and max_memory included)
+        on_disk = sorted(n for n, d in device_map.items() if d == "disk") if isinstance(device_map, dict) else []
+        if on_disk:  # the quantized tensors load through create_quantized_param, which has no disk path
+            raise ValueError(f"svdq_w4a4 checkpoints do not load with disk offload (the device_map puts "
+                             f"{len(on_disk)} modules on disk, e.g. {on_disk[:3]}): allow more max_memory, or load "
+                             "to the CPU and offload with enable_model_cpu_offload")
+
     def _process_model_before_weight_loading(self, model, device_map=None, keep_in_fp32_modules=None, **kwargs):
         swap_in_quantized_modules(model, self.quantization_config, self.compute_dtype)
         if self.loaded_keys is not None:

@@ -377,6 +377,16 @@ def test_shards_are_held_to_their_index(converted, tmp_path):
             load_svdq_pipeline(out, dtype=torch.float32)
 
 
+def test_disk_offload_is_refused_by_name(converted, tmp_path):
+    """A device_map that puts modules on disk (too little max_memory) is refused before loading, naming them; it
+    used to end in "N tensors were never loaded"."""
+    from diffusers import FluxTransformer2DModel
+
+    with pytest.raises(ValueError, match=r"do not load with disk offload \(the device_map puts \d+ modules on disk"):
+        FluxTransformer2DModel.from_pretrained(converted["flux"], subfolder="transformer", device_map="auto",
+                                               max_memory={"cpu": "60KB"}, offload_folder=str(tmp_path / "off"))
+
+
 def test_config_that_does_not_match_the_weights_is_a_clear_error(converted, tmp_path):
     from diffusers import FluxTransformer2DModel
 
