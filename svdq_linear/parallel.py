@@ -1,14 +1,22 @@
 """Tensor-parallel sharding of ``SVDQW4A4Linear`` (torch.distributed; any backend: NCCL, gloo).
 
 Column sharding splits N: each rank keeps its rows of ``qweight``, ``wscales``, ``proj_up``,
-``wcscale`` and ``bias``; ``smooth`` and ``proj_down`` are replicated; rank r computes ``y[:, N_r]``
-exactly as the unsharded layer does.
+``wcscale`` and ``bias``; ``smooth`` and ``proj_down`` are replicated; rank r computes ``y[:, N_r]`` from the
+same activation codes and weight rows as the unsharded layer, in either mode (the low-rank product's summation
+order may differ: within the contract).
 
 Row sharding splits K on 16-aligned boundaries, so no activation block straddles two ranks and the
 activation codes are those of the unsharded layer: each rank keeps its columns of ``qweight``,
 ``wscales``, ``smooth`` and ``proj_down`` (``proj_up`` and ``wcscale`` are replicated) and computes
 ``(Q(xs_r) (*) Qw_r) * wcscale + (xs_r @ proj_down_r) @ proj_up^T``, plus ``bias`` on rank 0 only; the
-sum over ranks is the unsharded ``y`` up to FP32 summation order. ``RowParallelW4A4`` all-reduces it.
+sum over ranks is the unsharded ``y`` up to FP32 summation order. ``RowParallelW4A4`` all-reduces it, in fp32:
+each rank's partial is rounded to a 16-bit input's dtype once (the layer's output), so in bf16 / fp16 the sum
+carries one rounding per rank, which can exceed the contract's tolerance where the partials cancel; fp32 inputs
+keep it. Row shards run the exact mode: the fast mode's per-token activation scale and per-row weight normalizer
+are maxima over all of K, which a K-slice does not see (a layer set to "fast" is refused).
+
+A shard keeps the layer's mode (row: exact), backend preference and name (``name_layers``, with its part). Its
+``state_dict`` holds its slices under the local layer's keys, not the full checkpoint.
 
 ``load_shard`` reads only a rank's slice of each tensor from a safetensors file (``get_slice``), so
 no rank materialises the whole layer. diffusers' own tensor-parallel plans refuse quantized models
@@ -64,16 +72,33 @@ def _build(tensors: dict[str, torch.Tensor], rank_dim: int, dtype) -> SVDQW4A4Li
     return m
 
 
+def _settings(part: SVDQW4A4Linear, kind: str, rank: int, world: int, src: SVDQW4A4Linear | None = None):
+    """Carry ``src``'s own mode (a row shard: exact), backend preference and name to its shard ``part``."""
+    mode = None if src is None else src.__dict__.get("_mode")
+    if kind == ROW:
+        mode = "exact"  # also over $SVDQ_LINEAR_MODE and "auto", which picks the fast mode on Hopper
+    part.set_mode(mode)
+    if src is not None:
+        part._backend_pref = src._backend_pref
+        name = getattr(src, "layer_name", None)
+        if name:
+            part.layer_name = f"{name}[{kind} {rank}/{world}]"
+    return part
+
+
 def shard(module: SVDQW4A4Linear, kind: str, rank: int, world: int) -> SVDQW4A4Linear:
     """This rank's part of ``module`` (copies of the slices; the original is untouched)."""
     parts = _slices(kind, module.out_features, module.in_features, rank, world)
+    if kind == ROW and module.__dict__.get("_mode") == "fast":
+        raise ValueError("a layer set to the fast mode does not row-shard: its per-token activation scale and "
+                         "per-row weight normalizer are maxima over all of K; set_mode('exact') to row-shard it")
     tensors = {}
     for name, index in parts.items():
         t = getattr(module, name)
         if t is None or index == "drop":
             continue
         tensors[name] = (t if index is None else t[index]).detach().clone()
-    return _build(tensors, module.rank, module.proj_up.dtype)
+    return _settings(_build(tensors, module.rank, module.proj_up.dtype), kind, rank, world, module)
 
 
 def load_shard(path: str | Path, prefix: str, kind: str, rank: int, world: int,
@@ -98,7 +123,7 @@ def load_shard(path: str | Path, prefix: str, kind: str, rank: int, world: int,
             sl = f.get_slice(key)
             tensors[name] = sl[:] if index is None else sl[index]
     torch_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[dtype]
-    return _build(tensors, r, torch_dtype)
+    return _settings(_build(tensors, r, torch_dtype), kind, rank, world)
 
 
 class RowParallelW4A4(nn.Module):
@@ -110,8 +135,12 @@ class RowParallelW4A4(nn.Module):
 
     def forward(self, x_local: torch.Tensor) -> torch.Tensor:
         y = self.local(x_local)
-        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
-        return y
+        if y.dtype == torch.float32:
+            dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
+            return y
+        acc = y.float()  # summed in fp32 and rounded once (no fp16 overflow of a partial sum)
+        dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=self.group)
+        return acc.to(y.dtype)
 
 
 class ColumnParallelW4A4(nn.Module):
@@ -120,13 +149,20 @@ class ColumnParallelW4A4(nn.Module):
     def __init__(self, local: SVDQW4A4Linear, gather: bool = False, group=None):
         super().__init__()
         self.local, self.gather, self.group = local, gather, group
+        self._sizes: list[int] | None = None  # every rank's output columns, asked once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.local(x)
         if not self.gather:
             return y
-        sizes = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(sizes, y.shape[-1], group=self.group)
-        parts = [y.new_empty(*y.shape[:-1], s) for s in sizes]
-        dist.all_gather(parts, y.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        if self._sizes is None:
+            sizes = torch.zeros(dist.get_world_size(self.group), dtype=torch.int64, device=y.device)
+            sizes[dist.get_rank(self.group)] = y.shape[-1]
+            dist.all_reduce(sizes, group=self.group)
+            self._sizes = sizes.tolist()
+        width = max(self._sizes)
+        # equal sizes for every rank (gloo's all_gather takes no other): uneven shares are padded, then cut
+        y = y.contiguous() if y.shape[-1] == width else torch.nn.functional.pad(y, (0, width - y.shape[-1]))
+        parts = [torch.empty_like(y) for _ in self._sizes]
+        dist.all_gather(parts, y, group=self.group)
+        return torch.cat([p[..., :s] for p, s in zip(parts, self._sizes)], dim=-1)
