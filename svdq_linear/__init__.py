@@ -8,7 +8,7 @@ import warnings
 
 from . import backends, nvfp4
 from .fuse import fuse_gelu_inputs, unfuse_gelu_inputs
-from .linear import NVFP4W4A16Linear, SVDQW4A4Linear, set_mode
+from .linear import NVFP4W4A16Linear, SVDQW4A4Linear, reset_prepared, set_mode
 from .svdquant import SVDQuantConfig, SVDQuantWeights, svdquant
 
 __version__ = "0.1.0"
@@ -50,6 +50,7 @@ __all__ = [
     "nvfp4",
     "quantize_linears",
     "quantize_pipeline",
+    "reset_prepared",
     "set_mode",
     "svdquant",
     "unfuse_gelu_inputs",

@@ -47,6 +47,24 @@ def set_mode(model: nn.Module, mode: str | None) -> int:
     return len(layers)
 
 
+def reset_prepared(model: nn.Module, reprepare: bool = True) -> int:
+    """Drop the prepared state (a backend's repacked weights) of every 4-bit layer of ``model`` that has one, and
+    bring back the canonical tensors it stood in for; returns how many layers had one.
+
+    Prepared states follow ``.to()`` and ``load_state_dict`` by themselves, and an eager call sees an in-place edit
+    of a layer's tensors. Call this after edits they cannot see: through ``.data`` (which PyTorch does not count as
+    an edit), or while a compiled model holds the old state (a compiled graph reads the prepared state without
+    checking it). With ``reprepare`` (the default) a layer gets a new state now, for the input dtype of its last
+    one, and a compiled graph retraces once onto it. ``reprepare=False`` leaves the canonical tensors in place until
+    the next call: for a tool that reads ``parameters()`` directly after a first call."""
+    count = 0
+    for m in model.modules():
+        if isinstance(m, _PackedNVFP4Linear) and m.__dict__.get("_dispatch_cache"):
+            m._reset_dispatch(reprepare=reprepare)
+            count += 1
+    return count
+
+
 def name_layers(model: nn.Module) -> int:
     """Record each 4-bit layer's qualified name in ``layer_name`` (warnings name it); returns the count."""
     count = 0
@@ -316,7 +334,7 @@ class _PackedNVFP4Linear(nn.Module):
             raise RuntimeError(f"input is on {x.device} but the {type(self).__name__} is on {self._device()}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}")
         self._enter_call(x)
         lead = x.shape[:-1]

@@ -696,3 +696,74 @@ def test_getenv_reads_what_os_environ_holds(monkeypatch):
     monkeypatch.setenv("SVDQ_LINEAR_MODE", "bogus")
     with pytest.raises(ValueError, match="bogus"):
         m.mode
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast_does_not_reach_the_backends_own_ops(dtype):
+    """Under autocast the op's body ran the reference's fp32 matmuls in 16 bits: in fp16 the FP4 product overflows
+    before its ``* wcscale`` (Inf / NaN). The ops now turn autocast off for their bodies: the same output as
+    without autocast, in the input's dtype."""
+    torch.manual_seed(0)
+    m, w16 = _module(), NVFP4W4A16Linear.from_linear(torch.nn.Linear(64, 48))
+    x = torch.randn(5, 64) * 4
+    with torch.no_grad():
+        want, want16 = m(x), w16(x)
+        with torch.autocast("cpu", dtype=dtype):
+            got, got16 = m(x), w16(x)
+    assert got.dtype == x.dtype and torch.isfinite(got).all() and torch.isfinite(got16).all()
+    assert torch.equal(got, want) and torch.equal(got16, want16)
+
+
+class _DerivedBackend(_CountingBackend):
+    """Prepares ``1 / smooth`` and reads only that (as sm90 prepares ``proj_down / smooth``): a prepared state that
+    an edit of ``smooth`` the seam does not see leaves stale."""
+
+    name = "derived"
+
+    def prepare(self, module, device):
+        self.prepares += 1
+        return _Prepared(1.0 / module.smooth)
+
+    def run_w4a4(self, x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra):
+        self.calls += 1
+        return nvfp4.w4a4_linear(x, qweight, wscales, 1.0 / extra[0], proj_down, proj_up, wcscale, bias).to(x.dtype)
+
+
+@pytest.fixture
+def derived():
+    backend = _DerivedBackend()
+    backends.register_backend(backend, priority=100)
+    yield backend
+    backends._ENTRIES.pop(backend.name)
+
+
+def test_reset_prepared_after_edits_the_seam_cannot_see(derived):
+    """An edit through ``.data`` (no version bump) leaves an eager layer's prepared state stale, and any edit leaves
+    a compiled graph's: ``svdq_linear.reset_prepared`` makes them new (a compiled graph retraces once)."""
+    torch.manual_seed(1)
+    m = _module()
+    x = torch.randn(3, 64)
+    reference = backends.get_backend("reference")
+
+    def oracle():
+        return reference.linear(m, x, None)
+
+    with torch.no_grad():
+        assert torch.equal(m(x), oracle()) and derived.prepares == 1
+        m.smooth.data.mul_(2)  # PyTorch does not count it as an edit
+        assert not torch.equal(m(x), oracle()), "the stale state the reset is for"
+        assert svdq_linear.reset_prepared(m) == 1 and derived.prepares == 2
+        assert torch.equal(m(x), oracle())
+        compiled = torch.compile(m, fullgraph=True)
+        torch.testing.assert_close(compiled(x), oracle(), rtol=0, atol=0)
+        m.smooth.mul_(2)  # an edit an eager call would see; the compiled graph reads the prepared state
+        assert not torch.equal(compiled(x), oracle())
+        svdq_linear.reset_prepared(m)
+        torch.testing.assert_close(compiled(x), oracle(), rtol=0, atol=0)
+    assert svdq_linear.reset_prepared(m, reprepare=False) == 1 and not m._dispatch_cache
+    assert svdq_linear.reset_prepared(m) == 0, "nothing prepared: nothing to reset"
+
+
+def test_a_zero_dimensional_input_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"last dimension 64, got shape \(\)"):
+        _module()(torch.tensor(1.0))

@@ -526,6 +526,15 @@ def prepare_before_trace(device_type: str, index: int | None, dtype: str) -> boo
 # ---- the shared custom ops -----------------------------------------------------------------------
 
 
+def _no_autocast(t: torch.Tensor):
+    """Autocast off for an op's body: it passes the op's dispatch, and would then cast the backend's own torch ops
+    (the reference's fp32 matmuls, a ``lora_act`` GEMM) to 16 bits, where the FP4 product overflows fp16 before
+    its ``* wcscale``. The op returns its input's dtype, as it does without autocast."""
+    if torch._C._is_any_autocast_enabled():
+        return torch.autocast(t.device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 @torch.library.custom_op("svdq_linear::w4a4_linear", mutates_args=())
 def w4a4_linear(
     x: torch.Tensor,
@@ -540,7 +549,8 @@ def w4a4_linear(
     backend: str,
 ) -> torch.Tensor:
     """``y [M, N]`` (x's dtype) of the contract for ``x [M, K]``, computed by ``backend``."""
-    return get_backend(backend).run_w4a4(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra)
+    with _no_autocast(x):
+        return get_backend(backend).run_w4a4(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra)
 
 
 @w4a4_linear.register_fake
@@ -562,8 +572,9 @@ def w4a4_fast_linear(
     backend: str,
 ) -> torch.Tensor:
     """``y [M, N]`` (x's dtype) of the fast mode (``nvfp4.w4a8_fast_linear``), computed by ``backend``."""
-    return get_backend(backend).run_w4a4_fast(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias,
-                                              extra)
+    with _no_autocast(x):
+        return get_backend(backend).run_w4a4_fast(x, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias,
+                                                  extra)
 
 
 @w4a4_fast_linear.register_fake
@@ -590,7 +601,8 @@ def w4a4_cat_gelu_linear(
     ``nvfp4.cat_gelu(xa, xb)`` (``xa [M, KA]`` or None, ``xb [M, KB]``), computed by ``backend``."""
     b = get_backend(backend)
     run = b.run_w4a4_fast_cat_gelu if fast else b.run_w4a4_cat_gelu
-    return run(xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra)
+    with _no_autocast(xb):
+        return run(xa, xb, qweight, wscales, smooth, proj_down, proj_up, wcscale, bias, extra)
 
 
 @w4a4_cat_gelu_linear.register_fake
@@ -619,8 +631,9 @@ def w4a4_ada_norm_linear(
     """``y [M, N]`` (x's dtype) of the contract (``fast``: of the fast mode) on the input ``nvfp4.ada_norm`` of
     ``x [M, K]`` (``tokens`` rows a batch element) and ``shift`` / ``scale [M / tokens, K]``, computed by
     ``backend``."""
-    return get_backend(backend).run_w4a4_ada_norm(x, shift, scale, eps, tokens, qweight, wscales, smooth, proj_down,
-                                                  proj_up, wcscale, bias, extra, fast)
+    with _no_autocast(x):
+        return get_backend(backend).run_w4a4_ada_norm(x, shift, scale, eps, tokens, qweight, wscales, smooth,
+                                                      proj_down, proj_up, wcscale, bias, extra, fast)
 
 
 @w4a4_ada_norm_linear.register_fake
@@ -642,7 +655,8 @@ def w4a8_fast_gemm(
     E4M3 and ``sa [M]`` (``nvfp4.fast_act``, in the backend's k order), ``la [M, R']`` (the low-rank
     operand the backend defines, or None) and the backend's prepared tensors ``extra``, whose
     second-to-last is ``[1, N]``."""
-    return get_backend(backend).run_fast_gemm(a8, sa, la, extra, out_dtype)
+    with _no_autocast(sa):
+        return get_backend(backend).run_fast_gemm(a8, sa, la, extra, out_dtype)
 
 
 @w4a8_fast_gemm.register_fake
@@ -661,7 +675,8 @@ def w4a16_linear(
     backend: str,
 ) -> torch.Tensor:
     """Weight-only ``y [M, N]`` (x's dtype) for ``x [M, K]``, computed by ``backend``."""
-    return get_backend(backend).run_w4a16(x, qweight, wscales, wcscale, bias, extra)
+    with _no_autocast(x):
+        return get_backend(backend).run_w4a16(x, qweight, wscales, wcscale, bias, extra)
 
 
 @w4a16_linear.register_fake
