@@ -233,12 +233,16 @@ class _StandingBackend(_CountingBackend):
         return nvfp4.w4a4_linear(x, q, wscales, smooth, proj_down, proj_up, wcscale, bias).to(x.dtype)
 
 
-@pytest.fixture
-def standing():
-    backend = _StandingBackend()
+def _registered(backend):
+    """A fixture's body: ``backend`` registered ahead of the others for one test."""
     backends.register_backend(backend, priority=100)
     yield backend
     backends._ENTRIES.pop(backend.name)
+
+
+@pytest.fixture
+def standing():
+    yield from _registered(_StandingBackend())
 
 
 def test_prepared_state_stands_in_for_the_canonical_weight(standing, tmp_path):
@@ -731,10 +735,7 @@ class _DerivedBackend(_CountingBackend):
 
 @pytest.fixture
 def derived():
-    backend = _DerivedBackend()
-    backends.register_backend(backend, priority=100)
-    yield backend
-    backends._ENTRIES.pop(backend.name)
+    yield from _registered(_DerivedBackend())
 
 
 def test_reset_prepared_after_edits_the_seam_cannot_see(derived):
