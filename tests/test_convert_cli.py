@@ -381,3 +381,22 @@ def test_act_headroom_option_and_per_layer_report(sources, tmp_path, capfd):
     top = (act_max["transformer_blocks.0.attn.to_q"] / smooth).max().item()
     expected = next(x["act_headroom"] for x in w4a4 if x["name"] == "transformer_blocks.0.attn.to_q")
     assert abs(2688.0 / top - 2.0**expected) < 1e-3 * 2.0**expected
+
+
+def test_calibration_hooks_are_removed_when_a_target_does_not_resolve():
+    """``collect_act_max`` registers a hook a target; a name that does not resolve used to leave the hooks before it
+    on the transformer for good. A step count given twice (``steps`` and ``call_kwargs``) that disagrees is refused:
+    the run would take one and the checkpoint record the other. A prompt limit below 1 is refused."""
+    from svdq_linear.convert import recipes
+    from svdq_linear.convert.tiny import build_tiny_pipeline
+
+    pipe = build_tiny_pipeline("sd3")
+    names = recipes.recipe_for(pipe.transformer).w4a4[:3] + ["transformer_blocks.0.attn.bogus"]
+    with pytest.raises(AttributeError, match="bogus"):
+        calibrate.collect_act_max(pipe, names, ["a cat"], 1, progress=False)
+    assert not [m for m in pipe.transformer.modules() if m._forward_pre_hooks], "hooks left behind"
+    with pytest.raises(ValueError, match=r"num_inference_steps \(2\) differs from steps \(3\)"):
+        calibrate.collect_act_max(pipe, names[:3], ["a cat"], 3, {"num_inference_steps": 2}, progress=False)
+    with pytest.raises(ValueError, match="at least 1, got 0"):
+        calibrate.read_prompts(None, 0)
+    assert len(calibrate.read_prompts(None, 2)) == 2

@@ -23,10 +23,12 @@ def read_prompts(path: str | Path | None = None, limit: int | None = None) -> li
         if not p.is_file():
             raise FileNotFoundError(f"calibration prompt file {p} not found")
         text = p.read_text()
+    if limit is not None and limit < 1:
+        raise ValueError(f"expected a prompt limit of at least 1, got {limit}")
     prompts = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     if not prompts:
         raise ValueError(f"no prompts in {path or 'the default prompt set'}")
-    return prompts[:limit] if limit else prompts
+    return prompts if limit is None else prompts[:limit]
 
 
 DEFAULT_MAX_RESOLUTION = 512
@@ -131,9 +133,16 @@ def collect_act_max(
 
         return hook
 
-    handles = [transformer.get_submodule(n).register_forward_pre_hook(hook_for(n)) for n in names]
-    try:
-        kwargs = {"num_inference_steps": steps, "output_type": "latent", **(call_kwargs or {})}
+    call_kwargs = dict(call_kwargs or {})
+    if call_kwargs.get("num_inference_steps", steps) != steps:
+        # the run would take call_kwargs' count, and the checkpoint would record steps
+        raise ValueError(f"call_kwargs' num_inference_steps ({call_kwargs['num_inference_steps']}) differs from "
+                         f"steps ({steps}): pass the step count once, as steps")
+    handles = []
+    try:  # a name that does not resolve leaves none of the hooks before it behind
+        for n in names:
+            handles.append(transformer.get_submodule(n).register_forward_pre_hook(hook_for(n)))
+        kwargs = {"num_inference_steps": steps, "output_type": "latent", **call_kwargs}
         with _truncation_counted(pipe) as truncated:
             for i, prompt in enumerate(tqdm(prompts, desc="calibrating", disable=not progress)):
                 generator = torch.Generator("cpu").manual_seed(seed + i)
