@@ -532,22 +532,26 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
     def from_linear(
         cls,
         linear: nn.Linear,
-        rank: int = 32,
+        rank: int | None = None,
         act_max: torch.Tensor | None = None,
         config: SVDQuantConfig | None = None,
         **config_kwargs,
     ) -> "SVDQW4A4Linear":
-        """SVDQuant ``linear`` (see ``svdq_linear.svdquant``); ``act_max [K]`` from calibration.
+        """SVDQuant ``linear`` (see ``svdq_linear.svdquant``) at ``rank`` (32 unless given); ``act_max [K]`` from
+        calibration.
 
-        Extra keyword arguments are ``SVDQuantConfig`` fields (``alpha``, ``smooth``, ``svd``, ...).
+        Extra keyword arguments are ``SVDQuantConfig`` fields (``alpha``, ``smooth``, ``svd``, ...); or pass a whole
+        ``config`` (its rank then, a different ``rank`` beside it is refused).
         The module keeps the linear's dtype and device.
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
         if config is None:
-            config = SVDQuantConfig.from_kwargs(rank=rank, **config_kwargs)
+            config = SVDQuantConfig.from_kwargs(rank=32 if rank is None else rank, **config_kwargs)
         elif config_kwargs:
             raise TypeError("pass either config or SVDQuant keyword options, not both")
+        elif rank is not None and rank != config.rank:
+            raise TypeError(f"rank={rank} disagrees with config.rank={config.rank}: pass the rank once")
         weights = svdquant(linear.weight, linear.bias, act_max=act_max, config=config)
         return cls.from_weights(weights)
 

@@ -253,6 +253,11 @@ def svdquant(
         raise ValueError(f"rank {config.rank} exceeds min(out_features, in_features) = {min(n, k)}")
     if act_max is not None and tuple(act_max.shape) != (k,):
         raise ValueError(f"expected act_max of shape ({k},), got {tuple(act_max.shape)}")
+    if act_max is not None and not torch.isfinite(act_max).all():
+        raise ValueError(f"act_max holds {int((~torch.isfinite(act_max)).sum())} NaN or Inf values (calibration "
+                         "maxima must be finite)")
+    if smooth is not None and not (torch.isfinite(smooth) & (smooth > 0)).all():
+        raise ValueError("smooth must be finite and positive (it divides the input)")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"expected bias of shape ({n},), got {tuple(bias.shape)}")
     out_device = weight.device
@@ -270,28 +275,34 @@ def svdquant(
     col_weight = xs_max if xs_max is not None else torch.ones_like(lam)
     ref_norm = (ws * col_weight).norm().clamp(min=torch.finfo(torch.float32).tiny)
 
+    # The activation factor c (a power of two) folds into smooth, wcscale and the low-rank branch. In fp16 (five
+    # exponent bits) a small c would push proj_down * c into subnormals or zero, so there it splits between the two
+    # factors (c_down * c_up = c, both powers of two); bf16 and fp32 keep it whole on proj_down.
+    c = activation_factor(xs_max, config.act_headroom)
+    c_down = 2.0 ** math.floor(math.log2(c) / 2) if dtype == torch.float16 else c
+    c_up = c / c_down
     best = None
     target = ws
     for _ in range(config.refine_iters + 1):
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             torch.manual_seed(seed)
             up, down = low_rank(target, config.rank, config)
-        # The module stores the factors in ``dtype``: quantize the residual against what it will hold.
-        up, down = up.to(dtype).float(), down.to(dtype).float()
+        # The module stores the folded factors in ``dtype``: quantize the residual against what it will hold.
+        up_s, down_s = (up * c_up).to(dtype), (down * c_down).to(dtype)
+        up, down = up_s.float() / c_up, down_s.float() / c_down
         qweight, wscales, row_scale, deq = _quantize_residual(ws, up, down)
         err = float(((ws - up @ down.T - deq) * col_weight).norm() / ref_norm)
         if best is None or err < best[0]:
-            best = (err, up, down, qweight, wscales, row_scale)
+            best = (err, up_s, down_s, qweight, wscales, row_scale)
         target = ws - deq
 
-    err, up, down, qweight, wscales, row_scale = best
-    c = activation_factor(xs_max, config.act_headroom)
+    err, up_s, down_s, qweight, wscales, row_scale = best
     return SVDQuantWeights(
         qweight=qweight.to(out_device),
         wscales=wscales.to(out_device),
         smooth=(lam * c).to(out_device),
-        proj_down=(down * c).to(out_device, dtype),
-        proj_up=up.to(out_device, dtype),
+        proj_down=down_s.to(out_device),
+        proj_up=up_s.to(out_device),
         wcscale=(row_scale * c).to(out_device),
         bias=None if bias is None else bias.detach().to(out_device, dtype),
         rel_error=err,

@@ -150,6 +150,42 @@ def test_svdquant_rejects_bad_inputs():
         svdquant(torch.randn(8, 32), config=SVDQuantConfig(rank=4, smooth="activation"))
     with pytest.raises(TypeError, match="unknown SVDQuant option"):
         SVDQuantConfig.from_kwargs(rnak=4)
+    for bad in (float("nan"), float("inf")):  # a channel the calibration saw overflow: named, not a failed SVD
+        act_max = torch.ones(32)
+        act_max[3] = bad
+        with pytest.raises(ValueError, match="act_max holds 1 NaN or Inf"):
+            svdquant(torch.randn(8, 32), act_max=act_max, config=SVDQuantConfig(rank=4))
+    for bad in (0.0, -1.0, float("nan")):
+        smooth = torch.ones(32)
+        smooth[5] = bad
+        with pytest.raises(ValueError, match="smooth must be finite and positive"):
+            svdquant(torch.randn(8, 32), smooth=smooth, config=SVDQuantConfig(rank=4))
+    lin = torch.nn.Linear(32, 16)
+    with pytest.raises(TypeError, match="rank=4 disagrees with config.rank=8"):
+        SVDQW4A4Linear.from_linear(lin, rank=4, config=SVDQuantConfig(rank=8))
+    assert SVDQW4A4Linear.from_linear(lin, config=SVDQuantConfig(rank=8)).rank == 8
+
+
+def test_fp16_factors_keep_the_branch_when_calibrated_inputs_are_small():
+    """The activation factor (a power of two) folds into the low-rank branch. For inputs around 1e-6 it is about
+    2^-20, which pushed fp16's ``proj_down`` into zeros and subnormals after the residual had been quantized
+    against the unrounded branch: rank 8 came out worse than rank 0. In fp16 the factor now splits between the two
+    factors, and the residual is quantized against what the module stores."""
+    torch.manual_seed(0)
+    w = torch.randn(48, 64)
+    x = torch.randn(256, 64).double()  # the error of the weight the module applies, on inputs of the calibration's
+    act_max = (x * 1e-6).abs().amax(dim=0).float()  # shape, scaled to where calibration saw them
+    ref = x @ w.double().T
+
+    def err(rank, dtype):
+        m = SVDQW4A4Linear.from_weights(svdquant(w, act_max=act_max, config=SVDQuantConfig(rank=rank, alpha=0.0),
+                                                 dtype=dtype))
+        if rank:
+            assert (m.proj_down == 0).float().mean() < 0.01, "the branch underflowed"
+        return float((x @ _effective_weight(m).T - ref).norm() / ref.norm())
+
+    e0, e8, e8_32 = err(0, torch.float16), err(8, torch.float16), err(8, torch.float32)
+    assert e8 < 0.85 * e0 and e8 < 1.1 * e8_32, (e0, e8, e8_32)
 
 
 def _effective_weight(m: SVDQW4A4Linear) -> torch.Tensor:
