@@ -253,7 +253,10 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     if not torch.isfinite(w).all():
         raise ValueError("weight holds NaN or Inf values; cannot quantize it")
     row_max = w.abs().amax(dim=1)
-    row_scale = torch.where(row_max > 0, row_max / NVFP4_MAX, torch.ones_like(row_max))
+    # at least the smallest normal float32: a row whose max is below 2688 * 2**-126 would get a subnormal scale
+    # of few bits (its values clip) or 0 (Inf / NaN block scales)
+    tiny = torch.finfo(torch.float32).tiny
+    row_scale = torch.where(row_max > 0, (row_max / NVFP4_MAX).clamp(min=tiny), torch.ones_like(row_max))
     qweight, wscales = quantize_nvfp4(w / row_scale[:, None])
     return qweight, wscales, row_scale
 

@@ -245,3 +245,25 @@ def test_contract_quantizer_and_formula_match_the_independent_oracle():
                           accum_dtype=torch.float64)
     want = oracle.w4a4_linear(m, xin)
     assert torch.allclose(y, want, rtol=1e-12, atol=1e-12), f"max |diff| {(y - want).abs().max().item():.3e}"
+
+
+def test_weight_rows_far_below_float32_normals_get_finite_scales():
+    """``quantize_weight`` divides a row by ``max / 2688``. Below about 3e-35 that scale was a float32 subnormal of
+    few bits (values clipped) or 0 (NaN block scales, which the loader refuses). It is now at least the smallest
+    normal float32: such rows keep finite scales, and what they lose is below that scale's reach."""
+    w = torch.randn(4, 32)
+    for row, top in ((1, 1e-43), (2, 5e-42), (3, 1e-36)):
+        w[row] *= top / w[row].abs().max()
+    q, s, r = nvfp4.quantize_weight(w)
+    assert not ((s.view(torch.uint8) & 0x7F) == 0x7F).any(), "NaN block scales"
+    assert (r >= torch.finfo(torch.float32).tiny).all()
+    d = nvfp4.dequantize_weight(q, s, r)
+    err = (d - w).abs().amax(dim=1) / w.abs().amax(dim=1)
+    assert err[0] < 1 / 6 and err[3] < 1 / 6, err
+    assert (d[1:3].abs() <= w[1:3].abs().amax(dim=1, keepdim=True)).all()
+    from svdq_linear import NVFP4W4A16Linear
+
+    lin = torch.nn.Linear(32, 4)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    NVFP4W4A16Linear.from_linear(lin)  # refused the NaN scales before
