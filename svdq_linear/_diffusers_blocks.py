@@ -23,21 +23,13 @@ from diffusers.models import normalization as _normalization
 from diffusers.models.transformers import transformer_flux as _flux
 
 from .linear import SVDQW4A4Linear
+from .linear import call_is_wrapped as _wrapped  # a fused path skips no module whose call is wrapped
 
 # The subclasses keep the diffusers class names: diffusers finds blocks by class name
 # (``compile_repeated_blocks``' ``_repeated_blocks``, ``_no_split_modules``), and pickle finds these by
 # their own module and name. Its hooks that cache or skip whole blocks (first-block cache, layer skip, MagCache)
 # look blocks up by class object in ``TransformerBlockRegistry``: ``_register_block_metadata`` (below) gives
 # each subclass its base's entry.
-
-
-def _wrapped(module: torch.nn.Module) -> bool:
-    """Whether a call of ``module`` runs more than its ``forward``: forward (pre-)hooks, global ones, or a
-    ``forward`` replaced on the instance (diffusers' hook registry: attention caches, layer skip; accelerate's
-    offload). A fused path that would not call such a module takes the path that does."""
-    return bool("forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks
-                or torch.nn.modules.module._global_forward_hooks
-                or torch.nn.modules.module._global_forward_pre_hooks)
 
 
 def _mods_fit(x: torch.Tensor, *mods: torch.Tensor) -> bool:

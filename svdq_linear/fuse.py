@@ -29,6 +29,9 @@ from torch import nn
 from .linear import SVDQW4A4Linear
 
 
+_FUSED_NAMES = ("to_qkv", "to_kv", "to_added_qkv", "to_qkv_mlp")  # the stacked modules an attention may hold
+
+
 @torch.no_grad()
 def concat_w4a4(layers: list[SVDQW4A4Linear]) -> SVDQW4A4Linear:
     """The exact stack of ``layers`` along N (they must read one input: same K and ``smooth``)."""
@@ -214,9 +217,6 @@ def _unfuse_projections(self, *args, **kwargs):
     double = self.__dict__.get("_svdq_double_block")
     if double is not None:
         _unswitch_class(double, "NORM_IN")
-
-
-_FUSED_NAMES = ("to_qkv", "to_kv", "to_added_qkv", "to_qkv_mlp")
 
 
 def _drop_fused_from_state_dict(module, state_dict, prefix, local_metadata):

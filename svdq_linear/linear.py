@@ -47,6 +47,13 @@ def set_mode(model: nn.Module, mode: str | None) -> int:
     return len(layers)
 
 
+def call_is_wrapped(module: nn.Module) -> bool:
+    """Whether a call of ``module`` runs more than its ``forward``: forward (pre-)hooks, global ones, or a ``forward``
+    replaced on the instance (accelerate's and diffusers' hooks: offload, attention caches, layer skip)."""
+    return bool("forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks
+                or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+
+
 def reset_prepared(model: nn.Module, reprepare: bool = True) -> int:
     """Drop the prepared state (a backend's repacked weights) of every 4-bit layer of ``model`` that has one, and
     bring back the canonical tensors it stood in for; returns how many layers had one.
@@ -488,10 +495,7 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
         return y.reshape(b, s_, self.out_features)
 
     def _call_is_wrapped(self) -> bool:
-        """Whether a call of this module runs more than ``forward``: forward (pre-)hooks, global ones, or
-        a ``forward`` replaced on the instance (accelerate's and diffusers' hooks)."""
-        return bool("forward" in self.__dict__ or self._forward_hooks or self._forward_pre_hooks
-                    or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+        return call_is_wrapped(self)
 
     @torch.no_grad()
     def _check_range(self, x: torch.Tensor) -> None:

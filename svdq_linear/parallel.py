@@ -135,10 +135,7 @@ class RowParallelW4A4(nn.Module):
 
     def forward(self, x_local: torch.Tensor) -> torch.Tensor:
         y = self.local(x_local)
-        if y.dtype == torch.float32:
-            dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
-            return y
-        acc = y.float()  # summed in fp32 and rounded once (no fp16 overflow of a partial sum)
+        acc = y.float()  # summed in fp32 and rounded once (no fp16 overflow of a partial sum); y itself when fp32
         dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=self.group)
         return acc.to(y.dtype)
 
