@@ -133,12 +133,15 @@ def _ada_zero(norm, temb):
     return norm.linear(norm.silu(temb)).chunk(6, dim=1)
 
 
-def _ff_from_norm(ff, x, shift, scale, eps):
-    """``ff(nvfp4.ada_norm(x, shift, scale, eps))`` for diffusers' tanh-GELU ``FeedForward`` whose first linear is
+def _ff_from_norm(ff, x, shift, scale, norm):
+    """``ff(norm(x) * (1 + scale) + shift)`` for diffusers' tanh-GELU ``FeedForward`` whose first linear is
     quantized: that linear normalizes as it loads (``forward_ada_norm``); the rest as ``ff`` runs it (its down
-    projection reading the GELU's input where ``fuse_gelu_inputs`` switched it)."""
+    projection reading the GELU's input where ``fuse_gelu_inputs`` switched it). A stream that autocast made fp32
+    after the attention, beside 16-bit modulation vectors, takes diffusers' steps."""
+    if not _mods_fit(x, shift, scale):
+        return ff(norm(x) * (1 + scale[:, None]) + shift[:, None])
     gelu, dropout, down = ff.net[0], ff.net[1], ff.net[2]
-    h = gelu.proj.forward_ada_norm(x, shift, scale, eps)
+    h = gelu.proj.forward_ada_norm(x, shift, scale, norm.eps)
     if type(ff) is FeedForward and not (ff.training and dropout.p > 0):
         return down.forward_cat_gelu(None, h)
     return down(dropout(gelu.gelu(h)))
@@ -202,11 +205,11 @@ class FluxTransformerBlock(_flux.FluxTransformerBlock):
             attn, hidden_states, encoder_hidden_states, (shift_msa, scale_msa, c_shift_msa, c_scale_msa),
             (self.norm1.norm.eps, self.norm1_context.norm.eps), image_rotary_emb)
         hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
-        ff_output = _ff_from_norm(self.ff, hidden_states, shift_mlp, scale_mlp, self.norm2.eps)
+        ff_output = _ff_from_norm(self.ff, hidden_states, shift_mlp, scale_mlp, self.norm2)
         hidden_states = hidden_states + gate_mlp.unsqueeze(1) * ff_output
         encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * context_attn_output
         context_ff_output = _ff_from_norm(self.ff_context, encoder_hidden_states, c_shift_mlp, c_scale_mlp,
-                                          self.norm2_context.eps)
+                                          self.norm2_context)
         encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * context_ff_output
         if encoder_hidden_states.dtype == torch.float16:
             encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)

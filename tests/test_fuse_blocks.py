@@ -261,6 +261,24 @@ def test_gpu_fused_blocks_match_their_separate_layers(mode, kind):
     err = (fused.float() - apart.float()).abs()
     assert err.max().item() <= 3e-2 * apart.float().abs().max().item(), err.max().item()
     assert err.mean().item() <= 2e-3 * apart.float().abs().mean().item()
+    # autocast and a hooked attention module take the block's fallbacks (the norm's own forward; diffusers'
+    # attention call) on the GPU kernels, within the fused path's bound
+    block.attn.fuse_projections()
+    seen = []
+    with torch.no_grad():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            cast = torch.cat(block(hs, enc, temb), dim=1)
+            base_cast = _base_forward(block, hs, enc, temb)
+        h = block.attn.register_forward_hook(lambda *a: seen.append(1))
+        hooked = torch.cat(block(hs, enc, temb), dim=1)
+        h.remove()
+    assert seen == [1], "the attention module's hook did not run"
+    assert cast.dtype == base_cast.dtype  # autocast runs the norms in fp32, in diffusers' forward too
+    assert hooked.dtype == fused.dtype
+    for out, want in ((cast, base_cast), (hooked, apart)):  # autocast's oracle: diffusers' forward under it
+        err = (out.float() - want.float()).abs()
+        assert err.max().item() <= 3e-2 * want.float().abs().max().item(), err.max().item()
+        assert err.mean().item() <= 2e-3 * want.float().abs().mean().item()
 
 
 def _double_block(seed: int = 0) -> torch.nn.Module:
@@ -351,6 +369,23 @@ def test_fused_blocks_run_under_autocast_and_broadcast_a_single_temb_row():
         assert got.shape[0] == hs.shape[0]
         torch.testing.assert_close(got, _base_forward(block, hs, enc, row, image_rotary_emb=rope), rtol=1e-5,
                                    atol=1e-5)
+
+
+def test_double_block_mlp_takes_diffusers_steps_when_the_stream_turned_fp32():
+    """CUDA autocast returns the attention in fp32, so the stream after it is fp32 beside the 16-bit MLP modulation
+    vectors (seen on an H100: ``forward_ada_norm`` refused the dtypes). The MLP then runs as diffusers writes it."""
+    from svdq_linear import _diffusers_blocks
+
+    block = _double_block()
+    fuse_attention_projections(block)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 12, DIM, generator=g)
+    shift, scale = (torch.randn(2, DIM, generator=g).bfloat16() for _ in range(2))
+    with torch.no_grad():
+        got = _diffusers_blocks._ff_from_norm(block.ff, x, shift, scale, block.norm2)
+        want = block.ff(block.norm2(x) * (1 + scale[:, None]) + shift[:, None])
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_fused_blocks_call_a_hooked_attention_module():

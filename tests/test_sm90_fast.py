@@ -654,3 +654,27 @@ def test_prepared_state_hands_the_kernels_back_what_they_were_given():
     back = qf.prepare(q, s, torch.rand(128) + 0.5, torch.randn(128))
     w8, nw = nvfp4.fast_weight(q, s)
     assert torch.equal(fast_layout.emulate_decode(back.blob, back.strip).view(torch.uint8), w8.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+@pytest.mark.parametrize("tokens", [7, 1000])
+def test_gpu_autocast_leaves_the_sm90_kernels_alone(mode, tokens):
+    """Under CUDA autocast (bf16 or fp16) an sm90 layer and its weight-only sibling give the bits they give without
+    it, in the input's dtype: the ops turn autocast off for their bodies, and the kernels' own dtypes hold."""
+    _quack_fast()
+    from svdq_linear import NVFP4W4A16Linear
+    from test_conformance import random_w4a4
+
+    torch.manual_seed(tokens)
+    m = random_w4a4(1024, 768, 32, torch.bfloat16, "cuda").set_mode(mode)
+    w16 = NVFP4W4A16Linear.from_linear(torch.nn.Linear(1024, 256)).to("cuda", torch.bfloat16)
+    x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
+    assert backends.choose(m, x).name == "sm90"
+    with torch.no_grad():
+        want, want16 = m(x), w16(x)
+        for dtype in (torch.bfloat16, torch.float16):
+            with torch.autocast("cuda", dtype=dtype):
+                got, got16 = m(x), w16(x)
+            assert got.dtype == torch.bfloat16 and got16.dtype == torch.bfloat16, dtype
+            assert torch.equal(got, want) and torch.equal(got16, want16), dtype
