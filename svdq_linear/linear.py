@@ -82,6 +82,24 @@ def name_layers(model: nn.Module) -> int:
     return count
 
 
+def _autocast_inputs(*ts: torch.Tensor | None) -> tuple:
+    """The layer's inputs as autocast hands them to ``nn.Linear``: inside an autocast region for their device, a
+    16- or 32-bit float input is cast to the region's dtype (the result comes back in it too). Outside one, or on
+    a device autocast does not know, the inputs as given. The kernels run with autocast off whatever it holds
+    (``backends._no_autocast``)."""
+    if not torch._C._is_any_autocast_enabled():
+        return ts
+    dev = next(t for t in ts if t is not None).device.type
+    try:
+        if not torch.is_autocast_enabled(dev):
+            return ts
+        dtype = torch.get_autocast_dtype(dev)
+    except RuntimeError:  # a device type autocast does not cover (meta)
+        return ts
+    return tuple(t.to(dtype) if t is not None and t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t
+                 for t in ts)
+
+
 def _is_16_or_32_bit_float(dtype: torch.dtype) -> bool:
     return dtype in nvfp4.SUPPORTED_ACT_DTYPES
 
@@ -343,6 +361,7 @@ class _PackedNVFP4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}")
+        x, = _autocast_inputs(x)
         self._enter_call(x)
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
@@ -372,7 +391,7 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
     - ``bias [N]`` or None, in the module's float dtype.
 
     ``forward`` accepts any leading dimensions and bf16/fp16/fp32 inputs and returns the input's
-    dtype. ``.to(dtype)`` casts only ``proj_down``, ``proj_up`` and ``bias``. The kernel is chosen per
+    dtype (inside an autocast region, as ``nn.Linear``: the input cast to the region's dtype, the result in it). ``.to(dtype)`` casts only ``proj_down``, ``proj_up`` and ``bias``. The kernel is chosen per
     device by ``svdq_linear.backends.select_backend`` (``set_backend`` overrides it); the numerics are
     those of ``svdq_linear.nvfp4.w4a4_linear`` on every backend.
     """
@@ -445,6 +464,7 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
         whenever the module's call is wrapped (hooks, an offloader's forward), it is written and the
         layer is called on it.
         The contract: ``svdq_linear.nvfp4``, "Inputs built from two tensors"."""
+        x_a, x_b = _autocast_inputs(x_a, x_b)
         ka = 0 if x_a is None else x_a.shape[-1]
         if x_a is not None and (x_a.shape[:-1] != x_b.shape[:-1] or x_a.dtype != x_b.dtype
                                 or x_a.device != x_b.device):
@@ -478,6 +498,7 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
         The contract: ``svdq_linear.nvfp4``, "Inputs made by an adaLN norm"."""
         if x.dim() != 3 or x.shape[-1] != self.in_features:
             raise ValueError(f"expected x [B, S, {self.in_features}], got {tuple(x.shape)}")
+        x, shift, scale = _autocast_inputs(x, shift, scale)
         want = (x.shape[0], self.in_features)
         for name, t in (("shift", shift), ("scale", scale)):
             if tuple(t.shape) != want or t.dtype != x.dtype or t.device != x.device:

@@ -234,7 +234,10 @@ class _StandingBackend(_CountingBackend):
 
 
 def _registered(backend):
-    """A fixture's body: ``backend`` registered ahead of the others for one test."""
+    """A fixture's body: ``backend`` registered ahead of the others for one test. Layers that earlier tests left
+    alive are forgotten: a compile prepares every live layer on the device that has no state yet
+    (``prepare_before_trace``), which would add their preparations to this backend's counts."""
+    backends.LIVE_LAYERS.clear()
     backends.register_backend(backend, priority=100)
     yield backend
     backends._ENTRIES.pop(backend.name)
@@ -705,17 +708,30 @@ def test_getenv_reads_what_os_environ_holds(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_autocast_does_not_reach_the_backends_own_ops(dtype):
     """Under autocast the op's body ran the reference's fp32 matmuls in 16 bits: in fp16 the FP4 product overflows
-    before its ``* wcscale`` (Inf / NaN). The ops now turn autocast off for their bodies: the same output as
-    without autocast, in the input's dtype."""
+    before its ``* wcscale`` (Inf / NaN). The ops now turn autocast off for their bodies, and the layers take
+    autocast as ``nn.Linear`` does: an fp32 input is cast to the region's dtype, and the output is what the layer
+    gives that 16-bit input without autocast, in that dtype. The fused inputs (``forward_cat_gelu``,
+    ``forward_ada_norm``) are cast the same way."""
     torch.manual_seed(0)
     m, w16 = _module(), NVFP4W4A16Linear.from_linear(torch.nn.Linear(64, 48))
     x = torch.randn(5, 64) * 4
     with torch.no_grad():
-        want, want16 = m(x), w16(x)
+        want, want16 = m(x.to(dtype)), w16(x.to(dtype))
         with torch.autocast("cpu", dtype=dtype):
             got, got16 = m(x), w16(x)
-    assert got.dtype == x.dtype and torch.isfinite(got).all() and torch.isfinite(got16).all()
+            assert torch.nn.Linear(64, 48)(x).dtype == dtype  # what a drop-in replacement matches
+    assert got.dtype == got16.dtype == dtype and torch.isfinite(got).all() and torch.isfinite(got16).all()
     assert torch.equal(got, want) and torch.equal(got16, want16)
+    xa, xb = x[:, :32].reshape(1, 5, 32), x[:, 32:].reshape(1, 5, 32)
+    shift, scale = torch.randn(1, 64), torch.randn(1, 64)
+    with torch.no_grad():
+        want_cat = m.forward_cat_gelu(xa.to(dtype), xb.to(dtype))
+        want_norm = m.forward_ada_norm(x.reshape(1, 5, 64).to(dtype), shift.to(dtype), scale.to(dtype), 1e-6)
+        with torch.autocast("cpu", dtype=dtype):
+            got_cat = m.forward_cat_gelu(xa, xb)
+            got_norm = m.forward_ada_norm(x.reshape(1, 5, 64), shift, scale, 1e-6)
+    assert got_cat.dtype == got_norm.dtype == dtype
+    assert torch.equal(got_cat, want_cat) and torch.equal(got_norm, want_norm)
 
 
 class _DerivedBackend(_CountingBackend):

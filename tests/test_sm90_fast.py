@@ -660,8 +660,9 @@ def test_prepared_state_hands_the_kernels_back_what_they_were_given():
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 @pytest.mark.parametrize("tokens", [7, 1000])
 def test_gpu_autocast_leaves_the_sm90_kernels_alone(mode, tokens):
-    """Under CUDA autocast (bf16 or fp16) an sm90 layer and its weight-only sibling give the bits they give without
-    it, in the input's dtype: the ops turn autocast off for their bodies, and the kernels' own dtypes hold."""
+    """Under CUDA autocast (bf16 or fp16) an sm90 layer and its weight-only sibling give the bits they give the input
+    cast to the region's dtype without autocast, in that dtype (as ``nn.Linear``): the ops turn autocast off for
+    their bodies, and the kernels' own dtypes hold."""
     _quack_fast()
     from svdq_linear import NVFP4W4A16Linear
     from test_conformance import random_w4a4
@@ -672,9 +673,10 @@ def test_gpu_autocast_leaves_the_sm90_kernels_alone(mode, tokens):
     x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
     assert backends.choose(m, x).name == "sm90"
     with torch.no_grad():
-        want, want16 = m(x), w16(x)
         for dtype in (torch.bfloat16, torch.float16):
+            want, want16 = m(x.to(dtype)), w16(x.to(dtype))
             with torch.autocast("cuda", dtype=dtype):
                 got, got16 = m(x), w16(x)
-            assert got.dtype == torch.bfloat16 and got16.dtype == torch.bfloat16, dtype
-            assert torch.equal(got, want) and torch.equal(got16, want16), dtype
+                got32 = m(x.float())  # an fp32 stream under autocast takes the 16-bit kernels
+            assert got.dtype == got16.dtype == got32.dtype == dtype, dtype
+            assert torch.equal(got, want) and torch.equal(got16, want16) and torch.equal(got32, want), dtype
