@@ -391,7 +391,8 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
     - ``bias [N]`` or None, in the module's float dtype.
 
     ``forward`` accepts any leading dimensions and bf16/fp16/fp32 inputs and returns the input's
-    dtype (inside an autocast region, as ``nn.Linear``: the input cast to the region's dtype, the result in it). ``.to(dtype)`` casts only ``proj_down``, ``proj_up`` and ``bias``. The kernel is chosen per
+    dtype (inside an autocast region, as ``nn.Linear``: the input cast to the region's dtype, the result
+    in it). ``.to(dtype)`` casts only ``proj_down``, ``proj_up`` and ``bias``. The kernel is chosen per
     device by ``svdq_linear.backends.select_backend`` (``set_backend`` overrides it); the numerics are
     those of ``svdq_linear.nvfp4.w4a4_linear`` on every backend.
     """
