@@ -275,10 +275,13 @@ def test_gpu_fused_blocks_match_their_separate_layers(mode, kind):
     assert seen == [1], "the attention module's hook did not run"
     assert cast.dtype == base_cast.dtype  # autocast runs the norms in fp32, in diffusers' forward too
     assert hooked.dtype == fused.dtype
-    for out, want in ((cast, base_cast), (hooked, apart)):  # autocast's oracle: diffusers' forward under it
+    # autocast's oracle is diffusers' forward under it, which rounds the modulated norm once from fp32 where the
+    # contract's ada_norm rounds each step in bf16: most inputs differ by a rounding, more NVFP4 codes flip
+    # (a mean of 0.48 % of the mean output seen on an H100), hence the looser mean
+    for out, want, mean in ((cast, base_cast, 1e-2), (hooked, apart, 2e-3)):
         err = (out.float() - want.float()).abs()
         assert err.max().item() <= 3e-2 * want.float().abs().max().item(), err.max().item()
-        assert err.mean().item() <= 2e-3 * want.float().abs().mean().item()
+        assert err.mean().item() <= mean * want.float().abs().mean().item()
 
 
 def _double_block(seed: int = 0) -> torch.nn.Module:
