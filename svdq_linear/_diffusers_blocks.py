@@ -107,7 +107,9 @@ class FluxSingleTransformerBlock(_flux.FluxSingleTransformerBlock):
             mlp = self.proj_mlp(normed)
             attn = self.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb,
                              **(joint_attention_kwargs or {}))
-        if self._svdq_gelu_in and not _wrapped(self.act_mlp):  # act_mlp (GELU, tanh form): applied by proj_out
+        if self._svdq_gelu_in and not _wrapped(self.act_mlp) and attn.dtype == mlp.dtype:
+            # act_mlp (GELU, tanh form) applied by proj_out; an attention processor that returns another dtype
+            # takes diffusers' concatenation, which promotes
             y = self.proj_out.forward_cat_gelu(attn, mlp)
         else:
             y = self.proj_out(torch.cat([attn, self.act_mlp(mlp)], dim=2))

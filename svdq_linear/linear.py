@@ -85,8 +85,9 @@ def name_layers(model: nn.Module) -> int:
 def _autocast_inputs(*ts: torch.Tensor | None) -> tuple:
     """The layer's inputs as autocast hands them to ``nn.Linear``: inside an autocast region for their device, a
     16- or 32-bit float input is cast to the region's dtype (the result comes back in it too). Outside one, or on
-    a device autocast does not know, the inputs as given. The kernels run with autocast off whatever it holds
-    (``backends._no_autocast``)."""
+    a device autocast does not know, the inputs as given. The layer's steps after the cast run with autocast off
+    (``backends._no_autocast``): the written adaLN norm and GELU concatenation are computed outside the ops, where
+    CUDA autocast would run the norm in fp32 and hand the kernels an fp32 input."""
     if not torch._C._is_any_autocast_enabled():
         return ts
     dev = next(t for t in ts if t is not None).device.type
@@ -366,7 +367,7 @@ class _PackedNVFP4Linear(nn.Module):
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
         kind = self.kind  # read once a call: it consults the environment
-        with backends.device_guard(x2d):
+        with backends.device_guard(x2d), backends._no_autocast(x2d):
             backend, prepared = backends.resolve(self, x2d, kind)
             y = backend.linear(self, x2d, prepared, kind)
         return y.reshape(*lead, self.out_features)
@@ -478,12 +479,14 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
         if (_CHECK_RANGE and not torch.compiler.is_compiling() and kind == "w4a4") or self._call_is_wrapped():
             # the range check reads the written input; hooks and wrapped forwards (offloading moves the
             # weights in one) expect the layer's own call
-            return self(nvfp4.cat_gelu(x_a, x_b))
+            with backends._no_autocast(x_b):
+                written = nvfp4.cat_gelu(x_a, x_b)
+            return self(written)
         self._enter_call(x_b)
         lead = x_b.shape[:-1]
         xb2d = x_b.reshape(-1, x_b.shape[-1])
         xa2d = None if x_a is None else x_a.reshape(-1, ka)
-        with backends.device_guard(xb2d):
+        with backends.device_guard(xb2d), backends._no_autocast(xb2d):
             backend, prepared = backends.resolve(self, xb2d, kind)
             y = backend.linear_cat_gelu(self, xa2d, xb2d, prepared, kind)
         return y.reshape(*lead, self.out_features)
@@ -507,11 +510,13 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
                                  f"{tuple(t.shape)} {t.dtype} {t.device}")
         kind = self.kind
         if (_CHECK_RANGE and not torch.compiler.is_compiling() and kind == "w4a4") or self._call_is_wrapped():
-            return self(nvfp4.ada_norm(x, shift, scale, eps))
+            with backends._no_autocast(x):
+                written = nvfp4.ada_norm(x, shift, scale, eps)
+            return self(written)
         self._enter_call(x)
         b, s_, k = x.shape
         x2d = x.reshape(b * s_, k)
-        with backends.device_guard(x2d):
+        with backends.device_guard(x2d), backends._no_autocast(x2d):
             backend, prepared = backends.resolve(self, x2d, kind)
             y = backend.linear_ada_norm(self, x2d, shift, scale, float(eps), s_, prepared, kind)
         return y.reshape(b, s_, self.out_features)

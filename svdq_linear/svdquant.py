@@ -19,6 +19,7 @@ inputs hotter than the calibration set (which would saturate). A power of two ke
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field, fields
 
@@ -227,6 +228,17 @@ def activation_headroom(act_max: torch.Tensor, smooth: torch.Tensor) -> float:
     return math.log2(nvfp4.NVFP4_MAX / top) if top > 0 else math.inf
 
 
+@contextlib.contextmanager
+def _autocast_off():
+    """Every autocast region that is on, off: the decomposition's fp32 matmuls must not run in 16 bits, or the
+    packed weights would depend on whether the caller had autocast on."""
+    with contextlib.ExitStack() as stack:
+        for device_type in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
 def svdquant(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -241,8 +253,14 @@ def svdquant(
     ``act_max [K]`` holds per-input-channel max |x| from calibration. ``dtype`` is that of
     ``proj_down``/``proj_up``/``bias`` (default: the weight's). ``smooth`` overrides the smoothing
     factor lambda (linears that read one input share one: see ``group_smoothing_factor``). ``seed``
-    seeds the randomized SVD, so a conversion is reproducible. Results are on the weight's device.
+    seeds the randomized SVD, so a conversion is reproducible. Results are on the weight's device, and the same
+    with autocast on or off.
     """
+    with _autocast_off():
+        return _svdquant(weight, bias, act_max, config, dtype, smooth, seed)
+
+
+def _svdquant(weight, bias, act_max, config, dtype, smooth, seed) -> SVDQuantWeights:
     config = config or SVDQuantConfig()
     if weight.dim() != 2:
         raise ValueError(f"expected a 2-D weight [N, K], got shape {tuple(weight.shape)}")

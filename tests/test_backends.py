@@ -734,6 +734,35 @@ def test_autocast_does_not_reach_the_backends_own_ops(dtype):
     assert torch.equal(got_cat, want_cat) and torch.equal(got_norm, want_norm)
 
 
+def test_written_inputs_are_built_with_autocast_off(monkeypatch):
+    """The written adaLN norm (``forward_ada_norm``'s default path and its wrapped-call path) is computed outside the
+    ops. CUDA autocast runs ``layer_norm`` in fp32, which handed the kernels an fp32 input and returned fp32. That
+    policy is emulated here on the CPU: the layer's steps after its input cast run with autocast off, so the
+    result is the same bits, in the region's dtype, as without autocast."""
+    layer_norm = torch.nn.functional.layer_norm
+
+    def cuda_policy(x, *args, **kwargs):
+        if torch.is_autocast_enabled("cpu"):
+            with torch.autocast("cpu", enabled=False):
+                return layer_norm(x.float(), *args, **kwargs)
+        return layer_norm(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "layer_norm", cuda_policy)
+    torch.manual_seed(0)
+    m = _module().bfloat16()
+    x, shift, scale = torch.randn(1, 5, 64).bfloat16(), torch.randn(1, 64).bfloat16(), torch.randn(1, 64).bfloat16()
+    with torch.no_grad():
+        want = m.forward_ada_norm(x, shift, scale, 1e-6)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = m.forward_ada_norm(x, shift, scale, 1e-6)
+        h = m.register_forward_hook(lambda *a: None)  # the wrapped path writes the norm and calls the layer
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got_wrapped = m.forward_ada_norm(x, shift, scale, 1e-6)
+        h.remove()
+    assert got.dtype == got_wrapped.dtype == torch.bfloat16
+    assert torch.equal(got, want) and torch.equal(got_wrapped, want)
+
+
 class _DerivedBackend(_CountingBackend):
     """Prepares ``1 / smooth`` and reads only that (as sm90 prepares ``proj_down / smooth``): a prepared state that
     an edit of ``smooth`` the seam does not see leaves stale."""

@@ -529,9 +529,15 @@ def prepare_before_trace(device_type: str, index: int | None, dtype: str) -> boo
 def _no_autocast(t: torch.Tensor):
     """Autocast off for an op's body: it passes the op's dispatch, and would then cast the backend's own torch ops
     (the reference's fp32 matmuls, a ``lora_act`` GEMM) to 16 bits, where the FP4 product overflows fp16 before
-    its ``* wcscale``. The op returns its input's dtype, as it does without autocast."""
+    its ``* wcscale``. The op returns its input's dtype, as it does without autocast. The layers also run their
+    own steps outside the ops under it (``svdq_linear.linear``). A null context where autocast is off for ``t``'s
+    device, or where autocast does not know the device (meta)."""
     if torch._C._is_any_autocast_enabled():
-        return torch.autocast(t.device.type, enabled=False)
+        try:
+            if torch.is_autocast_enabled(t.device.type):
+                return torch.autocast(t.device.type, enabled=False)
+        except RuntimeError:  # a device type autocast does not cover
+            pass
     return contextlib.nullcontext()
 
 
