@@ -9,6 +9,7 @@ import warnings
 from . import backends, nvfp4
 from .fuse import fuse_gelu_inputs, unfuse_gelu_inputs
 from .linear import NVFP4W4A16Linear, SVDQW4A4Linear, reset_prepared, set_mode
+from .lora import fuse_lora, unfuse_lora
 from .svdquant import SVDQuantConfig, SVDQuantWeights, svdquant
 
 __version__ = "0.1.0"
@@ -46,6 +47,7 @@ __all__ = [
     "SVDQuantizationConfig",
     "backends",
     "fuse_gelu_inputs",
+    "fuse_lora",
     "load_svdq_pipeline",
     "nvfp4",
     "quantize_linears",
@@ -54,4 +56,5 @@ __all__ = [
     "set_mode",
     "svdquant",
     "unfuse_gelu_inputs",
+    "unfuse_lora",
 ]

@@ -618,6 +618,11 @@ class NVFP4W4A16Linear(_PackedNVFP4Linear):
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device, dtype)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        branch = self._modules.get("lora_branch")  # a LoRA's side branch (svdq_linear.lora.fuse_lora)
+        return y if branch is None else y + branch(x, y.dtype)
+
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "NVFP4W4A16Linear":
         """Quantize ``linear`` (per-row scale folded into ``wcscale``); keeps its dtype and device."""

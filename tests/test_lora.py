@@ -1,0 +1,295 @@
+"""LoRA adapters on quantized layers (``svdq_linear.lora``): each layer type against the adapter's formula written
+here (``y + scale * (x @ A^T) @ B^T``), a tiny Flux transformer against the unquantized one with the same LoRA
+merged into its weights, undoing bit for bit, and the refusals (CPU, reference backend; one sm90 test)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from svdq_linear import NVFP4W4A16Linear, SVDQW4A4Linear, fuse_lora, unfuse_lora
+
+diffusers = pytest.importorskip("diffusers")
+
+
+def _adapter(n, k, r, seed, gain=0.05):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(r, k, generator=g) * gain, torch.randn(n, r, generator=g) * gain
+
+
+def _calibrated(k=128, n=96, rank=8, dtype=torch.float32, seed=0):
+    """A W4A4 layer with a smoothing factor far from 1 (outlier input channels, small calibrated inputs)."""
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(k, n)
+    act_max = torch.rand(k) * 1e-3 + 1e-4
+    act_max[:4] *= 300
+    return SVDQW4A4Linear.from_linear(lin, rank=rank, act_max=act_max).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_w4a4_layer_adds_the_adapter_to_its_output(dtype):
+    """The adapter joins the low-rank branch as ``smooth ⊙ A^T`` / ``B``: the output moves by the adapter's term
+    and the FP4 product is untouched; alpha scales by ``alpha / r``."""
+    m = _calibrated(dtype=dtype)
+    a, b = _adapter(96, 128, 4, seed=1)
+    x = (torch.randn(7, 128) * 1e-3).to(dtype)
+    with torch.no_grad():
+        base = m(x).double()
+        lora = {"layer.lora_A.weight": a, "layer.lora_B.weight": b, "layer.alpha": torch.tensor(8.0)}
+        model = torch.nn.ModuleDict({"layer": m})
+        assert fuse_lora(model, lora, scale=0.5, prefix="") == 1
+        got = m(x).double()
+    assert m.rank == 12 and m.proj_down.shape == (128, 12) and m.proj_down.dtype == dtype
+    want = base + 0.5 * (8.0 / 4) * (x.double() @ a.double().T) @ b.double().T
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}[dtype]
+    assert (got - want).abs().max() <= tol * want.abs().max(), (got - want).abs().max().item()
+
+
+def test_w4a16_and_16_bit_layers_add_the_adapter():
+    torch.manual_seed(3)
+    w16 = NVFP4W4A16Linear.from_linear(torch.nn.Linear(64, 48))
+    plain = torch.nn.Linear(64, 32)
+    model = torch.nn.ModuleDict({"w16": w16, "plain": plain})
+    (a1, b1), (a2, b2) = _adapter(48, 64, 4, seed=4), _adapter(32, 64, 2, seed=5)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        base16, base = w16(x), plain(x)
+        lora = {"transformer.w16.lora_A.weight": a1, "transformer.w16.lora_B.weight": b1,
+                "transformer.plain.lora_A.weight": a2, "transformer.plain.lora_B.weight": b2}
+        assert fuse_lora(model, lora, scale=2.0) == 2
+        got16, got = w16(x), plain(x)
+    torch.testing.assert_close(got16, base16 + 2.0 * (x @ a1.T) @ b1.T, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, base + 2.0 * (x @ a2.T) @ b2.T, rtol=1e-5, atol=1e-6)
+    assert "lora_branch.down" not in w16.state_dict() and set(w16.state_dict()) == {
+        "qweight", "wscales", "wcscale", "bias"}
+
+
+def _tiny_flux(seed=0):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                   pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)).eval()
+    return model
+
+
+def _quantize(model):
+    """Every linear of the blocks to 4 bits: the adaLN ones weight-only, the rest W4A4 at rank 8; diffusers'
+    ``fuse_qkv_projections`` then stacks them (as after loading a checkpoint)."""
+    from svdq_linear.fuse import fuse_attention_projections
+
+    for name, mod in list(model.named_modules()):
+        if "transformer_blocks" not in name:
+            continue
+        for child_name, child in list(mod.named_children()):
+            if type(child) is torch.nn.Linear:
+                cls = NVFP4W4A16Linear if name.endswith(("norm1", "norm1_context", "norm")) else SVDQW4A4Linear
+                new = cls.from_linear(child) if cls is NVFP4W4A16Linear else cls.from_linear(child, rank=8)
+                setattr(mod, child_name, new)
+    fuse_attention_projections(model)
+    return model
+
+
+def _flux_inputs():
+    g = torch.Generator().manual_seed(9)
+    return dict(hidden_states=torch.randn(1, 16, 16, generator=g),
+                encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
+                pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
+                img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3), return_dict=False)
+
+
+def _flux_lora(model, seed=11, gain=0.15):
+    """A diffusers-format LoRA on every linear of the blocks, the embedder and the final projection."""
+    sd, g = {}, seed
+    for name, mod in model.named_modules():
+        if isinstance(mod, (torch.nn.Linear, SVDQW4A4Linear, NVFP4W4A16Linear)) and (
+                "transformer_blocks" in name or name in ("x_embedder", "proj_out")):
+            a, b = _adapter(mod.out_features, mod.in_features, 4, seed=g, gain=gain)
+            g += 1
+            sd[f"transformer.{name}.lora_A.weight"], sd[f"transformer.{name}.lora_B.weight"] = a, b
+    return sd
+
+
+def _merged(model, sd):
+    """The oracle: the unquantized model with ``W += B @ A`` for every adapter."""
+    model = copy.deepcopy(model)
+    mods = dict(model.named_modules())
+    with torch.no_grad():
+        for key in sd:
+            if key.endswith(".lora_A.weight"):
+                name = key[len("transformer."):-len(".lora_A.weight")]
+                mods[name].weight += sd[key.replace("lora_A", "lora_B")] @ sd[key]
+    return model
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_a_quantized_flux_transformer_takes_a_lora_as_the_merged_model_does():
+    """The LoRA moves the quantized model as it moves the unquantized one: against the unquantized model with the
+    adapters merged into its weights, the quantized model with them is as close as without them, while the LoRA
+    itself moves the output far more than that. ``unfuse_lora`` brings back every tensor bit for bit."""
+    ref = _tiny_flux()
+    model = _quantize(copy.deepcopy(ref))
+    sd = _flux_lora(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    inputs = _flux_inputs()
+    with torch.no_grad():
+        q, fp = model(**inputs)[0], ref(**inputs)[0]
+        fp_lora = _merged(ref, sd)(**inputs)[0]
+        assert fuse_lora(model, sd) == len(sd) // 2
+        q_lora = model(**inputs)[0]
+    base_err = _rel(q, fp)
+    assert _rel(fp_lora, fp) > 10 * base_err, "the LoRA must move the output well beyond the quantization error"
+    assert _rel(q_lora, fp_lora) <= 1.5 * base_err + 1e-3, (_rel(q_lora, fp_lora), base_err)
+    assert unfuse_lora(model) == len(sd) // 2
+    after = model.state_dict()
+    assert set(after) == set(before)
+    for k, v in before.items():
+        assert torch.equal(after[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else after[k],
+                           v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v), k
+    with torch.no_grad():
+        assert torch.equal(model(**inputs)[0], q)
+
+
+def test_adapters_then_fused_qkv_and_compile():
+    """Adapters first, then diffusers' ``fuse_qkv_projections`` (the stacked layer carries the longer branches)
+    and ``torch.compile``: the same output. A fused model refuses adapters by name, and refuses to undo them."""
+    model = _quantize(_tiny_flux())
+    sd = _flux_lora(model)
+    inputs = _flux_inputs()
+    fuse_lora(model, sd)
+    with torch.no_grad():
+        want = model(**inputs)[0]
+        model.fuse_qkv_projections()
+        fused = model(**inputs)[0]
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(**inputs)[0]
+    torch.testing.assert_close(fused, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(compiled, fused, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="fused"):
+        fuse_lora(model, {k: v for k, v in sd.items() if ".attn.to_q." in k})
+    with pytest.raises(ValueError, match="fused"):
+        unfuse_lora(model)
+
+
+def test_a_pipeline_reads_a_lora_file_through_its_own_loader(tmp_path):
+    """Given a pipeline, a safetensors file goes through the pipeline class's ``lora_state_dict`` (its format
+    conversions), alphas included."""
+    from safetensors.torch import save_file
+
+    from svdq_linear.convert.tiny import build_tiny_pipeline
+
+    pipe = build_tiny_pipeline("flux", seed=0)
+    _quantize(pipe.transformer)
+    layer = pipe.transformer.transformer_blocks[0].attn.to_q
+    a, b = _adapter(layer.out_features, layer.in_features, 4, seed=2)
+    key = "transformer.transformer_blocks.0.attn.to_q"
+    save_file({f"{key}.lora_A.weight": a, f"{key}.lora_B.weight": b, f"{key}.alpha": torch.tensor(2.0)},
+              tmp_path / "lora.safetensors")
+    x = torch.randn(3, layer.in_features)
+    with torch.no_grad():
+        base = layer(x)
+        assert fuse_lora(pipe, tmp_path / "lora.safetensors") == 1
+        torch.testing.assert_close(layer(x), base + 0.5 * (x @ a.T) @ b.T, rtol=1e-5, atol=1e-6)
+
+
+def test_refused_loras_change_nothing():
+    model = _quantize(_tiny_flux())
+    sd = _flux_lora(model)
+    before = copy.deepcopy(model.state_dict())
+    name = "transformer.transformer_blocks.0.attn.to_k"
+    cases = [
+        ({**sd, "text_encoder.x.lora_A.weight": torch.zeros(4, 8)}, ValueError, "outside 'transformer'"),
+        ({**sd, f"{name}.lora_magnitude_vector": torch.ones(32)}, ValueError, "DoRA"),
+        ({k: v for k, v in sd.items() if k != f"{name}.lora_B.weight"}, ValueError, "lacks its lora_B"),
+        ({**sd, f"{name}.lora_A.weight": torch.zeros(4, 48)}, ValueError, r"lora_A \[r, 32\]"),
+        ({**sd, "transformer.transformer_blocks.0.attn.to_z.lora_A.weight": torch.zeros(4, 32),
+          "transformer.transformer_blocks.0.attn.to_z.lora_B.weight": torch.zeros(32, 4)}, ValueError, "to_z"),
+        ({**sd, f"{name}.lora_A.weight": torch.full((4, 32), float("nan"))}, ValueError, "NaN"),
+    ]
+    for lora, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            fuse_lora(model, lora)
+    with pytest.raises(ValueError, match="finite scale"):
+        fuse_lora(model, sd, scale=float("inf"))
+    after = model.state_dict()
+    assert all(torch.equal(after[k].view(torch.uint8), v.view(torch.uint8)) if v.dtype == torch.float8_e4m3fn
+               else torch.equal(after[k], v) for k, v in before.items())
+    assert unfuse_lora(model) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_a_lora_runs_on_the_sm90_kernels():
+    """On an sm90 GPU the longer branch runs on the kernels (both modes) and matches the reference within the
+    contract's tolerance: the adapter is part of ``proj_down`` / ``proj_up``, which every backend reads."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm90 GPU")
+    pytest.importorskip("quack")
+    from svdq_linear import backends
+
+    m = _calibrated(k=1024, n=768, rank=32).to("cuda", torch.bfloat16).set_mode("exact")
+    a, b = _adapter(768, 1024, 16, seed=7)
+    x = (torch.randn(1000, 1024, device="cuda") * 1e-3).bfloat16()
+    compiled = torch.compile(m, fullgraph=True)
+    with torch.no_grad():
+        compiled(x)  # prepared (the kernels' state stands in) and compiled before the LoRA
+        fuse_lora(torch.nn.ModuleDict({"l": m}), {"l.lora_A.weight": a, "l.lora_B.weight": b}, prefix="")
+        assert torch.equal(compiled(x), m(x)), "the compiled graph kept the state from before the LoRA"
+    for mode in ("exact", "fast"):
+        m.set_mode(mode)
+        assert backends.choose(m, x).name == "sm90"
+        with torch.no_grad():
+            got = m(x).float()
+            want = m.to("cpu").set_backend("reference")(x.cpu()).float().cuda()
+        m.to("cuda").set_backend(None)
+        err = (got - want).abs()
+        assert err.mean() <= 2e-2 * want.abs().mean(), (mode, err.mean().item())
+
+
+def test_a_kohya_lora_goes_through_diffusers_conversion():
+    """A kohya-format Flux LoRA (BFL module names, a stacked q/k/v adapter, alphas): the pipeline's converter splits
+    it onto ``to_q`` / ``to_k`` / ``to_v`` and folds ``alpha / r``; each layer then moves by its share."""
+    from svdq_linear.convert.tiny import build_tiny_pipeline
+
+    pipe = build_tiny_pipeline("flux", seed=0)
+    _quantize(pipe.transformer)
+    attn = pipe.transformer.transformer_blocks[0].attn
+    d, r = attn.to_q.in_features, 4
+    (down_p, up_p), (down_q, up_q) = _adapter(d, d, r, seed=20, gain=0.1), _adapter(3 * d, d, r, seed=21, gain=0.1)
+    sd = {"lora_unet_double_blocks_0_img_attn_proj.lora_down.weight": down_p,
+          "lora_unet_double_blocks_0_img_attn_proj.lora_up.weight": up_p,
+          "lora_unet_double_blocks_0_img_attn_proj.alpha": torch.tensor(2.0),
+          "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": down_q,
+          "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": up_q,
+          "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(2.0)}
+    x = torch.randn(5, d)
+    layers = [attn.to_out[0], attn.to_q, attn.to_k, attn.to_v]
+    with torch.no_grad():
+        base = [m(x) for m in layers]
+        assert fuse_lora(pipe, sd) == 4
+        got = [m(x) for m in layers]
+    ups = [up_p, up_q[:d], up_q[d:2 * d], up_q[2 * d:]]
+    downs = [down_p] + [down_q] * 3
+    for g, b0, down, up in zip(got, base, downs, ups):
+        torch.testing.assert_close(g, b0 + (2.0 / r) * (x @ down.T) @ up.T, rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_compiled_before_the_lora_runs_it():
+    """A graph compiled (and prepared) before ``fuse_lora`` reads the new branch, the side branch and the edited
+    16-bit weight: the compiled model's output with the LoRA is the eager one's; after ``unfuse_lora``, the base's."""
+    model = _quantize(_tiny_flux())
+    sd = _flux_lora(model)
+    inputs = _flux_inputs()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        base = compiled(**inputs)[0]
+        fuse_lora(model, sd)
+        got, want = compiled(**inputs)[0], model(**inputs)[0]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert _rel(got, base) > 0.05
+        unfuse_lora(model)
+        torch.testing.assert_close(compiled(**inputs)[0], base, rtol=1e-5, atol=1e-6)
