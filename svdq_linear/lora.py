@@ -17,13 +17,23 @@ records: unfuse before ``save_pretrained`` or ``svdq-convert``. Fused q/k/v laye
 refused: apply adapters first, then fuse (the stacked layer carries the longer branches).
 
 The LoRA is diffusers' format: ``<prefix>.<module>.lora_A.weight [r, K]``, ``lora_B.weight [N, r]``, an optional
-``<module>.alpha`` (scale ``alpha / r``). Given a pipeline, a file or folder is read (safetensors only) and
-converted by the pipeline's own ``lora_state_dict`` (kohya, xlabs and other Flux formats)."""
+``<module>.alpha``. Each adapter is scaled as diffusers and peft scale it: ``alpha / r`` with the module's own alpha,
+else the most common alpha of the file, else 1; a file that diffusers saved with its adapter config in the header
+(``lora_alpha``, ``alpha_pattern``, ``use_rslora``) follows that config. Given a pipeline, a file or folder is read
+(safetensors only) and converted by the pipeline's own ``lora_state_dict`` (kohya, xlabs and other Flux formats).
+
+The added columns of a W4A4 layer are padded with zeros to a multiple of 16 (exact: zero columns add zero), the
+alignment the Blackwell kernel takes; it takes ranks up to 128 and sm90's up to 256, and ``fuse_lora`` warns when a
+layer grows past those (the layer then runs on another backend there). Layers whose weights an offloader moves
+(accelerate's sequential offload) are refused: remove the hooks, apply, offload again."""
 
 from __future__ import annotations
 
+import collections
 import math
 import os
+import re
+import warnings
 
 import torch
 from torch import nn
@@ -48,38 +58,72 @@ class LoraBranch(nn.Module):
         return (x.to(dtype) @ self.down.to(dtype)) @ self.up.to(dtype).T
 
 
-def _read(target, lora, prefix: str) -> dict[str, torch.Tensor]:
-    """The LoRA as a diffusers-format state dict (``prefix`` included)."""
+def _read(target, lora, prefix: str) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """The LoRA as a diffusers-format state dict (``prefix`` included) and the adapter config diffusers saved
+    with it (``lora_alpha``, ...; None if none)."""
     if isinstance(lora, dict):
         if hasattr(type(target), "lora_state_dict"):
-            return _convert(type(target), dict(lora))
-        return dict(lora)
+            return _convert(type(target), dict(lora), prefix)
+        return dict(lora), None
     if not isinstance(lora, (str, os.PathLike)):
         raise TypeError(f"expected a LoRA state dict or a path, got {type(lora).__name__}")
     if hasattr(type(target), "lora_state_dict"):
-        return _convert(type(target), os.fspath(lora))
+        return _convert(type(target), os.fspath(lora), prefix)
     if not os.path.isfile(lora):
         raise FileNotFoundError(f"no LoRA file at {lora} (a folder needs the pipeline, not its transformer)")
     from safetensors.torch import load_file
 
-    return load_file(os.fspath(lora))
+    return load_file(os.fspath(lora)), None
 
 
-def _convert(pipeline_cls, lora) -> dict[str, torch.Tensor]:
-    """The pipeline class's own reader and format conversion, safetensors only (it would fall back to a pickle)."""
+def _convert(pipeline_cls, lora, prefix: str) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """The pipeline class's own reader and format conversion, safetensors only (it would fall back to a pickle),
+    with the alphas it returns apart (Flux) folded back in as ``.alpha`` keys and the saved adapter config."""
     import inspect
 
-    kwargs = {"use_safetensors": True}
+    kwargs = {"use_safetensors": True, "return_lora_metadata": True}
     if "return_alphas" in inspect.signature(pipeline_cls.lora_state_dict).parameters:
         kwargs["return_alphas"] = True
     out = pipeline_cls.lora_state_dict(lora, **kwargs)
-    if isinstance(out, tuple):
-        state, alphas = out[0], out[1]
-        state = dict(state)
-        for key, alpha in (alphas or {}).items():  # Flux returns them apart: "<prefix>.<module>.alpha"
-            state.setdefault(key, torch.as_tensor(alpha))
-        return state
-    return dict(out)
+    out = out if isinstance(out, tuple) else (out,)
+    state = dict(out[0])
+    alphas = out[1] if kwargs.get("return_alphas") and len(out) > 2 else None
+    metadata = out[-1] if len(out) > 1 else None
+    for key, alpha in (alphas or {}).items():  # "<prefix>.<module>.alpha"
+        state.setdefault(key, torch.as_tensor(alpha))
+    head = prefix + "." if prefix else ""
+    config = {k[len(head):]: v for k, v in (metadata or {}).items() if k.startswith(head)}
+    return state, config or None
+
+
+def _scales(adapters: dict[str, tuple], config: dict | None) -> dict[str, float]:
+    """Each adapter's factor before the user's ``scale``, as peft scales a diffusers-loaded LoRA: ``alpha / r``
+    (``/ sqrt(r)`` with rsLoRA). Without a saved config, a module without its own alpha takes the most common
+    alpha of the LoRA, and a LoRA without alphas is taken at 1 (alpha = r)."""
+    if config is not None:
+        for key in ("use_dora", "lora_bias"):
+            if config.get(key):
+                raise ValueError(f"the LoRA's saved config sets {key}: DoRA and adapter biases are not supported")
+        default, patterns = config.get("lora_alpha"), dict(config.get("alpha_pattern") or {})
+        root = bool(config.get("use_rslora"))
+    else:
+        given = [alpha for _, _, alpha in adapters.values() if alpha is not None]
+        default = collections.Counter(given).most_common(1)[0][0] if given else None
+        patterns, root = {}, False
+    out = {}
+    for name, (a, _, alpha) in adapters.items():
+        if config is not None:
+            alpha = next((v for k, v in patterns.items() if re.fullmatch(rf"(.*\.)?({k})", name)), default)
+        elif alpha is None:
+            alpha = default
+        r = a.shape[0]
+        if alpha is None:
+            out[name] = 1.0
+        elif not math.isfinite(float(alpha)):
+            raise ValueError(f"LoRA for {name!r}: alpha {alpha} is not finite")
+        else:
+            out[name] = float(alpha) / (math.sqrt(r) if root else r)
+    return out
 
 
 def _adapters(state: dict[str, torch.Tensor], prefix: str) -> dict[str, tuple]:
@@ -140,7 +184,9 @@ def fuse_lora(target, lora, scale: float = 1.0, prefix: str = "transformer") -> 
     model = getattr(target, "transformer", target)
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a pipeline with a transformer or an nn.Module, got {type(target).__name__}")
-    adapters = _adapters(_read(target, lora, prefix), prefix)
+    state, config = _read(target, lora, prefix)
+    adapters = _adapters(state, prefix)
+    factors = _scales(adapters, config)
     modules = dict(model.named_modules())
     stacked = _stacked(model)
     plan = []
@@ -158,39 +204,119 @@ def fuse_lora(target, lora, scale: float = 1.0, prefix: str = "transformer") -> 
             raise ValueError(f"{name!r} is part of fused q/k/v layers: unfuse_qkv_projections, fuse_lora, then fuse "
                              f"again")
         _check_fits(name, layer, a, b)
+        _check_in_place(name, layer)
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise ValueError(f"LoRA for {name!r} holds NaN or Inf values")
-        plan.append((layer, a, b, scale * (alpha / a.shape[0] if alpha is not None else 1.0)))
-    with torch.no_grad():
-        for layer, a, b, factor in plan:
-            _apply(layer, a, b, factor)
+        plan.append((name, layer, a, b, scale * factors[name]))
+    undo = []
+    try:
+        with torch.no_grad():
+            for _, layer, a, b, factor in plan:
+                undo.append(_apply(layer, a, b, factor))
+    except BaseException:
+        with torch.no_grad():  # a failure part way (memory): the layers already changed go back
+            for restore in reversed(undo):
+                restore()
+        raise
+    large = [f"{name} ({layer.rank})" for name, layer, *_ in plan if isinstance(layer, SVDQW4A4Linear)
+             and layer.rank > _RANK_LIMITS["sm100"]]
+    if large:
+        warnings.warn(f"svdq-linear: {len(large)} layers have a low-rank branch above "
+                      f"{_RANK_LIMITS['sm100']} columns with the LoRA (e.g. {large[0]}): the Blackwell kernel takes up "
+                      f"to {_RANK_LIMITS['sm100']}, sm90's up to {_RANK_LIMITS['sm90']}; beyond, such a layer runs on "
+                      f"another backend", RuntimeWarning, stacklevel=2)
     return len(plan)
 
 
-def _apply(layer, a: torch.Tensor, b: torch.Tensor, factor: float) -> None:
+# the largest low-rank branch each GPU kernel takes (backends/sm100, backends/sm90 decline beyond)
+_RANK_LIMITS = {"sm100": 128, "sm90": 256}
+_RANK_ALIGN = 16
+
+
+def _check_in_place(name: str, layer: nn.Module) -> None:
+    """Refuse a layer whose weights an offloader holds elsewhere (accelerate's hook keeps its own copy and puts it
+    back every call; the parameters here are placeholders on ``meta``)."""
+    if "_hf_hook" in layer.__dict__ or any(t.device.type == "meta" for t in layer.parameters()):
+        raise ValueError(f"{name!r} has its weights offloaded (accelerate's sequential offload or a meta device): "
+                         f"remove the hooks (pipe.remove_all_hooks()), apply or remove the LoRA, then offload again")
+
+
+def _guard_loads(layer: nn.Module) -> None:
+    """A load into a layer that carries an adapter is refused (once per layer: the hook checks at each load)."""
+    if not layer.__dict__.get("_lora_load_guard"):
+        layer._register_load_state_dict_pre_hook(_refuse_load, with_module=True)
+        layer.__dict__["_lora_load_guard"] = True
+
+
+def _has_adapter(layer: nn.Module) -> bool:
+    return ("_lora_base_rank" in layer.__dict__ or "_lora_base_weight" in layer.__dict__
+            or "lora_branch" in layer._modules)
+
+
+def _refuse_load(module, state_dict, prefix, *args) -> None:
+    if _has_adapter(module):
+        raise RuntimeError(f"{prefix.rstrip('.') or type(module).__name__} carries a LoRA (svdq_linear.fuse_lora): "
+                           f"unfuse_lora before loading weights into it (the adapter would stay on top of them)")
+
+
+def _apply(layer, a: torch.Tensor, b: torch.Tensor, factor: float):
+    """Add one adapter to ``layer``; returns a function that puts the layer back as it was before."""
     a = a.detach().float().to(_device(layer))
     b = b.detach().float().to(_device(layer))
+    _guard_loads(layer)
     if isinstance(layer, SVDQW4A4Linear):
         down, up = _balanced(a.T * factor, b)
+        first = "_lora_base_rank" not in layer.__dict__
+        before = layer.rank
+        pad = -(before + down.shape[1]) % _RANK_ALIGN if before % _RANK_ALIGN == 0 else 0
 
         def grow(layer):
             down_s = layer.smooth.float()[:, None] * down
             dtype = layer.proj_down.dtype
-            layer._set("proj_down", torch.cat([layer.proj_down, down_s.to(dtype)], 1).contiguous())
-            layer._set("proj_up", torch.cat([layer.proj_up, up.to(dtype)], 1).contiguous())
+            zeros_d, zeros_u = down_s.new_zeros(down_s.shape[0], pad), up.new_zeros(up.shape[0], pad)
+            layer._set("proj_down", torch.cat([layer.proj_down, down_s.to(dtype), zeros_d.to(dtype)], 1).contiguous())
+            layer._set("proj_up", torch.cat([layer.proj_up, up.to(dtype), zeros_u.to(dtype)], 1).contiguous())
 
-        layer.__dict__.setdefault("_lora_base_rank", layer.rank)
+        layer.__dict__.setdefault("_lora_base_rank", before)
         _edit_branch(layer, grow)
-    elif isinstance(layer, NVFP4W4A16Linear):
+
+        def restore():
+            _edit_branch(layer, lambda m: _truncate(m, before))
+            if first:
+                del layer.__dict__["_lora_base_rank"]
+
+        return restore
+    if isinstance(layer, NVFP4W4A16Linear):
         down, up = _balanced(a.T * factor, b)
         old = layer._modules.get("lora_branch")
         if old is not None:
             down, up = torch.cat([old.down.float(), down], 1), torch.cat([old.up.float(), up], 1)
         layer.lora_branch = LoraBranch(down.contiguous(), up.contiguous())  # fp32 until the model's .to(dtype)
-    else:
-        w = layer.weight
-        layer.__dict__.setdefault("_lora_base_weight", w.detach().clone())
-        w.copy_((w.float() + factor * (b @ a)).to(w.dtype))
+
+        def restore():
+            if old is None:
+                del layer.lora_branch
+            else:
+                layer.lora_branch = old
+
+        return restore
+    w = layer.weight
+    first = "_lora_base_weight" not in layer.__dict__
+    prev = w.detach().clone()
+    layer.__dict__.setdefault("_lora_base_weight", prev)
+    w.copy_((w.float() + factor * (b @ a)).to(w.dtype))
+
+    def restore():
+        w.copy_(prev)
+        if first:
+            del layer.__dict__["_lora_base_weight"]
+
+    return restore
+
+
+def _truncate(layer: SVDQW4A4Linear, r: int) -> None:
+    layer._set("proj_down", layer.proj_down[:, :r].contiguous())
+    layer._set("proj_up", layer.proj_up[:, :r].contiguous())
 
 
 def _edit_branch(layer: SVDQW4A4Linear, edit) -> None:
@@ -229,17 +355,15 @@ def unfuse_lora(target) -> int:
     stacked = _stacked(model)
     if any(id(m) in stacked and "_lora_base_rank" in m.__dict__ for m in model.modules()):
         raise ValueError("the model's q/k/v are fused over layers with adapters: unfuse_qkv_projections first")
+    for name, layer in model.named_modules():  # every check before the first change
+        if _has_adapter(layer):
+            _check_in_place(name, layer)
     count = 0
     with torch.no_grad():
         for layer in model.modules():
             if isinstance(layer, SVDQW4A4Linear) and "_lora_base_rank" in layer.__dict__:
                 r = layer.__dict__.pop("_lora_base_rank")
-
-                def shrink(layer, r=r):
-                    layer._set("proj_down", layer.proj_down[:, :r].contiguous())
-                    layer._set("proj_up", layer.proj_up[:, :r].contiguous())
-
-                _edit_branch(layer, shrink)
+                _edit_branch(layer, lambda m, r=r: _truncate(m, r))
             elif isinstance(layer, NVFP4W4A16Linear) and "lora_branch" in layer._modules:
                 del layer.lora_branch
             elif isinstance(layer, nn.Linear) and "_lora_base_weight" in layer.__dict__:

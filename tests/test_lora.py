@@ -293,3 +293,111 @@ def test_a_model_compiled_before_the_lora_runs_it():
         assert _rel(got, base) > 0.05
         unfuse_lora(model)
         torch.testing.assert_close(compiled(**inputs)[0], base, rtol=1e-5, atol=1e-6)
+
+
+def _delta_ratio(layer, base, x, a, b):
+    """The layer's output change over ``(x A^T) B^T``: the factor the adapter was applied with."""
+    with torch.no_grad():
+        d = (layer(x) - base).double()
+    t = ((x @ a.T) @ b.T).double()
+    return float((d * t).sum() / (t * t).sum())
+
+
+def test_alphas_scale_as_diffusers_scales_them(tmp_path):
+    """``alpha / r`` with the module's own alpha, else the LoRA's most common alpha (diffusers' ``lora_alpha``), else
+    1; a file saved by diffusers with its adapter config in the header follows that config (``lora_alpha``). A
+    non-finite alpha is refused."""
+    from diffusers import FluxPipeline
+
+    from svdq_linear.convert.tiny import build_tiny_pipeline
+
+    pipe = build_tiny_pipeline("flux", seed=0)
+    _quantize(pipe.transformer)
+    attn = pipe.transformer.transformer_blocks[0].attn
+    d = attn.to_q.in_features
+    names = ["to_q", "to_k", "to_v"]
+    ab = {n: _adapter(d, d, 4, seed=30 + i) for i, n in enumerate(names)}
+    x = torch.randn(5, d)
+    base = {n: getattr(attn, n)(x).detach() for n in names}
+    key = "transformer.transformer_blocks.0.attn."
+    sd = {f"{key}{n}.lora_{p}.weight": t for n, (a, b) in ab.items() for p, t in zip("AB", (a, b))}
+    fuse_lora(pipe, {**sd, f"{key}to_q.alpha": torch.tensor(2.0), f"{key}to_k.alpha": torch.tensor(2.0),
+                     f"{key}to_v.alpha": torch.tensor(8.0)})
+    got = {n: _delta_ratio(getattr(attn, n), base[n], x, *ab[n]) for n in names}
+    assert got == pytest.approx({"to_q": 0.5, "to_k": 0.5, "to_v": 2.0}, rel=1e-4)
+    unfuse_lora(pipe)
+    fuse_lora(pipe, {**sd, f"{key}to_v.alpha": torch.tensor(8.0)})  # to_q, to_k: the most common alpha, 8
+    assert _delta_ratio(attn.to_q, base["to_q"], x, *ab["to_q"]) == pytest.approx(2.0, rel=1e-4)
+    unfuse_lora(pipe)
+    layers = {k[len("transformer."):]: v for k, v in sd.items()}
+    FluxPipeline.save_lora_weights(tmp_path, transformer_lora_layers=layers,
+                                   transformer_lora_adapter_metadata={"r": 4, "lora_alpha": 16,
+                                                                      "alpha_pattern": {"to_v": 4},
+                                                                      "target_modules": names})
+    fuse_lora(pipe, tmp_path / "pytorch_lora_weights.safetensors")
+    got = {n: _delta_ratio(getattr(attn, n), base[n], x, *ab[n]) for n in names}
+    assert got == pytest.approx({"to_q": 4.0, "to_k": 4.0, "to_v": 1.0}, rel=1e-4)
+    unfuse_lora(pipe)
+    with pytest.raises(ValueError, match="alpha nan is not finite"):
+        fuse_lora(pipe, {**sd, f"{key}to_q.alpha": torch.tensor(float("nan"))})
+
+
+def test_w4a4_columns_pad_to_the_kernels_alignment():
+    """A rank-4 adapter on a rank-32 layer adds 16 columns (the Blackwell kernel takes multiples of 16): the extra
+    ones are zeros, the output is the unpadded one, and undoing gives back rank 32."""
+    m = _calibrated(rank=32)
+    a, b = _adapter(96, 128, 4, seed=40)
+    x = torch.randn(6, 128) * 1e-3
+    with torch.no_grad():
+        base = m(x)
+        fuse_lora(torch.nn.ModuleDict({"l": m}), {"l.lora_A.weight": a, "l.lora_B.weight": b}, prefix="")
+        assert m.rank == 48 and not m.proj_down[:, 36:].any() and not m.proj_up[:, 36:].any()
+        torch.testing.assert_close(m(x).double(), base.double() + (x.double() @ a.double().T) @ b.double().T,
+                                   rtol=1e-5, atol=1e-9)
+    unfuse_lora(m)
+    assert m.rank == 32 and m.proj_down.shape == (128, 32)
+
+
+def test_a_failure_part_way_puts_the_changed_layers_back(monkeypatch):
+    from svdq_linear import lora as lora_module
+
+    model = _quantize(_tiny_flux())
+    sd = _flux_lora(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls, balanced = [], lora_module._balanced
+
+    def fail_third(down, up):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("simulated")
+        return balanced(down, up)
+
+    monkeypatch.setattr(lora_module, "_balanced", fail_third)
+    with pytest.raises(torch.OutOfMemoryError):
+        fuse_lora(model, sd)
+    after = model.state_dict()
+    assert set(after) == set(before)
+    assert all(torch.equal(after[k].view(torch.uint8), v.view(torch.uint8)) if v.dtype == torch.float8_e4m3fn
+               else torch.equal(after[k], v) for k, v in before.items())
+    assert unfuse_lora(model) == 0, "a layer kept an adapter from the failed call"
+
+
+def test_offloaded_layers_and_loads_into_adapted_layers_are_refused():
+    """accelerate's sequential offload keeps the weights in its hook (the parameters here are placeholders): an edit
+    would be lost, so it is refused by name. ``load_state_dict`` into a layer that carries an adapter is refused
+    (the side branch and the kept base weight would stay on top of the loaded weights)."""
+    from accelerate import cpu_offload
+
+    model = _quantize(_tiny_flux())
+    sd = _flux_lora(model)
+    base_sd = copy.deepcopy(model.state_dict())
+    fuse_lora(model, sd)
+    with pytest.raises(RuntimeError, match="carries a LoRA"):
+        model.load_state_dict(base_sd)
+    unfuse_lora(model)
+    model.load_state_dict(base_sd)  # without adapters, loads as before
+    block = model.transformer_blocks[0]
+    cpu_offload(block, execution_device=torch.device("cpu"), offload_buffers=True)
+    with pytest.raises(ValueError, match="offloaded"):
+        fuse_lora(model, sd)
+    assert unfuse_lora(model) == 0
