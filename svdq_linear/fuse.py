@@ -26,6 +26,7 @@ import weakref
 import torch
 from torch import nn
 
+from . import backends
 from .linear import SVDQW4A4Linear
 
 
@@ -210,6 +211,13 @@ def _unfuse_projections(self, *args, **kwargs):
             layer._restore()  # rows rebuilt from the fused module now, so nothing keeps it alive
     for name in _FUSED_NAMES:
         if hasattr(self, name):
+            fused = getattr(self, name)
+            if isinstance(fused, SVDQW4A4Linear):
+                # dropped: no longer a live layer whose parts a trace must leave alone (a graph compiled while
+                # fused may keep it alive; its parts are unprepared and would be prepared part way through the
+                # next trace, after it read them)
+                fused.__dict__.pop("_view_parts", None)
+                backends.LIVE_LAYERS.discard(fused)
             delattr(self, name)
     self.fused_projections = False
     if block is not None and not block.__dict__.get("_svdq_gelu_in"):

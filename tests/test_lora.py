@@ -401,3 +401,37 @@ def test_offloaded_layers_and_loads_into_adapted_layers_are_refused():
     with pytest.raises(ValueError, match="offloaded"):
         fuse_lora(model, sd)
     assert unfuse_lora(model) == 0
+
+
+def test_a_graph_compiled_while_fused_runs_after_unfusing_and_removing_the_lora():
+    """Compiled while q/k/v were fused, then unfused and the LoRA removed, the compiled model's first call used to
+    fail in dynamo ("Guard failed on the same frame it was created"): the dropped fused layer, still alive in the old
+    graph, kept its parts out of the trace's eager preparation until it was collected part way through the trace."""
+    base = _quantize(_tiny_flux())
+    sd = _flux_lora(base)
+    inputs = _flux_inputs()
+    torch._dynamo.reset()
+    model = copy.deepcopy(base)
+    with torch.no_grad():
+        fuse_lora(model, sd)
+        model.fuse_qkv_projections()
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        compiled(**inputs)
+        model.unfuse_qkv_projections()
+        unfuse_lora(model)
+        got = compiled(**inputs)[0]
+        torch.testing.assert_close(got, model(**inputs)[0], rtol=1e-5, atol=1e-6)
+    # the mechanism, which the collector's timing hides from the run above: a dropped fused layer leaves the live
+    # layers, and a trace's eager preparation then reaches its parts before the trace reads them
+    from svdq_linear import backends
+
+    model = copy.deepcopy(base)
+    model.fuse_qkv_projections()
+    attn = model.transformer_blocks[0].attn
+    fused = attn.to_qkv
+    model.unfuse_qkv_projections()
+    assert fused not in backends.LIVE_LAYERS and "_view_parts" not in fused.__dict__
+    assert not attn.to_k._dispatch_cache
+    backends.prepare_before_trace("cpu", None, str(torch.float32))
+    assert attn.to_k._dispatch_cache, "the part was left unprepared while the dropped fused layer lived"
+    del fused

@@ -396,7 +396,8 @@ def choose(module, x: torch.Tensor, kind: str | None = None) -> Backend:
         declined = module._declined.get(slot, False)
         if declined is False:
             declined = backend.declines(module, device)
-            module._declined[slot] = declined
+            if not tracing():  # a trace that wrote it would fail the guard its own read installed
+                module._declined[slot] = declined
         if declined is None:
             declined = backend.declines_call(module, x)
         if declined is None:
