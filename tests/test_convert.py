@@ -554,6 +554,40 @@ def test_quantize_pipeline_refuses_a_partly_quantized_transformer(monkeypatch):
         svdq_linear.quantize_pipeline(pipe, rank=4, calib=False, progress=False)
 
 
+class _AdapterLayer(torch.nn.Module):
+    """What peft's LoRA layers look like from outside: the linear held as ``base_layer``, not an ``nn.Linear``."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base_layer = base
+
+    def forward(self, x):
+        return self.base_layer(x)
+
+
+def test_quantize_pipeline_refuses_loaded_lora_adapter_layers():
+    """After ``pipe.load_lora_weights`` the attention linears are peft's wrappers: the recipe passed them over and
+    left them in 16 bits with no word. Refused, naming the first and saying what to do."""
+    pipe = build_tiny_pipeline("flux")
+    attn = pipe.transformer.transformer_blocks[0].attn
+    attn.to_q = _AdapterLayer(attn.to_q)
+    with pytest.raises(ValueError, match=r"1 LoRA adapter layers .*'transformer_blocks.0.attn.to_q'.*fuse_lora"):
+        svdq_linear.quantize_pipeline(pipe, rank=4, calib=False, progress=False)
+    assert not any(isinstance(m, (SVDQW4A4Linear, NVFP4W4A16Linear)) for m in pipe.transformer.modules())
+
+
+def test_quantize_pipeline_refuses_a_pipeline_with_peft_loras():
+    pytest.importorskip("peft")
+    pipe = build_tiny_pipeline("flux")
+    lin = pipe.transformer.transformer_blocks[0].attn.to_k
+    g = torch.Generator().manual_seed(0)
+    key = "transformer.transformer_blocks.0.attn.to_k"
+    pipe.load_lora_weights({f"{key}.lora_A.weight": torch.randn(4, lin.in_features, generator=g),
+                            f"{key}.lora_B.weight": torch.randn(lin.out_features, 4, generator=g)})
+    with pytest.raises(ValueError, match="LoRA adapter layers"):
+        svdq_linear.quantize_pipeline(pipe, rank=4, calib=False, progress=False)
+
+
 def test_quantize_linears_in_any_module():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from svdq_linear import diffusers_quantizer as dq
@@ -686,6 +687,13 @@ def quantize_pipeline(
         # the recipe would take the rest only, and the saved folder's quantization_config would miss these
         raise ValueError(f"the transformer already holds {len(held)} quantized layers (first: {held[0]!r}); "
                          "quantize_pipeline takes an unquantized pipeline: after an interrupted run, load it again")
+    adapted = [n for n, m in transformer.named_modules() if isinstance(getattr(m, "base_layer", None), nn.Module)]
+    if adapted:
+        # peft's LoRA layers wrap the linears: the recipe would pass them over and leave them in 16 bits
+        raise ValueError(f"the transformer holds {len(adapted)} LoRA adapter layers from pipe.load_lora_weights "
+                         f"(first: {adapted[0]!r}), which quantize_pipeline would leave unquantized: merge them first "
+                         "(pipe.fuse_lora(); pipe.unload_lora_weights()), or quantize without them and apply the LoRA "
+                         "afterwards with svdq_linear.fuse_lora")
     recipe = recipes.recipe_for(transformer)
     act_max = {}
     if calib:
