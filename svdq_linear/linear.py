@@ -90,12 +90,8 @@ def _autocast_inputs(*ts: torch.Tensor | None) -> tuple:
     CUDA autocast would run the norm in fp32 and hand the kernels an fp32 input."""
     if not torch._C._is_any_autocast_enabled():
         return ts
-    dev = next(t for t in ts if t is not None).device.type
-    try:
-        if not torch.is_autocast_enabled(dev):
-            return ts
-        dtype = torch.get_autocast_dtype(dev)
-    except RuntimeError:  # a device type autocast does not cover (meta)
+    dtype = backends.autocast_dtype(next(t for t in ts if t is not None).device.type)
+    if dtype is None:
         return ts
     return tuple(t.to(dtype) if t is not None and t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t
                  for t in ts)

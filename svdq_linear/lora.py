@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from . import backends
+from .fuse import _FUSED_NAMES
 from .linear import NVFP4W4A16Linear, SVDQW4A4Linear
 
 _SUFFIX_A, _SUFFIX_B = ".lora_A.weight", ".lora_B.weight"
@@ -193,8 +194,7 @@ def fuse_lora(target, lora, scale: float = 1.0, prefix: str = "transformer") -> 
     for name, (a, b, alpha) in adapters.items():  # every check before the first change
         layer = modules.get(name)
         if layer is None:
-            fused = next((n for n in ("to_qkv", "to_added_qkv", "to_qkv_mlp")
-                          if name.rsplit(".", 1)[0] + "." + n in modules), None)
+            fused = next((n for n in _FUSED_NAMES if name.rsplit(".", 1)[0] + "." + n in modules), None)
             hint = (f"; the model's q/k/v are fused ({fused}): unfuse_qkv_projections, fuse_lora, then fuse again"
                     if fused else "")
             raise ValueError(f"the LoRA targets {name!r}, which the model does not have{hint}")
@@ -324,10 +324,9 @@ def _edit_branch(layer: SVDQW4A4Linear, edit) -> None:
     and a layer that had one is prepared again now, so a graph compiled before the edit retraces onto the new
     state instead of reading the old one (``reset_prepared``)."""
     had = next(iter(layer.__dict__.get("_dispatch_cache", {}).values()), None)
-    layer._reset_dispatch()
+    layer._reset_dispatch()  # also forgets which backends declined the old rank
     edit(layer)
     layer.rank = layer.proj_down.shape[1]
-    layer._reset_dispatch(reprepare=False)
     if had is not None:
         backends.prepare_layer(layer, had.dtype)
 

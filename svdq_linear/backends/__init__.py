@@ -527,18 +527,25 @@ def prepare_before_trace(device_type: str, index: int | None, dtype: str) -> boo
 # ---- the shared custom ops -----------------------------------------------------------------------
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype of the autocast region that is on for ``device_type``; None outside one, or for a device type
+    autocast does not cover (meta)."""
+    if not torch._C._is_any_autocast_enabled():
+        return None
+    try:
+        return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    except RuntimeError:
+        return None
+
+
 def _no_autocast(t: torch.Tensor):
     """Autocast off for an op's body: it passes the op's dispatch, and would then cast the backend's own torch ops
     (the reference's fp32 matmuls, a ``lora_act`` GEMM) to 16 bits, where the FP4 product overflows fp16 before
     its ``* wcscale``. The op returns its input's dtype, as it does without autocast. The layers also run their
     own steps outside the ops under it (``svdq_linear.linear``). A null context where autocast is off for ``t``'s
     device, or where autocast does not know the device (meta)."""
-    if torch._C._is_any_autocast_enabled():
-        try:
-            if torch.is_autocast_enabled(t.device.type):
-                return torch.autocast(t.device.type, enabled=False)
-        except RuntimeError:  # a device type autocast does not cover
-            pass
+    if autocast_dtype(t.device.type) is not None:
+        return torch.autocast(t.device.type, enabled=False)
     return contextlib.nullcontext()
 
 
