@@ -41,6 +41,29 @@ def _mods_fit(x: torch.Tensor, *mods: torch.Tensor) -> bool:
     return all(tuple(t.shape) == want and t.dtype == x.dtype and t.device == x.device for t in mods)
 
 
+def _offloaded(*layers) -> bool:
+    """Whether an offloader holds the weights of any of ``layers`` elsewhere (accelerate's sequential offload leaves
+    meta placeholders and loads a module's tensors from its ``state_dict`` snapshot as the module is called). A
+    fused layer's keys are not in ``state_dict`` (checkpoints keep the separate layers), so no hook can load it:
+    its block runs the separate layers, whose hooks load them."""
+    return any((layer.qweight if isinstance(layer, SVDQW4A4Linear) else layer.weight).is_meta
+               for layer in layers if layer is not None)
+
+
+class _SeparateProjections:
+    """``attn.fused_projections`` off for one call, so diffusers' processor reads q/k/v from the separate layers."""
+
+    def __init__(self, attn):
+        self.attn = attn
+
+    def __enter__(self):
+        self.was = self.attn.fused_projections
+        self.attn.fused_projections = False
+
+    def __exit__(self, *exc):
+        self.attn.fused_projections = self.was
+
+
 def _heads(attn, t, norm=None):
     """A projection ``[B, S, H * D]`` as heads ``[B, S, H, D]`` (``attn.head_dim``), through ``norm`` if given."""
     t = t.unflatten(-1, (-1, attn.head_dim))
@@ -89,7 +112,7 @@ class FluxSingleTransformerBlock(_flux.FluxSingleTransformerBlock):
         fused = getattr(self.attn, "to_qkv_mlp", None)
         norm = self.norm
         if (fused is not None and not joint_attention_kwargs and type(self.attn.processor) is _flux.FluxAttnProcessor
-                and not _wrapped(self.attn)):
+                and not _wrapped(self.attn) and not _offloaded(fused)):
             qkvm = None
             if (type(norm) is _normalization.AdaLayerNormZeroSingle and norm.norm.weight is None
                     and not (_wrapped(norm) or _wrapped(norm.norm))):
@@ -186,6 +209,10 @@ class FluxTransformerBlock(_flux.FluxTransformerBlock):
             return _flux.FluxTransformerBlock.forward(self, hidden_states, encoder_hidden_states, temb,
                                                       image_rotary_emb, joint_attention_kwargs)
         attn = self.attn
+        if attn.fused_projections and _offloaded(getattr(attn, "to_qkv", None), getattr(attn, "to_added_qkv", None)):
+            with _SeparateProjections(attn):  # sequential offload: the separate layers, which its hooks load
+                return super().forward(hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                                       joint_attention_kwargs)
         norms = (self.norm1, self.norm1_context, self.norm2, self.norm2_context)
         if (joint_attention_kwargs or type(attn.processor) is not _flux.FluxAttnProcessor or _wrapped(attn)
                 or not isinstance(getattr(attn, "to_qkv", None), SVDQW4A4Linear)

@@ -472,6 +472,24 @@ def test_a_fused_model_loads_a_state_dict_of_its_keys():
     assert set(dst.state_dict()) == set(sd)
 
 
+def test_fused_blocks_run_their_separate_layers_under_sequential_offload():
+    """accelerate's sequential offload (``enable_sequential_cpu_offload``) loads each module's tensors from the
+    model's ``state_dict`` as it is called, and a fused layer's keys are not there (checkpoints keep the separate
+    layers): its hook raised ``KeyError: 's.attn.to_qkv_mlp.qweight'``. Held by the offloader, the fused blocks run
+    the separate layers (diffusers' processor reads the double block's q/k/v from them), with the same outputs."""
+    from accelerate import cpu_offload
+
+    single, double = _fused_pair(4)
+    inputs = _inputs(9)
+    want = {"s": _run(single, inputs), "d": _run(double, inputs)}
+    cpu_offload(torch.nn.ModuleDict({"s": single, "d": double}), execution_device=torch.device("cpu"))
+    for name, block in (("s", single), ("d", double)):
+        assert block.attn.to_q.qweight.is_meta  # the offloader holds the weights
+        torch.testing.assert_close(_run(block, inputs), want[name], rtol=0, atol=0)
+        assert block.attn.to_q.qweight.is_meta
+    assert double.attn.fused_projections  # put back after the call
+
+
 def test_unfusing_under_a_hook_that_kept_the_switched_forward():
     """A hook added after fusing keeps the switched class's forward; after unfusing (class back to diffusers')
     that forward runs diffusers' own instead of failing on ``super()`` or a missing flag."""

@@ -147,12 +147,17 @@ def test_quack_paths_hold_one_copy_of_the_weight(mode):
     assert torch.equal(sd["qweight"], q) and torch.equal(sd["wscales"].view(torch.uint8), s.view(torch.uint8))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("offload", ["model", "sequential", "group"])
-def test_offload_moves_the_4bit_tensors_on_and_off_the_gpu(offload, monkeypatch):
+def test_offload_moves_the_4bit_tensors_on_and_off_the_gpu(offload, fused, monkeypatch):
+    """Each offload takes the 4-bit tensors to the GPU for a step and off after it, with fused q/k/v too (the
+    sequential offload then runs the separate layers: the fused ones' keys are not in the state_dict it loads from)."""
     from svdq_linear.linear import _PackedNVFP4Linear
 
     pipe = build_tiny_pipeline("flux")
     svdq_linear.quantize_pipeline(pipe, rank=8, calib=False, progress=False)
+    if fused:
+        pipe.transformer.fuse_qkv_projections()
     expected = _image(pipe)
     layers = [m for m in pipe.transformer.modules() if isinstance(m, _PackedNVFP4Linear)]
     packed = sum(t.numel() * t.element_size() for m in layers for t in m.packed_tensors())
