@@ -254,6 +254,13 @@ class SVDQuantizer(_quantizer_base()):
     def is_serializable(self) -> bool:
         return True
 
+    def get_state_dict_and_metadata(self, state_dict, safe_serialization: bool = False):
+        """What ``save_pretrained`` writes: the state_dict as it is, unless layers carry LoRA adapters (refused)."""
+        from .lora import refuse_adapters_in
+
+        refuse_adapters_in(state_dict)
+        return super().get_state_dict_and_metadata(state_dict, safe_serialization=safe_serialization)
+
     @property
     def is_trainable(self) -> bool:
         return False

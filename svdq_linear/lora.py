@@ -12,9 +12,10 @@ ones (Flux's loader first looks for a ``.weight`` they do not have). ``fuse_lora
 - ``nn.Linear`` kept in 16 bits (embedders, the final projection): ``B @ A`` added to the weight, the original
   weight kept to undo it exactly.
 
-``unfuse_lora`` undoes every adapter bit for bit. A model with adapters saves a larger rank than its checkpoint
-records: unfuse before ``save_pretrained`` or ``svdq-convert``. Fused q/k/v layers (``fuse_qkv_projections``) are
-refused: apply adapters first, then fuse (the stacked layer carries the longer branches).
+``unfuse_lora`` undoes every adapter bit for bit. A checkpoint cannot hold adapters (the side branches are not in
+``state_dict``, and the longer W4A4 branches do not match the rank its config records): ``save_pretrained`` of a
+model with adapters is refused, unfuse first. Fused q/k/v layers (``fuse_qkv_projections``) are refused: apply
+adapters first, then fuse (the stacked layer carries the longer branches).
 
 The LoRA is diffusers' format: ``<prefix>.<module>.lora_A.weight [r, K]``, ``lora_B.weight [N, r]``, an optional
 ``<module>.alpha``. Each adapter is scaled as diffusers and peft scale it: ``alpha / r`` with the module's own alpha,
@@ -241,11 +242,34 @@ def _check_in_place(name: str, layer: nn.Module) -> None:
                          f"remove the hooks (pipe.remove_all_hooks()), apply or remove the LoRA, then offload again")
 
 
-def _guard_loads(layer: nn.Module) -> None:
-    """A load into a layer that carries an adapter is refused (once per layer: the hook checks at each load)."""
-    if not layer.__dict__.get("_lora_load_guard"):
+def _guard(layer: nn.Module) -> None:
+    """Hooks on a layer that takes an adapter (once per layer; each checks at its call whether one is still there):
+    a load into it is refused, and a ``state_dict`` taken from it is marked, so that saving it is refused."""
+    if not layer.__dict__.get("_lora_guard"):
         layer._register_load_state_dict_pre_hook(_refuse_load, with_module=True)
-        layer.__dict__["_lora_load_guard"] = True
+        layer.register_state_dict_post_hook(_mark_state_dict)
+        layer.__dict__["_lora_guard"] = True
+
+
+_MARK = "svdq_lora"  # in a state_dict's per-module metadata: taken from a layer that carries an adapter
+
+
+def _mark_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    if _has_adapter(module):
+        local_metadata[_MARK] = True
+
+
+def refuse_adapters_in(state_dict) -> None:
+    """Raise if ``state_dict`` was taken from a model whose layers carry adapters (``fuse_lora``): a 4-bit checkpoint
+    cannot hold them. The adaLN layers' adapters are side branches outside ``state_dict``, and the W4A4 layers'
+    branches are longer than the rank the checkpoint's config records, so such a file would load the LoRA in part,
+    or not at all. The save path (the ``svdq_w4a4`` quantizer's ``get_state_dict_and_metadata``) calls this."""
+    meta = getattr(state_dict, "_metadata", None) or {}
+    names = [name for name, local in meta.items() if isinstance(local, dict) and local.get(_MARK)]
+    if names:
+        raise ValueError(f"{len(names)} layers carry a LoRA from svdq_linear.fuse_lora (e.g. {names[0]!r}), which a "
+                         f"4-bit checkpoint cannot hold: svdq_linear.unfuse_lora(pipe) before saving, and apply the "
+                         f"LoRA file again after loading")
 
 
 def _has_adapter(layer: nn.Module) -> bool:
@@ -263,7 +287,7 @@ def _apply(layer, a: torch.Tensor, b: torch.Tensor, factor: float):
     """Add one adapter to ``layer``; returns a function that puts the layer back as it was before."""
     a = a.detach().float().to(_device(layer))
     b = b.detach().float().to(_device(layer))
-    _guard_loads(layer)
+    _guard(layer)
     if isinstance(layer, SVDQW4A4Linear):
         down, up = _balanced(a.T * factor, b)
         first = "_lora_base_rank" not in layer.__dict__

@@ -435,3 +435,36 @@ def test_a_graph_compiled_while_fused_runs_after_unfusing_and_removing_the_lora(
     backends.prepare_before_trace("cpu", None, str(torch.float32))
     assert attn.to_k._dispatch_cache, "the part was left unprepared while the dropped fused layer lived"
     del fused
+
+
+def test_saving_a_model_with_adapters_is_refused_and_saves_after_unfusing(tmp_path):
+    """``save_pretrained`` with adapters wrote W4A4 branches longer than the config's rank (the file then failed to
+    load) and left the adaLN adapters out: refused by name before any weight is written. After ``unfuse_lora`` the
+    same model saves, and loads back with its outputs."""
+    import svdq_linear
+    from svdq_linear.convert.tiny import build_tiny_pipeline
+
+    pipe = build_tiny_pipeline("flux")
+    svdq_linear.quantize_pipeline(pipe, rank=8, calib=False, progress=False)
+    model = pipe.transformer
+    sd, g = {}, 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, (SVDQW4A4Linear, NVFP4W4A16Linear)) and "transformer_blocks" in name:
+            a, b = _adapter(mod.out_features, mod.in_features, 4, seed=g)
+            sd[f"transformer.{name}.lora_A.weight"], sd[f"transformer.{name}.lora_B.weight"] = a, b
+            g += 1
+    assert fuse_lora(model, sd) == len(sd) // 2
+    with pytest.raises(ValueError, match="carry a LoRA from svdq_linear.fuse_lora"):
+        model.save_pretrained(tmp_path / "with")
+    assert not list((tmp_path / "with").glob("*.safetensors"))
+    unfuse_lora(model)
+    model.save_pretrained(tmp_path / "without")
+    loaded = type(model).from_pretrained(tmp_path / "without")
+    inputs = dict(hidden_states=torch.randn(1, 16, model.config.in_channels),
+                  encoder_hidden_states=torch.randn(1, 8, model.config.joint_attention_dim),
+                  pooled_projections=torch.randn(1, model.config.pooled_projection_dim), timestep=torch.tensor([0.5]),
+                  img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3), return_dict=False)
+    if model.config.guidance_embeds:
+        inputs["guidance"] = torch.tensor([3.5])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**inputs)[0], model(**inputs)[0], rtol=0, atol=0)
