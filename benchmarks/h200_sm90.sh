@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call for the sm90 backend: GPU conformance + seam tests, the config sweep, the benchmark.
 # Through the device tool with carry [".devcarry/wheels"]:  bash benchmarks/h200_sm90.sh [--sweep]
-# STEPS (default "tests bench"; also lora, lowrank (LOWRANK_ARGS=--pdl: the PDL pair, both modes), pdl (bench_pdl.py: the pair alone), parts (bench_exact_parts.py: an exact linear's parts, two launches against the one read), stages (bench_lowrank_stages.py, the library's against a tighter low-rank shared-memory count, STAGES_ALT alternations, STAGES_ARGS), timeline (timeline_exact.py: each kernel of the exact forward, two launches against the one read; TIMELINE_ARGS), normin (bench_norm_in.py: the pass fused into the adaLN norm; NORMIN_ARGS), fast, flux, small (SMALL_ARGS=--fast-one / --exact-one: a mode's one launch; --exact-kernel: the exact one alone, no quack; SMALL_TAG suffixes its files), decode (bench_decode_dense.py: decode-once + dense GEMM against quack's W4, measured and rejected; DECODE_ARGS=--quick), trace (where the one-launch kernel's time goes; TRACE_ARGS=--exact or --tokens ...), diag, act, gelu, cachehit, pctriton, fallback, host, ncu, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
+# STEPS (default "tests bench"; also lora, lorarank (bench_lora_rank.py: a LoRA's cost on a W4A4 layer; LORARANK_ARGS), lowrank (LOWRANK_ARGS=--pdl: the PDL pair, both modes), pdl (bench_pdl.py: the pair alone), parts (bench_exact_parts.py: an exact linear's parts, two launches against the one read), stages (bench_lowrank_stages.py, the library's against a tighter low-rank shared-memory count, STAGES_ALT alternations, STAGES_ARGS), timeline (timeline_exact.py: each kernel of the exact forward, two launches against the one read; TIMELINE_ARGS), normin (bench_norm_in.py: the pass fused into the adaLN norm; NORMIN_ARGS), fast, flux, small (SMALL_ARGS=--fast-one / --exact-one: a mode's one launch; --exact-kernel: the exact one alone, no quack; SMALL_TAG suffixes its files), decode (bench_decode_dense.py: decode-once + dense GEMM against quack's W4, measured and rejected; DECODE_ARGS=--quick), trace (where the one-launch kernel's time goes; TRACE_ARGS=--exact or --tokens ...), diag, act, gelu, cachehit, pctriton, fallback, host, ncu, suite) picks what runs; each step has its own time limit. PYTEST_ARGS is split on
 # spaces: select tests by node id (file::test), not with a quoted -k expression.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -44,6 +44,8 @@ for step in ${STEPS:-tests bench}; do
             --out "$OUT/bench_lora_split.md" > "$OUT/lora.log" 2>&1; tail -6 "$OUT/lora.log"
           # the later steps run with the config that measured best (or cuBLAS)
           if [ -s "$OUT/lora_env" ]; then export SVDQ_SM90_LORA_ACT="$(cat "$OUT/lora_env")"; echo "SVDQ_SM90_LORA_ACT=$SVDQ_SM90_LORA_ACT"; fi ;;
+    lorarank) timeout "${LORARANK_LIMIT:-240}" python3 benchmarks/bench_lora_rank.py --out "$OUT/bench_lora_rank.md" ${LORARANK_ARGS:-} \
+                > "$OUT/lorarank.log" 2>&1; tail -20 "$OUT/lorarank.log" ;;
     small) timeout "${SMALL_LIMIT:-120}" python3 benchmarks/bench_small_m.py --out "$OUT/bench_small_m${SMALL_TAG:-}.md" ${SMALL_ARGS:-} \
              > "$OUT/small${SMALL_TAG:-}.log" 2>&1; tail -30 "$OUT/small${SMALL_TAG:-}.log" ;;
     decode) timeout "${DECODE_LIMIT:-300}" python3 benchmarks/bench_decode_dense.py --out "$OUT/bench_decode_dense.md" ${DECODE_ARGS:-} \
