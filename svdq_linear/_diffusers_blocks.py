@@ -42,12 +42,17 @@ def _mods_fit(x: torch.Tensor, *mods: torch.Tensor) -> bool:
 
 
 def _offloaded(*layers) -> bool:
-    """Whether an offloader holds the weights of any of ``layers`` elsewhere (accelerate's sequential offload leaves
-    meta placeholders and loads a module's tensors from its ``state_dict`` snapshot as the module is called). A
-    fused layer's keys are not in ``state_dict`` (checkpoints keep the separate layers), so no hook can load it:
-    its block runs the separate layers, whose hooks load them."""
-    return any((layer.qweight if isinstance(layer, SVDQW4A4Linear) else layer.weight).is_meta
-               for layer in layers if layer is not None)
+    """Whether an offloader holds the weights of any of ``layers`` elsewhere: accelerate's offloading hook
+    (sequential offload, ``dispatch_model`` with offloaded modules) leaves meta placeholders and loads a module's
+    tensors from its ``state_dict`` snapshot as the module is called. A fused layer's keys are not in
+    ``state_dict`` (checkpoints keep the separate layers), so no hook can load it: its block runs the separate
+    layers, whose hooks load them. Attributes only: a trace reads no tensor here (the layers' prepared stand-ins
+    replace them while it runs)."""
+    for layer in layers:
+        hook = getattr(layer, "_hf_hook", None)
+        if hook is not None and any(getattr(h, "offload", False) for h in getattr(hook, "hooks", (hook,))):
+            return True
+    return False
 
 
 class _SeparateProjections:
