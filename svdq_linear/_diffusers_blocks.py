@@ -19,6 +19,7 @@ import dataclasses
 import torch
 from diffusers.models import activations as _activations
 from diffusers.models import attention as _attention
+from diffusers.models import attention_processor as _attention_processor
 from diffusers.models import normalization as _normalization
 from diffusers.models.transformers import transformer_flux as _flux
 
@@ -67,6 +68,52 @@ class _SeparateProjections:
 
     def __exit__(self, *exc):
         self.attn.fused_projections = self.was
+
+
+class FusedJointAttnProcessor(_attention_processor.JointAttnProcessor2_0):
+    """diffusers' ``JointAttnProcessor2_0`` (SD3, SD3.5) with q/k/v from the fused layers (``to_qkv``,
+    ``to_added_qkv``): one activation pass per stream, the same operations otherwise. ``fuse_qkv_projections`` of
+    a quantized SD3 model installs it in place of diffusers' ``FusedJointAttnProcessor2_0``, which skips SD3.5's
+    q/k norms and fails on its attention without a context stream (``attn2``). An attention without fused layers,
+    or whose fused layers an offloader holds, runs the separate layers."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        qkv, ctx = getattr(attn, "to_qkv", None), getattr(attn, "to_added_qkv", None)
+        with_ctx = encoder_hidden_states is not None
+        if (qkv is None or (with_ctx and ctx is None) or hidden_states.ndim != 3
+                or (with_ctx and encoder_hidden_states.ndim != 3) or _offloaded(qkv, ctx)):
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
+        batch, tokens = hidden_states.shape[:2]
+        query, key, value = qkv(hidden_states).chunk(3, dim=-1)
+        head_dim = key.shape[-1] // attn.heads
+
+        def heads(t, norm=None):
+            t = t.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
+            return t if norm is None else norm(t)
+
+        query, key, value = heads(query, attn.norm_q), heads(key, attn.norm_k), heads(value)
+        if with_ctx:
+            e_query, e_key, e_value = ctx(encoder_hidden_states).chunk(3, dim=-1)
+            query = torch.cat([query, heads(e_query, attn.norm_added_q)], dim=2)
+            key = torch.cat([key, heads(e_key, attn.norm_added_k)], dim=2)
+            value = torch.cat([value, heads(e_value)], dim=2)
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
+        out = out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
+        enc_out = None
+        if with_ctx:
+            out, enc_out = out[:, :tokens], out[:, tokens:]
+            if not attn.context_pre_only:
+                enc_out = attn.to_add_out(enc_out)
+        out = attn.to_out[1](attn.to_out[0](out))
+        return (out, enc_out) if with_ctx else out
+
+
+def replace_fused_joint_processors(model: torch.nn.Module) -> None:
+    """Give every attention of ``model`` that diffusers' ``fuse_qkv_projections`` set to ``FusedJointAttnProcessor2_0``
+    the processor above."""
+    for module in model.modules():
+        if type(getattr(module, "processor", None)) is _attention_processor.FusedJointAttnProcessor2_0:
+            module.set_processor(FusedJointAttnProcessor())
 
 
 def _heads(attn, t, norm=None):

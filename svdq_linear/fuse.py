@@ -282,7 +282,33 @@ def fuse_attention_projections(model: nn.Module) -> int:
             module._register_load_state_dict_pre_hook(_unfuse_for_load, with_module=True)
             module.register_load_state_dict_post_hook(_refuse_after_load)
             patched += 1
+    if patched and callable(getattr(model, "fuse_qkv_projections", None)) and "fuse_qkv_projections" not in \
+            model.__dict__:
+        model.fuse_qkv_projections = _Bound(_fuse_model_projections, model)
+        model.unfuse_qkv_projections = _Bound(_unfuse_model_projections, model)
     return patched
+
+
+def _fuse_model_projections(model: nn.Module, *args, **kwargs):
+    """The model's own ``fuse_qkv_projections``, then SD3's fused processors replaced by one that applies SD3.5's
+    q/k norms and takes an attention without a context stream (``_diffusers_blocks.FusedJointAttnProcessor``)."""
+    out = type(model).fuse_qkv_projections(model, *args, **kwargs)
+    from ._diffusers_blocks import replace_fused_joint_processors
+
+    replace_fused_joint_processors(model)
+    return out
+
+
+def _unfuse_model_projections(model: nn.Module, *args, **kwargs):
+    """The model's own ``unfuse_qkv_projections``, then every attention that still holds fused layers unfused.
+    SD3's only puts the processors back: its layers stayed fused, q/k/v views of the stacked weight, and
+    ``fuse_lora`` / ``unfuse_lora`` then refused them as fused."""
+    out = type(model).unfuse_qkv_projections(model, *args, **kwargs)
+    for module in model.modules():
+        if any(name in module._modules for name in _FUSED_NAMES) and isinstance(
+                module.__dict__.get("unfuse_projections"), _Bound):
+            module.unfuse_projections()
+    return out
 
 
 def _gelu_tanh_module(m) -> bool:

@@ -150,8 +150,12 @@ def test_folders_written_before_the_hint_still_load(converted, tmp_path):
     assert isinstance(model.transformer_blocks[0].attn.to_q, SVDQW4A4Linear)
 
 
-@pytest.mark.parametrize("kind", ["flux", "sd3"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_fuse_qkv_projections_is_exact_and_keeps_the_checkpoint(converted, kind):
+    """Fusing q/k/v is exact (SD3.5 too: diffusers' fused SD3 processor skipped its q/k norms and failed on its
+    attention without a context stream), keeps what a checkpoint holds, pickles, and unfuses back to separate
+    layers (SD3's own unfuse put the processors back only, leaving the layers fused)."""
+    from svdq_linear.fuse import _FUSED_NAMES
     from svdq_linear.linear import SVDQW4A4Linear
 
     pipe = load_svdq_pipeline(converted[kind], dtype=torch.float32)
@@ -194,6 +198,34 @@ def test_fuse_qkv_projections_is_exact_and_keeps_the_checkpoint(converted, kind)
     twin = torch.load(buf, weights_only=False)
     with torch.no_grad():  # (the unpickled tensors may take other CPU matmul paths: an fp32 ulp)
         torch.testing.assert_close(twin(**inputs).sample, after, rtol=1e-6, atol=1e-6)
+    model.unfuse_qkv_projections()
+    assert not [n for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in _FUSED_NAMES]
+    assert not [n for n, m in model.named_modules() if getattr(m, "fused_projections", False)]
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).sample, before, rtol=1e-5, atol=1e-5)
+    k_proj = attn.to_k  # no longer part of a fused layer: it takes a LoRA
+    lora = {"transformer.transformer_blocks.0.attn.to_k.lora_A.weight": torch.randn(2, k_proj.in_features),
+            "transformer.transformer_blocks.0.attn.to_k.lora_B.weight": torch.randn(k_proj.out_features, 2)}
+    assert svdq_linear.fuse_lora(model, lora) == 1 and svdq_linear.unfuse_lora(model) == 1
+
+
+def test_fused_sd3_attention_runs_its_separate_layers_under_sequential_offload(converted):
+    """accelerate's sequential offload loads each module from a ``state_dict`` snapshot, where the stacked layers
+    are not: the fused SD3 processor runs the separate layers there (it raised ``KeyError: ...to_qkv.qweight``)."""
+    from accelerate import cpu_offload
+
+    model = load_svdq_pipeline(converted["sd3"], dtype=torch.float32).transformer
+    model.fuse_qkv_projections()
+    cfg = model.config
+    torch.manual_seed(1)
+    inputs = dict(hidden_states=torch.randn(1, cfg.in_channels, cfg.sample_size, cfg.sample_size),
+                  encoder_hidden_states=torch.randn(1, 8, cfg.joint_attention_dim),
+                  pooled_projections=torch.randn(1, cfg.pooled_projection_dim), timestep=torch.tensor([500]))
+    with torch.no_grad():
+        want = model(**inputs).sample
+        cpu_offload(model, execution_device=torch.device("cpu"))
+        assert model.transformer_blocks[0].attn.to_qkv.qweight.is_meta
+        torch.testing.assert_close(model(**inputs).sample, want, rtol=0, atol=0)
 
 
 def test_concat_refuses_layers_that_do_not_share_an_input():
