@@ -224,6 +224,30 @@ def test_fused_qkv_on_cuda_matches_separate_layers():
     assert _rel(fused(x), separate) < 1e-2  # the same contract; bf16 output rounding and summation order
 
 
+@pytest.mark.parametrize("kind", ["sd3", "sd35"])
+def test_fused_sd3_attention_on_cuda_matches_the_unfused_model(kind):
+    """SD3 / SD3.5 with fused q/k/v on the GPU (our fused joint processor: SD3.5's q/k norms and its attention
+    without a context stream) against the same model unfused, then unfused again."""
+    pipe = build_tiny_pipeline(kind).to(torch.bfloat16)
+    svdq_linear.quantize_pipeline(pipe, rank=8, calib=False, progress=False)
+    model = pipe.transformer.to("cuda")
+    cfg = model.config
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(hidden_states=torch.randn(2, cfg.in_channels, cfg.sample_size, cfg.sample_size, generator=g),
+                  encoder_hidden_states=torch.randn(2, 8, cfg.joint_attention_dim, generator=g),
+                  pooled_projections=torch.randn(2, cfg.pooled_projection_dim, generator=g),
+                  timestep=torch.tensor([500, 500]))
+    inputs = {k: v.to("cuda", torch.bfloat16 if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
+    with torch.no_grad():
+        before = model(**inputs).sample
+        model.fuse_qkv_projections()
+        fused = model(**inputs).sample
+        model.unfuse_qkv_projections()
+        after = model(**inputs).sample
+    assert _rel(fused, before) < 2e-2  # the same contract: bf16 roundings and another summation order
+    assert torch.equal(after, before)
+
+
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_fused_qkv_keeps_one_copy_of_the_weight_on_cuda(mode):
     """``fuse_qkv_projections``' q/k/v layers hold row views of the fused packed weight; once the fused
