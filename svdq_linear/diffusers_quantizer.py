@@ -121,10 +121,13 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def mark_quantized(model: nn.Module) -> None:
-    """Let diffusers' ``fuse_qkv_projections`` fuse quantized q/k/v exactly (``svdq_linear.fuse``)."""
+    """Let diffusers' ``fuse_qkv_projections`` fuse quantized q/k/v exactly (``svdq_linear.fuse``), and its
+    pipelines' ``load_lora_weights`` point to ``svdq_linear.fuse_lora`` (``lora.guard_pipeline_loaders``)."""
     from .fuse import fuse_attention_projections
+    from .lora import guard_pipeline_loaders
 
     fuse_attention_projections(model)
+    guard_pipeline_loaders()
 
 
 def swap_in_quantized_modules(model: nn.Module, config: SVDQuantizationConfig, dtype: torch.dtype) -> None:

@@ -31,6 +31,8 @@ layer grows past those (the layer then runs on another backend there). Layers wh
 from __future__ import annotations
 
 import collections
+import functools
+import inspect
 import math
 import os
 import re
@@ -227,6 +229,37 @@ def fuse_lora(target, lora, scale: float = 1.0, prefix: str = "transformer") -> 
                       f"to {_RANK_LIMITS['sm100']}, sm90's up to {_RANK_LIMITS['sm90']}; beyond, such a layer runs on "
                       f"another backend", RuntimeWarning, stacklevel=2)
     return len(plan)
+
+
+def guard_pipeline_loaders() -> None:
+    """Make diffusers' pipelines' ``load_lora_weights`` refuse, by name, a transformer that holds svdq-linear layers
+    (called when a transformer is quantized or loaded). It goes through peft, which does not wrap them: Flux's loader
+    failed with ``KeyError: '...to_k.weight'``, SD3's with peft's "Target module ... is not supported". The error
+    points to ``fuse_lora``. Pipelines without such layers load as before."""
+    try:
+        from diffusers.loaders import lora_pipeline
+    except ImportError:  # pragma: no cover - diffusers without its LoRA loaders
+        return
+    for cls in list(vars(lora_pipeline).values()):
+        fn = cls.__dict__.get("load_lora_weights") if isinstance(cls, type) else None
+        if inspect.isfunction(fn) and not getattr(fn, "_svdq_guard", False):
+            cls.load_lora_weights = _refusing_quantized(fn)
+
+
+def _refusing_quantized(fn):
+    @functools.wraps(fn)
+    def load_lora_weights(self, *args, **kwargs):
+        model = getattr(self, "transformer", None)
+        if isinstance(model, nn.Module) and any(isinstance(m, (SVDQW4A4Linear, NVFP4W4A16Linear))
+                                                 for m in model.modules()):
+            raise ValueError(f"{type(self).__name__}.load_lora_weights goes through peft, which cannot wrap "
+                             f"svdq-linear's 4-bit layers: apply the LoRA with svdq_linear.fuse_lora(pipe, lora, "
+                             f"scale=1.0) instead (merged into the quantized layers; svdq_linear.unfuse_lora(pipe) "
+                             f"removes it)")
+        return fn(self, *args, **kwargs)
+
+    load_lora_weights._svdq_guard = True
+    return load_lora_weights
 
 
 # the largest low-rank branch each GPU kernel takes (backends/sm100, backends/sm90 decline beyond)

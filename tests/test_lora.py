@@ -468,3 +468,26 @@ def test_saving_a_model_with_adapters_is_refused_and_saves_after_unfusing(tmp_pa
         inputs["guidance"] = torch.tensor([3.5])
     with torch.no_grad():
         torch.testing.assert_close(loaded(**inputs)[0], model(**inputs)[0], rtol=0, atol=0)
+
+
+def test_diffusers_load_lora_weights_on_a_quantized_pipeline_points_to_fuse_lora():
+    """diffusers' ``pipe.load_lora_weights`` goes through peft, which does not wrap the 4-bit layers: on Flux it
+    failed with ``KeyError: '...to_k.weight'``. On a quantized pipeline it now names ``fuse_lora``; an unquantized
+    one goes on into diffusers' loader as before."""
+    from svdq_linear.convert.tiny import build_tiny_pipeline
+
+    import svdq_linear
+
+    plain = build_tiny_pipeline("flux")
+    pipe = build_tiny_pipeline("flux")
+    svdq_linear.quantize_pipeline(pipe, rank=8, calib=False, progress=False)
+    layer = pipe.transformer.transformer_blocks[0].attn.to_k
+    lora = {"transformer.transformer_blocks.0.attn.to_k.lora_A.weight": torch.randn(2, layer.in_features),
+            "transformer.transformer_blocks.0.attn.to_k.lora_B.weight": torch.randn(layer.out_features, 2)}
+    with pytest.raises(ValueError, match=r"load_lora_weights goes through peft.*svdq_linear.fuse_lora"):
+        pipe.load_lora_weights(dict(lora))
+    try:
+        plain.load_lora_weights(dict(lora))
+    except ValueError as e:  # without peft installed, diffusers' own refusal
+        assert "fuse_lora" not in str(e)
+    assert fuse_lora(pipe, lora) == 1
