@@ -235,7 +235,8 @@ def guard_pipeline_loaders() -> None:
     """Make diffusers' pipelines' ``load_lora_weights`` refuse, by name, a transformer that holds svdq-linear layers
     (called when a transformer is quantized or loaded). It goes through peft, which does not wrap them: Flux's loader
     failed with ``KeyError: '...to_k.weight'``, SD3's with peft's "Target module ... is not supported". The error
-    points to ``fuse_lora``. Pipelines without such layers load as before."""
+    points to ``fuse_lora``. Pipelines without such layers, and a state dict without transformer keys (a text
+    encoder's LoRA), load as before."""
     try:
         from diffusers.loaders import lora_pipeline
     except ImportError:  # pragma: no cover - diffusers without its LoRA loaders
@@ -248,15 +249,17 @@ def guard_pipeline_loaders() -> None:
 
 def _refusing_quantized(fn):
     @functools.wraps(fn)
-    def load_lora_weights(self, *args, **kwargs):
+    def load_lora_weights(self, lora=None, *args, **kwargs):
         model = getattr(self, "transformer", None)
-        if isinstance(model, nn.Module) and any(isinstance(m, (SVDQW4A4Linear, NVFP4W4A16Linear))
-                                                 for m in model.modules()):
+        head = getattr(self, "transformer_name", "transformer") + "."
+        for_model = not isinstance(lora, dict) or any(str(k).startswith(head) for k in lora)  # a file: read by peft
+        if for_model and isinstance(model, nn.Module) and any(isinstance(m, (SVDQW4A4Linear, NVFP4W4A16Linear))
+                                                              for m in model.modules()):
             raise ValueError(f"{type(self).__name__}.load_lora_weights goes through peft, which cannot wrap "
                              f"svdq-linear's 4-bit layers: apply the LoRA with svdq_linear.fuse_lora(pipe, lora, "
                              f"scale=1.0) instead (merged into the quantized layers; svdq_linear.unfuse_lora(pipe) "
                              f"removes it)")
-        return fn(self, *args, **kwargs)
+        return fn(self, lora, *args, **kwargs)
 
     load_lora_weights._svdq_guard = True
     return load_lora_weights
