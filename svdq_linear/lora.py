@@ -249,7 +249,8 @@ def guard_pipeline_loaders() -> None:
 
 def _refusing_quantized(fn):
     @functools.wraps(fn)
-    def load_lora_weights(self, lora=None, *args, **kwargs):
+    def load_lora_weights(self, *args, **kwargs):
+        lora = args[0] if args else kwargs.get("pretrained_model_name_or_path_or_dict")
         model = getattr(self, "transformer", None)
         head = getattr(self, "transformer_name", "transformer") + "."
         for_model = not isinstance(lora, dict) or any(str(k).startswith(head) for k in lora)  # a file: read by peft
@@ -259,7 +260,7 @@ def _refusing_quantized(fn):
                              f"svdq-linear's 4-bit layers: apply the LoRA with svdq_linear.fuse_lora(pipe, lora, "
                              f"scale=1.0) instead (merged into the quantized layers; svdq_linear.unfuse_lora(pipe) "
                              f"removes it)")
-        return fn(self, lora, *args, **kwargs)
+        return fn(self, *args, **kwargs)
 
     load_lora_weights._svdq_guard = True
     return load_lora_weights

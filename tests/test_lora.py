@@ -484,13 +484,14 @@ def test_diffusers_load_lora_weights_on_a_quantized_pipeline_points_to_fuse_lora
     layer = pipe.transformer.transformer_blocks[0].attn.to_k
     lora = {"transformer.transformer_blocks.0.attn.to_k.lora_A.weight": torch.randn(2, layer.in_features),
             "transformer.transformer_blocks.0.attn.to_k.lora_B.weight": torch.randn(layer.out_features, 2)}
-    with pytest.raises(ValueError, match=r"load_lora_weights goes through peft.*svdq_linear.fuse_lora"):
-        pipe.load_lora_weights(dict(lora))
+    for args, kwargs in (((dict(lora),), {}), ((), {"pretrained_model_name_or_path_or_dict": dict(lora)})):
+        with pytest.raises(ValueError, match=r"load_lora_weights goes through peft.*svdq_linear.fuse_lora"):
+            pipe.load_lora_weights(*args, **kwargs)
     text_only = {"text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(2, 8),
                  "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(8, 2)}
     for target, state in ((plain, lora), (pipe, text_only)):  # on into diffusers' loader
         try:
-            target.load_lora_weights(dict(state))
+            target.load_lora_weights(pretrained_model_name_or_path_or_dict=dict(state))
         except (ValueError, KeyError, RuntimeError) as e:  # without peft (or a fitting text encoder): diffusers' own
             assert "fuse_lora" not in str(e), e
     assert fuse_lora(pipe, lora) == 1
