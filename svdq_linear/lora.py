@@ -62,17 +62,21 @@ class LoraBranch(nn.Module):
         return (x.to(dtype) @ self.down.to(dtype)) @ self.up.to(dtype).T
 
 
-def _read(target, lora, prefix: str) -> tuple[dict[str, torch.Tensor], dict | None]:
+def _read(target, lora, prefix: str, reader: dict) -> tuple[dict[str, torch.Tensor], dict | None]:
     """The LoRA as a diffusers-format state dict (``prefix`` included) and the adapter config diffusers saved
-    with it (``lora_alpha``, ...; None if none)."""
+    with it (``lora_alpha``, ...; None if none). ``reader``: more arguments of the pipeline's ``lora_state_dict``."""
+    pipeline = hasattr(type(target), "lora_state_dict")
+    if reader and not pipeline:
+        raise TypeError(f"fuse_lora got {sorted(reader)}, which only a pipeline's lora_state_dict takes: pass the "
+                        f"pipeline, or the LoRA as a file or a state dict")
     if isinstance(lora, dict):
-        if hasattr(type(target), "lora_state_dict"):
-            return _convert(type(target), dict(lora), prefix)
+        if pipeline:
+            return _convert(type(target), dict(lora), prefix, **reader)
         return dict(lora), None
     if not isinstance(lora, (str, os.PathLike)):
         raise TypeError(f"expected a LoRA state dict or a path, got {type(lora).__name__}")
-    if hasattr(type(target), "lora_state_dict"):
-        return _convert(type(target), os.fspath(lora), prefix)
+    if pipeline:
+        return _convert(type(target), os.fspath(lora), prefix, **reader)
     if not os.path.isfile(lora):
         raise FileNotFoundError(f"no LoRA file at {lora} (a folder needs the pipeline, not its transformer)")
     from safetensors.torch import load_file
@@ -80,12 +84,15 @@ def _read(target, lora, prefix: str) -> tuple[dict[str, torch.Tensor], dict | No
     return load_file(os.fspath(lora)), None
 
 
-def _convert(pipeline_cls, lora, prefix: str) -> tuple[dict[str, torch.Tensor], dict | None]:
+def _convert(pipeline_cls, lora, prefix: str, **reader) -> tuple[dict[str, torch.Tensor], dict | None]:
     """The pipeline class's own reader and format conversion, safetensors only (it would fall back to a pickle),
-    with the alphas it returns apart (Flux) folded back in as ``.alpha`` keys and the saved adapter config."""
-    import inspect
-
-    kwargs = {"use_safetensors": True, "return_lora_metadata": True}
+    with the alphas it returns apart (Flux) folded back in as ``.alpha`` keys and the saved adapter config.
+    ``reader``: more arguments of ``lora_state_dict`` (``weight_name``, ``subfolder``, ...)."""
+    name = reader.get("weight_name")
+    if name is not None and not os.fspath(name).endswith(".safetensors"):  # diffusers would unpickle it
+        raise ValueError(f"weight_name {name!r} is not a .safetensors file: svdq-linear reads LoRAs as safetensors "
+                         f"only (loading a pickle can run code)")
+    kwargs = {**reader, "use_safetensors": True, "return_lora_metadata": True}
     if "return_alphas" in inspect.signature(pipeline_cls.lora_state_dict).parameters:
         kwargs["return_alphas"] = True
     out = pipeline_cls.lora_state_dict(lora, **kwargs)
@@ -137,7 +144,8 @@ def _adapters(state: dict[str, torch.Tensor], prefix: str) -> dict[str, tuple]:
     other = sorted(k for k in state if not k.startswith(head))
     if other:
         raise ValueError(f"the LoRA holds {len(other)} tensors outside {prefix!r} (e.g. {other[0]!r}); fuse_lora "
-                         f"applies the transformer's only: pass the text encoder's keys to pipe.load_lora_weights as a dict")
+                         f"applies the transformer's only: pass the text encoder's keys to pipe.load_lora_weights (a dict, or a file "
+                         f"without the transformer's keys)")
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in state.items():
         key = key[len(head):]
@@ -178,17 +186,18 @@ def _check_fits(name: str, layer, a: torch.Tensor, b: torch.Tensor) -> None:
                          f"[{layer.out_features}, r] for this layer, got {tuple(a.shape)} and {tuple(b.shape)}")
 
 
-def fuse_lora(target, lora, scale: float = 1.0, prefix: str = "transformer") -> int:
+def fuse_lora(target, lora, scale: float = 1.0, prefix: str = "transformer", **reader) -> int:
     """Apply a LoRA to ``target`` (a pipeline: its ``transformer``; or the transformer itself) with weight ``scale``
     (times ``alpha / r`` where the LoRA gives an alpha); returns how many layers it changed. ``lora``: a
-    diffusers-format state dict, a safetensors file, or (given a pipeline) what ``pipe.lora_state_dict`` reads.
+    diffusers-format state dict, a safetensors file, or (given a pipeline) what ``pipe.lora_state_dict`` reads,
+    with ``reader`` passed on to it (``weight_name=`` for a folder of several files, ``subfolder=``, ...).
     Several adapters stack; ``unfuse_lora`` removes them all. Nothing changes if the LoRA is refused."""
     if not math.isfinite(scale):
         raise ValueError(f"expected a finite scale, got {scale}")
     model = getattr(target, "transformer", target)
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a pipeline with a transformer or an nn.Module, got {type(target).__name__}")
-    state, config = _read(target, lora, prefix)
+    state, config = _read(target, lora, prefix, reader)
     adapters = _adapters(state, prefix)
     factors = _scales(adapters, config)
     modules = dict(model.named_modules())
@@ -235,8 +244,9 @@ def guard_pipeline_loaders() -> None:
     """Make diffusers' pipelines' ``load_lora_weights`` refuse, by name, a transformer that holds svdq-linear layers
     (called when a transformer is quantized or loaded). It goes through peft, which does not wrap them: Flux's loader
     failed with ``KeyError: '...to_k.weight'``, SD3's with peft's "Target module ... is not supported". The error
-    points to ``fuse_lora``. Pipelines without such layers, and a state dict without transformer keys (a text
-    encoder's LoRA), load as before."""
+    points to ``fuse_lora``. Pipelines without such layers, and a LoRA without transformer keys (a text encoder's,
+    as a dict or a safetensors file; read and converted by the pipeline's ``lora_state_dict`` to tell), load as
+    before."""
     try:
         from diffusers.loaders import lora_pipeline
     except ImportError:  # pragma: no cover - diffusers without its LoRA loaders
@@ -252,18 +262,41 @@ def _refusing_quantized(fn):
     def load_lora_weights(self, *args, **kwargs):
         lora = args[0] if args else kwargs.get("pretrained_model_name_or_path_or_dict")
         model = getattr(self, "transformer", None)
-        head = getattr(self, "transformer_name", "transformer") + "."
-        for_model = not isinstance(lora, dict) or any(str(k).startswith(head) for k in lora)  # a file: read by peft
-        if for_model and isinstance(model, nn.Module) and any(isinstance(m, (SVDQW4A4Linear, NVFP4W4A16Linear))
-                                                              for m in model.modules()):
-            raise ValueError(f"{type(self).__name__}.load_lora_weights goes through peft, which cannot wrap "
-                             f"svdq-linear's 4-bit layers: apply the LoRA with svdq_linear.fuse_lora(pipe, lora, "
-                             f"scale=1.0) instead (merged into the quantized layers; svdq_linear.unfuse_lora(pipe) "
-                             f"removes it)")
+        if (isinstance(model, nn.Module) and any(isinstance(m, (SVDQW4A4Linear, NVFP4W4A16Linear))
+                                                 for m in model.modules())):
+            _refuse_transformer_keys(self, lora, kwargs)
         return fn(self, *args, **kwargs)
 
     load_lora_weights._svdq_guard = True
     return load_lora_weights
+
+
+# load_lora_weights' own arguments; the rest of its kwargs go to lora_state_dict (weight_name, subfolder, ...)
+_LOADER_ONLY = ("pretrained_model_name_or_path_or_dict", "adapter_name", "hotswap", "low_cpu_mem_usage")
+
+
+def _refuse_transformer_keys(pipe, lora, kwargs: dict) -> None:
+    """Raise unless the LoRA, as the pipeline's own ``lora_state_dict`` reads and converts it (kohya and other
+    formats name the transformer's modules their own way; a file is read as safetensors only), holds no key for the
+    transformer."""
+    head = getattr(pipe, "transformer_name", "transformer") + "."
+    reader = {k: v for k, v in kwargs.items() if k not in _LOADER_ONLY}
+    try:
+        if isinstance(lora, dict):
+            lora = dict(lora)
+        elif not isinstance(lora, (str, os.PathLike)):
+            raise TypeError(f"expected a LoRA state dict or a path, got {type(lora).__name__}")
+        state, _ = _convert(type(pipe), lora, head[:-1], **reader)
+        reason = None if not any(str(k).startswith(head) for k in state) else "holds keys for the 4-bit transformer"
+    except Exception as exc:  # unreadable as safetensors, or a format diffusers does not know: peft would get it
+        reason, cause = f"could not be read as a safetensors LoRA ({type(exc).__name__}: {exc})", exc
+    else:
+        cause = None
+    if reason is not None:
+        raise ValueError(f"{type(pipe).__name__}.load_lora_weights goes through peft, which cannot wrap svdq-linear's "
+                         f"4-bit layers, and this LoRA {reason}: apply it with svdq_linear.fuse_lora(pipe, lora, "
+                         f"scale=1.0) instead (merged into the quantized layers; svdq_linear.unfuse_lora(pipe) "
+                         f"removes it)") from cause
 
 
 # the largest low-rank branch each GPU kernel takes (backends/sm100, backends/sm90 decline beyond)

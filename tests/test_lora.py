@@ -495,3 +495,49 @@ def test_diffusers_load_lora_weights_on_a_quantized_pipeline_points_to_fuse_lora
         except (ValueError, KeyError, RuntimeError) as e:  # without peft (or a fitting text encoder): diffusers' own
             assert "fuse_lora" not in str(e), e
     assert fuse_lora(pipe, lora) == 1
+
+
+def test_the_load_lora_weights_guard_reads_the_lora_as_diffusers_would(tmp_path):
+    """The guard tells a LoRA for the transformer by the keys the pipeline's own reader gives: a kohya-format dict
+    (``lora_unet_...``) was let through to peft, and a text encoder's LoRA as a file was refused. Files are read as
+    safetensors only: a pickle is refused, not loaded. ``fuse_lora`` takes the reader's ``weight_name``."""
+    import safetensors.torch
+    from svdq_linear.convert.tiny import build_tiny_pipeline
+
+    import svdq_linear
+
+    pipe = build_tiny_pipeline("flux", seed=0)
+    svdq_linear.quantize_pipeline(pipe, rank=8, calib=False, progress=False)
+    d = pipe.transformer.transformer_blocks[0].attn.to_q.in_features
+    down, up = _adapter(d, d, 4, seed=30, gain=0.1)
+    kohya = {"lora_unet_double_blocks_0_img_attn_proj.lora_down.weight": down,
+             "lora_unet_double_blocks_0_img_attn_proj.lora_up.weight": up}
+    with pytest.raises(ValueError, match=r"holds keys for the 4-bit transformer.*svdq_linear.fuse_lora"):
+        pipe.load_lora_weights(dict(kohya))
+    safetensors.torch.save_file(kohya, tmp_path / "kohya.safetensors")
+    with pytest.raises(ValueError, match=r"holds keys for the 4-bit transformer"):
+        pipe.load_lora_weights(str(tmp_path / "kohya.safetensors"))
+    torch.save(kohya, tmp_path / "kohya.bin")
+    with pytest.raises(ValueError, match=r"could not be read as a safetensors LoRA") as err:
+        pipe.load_lora_weights(str(tmp_path), weight_name="kohya.bin")
+    assert err.value.__cause__ is not None
+
+    name, enc = next((n, m) for n, m in pipe.text_encoder.named_modules() if n.endswith("q_proj"))
+    text_only = {f"text_encoder.{name}.lora_A.weight": torch.randn(2, enc.in_features),
+                 f"text_encoder.{name}.lora_B.weight": torch.randn(enc.out_features, 2)}
+    safetensors.torch.save_file(text_only, tmp_path / "text.safetensors")
+    try:  # on into diffusers' loader
+        pipe.load_lora_weights(str(tmp_path), weight_name="text.safetensors")
+    except (ValueError, KeyError, RuntimeError) as e:  # without peft: diffusers' own error
+        assert "fuse_lora" not in str(e), e
+
+    x = torch.randn(3, d)
+    layer = pipe.transformer.transformer_blocks[0].attn.to_out[0]
+    with torch.no_grad():
+        base = layer(x)
+        with pytest.raises(TypeError, match="only a pipeline's lora_state_dict takes"):
+            fuse_lora(pipe.transformer, str(tmp_path), weight_name="kohya.safetensors")
+        with pytest.raises(ValueError, match="not a .safetensors file"):
+            fuse_lora(pipe, str(tmp_path), weight_name="kohya.bin")
+        assert fuse_lora(pipe, str(tmp_path), weight_name="kohya.safetensors") == 1
+        torch.testing.assert_close(layer(x), base + (x @ down.T) @ up.T, rtol=1e-4, atol=1e-5)
