@@ -144,8 +144,8 @@ def _adapters(state: dict[str, torch.Tensor], prefix: str) -> dict[str, tuple]:
     other = sorted(k for k in state if not k.startswith(head))
     if other:
         raise ValueError(f"the LoRA holds {len(other)} tensors outside {prefix!r} (e.g. {other[0]!r}); fuse_lora "
-                         f"applies the transformer's only: pass the text encoder's keys to pipe.load_lora_weights (a dict, or a file "
-                         f"without the transformer's keys)")
+                         f"applies the transformer's only: pass the text encoder's keys to pipe.load_lora_weights "
+                         f"(a dict, or a file without the transformer's keys)")
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in state.items():
         key = key[len(head):]
