@@ -166,12 +166,11 @@ class FluxSingleTransformerBlock(_flux.FluxSingleTransformerBlock):
         if (fused is not None and not joint_attention_kwargs and type(self.attn.processor) is _flux.FluxAttnProcessor
                 and not _wrapped(self.attn) and not _offloaded(fused)):
             qkvm = None
-            if (type(norm) is _normalization.AdaLayerNormZeroSingle and norm.norm.weight is None
+            if (type(norm) is _normalization.AdaLayerNormZeroSingle and _plain_layer_norm(norm.norm)
                     and not (_wrapped(norm) or _wrapped(norm.norm))):
                 # AdaLayerNormZeroSingle's steps, the norm and modulation left to the fused layer's activation pass
                 shift, scale, gate = norm.linear(norm.silu(temb)).chunk(3, dim=1)
-                if _mods_fit(x, shift, scale):
-                    qkvm = fused.forward_ada_norm(x, shift, scale, norm.norm.eps)
+                qkvm = _modulated(fused, x, shift, scale, norm.norm)
             if qkvm is None:
                 normed, gate = norm(x, emb=temb)
                 qkvm = fused(normed)
@@ -233,13 +232,23 @@ def _ff_reads_norm(ff) -> bool:
             and isinstance(net[1], torch.nn.Dropout) and not (_wrapped(gelu) or _wrapped(net[1])))
 
 
-def _joint_attention(attn, x, enc, mods, eps, image_rotary_emb):
+def _modulated(layer, x, shift, scale, norm):
+    """``layer(norm(x) * (1 + scale) + shift)``, the input an adaLN-Zero norm hands it, from modulation vectors
+    already made: normalized as the layer loads (``forward_ada_norm``) where they fit ``x``; diffusers' own steps
+    otherwise (a single ``temb`` row broadcast over the batch, a 16-bit modulation beside an autocast fp32 stream),
+    so that the norm's linear does not run a second time."""
+    if _mods_fit(x, shift, scale):
+        return layer.forward_ada_norm(x, shift, scale, norm.eps)
+    return layer(norm(x) * (1 + scale[:, None]) + shift[:, None])
+
+
+def _joint_attention(attn, x, enc, mods, norms, image_rotary_emb):
     """What diffusers' ``FluxAttnProcessor`` computes for a double block (image and context streams, no mask), its
-    fused q/k/v layers normalizing their inputs as they load: ``mods = (shift, scale, c_shift, c_scale)``, ``eps``
-    the two norms'."""
+    fused q/k/v layers normalizing their inputs as they load: ``mods = (shift, scale, c_shift, c_scale)``, ``norms``
+    the two streams' layer norms."""
     shift, scale, c_shift, c_scale = mods
-    query, key, value = attn.to_qkv.forward_ada_norm(x, shift, scale, eps[0]).chunk(3, dim=-1)
-    e_query, e_key, e_value = attn.to_added_qkv.forward_ada_norm(enc, c_shift, c_scale, eps[1]).chunk(3, dim=-1)
+    query, key, value = _modulated(attn.to_qkv, x, shift, scale, norms[0]).chunk(3, dim=-1)
+    e_query, e_key, e_value = _modulated(attn.to_added_qkv, enc, c_shift, c_scale, norms[1]).chunk(3, dim=-1)
     out = _attend(attn, torch.cat([_heads(attn, e_query, attn.norm_added_q), _heads(attn, query, attn.norm_q)], dim=1),
                   torch.cat([_heads(attn, e_key, attn.norm_added_k), _heads(attn, key, attn.norm_k)], dim=1),
                   torch.cat([_heads(attn, e_value), _heads(attn, value)], dim=1), image_rotary_emb)
@@ -277,14 +286,9 @@ class FluxTransformerBlock(_flux.FluxTransformerBlock):
                                    joint_attention_kwargs)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = _ada_zero(self.norm1, temb)
         c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = _ada_zero(self.norm1_context, temb)
-        if not (_mods_fit(hidden_states, shift_msa, scale_msa) and _mods_fit(encoder_hidden_states, c_shift_msa,
-                                                                              c_scale_msa)):
-            # a broadcast temb row or mixed dtypes (autocast): diffusers' forward (the adaLN linears run again)
-            return super().forward(hidden_states, encoder_hidden_states, temb, image_rotary_emb,
-                                   joint_attention_kwargs)
         attn_output, context_attn_output = _joint_attention(
             attn, hidden_states, encoder_hidden_states, (shift_msa, scale_msa, c_shift_msa, c_scale_msa),
-            (self.norm1.norm.eps, self.norm1_context.norm.eps), image_rotary_emb)
+            (self.norm1.norm, self.norm1_context.norm), image_rotary_emb)
         hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
         ff_output = _ff_from_norm(self.ff, hidden_states, shift_mlp, scale_mlp, self.norm2)
         hidden_states = hidden_states + gate_mlp.unsqueeze(1) * ff_output

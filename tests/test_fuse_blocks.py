@@ -358,17 +358,26 @@ def _base_forward(block, *args, **kwargs):
 def test_fused_blocks_run_under_autocast_and_broadcast_a_single_temb_row():
     """diffusers' norms promote mixed dtypes (autocast makes the adaLN linear's output bf16 beside an fp32 stream)
     and broadcast a one-row ``temb`` over the batch. The fused blocks used to refuse both (``forward_ada_norm``'s
-    shape and dtype check); they now take the norm's own forward for such calls."""
+    shape and dtype check); they now take diffusers' modulation steps for such calls, from the modulation vectors
+    already made: each adaLN linear runs once a call (it ran twice, the block falling back to diffusers' forward)."""
     single, double = _fused_pair()
     hs, enc, temb, rope = _inputs(7)
+    calls = []
+    for block in (single, double):
+        for norm in (block.norm, ) if block is single else (block.norm1, block.norm1_context):
+            norm.linear.register_forward_hook(lambda *_: calls.append(1))
     for block in (single, double):
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            calls.clear()
             got = torch.cat(block(hs, enc, temb, image_rotary_emb=rope), dim=1)
+            assert len(calls) == (1 if block is single else 2), len(calls)
             want = _base_forward(block, hs, enc, temb, image_rotary_emb=rope)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         row = temb[:1]
         with torch.no_grad():
+            calls.clear()
             got = torch.cat(block(hs, enc, row, image_rotary_emb=rope), dim=1)
+            assert len(calls) == (1 if block is single else 2), len(calls)
         assert got.shape[0] == hs.shape[0]
         torch.testing.assert_close(got, _base_forward(block, hs, enc, row, image_rotary_emb=rope), rtol=1e-5,
                                    atol=1e-5)
