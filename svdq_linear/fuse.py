@@ -21,7 +21,6 @@ being written out.
 from __future__ import annotations
 
 import warnings
-import weakref
 
 import torch
 from torch import nn
@@ -90,16 +89,11 @@ def _share_packed_weight(fused: SVDQW4A4Linear, layers: list[SVDQW4A4Linear]) ->
     """Point each layer's packed weight at its rows of the fused one (row slices: contiguous views).
     When a backend frees the fused module's canonical tensors (its prepared layout stands in for them,
     ``_stand_in``), the layers free their views too, so the weight stays on the device once."""
-    row = 0
-    parts = []
+    row, parts = 0, []
     for layer in layers:
-        n = layer.out_features
-        for name in ("qweight", "wscales"):
-            layer._set(name, getattr(fused, name)[row:row + n])
-        layer._reset_dispatch()
-        parts.append((weakref.ref(layer), row, n))
-        row += n
-    fused.__dict__["_view_parts"] = parts  # not a submodule: nn.Module.__setattr__ is bypassed
+        parts.append((layer, row, layer.out_features))
+        row += layer.out_features
+    fused._link_parts(parts)
 
 
 def _fuse_group(attn: nn.Module, names: tuple[str, ...], fused_name: str) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+import weakref
 from typing import Callable, ClassVar
 
 import torch
@@ -252,16 +253,59 @@ class _PackedNVFP4Linear(nn.Module):
     def _after_load(self, incompatible_keys) -> None:
         self._reset_dispatch(reprepare=True)
 
+    def _link_parts(self, parts) -> None:
+        """``parts``: ``(layer, row, n)``, the layers this fused module was built from (``svdq_linear.fuse``). Point
+        each one's packed weight at rows ``row`` to ``row + n`` of this module's (views: the weight is held once),
+        and keep weak references to them, so that they free those views when this module stands in."""
+        for layer, row, n in parts:
+            for name in ("qweight", "wscales"):
+                layer._set(name, self._parameters[name][row:row + n])
+            layer._reset_dispatch()
+        self.__dict__["_view_parts"] = [(weakref.ref(layer), row, n) for layer, row, n in parts]
+
+    def _shares_rows_of(self, owner: _PackedNVFP4Linear, row: int, n: int) -> bool:
+        """Whether this layer's packed weight is rows ``row`` to ``row + n`` of ``owner``'s: views of them, or
+        the copy of them that ``_drop_views_of`` rebuilt while ``owner`` stood in (checked against the rows)."""
+        ours = self.__dict__.get("_owner_rows") or {}
+        for name in ("qweight", "wscales"):
+            a, b = self._parameters.get(name), owner._parameters.get(name)
+            if a is None or b is None or a.device != b.device or a.numel() == 0 or b.dim() != 2:
+                return False
+            rows = b[row:row + n]
+            if a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr():
+                if a.stride() != rows.stride() or a.shape != rows.shape or a.storage_offset() != rows.storage_offset():
+                    return False
+            elif (ours.get(name) != a.untyped_storage().data_ptr() or a.device.type == "meta"
+                  or not torch.equal(a, rows)):
+                return False
+        return True
+
     def __getstate__(self):
         # Prepared states are derived data: deepcopy and pickle rebuild them on the next call.
         self._restore()
         state = self.__dict__.copy()
         state["_dispatch_cache"], state["_declined"] = {}, {}
-        state.pop("_view_parts", None)  # weak references (svdq_linear.fuse): a copy's parts are not ours
+        state.pop("_owner_rows", None)
+        # a fused module (svdq_linear.fuse): its parts' packed weights are views of its rows; a copy keeps that
+        # (deepcopy would clone each view, and the copy would hold q/k/v twice). The weak references go into
+        # the state as strong ones (the copy's parts, the same objects its model holds through the memo), those
+        # parts still sharing the rows only; they are weak again in the copy.
+        parts = []
+        for ref, row, n in state.pop("_view_parts", ()):
+            part = ref()
+            if part is not None:
+                part._restore()
+                if part._shares_rows_of(self, row, n):
+                    parts.append((part, row, n))
+        if parts:
+            state["_view_parts_state"] = parts
         return state
 
     def __setstate__(self, state):
+        parts = state.pop("_view_parts_state", None)
         super().__setstate__(state)
+        if parts:
+            self._link_parts(parts)
         backends.LIVE_LAYERS.add(self)  # a copy or an unpickled layer
 
     def _expected_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -145,7 +145,7 @@ def test_modules_made_under_inference_mode_dispatch(counting):
     """A model loaded (or fused) inside ``torch.inference_mode()`` holds inference tensors, which keep no
     version counter: the prepared-state key must not read it, and a weight loaded anew (a new tensor)
     still rebuilds the prepared state."""
-    from svdq_linear.fuse import _share_packed_weight, concat_w4a4
+    from svdq_linear.fuse import concat_w4a4
 
     with torch.inference_mode():
         m = _module()
@@ -532,6 +532,34 @@ def test_prepare_before_trace_leaves_fused_parts_and_other_devices_alone(standin
     assert fused._dispatch_cache and lone._dispatch_cache  # prepared, as their first calls would
     assert not any(p._dispatch_cache for p in parts)  # the fused layer serves their rows
     assert not meta._dispatch_cache
+
+
+def test_a_copy_of_a_prepared_fused_layer_holds_its_weight_once(standing):
+    """A deepcopy (or pickle) of a model with fused q/k/v: the copy's parts are views of its fused layer's rows again
+    (a deepcopy cloned each view: the parts' packed weights held a second time), and when the copy's fused layer is
+    prepared, its parts free those views as the original's do."""
+    from svdq_linear.fuse import _share_packed_weight, concat_w4a4
+
+    parts = [_module(64, 16) for _ in range(3)]
+    for p in parts[1:]:
+        p.smooth.copy_(parts[0].smooth)
+    want = [p.qweight.clone() for p in parts]
+    fused = concat_w4a4(parts)
+    _share_packed_weight(fused, parts)
+    model = torch.nn.ModuleDict({"q": parts[0], "k": parts[1], "v": parts[2], "qkv": fused})
+    x = torch.randn(3, 64)
+    y = fused(x)
+    assert fused._parameters["qweight"].numel() == 0 and parts[0]._parameters["qweight"].numel() == 0
+    for twin in (copy.deepcopy(model), copy.deepcopy(model.qkv)):  # alone: parts copied for nothing, harmless
+        got = twin["qkv"] if isinstance(twin, torch.nn.ModuleDict) else twin
+        assert torch.equal(got(x), y)  # prepared: stands in
+        assert got._parameters["qweight"].numel() == 0
+        if isinstance(twin, torch.nn.ModuleDict):
+            for name, w in zip("qkv", want):
+                assert twin[name]._parameters["qweight"].numel() == 0, "a copied part kept its own rows"
+                assert torch.equal(twin[name].qweight, w)  # rebuilt on demand, bit for bit
+    for p, w in zip(parts, want):
+        assert torch.equal(p.qweight, w)
 
 
 def test_a_compiled_model_moved_or_reloaded_keeps_its_graph(standing):

@@ -131,6 +131,13 @@ def test_single_block_fusions_combine_and_undo_in_any_order():
     assert torch.equal(_run(block, inputs), before)
 
 
+def _held_bytes(module) -> int:
+    """The bytes of the distinct storages behind ``module``'s tensors."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*module.parameters(), *module.buffers())}
+    return sum(storages.values())
+
+
 def test_fused_single_block_copies_pickles_and_compiles():
     block = _fused_block()
     inputs = _inputs(4)
@@ -141,6 +148,14 @@ def test_fused_single_block_copies_pickles_and_compiles():
     buf.seek(0)
     for twin in (copy.deepcopy(block), torch.load(buf, weights_only=False)):
         assert twin.attn.__dict__["_svdq_single_block"] is twin
+        # the twin's parts are views of its fused layer's rows (a deepcopy cloned them: q/k/v held twice), and
+        # the fused layer knows them, to free them with its own tensors when a backend prepares it
+        fused, parts = twin.attn.to_qkv_mlp, [twin.attn.to_q, twin.attn.to_k, twin.attn.to_v, twin.proj_mlp]
+        assert [ref() for ref, *_ in fused.__dict__["_view_parts"]] == parts
+        assert all(p.qweight.untyped_storage().data_ptr() == fused.qweight.untyped_storage().data_ptr()
+                   and p.wscales.untyped_storage().data_ptr() == fused.wscales.untyped_storage().data_ptr()
+                   for p in parts)
+        assert _held_bytes(twin) == _held_bytes(block)
         assert torch.equal(_run(twin, inputs), want)
         twin.attn.unfuse_projections()  # the twin's own parts, not the original's
         assert type(twin) is flux.FluxSingleTransformerBlock and hasattr(block.attn, "to_qkv_mlp")
