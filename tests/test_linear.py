@@ -383,3 +383,31 @@ def test_forward_runs_its_backend_under_the_device_guard(cat_gelu, monkeypatch):
     y = mod.forward_cat_gelu(x[:, :32], x[:, 32:]) if cat_gelu else mod(x)
     assert y.shape == (3, 32)
     assert guarded == [(3, 32 if cat_gelu else 64), None] and ran == [1], (guarded, ran)
+
+
+@pytest.mark.parametrize("entry", ["exact", "fast", "cat_gelu", "ada_norm", "w4a16"])
+def test_backward_through_a_4bit_layer_names_the_problem(entry):
+    """An input that requires grad builds a graph through the op; its backward failed with torch's "no autograd
+    formula was registered". It now says the layers are for inference and what to do. The 16-bit layers around them
+    keep their gradients."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    if entry == "w4a16":
+        m = NVFP4W4A16Linear.from_linear(lin)
+    else:
+        m = SVDQW4A4Linear.from_linear(lin, rank=8, act_max=torch.rand(64) + 1)
+        m.set_mode("fast" if entry == "fast" else "exact")
+    head = torch.nn.Linear(32, 4)
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    if entry == "cat_gelu":
+        y = m.forward_cat_gelu(x[..., :32], x[..., 32:])
+    elif entry == "ada_norm":
+        y = m.forward_ada_norm(x, torch.zeros(2, 64), torch.zeros(2, 64), 1e-6)
+    else:
+        y = m(x)
+    assert y.requires_grad
+    with pytest.raises(RuntimeError, match=r"4-bit layers are for inference: svdq_linear::\w+ has no gradient.*"
+                                           r"torch.no_grad\(\)"):
+        head(y).sum().backward()
+    head(y.detach()).sum().backward()
+    assert head.weight.grad is not None and torch.isfinite(head.weight.grad).all()

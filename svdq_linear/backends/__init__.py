@@ -698,6 +698,22 @@ def _(x, qweight, wscales, wcscale, bias, extra, backend):
     return x.new_empty(x.shape[0], wcscale.shape[0])
 
 
+def _no_gradient(op_name: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(f"svdq-linear's 4-bit layers are for inference: {op_name} has no gradient (the packed "
+                           f"weights are fixed, and the activation quantizer's rounding has none). Run the model "
+                           f"under torch.no_grad() or torch.inference_mode(); to train, use the 16-bit model")
+
+    return backward
+
+
+for _name, _op in (("w4a4_linear", w4a4_linear), ("w4a4_fast_linear", w4a4_fast_linear),
+                   ("w4a4_cat_gelu_linear", w4a4_cat_gelu_linear), ("w4a4_ada_norm_linear", w4a4_ada_norm_linear),
+                   ("w4a8_fast_gemm", w4a8_fast_gemm), ("w4a16_linear", w4a16_linear)):
+    # a backward that names the problem (without one, torch's "no autograd formula was registered")
+    _op.register_autograd(_no_gradient(f"svdq_linear::{_name}"), setup_context=lambda ctx, inputs, output: None)
+
+
 def _is_cuda_major(major: int) -> Callable[[torch.device], bool]:
     def check(device: torch.device) -> bool:
         cap = device_capability(device)
