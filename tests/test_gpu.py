@@ -268,3 +268,38 @@ def test_fused_qkv_keeps_one_copy_of_the_weight_on_cuda(mode):
         pytest.skip("no kernel layout stands in for the canonical codes here (quack-kernels missing)")
     assert all(p._parameters["qweight"].numel() == 0 for p in parts), "q/k/v still hold the fused codes"
     assert all(torch.equal(p.state_dict()["qweight"], c) for p, c in zip(parts, codes))
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_a_copy_of_a_fused_model_holds_its_weight_once_on_cuda(mode):
+    """``copy.deepcopy`` of a model with fused q/k/v, its fused layer prepared: the copy's q/k/v layers are views of
+    its fused layer's rows again and free them once it is prepared (a deepcopy cloned them: the packed q/k/v twice
+    in the copy)."""
+    import copy
+
+    from test_conformance import random_w4a4
+
+    from svdq_linear.fuse import _share_packed_weight, concat_w4a4
+
+    x = torch.randn(256, 3072, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    parts = [random_w4a4(3072, 3072, 32, torch.bfloat16, "cuda") for _ in range(3)]
+    for p in parts[1:]:
+        p.smooth.copy_(parts[0].smooth)
+    packed = sum(p.qweight.numel() + p.wscales.numel() for p in parts)  # bytes: uint8 and float8
+    fused = concat_w4a4(parts).set_mode(mode)
+    _share_packed_weight(fused, parts)
+    model = torch.nn.ModuleDict({"q": parts[0], "k": parts[1], "v": parts[2], "qkv": fused})
+    y = fused(x)
+    if fused._parameters["qweight"].numel():
+        pytest.skip("no kernel layout stands in for the canonical codes here (quack-kernels missing)")
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - start
+    twin = copy.deepcopy(model)
+    assert torch.equal(twin["qkv"](x), y)
+    assert torch.equal(fused(x), y)  # the original stands in again (the copy read its canonical tensors)
+    assert all(twin[n]._parameters["qweight"].numel() == 0 for n in "qkv"), "the copy's q/k/v hold their own rows"
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated() - start - held  # the copy; without y (in held)
+    assert grown < held + packed / 2, (grown, held, packed)
