@@ -284,7 +284,9 @@ def _refuse_transformer_keys(pipe, lora, kwargs: dict) -> None:
     try:
         if isinstance(lora, dict):
             lora = dict(lora)
-        elif not isinstance(lora, (str, os.PathLike)):
+        elif isinstance(lora, (str, os.PathLike)):
+            lora = os.fspath(lora)
+        else:
             raise TypeError(f"expected a LoRA state dict or a path, got {type(lora).__name__}")
         state, _ = _convert(type(pipe), lora, head[:-1], **reader)
         reason = None if not any(str(k).startswith(head) for k in state) else "holds keys for the 4-bit transformer"

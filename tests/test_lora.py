@@ -516,7 +516,7 @@ def test_the_load_lora_weights_guard_reads_the_lora_as_diffusers_would(tmp_path)
         pipe.load_lora_weights(dict(kohya))
     safetensors.torch.save_file(kohya, tmp_path / "kohya.safetensors")
     with pytest.raises(ValueError, match=r"holds keys for the 4-bit transformer"):
-        pipe.load_lora_weights(str(tmp_path / "kohya.safetensors"))
+        pipe.load_lora_weights(tmp_path / "kohya.safetensors")  # a Path
     torch.save(kohya, tmp_path / "kohya.bin")
     with pytest.raises(ValueError, match=r"could not be read as a safetensors LoRA") as err:
         pipe.load_lora_weights(str(tmp_path), weight_name="kohya.bin")
