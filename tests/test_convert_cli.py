@@ -400,3 +400,93 @@ def test_calibration_hooks_are_removed_when_a_target_does_not_resolve():
     with pytest.raises(ValueError, match="at least 1, got 0"):
         calibrate.read_prompts(None, 0)
     assert len(calibrate.read_prompts(None, 2)) == 2
+
+
+# ---- pipelines that need images besides the prompt (img2img, inpainting, fill, control) ----------------------
+
+
+@pytest.fixture(scope="module")
+def image_sources(tmp_path_factory):
+    """A tiny FluxInpaintPipeline and FluxImg2ImgPipeline folder (the text-to-image components), and a 64 px image
+    and mask."""
+    from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline
+    from PIL import Image
+
+    from svdq_linear.convert.tiny import build_tiny_pipeline
+
+    root = tmp_path_factory.mktemp("img")
+    base = build_tiny_pipeline("flux")
+    out = {}
+    for name, cls in (("inpaint", FluxInpaintPipeline), ("img2img", FluxImg2ImgPipeline)):
+        cls(**base.components).save_pretrained(root / name, safe_serialization=True)
+        out[name] = root / name
+    g = torch.Generator().manual_seed(0)
+    pixels = (torch.rand(64, 64, 3, generator=g) * 255).to(torch.uint8).numpy()
+    Image.fromarray(pixels).save(root / "image.png")
+    Image.fromarray((pixels[..., 0] > 127).astype("uint8") * 255).save(root / "mask.png")
+    (root / "not-an-image.png").write_text("hello")
+    out.update(image=root / "image.png", mask=root / "mask.png", bad=root / "not-an-image.png")
+    return out
+
+
+def test_calibration_inputs_are_checked_before_calibration(sources, image_sources, tmp_path, capfd, no_calibration):
+    """An inpainting pipeline ran its first calibration call without its image and mask and failed deep in
+    diffusers ("Input is in incorrect format"), without naming what was missing or the way out. Now it is refused
+    before any weight is read, naming the inputs and ``--calib-input``; so are a malformed or unreadable
+    ``--calib-input`` and an argument the pipeline's call does not take."""
+    img, mask = image_sources["image"], image_sources["mask"]
+    cases = [
+        ((image_sources["inpaint"],), "FluxInpaintPipeline needs mask_image and image besides the prompt to run: "
+                                      "calibrate with --calib-input NAME=FILE"),
+        ((image_sources["inpaint"], "--calib-input", f"image={img}"), "needs mask_image besides the prompt"),
+        ((sources["flux"], "--calib-input", f"control_image={img}"),
+         "--calib-input control_image: FluxPipeline takes no argument 'control_image'"),
+        ((image_sources["inpaint"], "--calib-input", f"mask_image={image_sources['bad']}"),
+         f"--calib-input mask_image={image_sources['bad']}: not a readable image"),
+        ((image_sources["inpaint"], "--calib-input", str(img)), "--calib-input: expected NAME=FILE"),
+        ((image_sources["inpaint"], "--calib-input", f"image={img}", "--calib-input", f"image={mask}"),
+         "each NAME once"),
+        ((image_sources["inpaint"], "--calib-input", f"image={img}", "--no-calib"), "which --no-calib skips"),
+    ]
+    for args, needle in cases:
+        rc, _, err = run(capfd, args[0], tmp_path / "o", "--quiet", *args[1:])
+        assert_one_line_error(rc, err, needle)
+        assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_an_inpainting_pipeline_calibrates_on_the_given_image_and_mask(image_sources, tmp_path, capfd, monkeypatch):
+    """``--calib-input image=... --calib-input mask_image=...``: the calibration calls get the images, and the
+    converted pipeline loads as its own class."""
+    seen = []
+    real = calibrate.collect_act_max
+
+    def spy(pipe, names, prompts, steps, call_kwargs=None, **kwargs):
+        seen.append({k: getattr(v, "size", v) for k, v in (call_kwargs or {}).items()})
+        return real(pipe, names, prompts, steps, call_kwargs, **kwargs)
+
+    monkeypatch.setattr(calibrate, "collect_act_max", spy)
+    rc, _, err = run(capfd, image_sources["inpaint"], tmp_path / "o", *FAST, "--calib-input",
+                     f"image={image_sources['image']}", "--calib-input", f"mask_image={image_sources['mask']}")
+    assert rc == 0, err
+    assert seen and seen[0]["image"] == (64, 64) and seen[0]["mask_image"] == (64, 64)
+    import svdq_linear
+
+    pipe = svdq_linear.load_svdq_pipeline(tmp_path / "o", dtype=torch.float32)
+    assert type(pipe).__name__ == "FluxInpaintPipeline"
+    # the files are part of the settings a resume must match; runs without them record what they did before
+    with_inputs = ConvertOptions(calib_inputs={"image": str(image_sources["image"])}).settings("m")
+    assert with_inputs["calib_inputs"] == {"image": str(image_sources["image"].resolve())}
+    assert "calib_inputs" not in ConvertOptions().settings("m")
+
+
+def test_an_img2img_pipeline_without_its_image_names_the_input(image_sources, tmp_path, capfd):
+    """A pipeline whose ``image`` is needed (img2img; Kontext's is optional, so it is not refused up front) fails its
+    first calibration call: the error names ``image`` and ``--calib-input``, not only diffusers' "Input is in
+    incorrect format", and no partial folder is left."""
+    rc, _, err = run(capfd, image_sources["img2img"], tmp_path / "o", *FAST)
+    assert_one_line_error(rc, err, "calibration could not run FluxImg2ImgPipeline on a prompt alone",
+                          "it takes image besides the prompt", "--calib-input NAME=FILE")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+    rc, _, err = run(capfd, image_sources["img2img"], tmp_path / "o", *FAST, "--calib-input",
+                     f"image={image_sources['image']}")
+    assert rc == 0, err

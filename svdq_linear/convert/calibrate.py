@@ -106,6 +106,24 @@ def _truncation_counted(pipe):
 
 
 @torch.no_grad()
+def _explain_missing_inputs(pipe, kwargs: dict, error: BaseException, first: bool) -> None:
+    """Raise a ValueError naming the image inputs the pipeline's call takes and the calibration did not pass, when
+    its first call failed before reaching the transformer (img2img, inpainting, fill and control pipelines fail deep
+    in their image processors: "Input is in incorrect format")."""
+    import inspect
+
+    if not first:
+        return
+    params = inspect.signature(type(pipe).__call__).parameters
+    missing = [n for n in ("image", "mask_image", "control_image") if n in params and kwargs.get(n) is None]
+    if missing:
+        why = f"{type(error).__name__}: {' '.join(str(error).split())}"
+        raise ValueError(f"calibration could not run {type(pipe).__name__} on a prompt alone ({why}); it takes "
+                         f"{', '.join(missing)} besides the prompt: pass them in call_kwargs (svdq-convert: "
+                         f"--calib-input NAME=FILE), or skip calibration (calib=False; svdq-convert --no-calib)"
+                         ) from error
+
+
 def collect_act_max(
     pipe,
     names: list[str],
@@ -146,7 +164,11 @@ def collect_act_max(
         with _truncation_counted(pipe) as truncated:
             for i, prompt in enumerate(tqdm(prompts, desc="calibrating", disable=not progress)):
                 generator = torch.Generator("cpu").manual_seed(seed + i)
-                pipe(prompt=prompt, generator=generator, **kwargs)
+                try:
+                    pipe(prompt=prompt, generator=generator, **kwargs)
+                except (ValueError, TypeError, AttributeError) as e:
+                    _explain_missing_inputs(pipe, kwargs, e, first=not maxima)
+                    raise
     finally:
         for h in handles:
             h.remove()

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "positional embedding covers)")
     p.add_argument("--calib-offload", action="store_true",
                    help="calibrate with enable_model_cpu_offload (a GPU smaller than the whole pipeline)")
+    p.add_argument("--calib-input", action="append", metavar="NAME=FILE", default=[],
+                   help="an image the calibration call passes besides the prompt, by call argument: image, "
+                   "mask_image, control_image (img2img, inpainting, fill and control pipelines); repeat for each")
     p.add_argument("--no-calib", action="store_true", help="no calibration: weight-only smoothing rule (lambda = 1)")
     p.add_argument("--device", help="device for calibration and SVD (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
@@ -102,12 +105,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.public and not args.push_to_hub:
         _error("--public needs --push-to-hub REPO")
         return 2
+    calib_inputs = {}
+    for item in args.calib_input:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path or name in calib_inputs:
+            _error(f"--calib-input: expected NAME=FILE, each NAME once, got {item!r}")
+            return 2
+        calib_inputs[name] = path
     opts = ConvertOptions(
         rank=args.rank, alpha=args.alpha, svd=args.svd, refine_iters=args.refine_iters,
         act_headroom=args.act_headroom, calib=not args.no_calib, calib_prompts=args.calib_prompts,
         calib_num=args.calib_num, calib_steps=args.calib_steps, calib_resolution=args.calib_resolution,
-        calib_offload=args.calib_offload, device=args.device, dtype=args.dtype, resume=args.resume,
-        overwrite=args.overwrite, progress=not args.quiet,
+        calib_offload=args.calib_offload, calib_inputs=calib_inputs or None, device=args.device, dtype=args.dtype,
+        resume=args.resume, overwrite=args.overwrite, progress=not args.quiet,
     )
     with _quiet_libraries(args.quiet):
         try:

@@ -109,6 +109,8 @@ class ConvertOptions:
     calib_steps: int = 4
     calib_resolution: int | None = None  # None: the pipeline's own size, at most 512 (calibrate.resolution_limits)
     calib_offload: bool = False  # enable_model_cpu_offload during calibration (GPUs smaller than the model)
+    # images the calibration call passes besides the prompt: call argument -> file (image, mask_image, control_image)
+    calib_inputs: dict[str, str] | None = None
     device: str | None = None  # calibration and SVD; default: the GPU when there is one
     dtype: str = "bfloat16"  # 16-bit branch, biases and kept tensors
     resume: bool = False
@@ -132,6 +134,10 @@ class ConvertOptions:
             _expect_int("calib_resolution", self.calib_resolution, 16)
         self.torch_dtype()
         check_device(self.device)
+        if self.calib_inputs and not self.calib:
+            raise ConvertError("--calib-input goes to the calibration runs, which --no-calib skips: pass one of them")
+        for name, path in (self.calib_inputs or {}).items():
+            _check_calib_image(name, path)
         if not self.calib:
             return []
         try:
@@ -153,7 +159,63 @@ class ConvertOptions:
         """What must match for ``--resume`` to continue a partial run."""
         keep = ("rank", "alpha", "svd", "refine_iters", "act_headroom", "calib", "calib_prompts", "calib_num",
                 "calib_steps", "calib_resolution", "dtype")
-        return {"model_id": str(model_id), **{k: getattr(self, k) for k in keep}}
+        out = {"model_id": str(model_id), **{k: getattr(self, k) for k in keep}}
+        if self.calib_inputs:  # only when given: partial runs recorded before the option resume as they were
+            out["calib_inputs"] = {k: str(Path(v).expanduser().resolve()) for k, v in sorted(self.calib_inputs.items())}
+        return out
+
+
+# the image inputs a pipeline's call may need besides the prompt (img2img, inpainting, fill, control)
+CALIB_IMAGE_INPUTS = ("image", "mask_image", "control_image")
+
+
+def _check_calib_image(name, path) -> None:
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ConvertError(f"--calib-input: expected NAME=FILE with NAME a call argument such as "
+                           f"{', '.join(CALIB_IMAGE_INPUTS)}, got {name!r}")
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(Path(path).expanduser()) as img:
+            img.verify()
+    except (OSError, UnidentifiedImageError, ValueError) as e:
+        raise ConvertError(f"--calib-input {name}={path}: not a readable image ({type(e).__name__}: {e})") from e
+
+
+def _load_calib_images(inputs: dict[str, str] | None) -> dict:
+    from PIL import Image
+
+    out = {}
+    for name, path in (inputs or {}).items():
+        with Image.open(Path(path).expanduser()) as img:
+            out[name] = img.convert("RGB")
+    return out
+
+
+def _check_pipeline_inputs(model_index: dict, opts: ConvertOptions) -> None:
+    """Before any weight is read: the calibration inputs against the pipeline's call. A pipeline that takes a mask
+    or a control image cannot run on a prompt alone (its plain ``image``, optional in some, is checked by the
+    first calibration call: ``calibrate.collect_act_max``)."""
+    import inspect
+
+    import diffusers
+
+    cls = getattr(diffusers, str(model_index.get("_class_name")), None)
+    if not isinstance(cls, type) or not callable(getattr(cls, "__call__", None)):
+        return
+    params = inspect.signature(cls.__call__).parameters
+    given = opts.calib_inputs or {}
+    for name in given:
+        if name not in params:
+            takes = [n for n in CALIB_IMAGE_INPUTS if n in params]
+            raise ConvertError(f"--calib-input {name}: {cls.__name__} takes no argument {name!r} (its image inputs: "
+                               f"{', '.join(takes) or 'none'})")
+    missing = [n for n in ("mask_image", "control_image") if n in params and n not in given]
+    if missing:
+        also = " and image" if "image" in params and "image" not in given else ""
+        raise ConvertError(f"{cls.__name__} needs {', '.join(missing)}{also} besides the prompt to run: calibrate with "
+                           f"--calib-input NAME=FILE for each (e.g. --calib-input {missing[0]}=FILE), or pass "
+                           f"--no-calib")
 
 
 @dataclass
@@ -358,6 +420,7 @@ def _calibrate(src: Path, recipe: recipes.Recipe, opts: ConvertOptions, prompts:
     else:
         pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
+    call_kwargs = {**call_kwargs, **_load_calib_images(opts.calib_inputs)}
     act_max = calibrate.collect_act_max(pipe, recipe.w4a4, prompts, opts.calib_steps, call_kwargs,
                                         progress=opts.progress)
     del pipe
@@ -543,6 +606,8 @@ def _convert(model_id: str, out: Path, partial: Path, state: dict, opts: Convert
         raise ConvertError(f"calibrating a {params / 1e9:.1f} B-parameter transformer on the CPU would take hours "
                            f"(the limit is {CPU_CALIB_MAX_PARAMS / 1e9:g} B): pass --no-calib (weight-only smoothing; "
                            f"the conversion itself runs on a CPU), or calibrate on a GPU (--device cuda)")
+    if opts.calib:
+        _check_pipeline_inputs(model_index, opts)
     call_kwargs = _calibration_kwargs(model_id, src, config, opts) if opts.calib else {}
     in_features = {n: meta_model.get_submodule(n).weight.shape[1] for n in recipe.w4a4}
     model_keys = set(meta_model.state_dict())
