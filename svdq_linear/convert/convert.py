@@ -739,7 +739,8 @@ def quantize_pipeline(
     """Quantize an already-loaded Flux / SD3 pipeline's transformer in place, with the recipes of
     ``svdq-convert``. ``calib_prompts``: a list, a file, or None for the shipped set; ``call_kwargs``
     go to the calibration runs (height, width, ...; the size defaults to the pipeline's own, at most
-    512, as in ``svdq-convert``). ``mode`` (``"exact"``, ``"fast"``, ``"auto"``) is set on every
+    512, as in ``svdq-convert``; ``image``, ``mask_image``, ``control_image`` for the img2img, inpainting,
+    fill and control pipelines, which do not run on a prompt alone). ``mode`` (``"exact"``, ``"fast"``, ``"auto"``) is set on every
     quantized layer (None: the default). ``config_kwargs`` are ``SVDQuantConfig`` fields
     (``act_headroom``...).
     Afterwards ``pipe.save_pretrained(folder)`` writes a folder that ``load_svdq_pipeline`` loads.
