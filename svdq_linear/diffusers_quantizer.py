@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 from typing import Any
 
 import torch
@@ -121,13 +122,44 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def mark_quantized(model: nn.Module) -> None:
-    """Let diffusers' ``fuse_qkv_projections`` fuse quantized q/k/v exactly (``svdq_linear.fuse``), and its
-    pipelines' ``load_lora_weights`` point to ``svdq_linear.fuse_lora`` (``lora.guard_pipeline_loaders``)."""
+    """Let diffusers' ``fuse_qkv_projections`` fuse quantized q/k/v exactly (``svdq_linear.fuse``), its
+    pipelines' ``load_lora_weights`` point to ``svdq_linear.fuse_lora`` (``lora.guard_pipeline_loaders``), and its
+    ControlNets' ``from_transformer`` refuse a quantized transformer (``guard_controlnet_builders``)."""
     from .fuse import fuse_attention_projections
     from .lora import guard_pipeline_loaders
 
     fuse_attention_projections(model)
     guard_pipeline_loaders()
+    guard_controlnet_builders()
+
+
+def guard_controlnet_builders() -> None:
+    """Make the Flux and SD3 ControlNets' ``from_transformer`` refuse a transformer holding svdq-linear layers. It
+    copies the transformer's blocks with ``load_state_dict(strict=False)`` into 16-bit linears, which find no
+    ``weight`` in a 4-bit layer's state and keep their random initialization, silently; and it copies the config,
+    ``quantization_config`` included, so the saved ControlNet would not load."""
+    import diffusers
+
+    for name in ("FluxControlNetModel", "SD3ControlNetModel"):
+        cls = getattr(diffusers, name, None)
+        method = cls.__dict__.get("from_transformer") if isinstance(cls, type) else None
+        if isinstance(method, classmethod) and not getattr(method.__func__, "_svdq_guard", False):
+            cls.from_transformer = classmethod(_refusing_quantized_source(method.__func__))
+
+
+def _refusing_quantized_source(fn):
+    @functools.wraps(fn)
+    def from_transformer(cls, transformer, *args, **kwargs):
+        if isinstance(transformer, nn.Module) and any(isinstance(m, _PackedNVFP4Linear) for m in transformer.modules()):
+            raise ValueError(f"{cls.__name__}.from_transformer cannot copy svdq-linear's 4-bit layers: diffusers "
+                             f"loads the blocks with strict=False, so the ControlNet's linears would keep random "
+                             f"weights, and it would carry the transformer's quantization_config. Build the "
+                             f"ControlNet from the unquantized transformer (before quantize_pipeline, or loaded from "
+                             f"the original checkpoint)")
+        return fn(cls, transformer, *args, **kwargs)
+
+    from_transformer._svdq_guard = True
+    return from_transformer
 
 
 def swap_in_quantized_modules(model: nn.Module, config: SVDQuantizationConfig, dtype: torch.dtype) -> None:

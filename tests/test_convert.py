@@ -720,3 +720,25 @@ def test_converter_scripts_run_svdq_convert(sources, tmp_path, monkeypatch, caps
     for script, name, hub_id in (("flux", "dev", "black-forest-labs/FLUX.1-dev"),
                                  ("sd3", "sd35-medium", "stabilityai/stable-diffusion-3.5-medium")):
         assert runpy.run_path(str(ROOT / "converters" / f"{script}.py"))["MODELS"][name] == hub_id
+
+
+@pytest.mark.parametrize("kind", ["flux", "sd3"])
+def test_controlnet_from_a_quantized_transformer_is_refused(kind):
+    """diffusers' ``ControlNetModel.from_transformer`` copies the blocks with ``strict=False`` into 16-bit linears:
+    from a quantized transformer, every linear of the new ControlNet kept its random weights, silently, and the
+    ControlNet carried the transformer's ``quantization_config`` (its saved form then failed to load). Refused now,
+    naming the way; from an unquantized transformer it works as before."""
+    from diffusers import FluxControlNetModel, SD3ControlNetModel
+
+    cls = FluxControlNetModel if kind == "flux" else SD3ControlNetModel
+    plain = build_tiny_pipeline(kind)
+    pipe = build_tiny_pipeline(kind)
+    svdq_linear.quantize_pipeline(pipe, rank=8, calib=False, progress=False)
+    cfg = plain.transformer.config
+    kwargs = (dict(num_layers=1, num_single_layers=1, attention_head_dim=cfg.attention_head_dim,
+                   num_attention_heads=cfg.num_attention_heads) if kind == "flux" else dict(num_layers=1))
+    with pytest.raises(ValueError, match=r"from_transformer cannot copy svdq-linear's 4-bit layers.*unquantized"):
+        cls.from_transformer(pipe.transformer, **kwargs)
+    net = cls.from_transformer(plain.transformer, **kwargs)
+    src = plain.transformer.transformer_blocks[0].attn.to_q.weight
+    assert torch.equal(net.transformer_blocks[0].attn.to_q.weight, src)
