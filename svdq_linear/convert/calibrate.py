@@ -105,7 +105,12 @@ def _truncation_counted(pipe):
             lg.removeFilter(counter)
 
 
-@torch.no_grad()
+# the image inputs a pipeline's call may need besides the prompt (img2img, inpainting, fill, control, ControlNet
+# inpainting); every one but ``image`` (optional in Kontext) is needed wherever a pipeline takes it
+IMAGE_INPUTS = ("image", "mask_image", "control_image", "control_mask")
+NEEDED_IMAGE_INPUTS = IMAGE_INPUTS[1:]
+
+
 def _explain_missing_inputs(pipe, kwargs: dict, error: BaseException, first: bool) -> None:
     """Raise a ValueError naming the image inputs the pipeline's call takes and the calibration did not pass, when
     its first call failed before reaching the transformer (img2img, inpainting, fill and control pipelines fail deep
@@ -115,7 +120,7 @@ def _explain_missing_inputs(pipe, kwargs: dict, error: BaseException, first: boo
     if not first:
         return
     params = inspect.signature(type(pipe).__call__).parameters
-    missing = [n for n in ("image", "mask_image", "control_image") if n in params and kwargs.get(n) is None]
+    missing = [n for n in IMAGE_INPUTS if n in params and kwargs.get(n) is None]
     if missing:
         why = f"{type(error).__name__}: {' '.join(str(error).split())}"
         raise ValueError(f"calibration could not run {type(pipe).__name__} on a prompt alone ({why}); it takes "
@@ -124,6 +129,7 @@ def _explain_missing_inputs(pipe, kwargs: dict, error: BaseException, first: boo
                          ) from error
 
 
+@torch.no_grad()
 def collect_act_max(
     pipe,
     names: list[str],

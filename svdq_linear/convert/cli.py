@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibrate with enable_model_cpu_offload (a GPU smaller than the whole pipeline)")
     p.add_argument("--calib-input", action="append", metavar="NAME=FILE", default=[],
                    help="an image the calibration call passes besides the prompt, by call argument: image, "
-                   "mask_image, control_image (img2img, inpainting, fill and control pipelines); repeat for each")
+                   "mask_image, control_image, control_mask (img2img, inpainting, fill and control pipelines); "
+                   "repeat for each")
     p.add_argument("--no-calib", action="store_true", help="no calibration: weight-only smoothing rule (lambda = 1)")
     p.add_argument("--device", help="device for calibration and SVD (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),

@@ -165,14 +165,10 @@ class ConvertOptions:
         return out
 
 
-# the image inputs a pipeline's call may need besides the prompt (img2img, inpainting, fill, control)
-CALIB_IMAGE_INPUTS = ("image", "mask_image", "control_image")
-
-
 def _check_calib_image(name, path) -> None:
     if not isinstance(name, str) or not name.isidentifier():
         raise ConvertError(f"--calib-input: expected NAME=FILE with NAME a call argument such as "
-                           f"{', '.join(CALIB_IMAGE_INPUTS)}, got {name!r}")
+                           f"{', '.join(calibrate.IMAGE_INPUTS)}, got {name!r}")
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -207,10 +203,10 @@ def _check_pipeline_inputs(model_index: dict, opts: ConvertOptions) -> None:
     given = opts.calib_inputs or {}
     for name in given:
         if name not in params:
-            takes = [n for n in CALIB_IMAGE_INPUTS if n in params]
+            takes = [n for n in calibrate.IMAGE_INPUTS if n in params]
             raise ConvertError(f"--calib-input {name}: {cls.__name__} takes no argument {name!r} (its image inputs: "
                                f"{', '.join(takes) or 'none'})")
-    missing = [n for n in ("mask_image", "control_image") if n in params and n not in given]
+    missing = [n for n in calibrate.NEEDED_IMAGE_INPUTS if n in params and n not in given]
     if missing:
         also = " and image" if "image" in params and "image" not in given else ""
         raise ConvertError(f"{cls.__name__} needs {', '.join(missing)}{also} besides the prompt to run: calibrate with "
