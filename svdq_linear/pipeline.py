@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import zlib
 from dataclasses import dataclass
@@ -136,7 +137,7 @@ def quantize_linears(
 
 def load_svdq_pipeline(
     path_or_id: str | os.PathLike, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-    mode: str | None = None, **kwargs
+    mode: str | None = None, pipeline_cls: type | None = None, **kwargs
 ):
     """A ready diffusers pipeline from an ``svdq-convert`` folder (or hub id) in ``dtype`` (bf16 unless given; also
     taken as ``torch_dtype``, diffusers' older name) on ``device``.
@@ -146,15 +147,26 @@ def load_svdq_pipeline(
     swapped before the weights load, every tensor checked, keys matched both ways), even where
     registering it with diffusers failed at import. Only safetensors are read. ``mode``: ``"exact"``,
     ``"fast"`` or ``"auto"`` for every ``SVDQW4A4Linear`` (None: each module's default, ``"auto"`` unless
-    ``$SVDQ_LINEAR_MODE`` says otherwise). ``kwargs`` go to the pipeline's ``from_pretrained``.
+    ``$SVDQ_LINEAR_MODE`` says otherwise). ``kwargs`` go to the pipeline's ``from_pretrained``. ``pipeline_cls``:
+    another pipeline class of the same components (``FluxControlNetPipeline`` with ``controlnet=...``,
+    ``FluxImg2ImgPipeline``, ...) instead of the folder's; a component the class does not take is refused (diffusers
+    would warn and drop it).
     """
     import diffusers
 
     root = files.resolve_model_path(path_or_id)
     index = files.read_json(root / "model_index.json", "not a diffusers pipeline folder")
-    cls = getattr(diffusers, index.get("_class_name", ""), None)
+    cls = getattr(diffusers, index.get("_class_name", ""), None) if pipeline_cls is None else pipeline_cls
     if cls is None:
         raise ValueError(f"{root}/model_index.json: unknown pipeline class {index.get('_class_name')!r}")
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
+        raise TypeError(f"expected pipeline_cls to be a diffusers pipeline class, got {cls!r}")
+    takes = set(inspect.signature(cls.__init__).parameters)
+    extra = [k for k, v in kwargs.items() if isinstance(v, torch.nn.Module) and k not in takes]
+    if extra:
+        raise ValueError(f"{cls.__name__} takes no component {extra[0]!r} (diffusers would drop it with a warning): "
+                         f"pass pipeline_cls, the pipeline that takes it (e.g. pipeline_cls=FluxControlNetPipeline "
+                         f"with controlnet=...)")
     config = files.read_json(root / "transformer" / "config.json", "the pipeline has no transformer/")
     qdict = config.get("quantization_config")
     if not isinstance(qdict, dict):

@@ -742,3 +742,23 @@ def test_controlnet_from_a_quantized_transformer_is_refused(kind):
     net = cls.from_transformer(plain.transformer, **kwargs)
     src = plain.transformer.transformer_blocks[0].attn.to_q.weight
     assert torch.equal(net.transformer_blocks[0].attn.to_q.weight, src)
+
+
+def test_load_svdq_pipeline_as_another_pipeline_class(converted):
+    """A converted text-to-image folder loads as a ControlNet pipeline with ``pipeline_cls``. Without it, the
+    folder's class took ``controlnet=`` and diffusers dropped it with a warning: now refused by name."""
+    from diffusers import FluxControlNetModel, FluxControlNetPipeline
+
+    plain = build_tiny_pipeline("flux")
+    cfg = plain.transformer.config
+    net = FluxControlNetModel.from_transformer(plain.transformer, num_layers=1, num_single_layers=1,
+                                               attention_head_dim=cfg.attention_head_dim,
+                                               num_attention_heads=cfg.num_attention_heads)
+    with pytest.raises(ValueError, match=r"FluxPipeline takes no component 'controlnet'.*pipeline_cls"):
+        load_svdq_pipeline(converted["flux"], dtype=torch.float32, controlnet=net)
+    with pytest.raises(TypeError, match="expected pipeline_cls to be a diffusers pipeline class"):
+        load_svdq_pipeline(converted["flux"], pipeline_cls=FluxControlNetModel, controlnet=net)
+    pipe = load_svdq_pipeline(converted["flux"], dtype=torch.float32, pipeline_cls=FluxControlNetPipeline,
+                              controlnet=net)
+    assert type(pipe) is FluxControlNetPipeline and pipe.controlnet is net
+    assert isinstance(pipe.transformer.transformer_blocks[0].attn.to_q, SVDQW4A4Linear)
