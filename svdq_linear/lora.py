@@ -282,13 +282,7 @@ def _refuse_transformer_keys(pipe, lora, kwargs: dict) -> None:
     head = getattr(pipe, "transformer_name", "transformer") + "."
     reader = {k: v for k, v in kwargs.items() if k not in _LOADER_ONLY}
     try:
-        if isinstance(lora, dict):
-            lora = dict(lora)
-        elif isinstance(lora, (str, os.PathLike)):
-            lora = os.fspath(lora)
-        else:
-            raise TypeError(f"expected a LoRA state dict or a path, got {type(lora).__name__}")
-        state, _ = _convert(type(pipe), lora, head[:-1], **reader)
+        state, _ = _read(pipe, lora, head[:-1], reader)
         reason = None if not any(str(k).startswith(head) for k in state) else "holds keys for the 4-bit transformer"
     except Exception as exc:  # unreadable as safetensors, or a format diffusers does not know: peft would get it
         reason, cause = f"could not be read as a safetensors LoRA ({type(exc).__name__}: {exc})", exc

@@ -111,14 +111,12 @@ IMAGE_INPUTS = ("image", "mask_image", "control_image", "control_mask")
 NEEDED_IMAGE_INPUTS = IMAGE_INPUTS[1:]
 
 
-def _explain_missing_inputs(pipe, kwargs: dict, error: BaseException, first: bool) -> None:
-    """Raise a ValueError naming the image inputs the pipeline's call takes and the calibration did not pass, when
-    its first call failed before reaching the transformer (img2img, inpainting, fill and control pipelines fail deep
-    in their image processors: "Input is in incorrect format")."""
+def _explain_missing_inputs(pipe, kwargs: dict, error: BaseException) -> None:
+    """Raise a ValueError naming the image inputs the pipeline's call takes and the calibration did not pass (its
+    first call failed before reaching the transformer: img2img, inpainting, fill and control pipelines fail deep in
+    their image processors, "Input is in incorrect format")."""
     import inspect
 
-    if not first:
-        return
     params = inspect.signature(type(pipe).__call__).parameters
     missing = [n for n in IMAGE_INPUTS if n in params and kwargs.get(n) is None]
     if missing:
@@ -173,7 +171,8 @@ def collect_act_max(
                 try:
                     pipe(prompt=prompt, generator=generator, **kwargs)
                 except (ValueError, TypeError, AttributeError) as e:
-                    _explain_missing_inputs(pipe, kwargs, e, first=not maxima)
+                    if not maxima:
+                        _explain_missing_inputs(pipe, kwargs, e)
                     raise
     finally:
         for h in handles:
