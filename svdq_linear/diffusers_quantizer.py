@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -45,6 +46,10 @@ class SVDQQuantMethod(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _config_mixin():
@@ -81,14 +86,27 @@ class SVDQuantizationConfig(_config_mixin()):
             raise ValueError(f"expected quant_method {QUANT_METHOD!r}, got {qm!r}")
         if kwargs:
             raise ValueError(f"unknown {QUANT_METHOD} quantization_config keys: {sorted(kwargs)}")
-        if not isinstance(format_version, int) or format_version > FORMAT_VERSION or format_version < 1:
+        if not _is_int(format_version) or format_version < 1:
+            raise ValueError(f"{QUANT_METHOD} quantization_config format_version: expected an integer >= 1, got "
+                             f"{format_version!r}")
+        if format_version > FORMAT_VERSION:
             raise ValueError(
                 f"{QUANT_METHOD} format_version {format_version!r} is not supported by this svdq-linear "
                 f"(it reads version {FORMAT_VERSION}); upgrade svdq-linear"
             )
+        if not _is_int(rank) or rank < 0:
+            raise ValueError(f"{QUANT_METHOD} quantization_config rank: expected an integer >= 0, got {rank!r}")
+        for key, names in (("w4a4_modules", w4a4_modules), ("w4a16_modules", w4a16_modules)):
+            if names is not None and (not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names)):
+                raise ValueError(f"{QUANT_METHOD} quantization_config {key}: expected a list of module names, got "
+                                 f"{type(names).__name__} {str(names)[:80]!r}")
+        for key, value in (("smooth_groups", smooth_groups), ("calibration", calibration), ("conversion", conversion)):
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"{QUANT_METHOD} quantization_config {key}: expected a mapping, got "
+                                 f"{type(value).__name__} {str(value)[:80]!r}")
         self.quant_method = SVDQQuantMethod.SVDQ_W4A4
         self.format_version = format_version
-        self.rank = int(rank)
+        self.rank = rank
         self.w4a4_modules = list(w4a4_modules or [])
         self.w4a16_modules = list(w4a16_modules or [])
         self.smooth_groups = dict(smooth_groups or {})
@@ -131,6 +149,67 @@ def mark_quantized(model: nn.Module) -> None:
     fuse_attention_projections(model)
     guard_pipeline_loaders()
     guard_controlnet_builders()
+    guard_savers()
+
+
+def guard_savers() -> None:
+    """Make diffusers' ``ModelMixin.save_pretrained`` and ``DiffusionPipeline.save_pretrained`` check a model that
+    holds svdq-linear layers before anything is written (``check_saveable``). Without it,
+    ``safe_serialization=False`` wrote a pickle that the loader refuses, and a model cast past diffusers' guard
+    (``model.type(torch.float16)``, a cast of some blocks) wrote 16-bit tensors under a stale ``dtype`` record, a
+    folder that did not load."""
+    from diffusers import DiffusionPipeline, ModelMixin
+
+    for cls in (ModelMixin, DiffusionPipeline):
+        fn = cls.__dict__.get("save_pretrained")
+        if inspect.isfunction(fn) and not getattr(fn, "_svdq_guard", False):
+            cls.save_pretrained = _checking_save(fn)
+
+
+def _checking_save(fn):
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def save_pretrained(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        safe = bound.arguments.get("safe_serialization", True)
+        models = [self] if isinstance(self, nn.Module) else [
+            m for m in getattr(self, "components", {}).values() if isinstance(m, nn.Module)]
+        for model in models:
+            check_saveable(model, safe)
+        return fn(self, *args, **kwargs)
+
+    save_pretrained._svdq_guard = True
+    return save_pretrained
+
+
+def check_saveable(model: nn.Module, safe_serialization: bool = True) -> None:
+    """Raise if ``model`` (quantized by this library) cannot be saved as a folder that loads again: a pickle
+    (``safe_serialization=False``) or 4-bit layers whose 16-bit tensors (``proj_down``, ``proj_up``, ``bias``) hold
+    more than one dtype. A single dtype other than the recorded one (a cast past diffusers' refusal) becomes the
+    record, so the folder loads as saved."""
+    config = getattr(getattr(model, "hf_quantizer", None), "quantization_config", None)
+    if not isinstance(config, SVDQuantizationConfig):
+        return
+    name = type(model).__name__
+    if not safe_serialization:
+        raise ValueError(f"{name} holds svdq-linear layers, which are saved as safetensors only: "
+                         f"save_pretrained(safe_serialization=False) would write a pickle, which svdq-linear does not "
+                         f"load")
+    found: dict[torch.dtype, str] = {}  # dtype -> the first tensor that holds it
+    for module_name, module in model.named_modules():
+        if isinstance(module, _PackedNVFP4Linear):
+            for t in module._expected_shapes():
+                p = module._parameters.get(t)
+                if t not in FIXED_DTYPES and p is not None:
+                    found.setdefault(p.dtype, f"{module_name}.{t}")
+    if len(found) > 1:
+        held = ", ".join(f"{str(d).removeprefix('torch.')} ({k})" for d, k in found.items())
+        raise ValueError(f"{name}: the 4-bit layers' 16-bit tensors hold {len(found)} dtypes, {held}; a checkpoint "
+                         f"records one. Cast all of the model, or load the folder again with the torch_dtype wanted")
+    if len(found) == 1 and config.dtype is not None:
+        config.dtype = str(next(iter(found))).removeprefix("torch.")
 
 
 def guard_controlnet_builders() -> None:

@@ -104,14 +104,18 @@ def _is_16_or_32_bit_float(dtype: torch.dtype) -> bool:
 
 def _check_values(name: str, t: torch.Tensor, key: str) -> None:
     """Values a loader must refuse: they would turn every output they touch into NaN or Inf."""
-    if name == "smooth":  # the input is divided by it
+    # smooth: the input is divided by it. wcscale: each output row's scale, positive by construction (a row's
+    # maximum / 2688); the tensor-core backends divide proj_up by it (a 0 there makes Inf where the reference has
+    # none), and a 0 or negative one loaded from an edited checkpoint would be wrong without a NaN to show it.
+    what = {"smooth": "smoothing factors", "wcscale": "per-row weight scales"}.get(name)
+    if what is not None:
         bad = ~(torch.isfinite(t) & (t > 0))
         if bad.any():
             counts = {"zero": int((t == 0).sum()), "negative": int((t < 0).sum()),
                       "NaN": int(torch.isnan(t).sum()), "Inf": int(torch.isinf(t).sum())}
             first = int(bad.nonzero()[0, 0])
             got = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
-            raise ValueError(f"{key}: expected finite positive smoothing factors, got {got} "
+            raise ValueError(f"{key}: expected finite positive {what}, got {got} "
                              f"(first at index {first}: {t[first].item()})")
     elif name == "wscales":  # E4M3 has one NaN, S.1111.111
         nan = (t.view(torch.uint8) & 0x7F) == nvfp4.E4M3_NAN_BYTE
@@ -332,7 +336,7 @@ class _PackedNVFP4Linear(nn.Module):
         """``t`` for tensor ``name`` after the shape, dtype and value checks, in the dtype it is kept in.
 
         Raises ValueError naming ``key`` (default ``name``) with what was expected and what came. The
-        tensors of ``FIXED_DTYPES`` must come in exactly that dtype; ``smooth`` must be finite and
+        tensors of ``FIXED_DTYPES`` must come in exactly that dtype; ``smooth`` and ``wcscale`` must be finite and
         positive and ``wscales`` must hold no NaN scale (bytes 0x7F/0xFF). The 16-bit branch tensors
         take the module's dtype, or keep their own when the module is still on ``meta``
         (``load_state_dict(assign=True)``).

@@ -466,6 +466,10 @@ LAYER = "transformer_blocks.1.attn.to_k"
     ("smooth", lambda t: _with(t, 5, -2.0), r"smooth: .* got 1 negative \(first at index 5: -2.0\)"),
     ("smooth", lambda t: _with(t, 0, float("nan")), r"smooth: .* got 1 NaN \(first at index 0: nan\)"),
     ("smooth", lambda t: _with(t, 7, float("inf")), r"smooth: .* got 1 Inf \(first at index 7: inf\)"),
+    ("wcscale", lambda t: _with(t, 2, 0.0), r"wcscale: expected finite positive per-row weight scales, got 1 zero "
+                                            r"\(first at index 2: 0.0\)"),
+    ("wcscale", lambda t: -t, r"wcscale: .* got 32 negative"),
+    ("wcscale", lambda t: _with(t, 1, float("nan")), r"wcscale: .* got 1 NaN \(first at index 1: nan\)"),
     ("wscales", lambda t: _with(t.view(torch.uint8), 5, 0x7F).view(torch.float8_e4m3fn),
      r"wscales: expected finite E4M3 block scales, got 1 NaN scale bytes \(0x7F/0xFF; first at \[row, block\] = \[2, 1\]\)"),
     ("wscales", lambda t: _with(t.view(torch.uint8), 0, 0xFF).view(torch.float8_e4m3fn),
@@ -490,6 +494,53 @@ def test_loading_in_another_dtype_records_it_for_the_next_save(converted, tmp_pa
     assert qcfg["dtype"] == "bfloat16" and qcfg["quant_method"].startswith("svdq_w4a4")
     again = FluxTransformer2DModel.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
     assert torch.equal(again.transformer_blocks[0].attn.to_q.proj_up, model.transformer_blocks[0].attn.to_q.proj_up)
+
+
+def test_a_save_that_would_not_load_again_is_refused_before_writing(converted, tmp_path):
+    """``safe_serialization=False`` wrote a pickle that the loader refuses; a cast past diffusers' refusal wrote the
+    new dtype under the old record (a folder that did not load), and a cast of some blocks wrote two dtypes."""
+    from diffusers import FluxTransformer2DModel
+
+    pipe = load_svdq_pipeline(converted["flux"], dtype=torch.float32)
+    model = pipe.transformer
+    for save, where in ((model.save_pretrained, tmp_path / "pickled"), (pipe.save_pretrained, tmp_path / "pipe")):
+        with pytest.raises(ValueError, match="saved as safetensors only: save_pretrained.safe_serialization=False"):
+            save(where, safe_serialization=False)
+        assert not where.exists(), "nothing written"
+    with pytest.raises(ValueError, match="saved as safetensors only"):
+        model.save_pretrained(tmp_path / "positional", True, None, False)  # is_main_process, save_function, safe
+    # Not quantized by this library: saved as before.
+    torch.nn.Module.to(pipe.vae, torch.float16).save_pretrained(tmp_path / "vae", safe_serialization=False)
+    assert (tmp_path / "vae" / "diffusion_pytorch_model.bin").exists()
+
+    torch.nn.Module.to(model.transformer_blocks, torch.float16)
+    with pytest.raises(ValueError, match=r"16-bit tensors hold 2 dtypes, float16 \(transformer_blocks.0.*"
+                                         r"float32 \(single_transformer_blocks.0"):
+        model.save_pretrained(tmp_path / "mixed")
+    assert not (tmp_path / "mixed").exists()
+    torch.nn.Module.to(model, torch.float16)  # the whole model, past diffusers' refusal of .to(dtype)
+    model.save_pretrained(tmp_path / "fp16")
+    assert json.loads((tmp_path / "fp16" / "config.json").read_text())["quantization_config"]["dtype"] == "float16"
+    again = FluxTransformer2DModel.from_pretrained(tmp_path / "fp16", dtype=torch.float16)
+    assert torch.equal(again.transformer_blocks[0].attn.to_q.proj_up, model.transformer_blocks[0].attn.to_q.proj_up)
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"rank": 8.7}, "rank: expected an integer >= 0, got 8.7"),
+    ({"rank": "8"}, "rank: expected an integer >= 0, got '8'"),
+    ({"rank": True}, "rank: expected an integer >= 0, got True"),
+    ({"w4a4_modules": "transformer_blocks.0.attn.to_q"},
+     "w4a4_modules: expected a list of module names, got str 'transformer_blocks.0.attn.to_q'"),
+    ({"w4a16_modules": [1, 2]}, "w4a16_modules: expected a list of module names, got list"),
+    ({"smooth_groups": ["a"]}, "smooth_groups: expected a mapping, got list"),
+    ({"format_version": "1"}, "format_version: expected an integer >= 1, got '1'"),
+    ({"format_version": 0}, "format_version: expected an integer >= 1, got 0"),
+])
+def test_quantization_config_of_the_wrong_type_is_refused_by_key(converted, tmp_path, edit, match):
+    out = _copy(converted, tmp_path)
+    _edit_json(out / "transformer" / "config.json", lambda c: c["quantization_config"].update(edit))
+    with pytest.raises(ValueError, match=match):
+        load_svdq_pipeline(out, dtype=torch.float32)
 
 
 def test_load_svdq_pipeline_goes_through_the_diffusers_quantizer(converted, monkeypatch):

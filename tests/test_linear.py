@@ -186,6 +186,11 @@ def test_bad_state_dict_names_the_tensor(key, value, match):
     ("smooth", lambda t: -t, r"layer.smooth: .* got 64 negative \(first at index 0: -"),
     ("smooth", lambda t: t.index_fill(0, torch.tensor([4]), float("nan")).index_fill(0, torch.tensor([6]), float("inf")),
      r"layer.smooth: .* got 1 NaN, 1 Inf \(first at index 4: nan\)"),
+    ("wcscale", lambda t: t.index_fill(0, torch.tensor([7]), 0.0),
+     r"layer.wcscale: expected finite positive per-row weight scales, got 1 zero \(first at index 7: 0.0\)"),
+    ("wcscale", lambda t: t.index_fill(0, torch.tensor([1, 2]), -1.0).index_fill(0, torch.tensor([30]), float("nan")),
+     r"layer.wcscale: .* got 2 negative, 1 NaN \(first at index 1: -1.0\)"),
+    ("wcscale", lambda t: t.index_fill(0, torch.tensor([31]), float("inf")), r"layer.wcscale: .* got 1 Inf"),
     ("wscales", lambda t: t.view(torch.uint8).index_fill(1, torch.tensor([3]), 0x7F).view(torch.float8_e4m3fn),
      r"layer.wscales: expected finite E4M3 block scales, got 32 NaN scale bytes \(0x7F/0xFF; "
      r"first at \[row, block\] = \[0, 3\]\)"),
