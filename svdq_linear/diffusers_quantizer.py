@@ -97,7 +97,8 @@ class SVDQuantizationConfig(_config_mixin()):
         if not _is_int(rank) or rank < 0:
             raise ValueError(f"{QUANT_METHOD} quantization_config rank: expected an integer >= 0, got {rank!r}")
         for key, names in (("w4a4_modules", w4a4_modules), ("w4a16_modules", w4a16_modules)):
-            if names is not None and (not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names)):
+            listed = isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)
+            if names is not None and not listed:
                 raise ValueError(f"{QUANT_METHOD} quantization_config {key}: expected a list of module names, got "
                                  f"{type(names).__name__} {str(names)[:80]!r}")
         for key, value in (("smooth_groups", smooth_groups), ("calibration", calibration), ("conversion", conversion)):
@@ -174,8 +175,11 @@ def _checking_save(fn):
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
         safe = bound.arguments.get("safe_serialization", True)
-        models = [self] if isinstance(self, nn.Module) else [
-            m for m in getattr(self, "components", {}).values() if isinstance(m, nn.Module)]
+        if isinstance(self, nn.Module):
+            models = [self]
+        else:  # a pipeline's components as its save_pretrained finds them: the attributes its config names
+            parts = (getattr(self, k, None) for k in dict(getattr(self, "config", {})) if not k.startswith("_"))
+            models = [m for m in parts if isinstance(m, nn.Module)]
         for model in models:
             check_saveable(model, safe)
         return fn(self, *args, **kwargs)
