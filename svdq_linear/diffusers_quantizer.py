@@ -211,7 +211,8 @@ def check_saveable(model: nn.Module, safe_serialization: bool = True) -> None:
     if len(found) > 1:
         held = ", ".join(f"{str(d).removeprefix('torch.')} ({k})" for d, k in found.items())
         raise ValueError(f"{name}: the 4-bit layers' 16-bit tensors hold {len(found)} dtypes, {held}; a checkpoint "
-                         f"records one. Cast all of the model, or load the folder again with the torch_dtype wanted")
+                         f"records one. Cast the whole model (torch.nn.Module.to(model, dtype)), or load it again with "
+                         f"the torch_dtype wanted")
     if len(found) == 1 and config.dtype is not None:
         config.dtype = str(next(iter(found))).removeprefix("torch.")
 

@@ -105,8 +105,8 @@ def _is_16_or_32_bit_float(dtype: torch.dtype) -> bool:
 def _check_values(name: str, t: torch.Tensor, key: str) -> None:
     """Values a loader must refuse: they would turn every output they touch into NaN or Inf."""
     # smooth: the input is divided by it. wcscale: each output row's scale, positive by construction (a row's
-    # maximum / 2688); the tensor-core backends divide proj_up by it (a 0 there makes Inf where the reference has
-    # none), and a 0 or negative one loaded from an edited checkpoint would be wrong without a NaN to show it.
+    # maximum / 2688, times a power of two); a 0 or a negative one from an edited checkpoint gives finite, wrong
+    # outputs, and the Blackwell kernel, which folds proj_up / wcscale, declines a layer with a 0.
     what = {"smooth": "smoothing factors", "wcscale": "per-row weight scales"}.get(name)
     if what is not None:
         bad = ~(torch.isfinite(t) & (t > 0))
