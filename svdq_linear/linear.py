@@ -37,11 +37,25 @@ checkpoints; the others (``proj_down``, ``proj_up``, ``bias``) follow the module
 
 ENV_CHECK_RANGE = "SVDQ_LINEAR_CHECK_RANGE"
 # Read once, at import: off, the check is a constant False that torch.compile folds away.
-_CHECK_RANGE = os.environ.get(ENV_CHECK_RANGE, "0") not in ("", "0")
+
+
+def _flag(name: str) -> bool:
+    """An on/off environment variable: 1/true/yes/on or 0/false/no/off (any case; unset or empty: off)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"${name}={os.environ[name]!r}: expected 1/true/yes/on or 0/false/no/off")
+
+
+_CHECK_RANGE = _flag(ENV_CHECK_RANGE)
 
 
 def set_mode(model: nn.Module, mode: str | None) -> int:
     """Set the numerics mode of every ``SVDQW4A4Linear`` in ``model``; returns how many there are."""
+    if mode is not None and mode not in MODES:  # also where the model has none
+        raise ValueError(f"expected a mode in {MODES}, got {mode!r}")
     layers = [m for m in model.modules() if isinstance(m, SVDQW4A4Linear)]
     for m in layers:
         m.set_mode(mode)
@@ -240,6 +254,15 @@ class _PackedNVFP4Linear(nn.Module):
     def _device(self) -> torch.device:
         return self._parameters["wcscale"].device
 
+    def _check_devices(self, device: torch.device) -> None:
+        """Raise unless every tensor is on ``device`` (checked when a state is prepared, not every call). A tensor
+        left on ``meta`` (a ``load_state_dict(strict=False, assign=True)`` that missed it) would otherwise give
+        garbage: torch multiplies a CPU tensor by a meta one without complaint."""
+        off = [f"{name} on {t.device}" for name, t in self._parameters.items() if t is not None and t.device != device]
+        if off:
+            hint = " (never loaded: a load_state_dict that missed it)" if any("meta" in o for o in off) else ""
+            raise RuntimeError(f"{self._describe()}: the input is on {device}, but {', '.join(off)}{hint}")
+
     def _reset_dispatch(self, reprepare: bool = False) -> None:
         """Drop the prepared state (the tensors changed). With ``reprepare``, a layer that had one gets a
         new one now, for the input dtype it was prepared for: a graph compiled after its first call
@@ -323,8 +346,16 @@ class _PackedNVFP4Linear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         self._restore()  # the canonical tensors move, not the stand-ins
-        before = {name: self._parameters[name].data for name in self._fixed_dtypes}
+        kept = {name: p.data for name, p in self._parameters.items() if p is not None}
+        before = {name: kept[name] for name in self._fixed_dtypes}
         super()._apply(fn, recurse)
+        cast = {name: p.dtype for name, p in self._parameters.items() if p is not None and name not in before}
+        if any(not _is_16_or_32_bit_float(d) for d in cast.values()):  # .double(), .to(torch.float64)
+            for name, t in kept.items():
+                self._set(name, t)
+            got = sorted({str(d) for d in cast.values()})
+            raise TypeError(f"{self._describe()} takes float16/bfloat16/float32, not {got}: its 16-bit tensors "
+                            f"would not load again")
         device = self.qweight.device
         for name, dtype in self._fixed_dtypes.items():
             if self._parameters[name].dtype != dtype:
@@ -416,10 +447,16 @@ class _PackedNVFP4Linear(nn.Module):
             y = backend.linear(self, x2d, prepared, kind)
         return y.reshape(*lead, self.out_features)
 
+    def _repr_backend(self) -> str:
+        try:
+            return self.backend
+        except (ValueError, RuntimeError) as e:  # a bad $SVDQ_LINEAR_BACKEND / $SVDQ_LINEAR_MODE: print the model
+            return f"? ({type(e).__name__}: {str(e)[:60]})"
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, backend={self.backend}"
+            f"bias={self.bias is not None}, backend={self._repr_backend()}"
         )
 
 
@@ -451,8 +488,8 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
-        if rank < 0:
-            raise ValueError(f"expected rank >= 0, got {rank}")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ValueError(f"expected an integer rank >= 0, got {rank!r}")
         super().__init__(in_features, out_features, bias, device, dtype)
         self.rank = rank
         n, k, r, dtype = out_features, in_features, rank, dtype or torch.get_default_dtype()
@@ -586,7 +623,7 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
                 f"svdq-linear: {name}: {int(saturated.sum())} of {total} activation blocks saturate "
                 f"(block max {top:.4g} after smoothing, 2^{math.log2(top / nvfp4.NVFP4_MAX):.1f} above the "
                 f"largest NVFP4 value {nvfp4.NVFP4_MAX:g}): convert with a larger --act-headroom or calibrate on "
-                f"inputs like these", RuntimeWarning, stacklevel=2)
+                f"inputs like these", RuntimeWarning, stacklevel=3)
         if "underflow" not in warned and bool(underflow.any()):
             warned.add("underflow")
             low = float(amax[underflow].min())
@@ -594,7 +631,7 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
                 f"svdq-linear: {name}: {int(underflow.sum())} of {total} nonzero activation blocks underflow "
                 f"(block max down to {low:.3g} after smoothing; below {nvfp4.E2M1_MAX * nvfp4.E4M3_MIN_NORMAL:g} "
                 f"the E4M3 scale is subnormal or zero): convert with a smaller --act-headroom or calibrate on "
-                f"inputs like these", RuntimeWarning, stacklevel=2)
+                f"inputs like these", RuntimeWarning, stacklevel=3)
 
     def _expected_shapes(self):
         n, k, r = self.out_features, self.in_features, self.rank
@@ -621,6 +658,8 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
+        if linear.weight.is_meta:
+            raise ValueError("the nn.Linear's weight is on meta (never loaded): load its weights, then quantize it")
         if config is None:
             config = SVDQuantConfig.from_kwargs(rank=32 if rank is None else rank, **config_kwargs)
         elif config_kwargs:
@@ -645,7 +684,7 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
-            f"bias={self.bias is not None}, backend={self.backend}"
+            f"bias={self.bias is not None}, backend={self._repr_backend()}"
         )
 
 
@@ -672,6 +711,8 @@ class NVFP4W4A16Linear(_PackedNVFP4Linear):
         """Quantize ``linear`` (per-row scale folded into ``wcscale``); keeps its dtype and device."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
+        if linear.weight.is_meta:
+            raise ValueError("the nn.Linear's weight is on meta (never loaded): load its weights, then quantize it")
         tensors = weight_only(linear.weight, linear.bias)
         module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
                      dtype=linear.weight.dtype)

@@ -100,7 +100,7 @@ def quantize_linears(
     model: nn.Module,
     w4a4: list[str],
     w4a16: list[str] = (),
-    rank: int = 32,
+    rank: int | None = None,
     act_max: dict[str, torch.Tensor] | None = None,
     smooth_groups: dict[str, str] | None = None,
     config: SVDQuantConfig | None = None,
@@ -108,27 +108,53 @@ def quantize_linears(
 ) -> list[LayerStats]:
     """Swap the named ``nn.Linear``s of ``model`` for ``SVDQW4A4Linear`` / ``NVFP4W4A16Linear``, in place.
 
-    The new modules keep each linear's dtype and device. ``config_kwargs`` are ``SVDQuantConfig``
-    fields. Returns per-layer stats.
+    The new modules keep each linear's dtype and device. ``rank`` is 32 unless given; ``config_kwargs`` are
+    ``SVDQuantConfig`` fields, or pass a whole ``config`` (as ``SVDQW4A4Linear.from_linear``). Everything is checked
+    before a layer changes, and a failure puts back the layers swapped. Returns per-layer stats.
     """
-    config = config or SVDQuantConfig.from_kwargs(rank=rank, **config_kwargs)
-    qcfg = dq.SVDQuantizationConfig(rank=config.rank, w4a4_modules=list(w4a4), w4a16_modules=list(w4a16))
+    if config is None:
+        config = SVDQuantConfig.from_kwargs(rank=32 if rank is None else rank, **config_kwargs)
+    elif config_kwargs:
+        raise TypeError("pass either config or SVDQuant keyword options, not both")
+    elif rank is not None and rank != config.rank:
+        raise TypeError(f"rank={rank} disagrees with config.rank={config.rank}: pass the rank once")
+    for key, names in (("w4a4", w4a4), ("w4a16", w4a16)):
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"{key}: expected a list of module names, got {names!r}")
+    both = sorted(set(w4a4) & set(w4a16))
+    if both:
+        raise ValueError(f"{both[:4]} named in both w4a4 and w4a16: pick one kind for each layer")
+    qcfg = dq.SVDQuantizationConfig(rank=config.rank, w4a4_modules=list(dict.fromkeys(w4a4)),
+                                    w4a16_modules=list(dict.fromkeys(w4a16)))
     kinds = qcfg.targets()
-    tensors = {}
+    tensors, before = {}, {}
     for name in kinds:
         lin = model.get_submodule(name)
         if not isinstance(lin, nn.Linear):
             raise TypeError(f"{name} is a {type(lin).__name__}, not an nn.Linear")
+        if type(lin).__name__ == "NonDynamicallyQuantizableLinear":
+            raise TypeError(f"{name} is nn.MultiheadAttention's out_proj, whose weight the attention reads directly: "
+                            f"it cannot be swapped")
+        if lin.weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"{name}: expected a float16/bfloat16/float32 linear, got {lin.weight.dtype}")
+        before[name] = lin
         tensors[f"{name}.weight"] = lin.weight.detach()
         if lin.bias is not None:
             tensors[f"{name}.bias"] = lin.bias.detach()
     with torch.no_grad():
         new, stats = quantize_state_dict(tensors, kinds, smooth_groups, act_max, config)
-    dq.swap_in_quantized_modules(model, qcfg, torch.get_default_dtype())
-    for name in kinds:  # meta modules + assign: each takes the tensors' device and (the linear's) dtype
-        prefix = f"{name}."
-        own = {k[len(prefix):]: v for k, v in new.items() if k.startswith(prefix)}
-        model.get_submodule(name).load_state_dict(own, strict=True, assign=True)
+    try:
+        # built on meta in a dtype they take (the default may be float64); the load then assigns each layer its
+        # tensors, with their device and (the linear's) dtype
+        dq.swap_in_quantized_modules(model, qcfg, torch.float32)
+        for name in kinds:
+            prefix = f"{name}."
+            own = {k[len(prefix):]: v for k, v in new.items() if k.startswith(prefix)}
+            model.get_submodule(name).load_state_dict(own, strict=True, assign=True)
+    except BaseException:
+        for name, lin in before.items():
+            dq._set_submodule(model, name, lin)
+        raise
     return stats
 
 

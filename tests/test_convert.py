@@ -23,6 +23,7 @@ from svdq_linear.convert import recipes
 from svdq_linear.convert.convert import FAIL_AFTER_ENV
 from svdq_linear.convert.tiny import KINDS, TINY_CALL_KWARGS, build_tiny_pipeline, save_tiny_pipeline
 from svdq_linear import NVFP4W4A16Linear, SVDQW4A4Linear, load_svdq_pipeline
+from svdq_linear.svdquant import SVDQuantConfig
 
 PROMPT = "a photo of a cat wearing a hat"
 PSNR_MIN_DB = 30.0  # W4A4 rank 8 of the tiny random models lands near 50 dB; plain noise is ~8 dB
@@ -685,6 +686,39 @@ def test_quantize_linears_in_any_module():
     assert ((model(x) - ref).norm() / ref.norm()) < 0.25  # two 4-bit layers, no calibration
     with pytest.raises(TypeError, match="not an nn.Linear"):
         svdq_linear.quantize_linears(model, w4a4=["1"])
+
+
+def test_quantize_linears_checks_everything_before_a_layer_changes():
+    """A float64 linear among the targets failed after the swap (the layers before it quantized, it an empty meta
+    layer); a string of names was taken letter by letter, a layer in both lists became W4A16 silently, a rank beside
+    a config was dropped, and under a float64 default dtype no layer could be built."""
+    torch.manual_seed(0)
+
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32).double())
+
+    m = model()
+    first = m[0]
+    with pytest.raises(TypeError, match=r"1: expected a float16/bfloat16/float32 linear, got torch.float64"):
+        svdq_linear.quantize_linears(m, w4a4=["0", "1"], rank=8)
+    assert m[0] is first and type(m[1]) is torch.nn.Linear, "a layer changed"
+    with pytest.raises(TypeError, match="w4a4: expected a list of module names, got '0'"):
+        svdq_linear.quantize_linears(m, w4a4="0")
+    with pytest.raises(ValueError, match=r"\['0'\] named in both w4a4 and w4a16"):
+        svdq_linear.quantize_linears(m, w4a4=["0"], w4a16=["0"])
+    with pytest.raises(TypeError, match="rank=16 disagrees with config.rank=4"):
+        svdq_linear.quantize_linears(m, w4a4=["0"], rank=16, config=SVDQuantConfig(rank=4))
+    mha = torch.nn.TransformerEncoderLayer(64, 4)
+    with pytest.raises(TypeError, match="MultiheadAttention's out_proj"):
+        svdq_linear.quantize_linears(mha, w4a4=["self_attn.out_proj"], rank=8)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        m = torch.nn.Sequential(torch.nn.Linear(64, 64, dtype=torch.float32))
+        svdq_linear.quantize_linears(m, w4a4=["0"], rank=8)
+    finally:
+        torch.set_default_dtype(default)
+    assert isinstance(m[0], SVDQW4A4Linear) and m[0].proj_down.dtype == torch.float32
 
 
 # ---- recipes --------------------------------------------------------------------------------------

@@ -416,3 +416,69 @@ def test_backward_through_a_4bit_layer_names_the_problem(entry):
         head(y).sum().backward()
     head(y.detach()).sum().backward()
     assert head.weight.grad is not None and torch.isfinite(head.weight.grad).all()
+
+
+def test_a_compiled_model_runs_in_grad_mode_and_its_backward_names_the_problem():
+    """Under grad mode with a 16-bit layer upstream, torch.compile traces the backward too: a backward that raised
+    while traced made the compile fail, where the eager forward ran. The traced backward now holds an op that raises
+    when it runs."""
+    torch.manual_seed(0)
+    q = SVDQW4A4Linear.from_linear(torch.nn.Linear(64, 32), rank=8, act_max=torch.rand(64) + 1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), q)
+    x = torch.randn(4, 64)
+    want = model(x)
+    y = torch.compile(model, fullgraph=True)(x)
+    assert y.requires_grad and torch.equal(y.detach(), want.detach())
+    with pytest.raises(RuntimeError, match=r"4-bit layers are for inference: svdq_linear::w4a4_linear has no gradient"):
+        y.sum().backward()
+
+
+def test_a_tensor_left_on_meta_is_named_at_the_call():
+    """A ``load_state_dict(strict=False, assign=True)`` into a meta-built layer that misses a tensor left it on meta,
+    and the call returned garbage: torch multiplies a CPU tensor by a meta one without complaint."""
+    full = SVDQW4A4Linear.from_linear(torch.nn.Linear(64, 32), rank=8, act_max=torch.rand(64) + 1)
+    sd = full.state_dict()
+    del sd["smooth"]
+    m = SVDQW4A4Linear(64, 32, rank=8, device="meta")
+    m.load_state_dict(sd, strict=False, assign=True)
+    with pytest.raises(RuntimeError, match=r"the input is on cpu, but smooth on meta \(never loaded"):
+        m(torch.randn(2, 64))
+    m.load_state_dict({"smooth": full.smooth.clone()}, strict=False, assign=True)
+    x = torch.randn(2, 64)
+    assert torch.equal(m(x), full(x))
+
+
+def test_a_float64_cast_is_refused_and_leaves_the_layer_as_it_was():
+    """``.double()`` made the 16-bit tensors float64, which the constructor, ``from_linear`` and ``load_state_dict``
+    refuse: the layer could not load its own state_dict."""
+    m = SVDQW4A4Linear.from_linear(torch.nn.Linear(64, 32), rank=8, act_max=torch.rand(64) + 1)
+    x = torch.randn(2, 64)
+    y = m(x)
+    for cast in (lambda t: t.double(), lambda t: t.to(torch.float64), lambda t: torch.nn.Sequential(t).double()):
+        with pytest.raises(TypeError, match=r"takes float16/bfloat16/float32, not \['torch.float64'\]"):
+            cast(m)
+        assert m.proj_down.dtype == torch.float32 and torch.equal(m(x), y)
+    m.half()
+    assert m.proj_up.dtype == torch.float16 and m.wcscale.dtype == torch.float32
+
+
+def test_a_bad_mode_is_refused_on_any_model_and_a_bad_backend_variable_does_not_break_printing(monkeypatch):
+    """``set_mode(model, "bogus")`` returned 0 on a model without W4A4 layers; a bad ``$SVDQ_LINEAR_BACKEND`` made
+    ``print(model)`` raise (the repr works out the backend), while the call names the problem."""
+    with pytest.raises(ValueError, match="expected a mode in"):
+        svdq_linear.set_mode(torch.nn.Linear(4, 4), "bogus")
+    m = SVDQW4A4Linear.from_linear(torch.nn.Linear(64, 32), rank=8)
+    monkeypatch.setenv("SVDQ_LINEAR_BACKEND", "nonesuch")
+    assert "backend=? (" in repr(m)
+    with pytest.raises((ValueError, KeyError), match="nonesuch"):
+        m(torch.randn(2, 64))
+
+
+def test_construction_errors_name_the_problem():
+    for rank in (None, 8.0, True, -1):
+        with pytest.raises(ValueError, match=f"expected an integer rank >= 0, got {rank!r}"):
+            SVDQW4A4Linear(64, 32, rank=rank)
+    meta = torch.nn.Linear(64, 32, device="meta")
+    for build in (lambda: SVDQW4A4Linear.from_linear(meta, rank=8), lambda: NVFP4W4A16Linear.from_linear(meta)):
+        with pytest.raises(ValueError, match=r"weight is on meta \(never loaded\)"):
+            build()

@@ -108,3 +108,16 @@ def test_environment_variable_turns_it_on():
     env = {**os.environ, "SVDQ_LINEAR_CHECK_RANGE": "1"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.split() == ["True", "1"], r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("value, on", [("false", False), ("OFF", False), ("no", False), ("true", True), ("on", True)])
+def test_environment_variable_reads_words_as_they_say(value, on, monkeypatch):
+    """Any value but "" and "0" turned the check on: SVDQ_LINEAR_CHECK_RANGE=false too."""
+    monkeypatch.setenv("SVDQ_LINEAR_CHECK_RANGE", value)
+    assert linear_mod._flag("SVDQ_LINEAR_CHECK_RANGE") is on
+
+
+def test_environment_variable_of_another_word_is_refused(monkeypatch):
+    monkeypatch.setenv("SVDQ_LINEAR_CHECK_RANGE", "maybe")
+    with pytest.raises(ValueError, match=r"\$SVDQ_LINEAR_CHECK_RANGE='maybe': expected 1/true/yes/on or 0/false"):
+        linear_mod._flag("SVDQ_LINEAR_CHECK_RANGE")

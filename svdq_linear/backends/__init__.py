@@ -457,6 +457,7 @@ def resolve(module, x: torch.Tensor, kind: str | None = None) -> tuple[Backend, 
         cache.clear()
         return backend, backend.prepare(module, device)
     if entry is None or entry.key != key:
+        module._check_devices(device)
         module._restore()  # prepare reads the canonical tensors; the old state's stand-ins come back first
         cache.clear()  # one prepared state a module: another backend's or mode's would hold a second copy
         prepared = backend.prepare(module, device)
@@ -698,11 +699,42 @@ def _(x, qweight, wscales, wcscale, bias, extra, backend):
     return x.new_empty(x.shape[0], wcscale.shape[0])
 
 
+@torch.library.custom_op("svdq_linear::no_gradient", mutates_args=())
+def no_gradient(grad: torch.Tensor, shape: list[int], dtype: torch.dtype, op: str) -> torch.Tensor:
+    """The gradient of an op's input: it raises when it runs. A backward traced by torch.compile (a graph with
+    something upstream that requires grad) holds this op, so the compiled forward runs as the eager one does, and
+    only a backward that runs raises."""
+    raise RuntimeError(f"svdq-linear's 4-bit layers are for inference: {op} has no gradient (the packed weights are "
+                       f"fixed, and the activation quantizer's rounding has none). Run the model under "
+                       f"torch.no_grad() or torch.inference_mode(); to train, use the 16-bit model")
+
+
+@no_gradient.register_fake
+def _(grad, shape, dtype, op):
+    return grad.new_empty(shape, dtype=dtype)
+
+
+def _shape_of(t):
+    if isinstance(t, torch.Tensor):
+        return list(t.shape), t.dtype
+    if isinstance(t, (list, tuple)):
+        return [_shape_of(u) for u in t]
+    return None
+
+
+def _input_shapes(ctx, inputs, output) -> None:
+    ctx.inputs = [_shape_of(t) for t in inputs]
+
+
 def _no_gradient(op_name: str):
+    def refused(grad, shape, need: bool):
+        if isinstance(shape, list):  # a list input takes a list, of its tensors' gradients or Nones
+            return [refused(grad, s, need) for s in shape]
+        return None if shape is None or not need else no_gradient(grad, *shape, op_name)
+
     def backward(ctx, *grads):
-        raise RuntimeError(f"svdq-linear's 4-bit layers are for inference: {op_name} has no gradient (the packed "
-                           f"weights are fixed, and the activation quantizer's rounding has none). Run the model "
-                           f"under torch.no_grad() or torch.inference_mode(); to train, use the 16-bit model")
+        # a gradient for each input that wants one, from the op that raises (None would be a silent zero)
+        return tuple(refused(grads[0], shape, need) for shape, need in zip(ctx.inputs, ctx.needs_input_grad))
 
     return backward
 
@@ -711,7 +743,7 @@ for _name, _op in (("w4a4_linear", w4a4_linear), ("w4a4_fast_linear", w4a4_fast_
                    ("w4a4_cat_gelu_linear", w4a4_cat_gelu_linear), ("w4a4_ada_norm_linear", w4a4_ada_norm_linear),
                    ("w4a8_fast_gemm", w4a8_fast_gemm), ("w4a16_linear", w4a16_linear)):
     # a backward that names the problem (without one, torch's "no autograd formula was registered")
-    _op.register_autograd(_no_gradient(f"svdq_linear::{_name}"), setup_context=lambda ctx, inputs, output: None)
+    _op.register_autograd(_no_gradient(f"svdq_linear::{_name}"), setup_context=_input_shapes)
 
 
 def _is_cuda_major(major: int) -> Callable[[torch.device], bool]:
