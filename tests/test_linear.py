@@ -482,3 +482,17 @@ def test_construction_errors_name_the_problem():
     for build in (lambda: SVDQW4A4Linear.from_linear(meta, rank=8), lambda: NVFP4W4A16Linear.from_linear(meta)):
         with pytest.raises(ValueError, match=r"weight is on meta \(never loaded\)"):
             build()
+
+
+def test_torch_export_of_a_layer_not_yet_called_gives_no_warning():
+    """torch.export traces with fake parameters: the eager preparation ahead of the trace failed on them and warned
+    that preparing had failed, though the exported program was right."""
+    import warnings
+
+    m = torch.nn.Sequential(SVDQW4A4Linear.from_linear(torch.nn.Linear(64, 32), rank=8)).eval()
+    x = torch.randn(4, 64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        program = torch.export.export(m, (x,))
+    assert not [w for w in caught if "svdq-linear" in str(w.message)], [str(w.message) for w in caught]
+    assert torch.equal(program.module()(x), m(x))

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .. import nvfp4
 from .._env import getenv
@@ -488,8 +489,8 @@ def prepare_layer(m, dtype: torch.dtype) -> None:
     layer) and leaves the layer to prepare at its own call, which raises it again or traces it."""
     global _EAGER_IN_TRACE
     device = m._device()
-    if device.type == "meta" or weights_are_offloaded(m):
-        return
+    if device.type == "meta" or weights_are_offloaded(m) or is_fake(m._parameters["wcscale"]):
+        return  # fake: torch.export traces the layer with fake parameters, and the preparation goes into its program
     outer, _EAGER_IN_TRACE = _EAGER_IN_TRACE, True
     try:
         resolve(m, torch.zeros(1, m.in_features, dtype=dtype, device=device))
