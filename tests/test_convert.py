@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import svdq_linear
 from svdq_linear.convert import recipes
@@ -847,3 +847,88 @@ def test_load_svdq_pipeline_as_another_pipeline_class(converted):
                               controlnet=net)
     assert type(pipe) is FluxControlNetPipeline and pipe.controlnet is net
     assert isinstance(pipe.transformer.transformer_blocks[0].attn.to_q, SVDQW4A4Linear)
+
+
+# ---- the source and the output folder under interruption (a helper's probe) ----------------------
+
+
+def _quick(**kw):
+    from svdq_linear.convert.convert import ConvertOptions
+
+    return ConvertOptions(rank=8, calib=False, dtype="float32", progress=False, device="cpu", **kw)
+
+
+def test_resume_holds_the_source_to_the_one_it_started_from(sources, tmp_path, monkeypatch):
+    """A resume from another folder at the same typed path finished the output with the other model's blocks; the
+    same folder typed another way was refused as other settings."""
+    from svdq_linear.convert.convert import ConvertError, convert
+
+    src = tmp_path / "src"
+    shutil.copytree(sources["flux"], src)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(FAIL_AFTER_ENV, "1")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        convert("src", tmp_path / "o", _quick())
+    monkeypatch.delenv(FAIL_AFTER_ENV)
+    t = load_file(next((src / "transformer").glob("*.safetensors")))
+    save_file({k: v + 1 for k, v in t.items()}, next((src / "transformer").glob("*.safetensors")))  # another model
+    with pytest.raises(ConvertError, match="is not the source .* finished blocks were made from"):
+        convert(f"{src}/", tmp_path / "o", _quick(resume=True))  # the same folder, typed another way: not "settings"
+    shutil.rmtree(src)
+    shutil.copytree(sources["flux"], src)
+    summary = convert("./src", tmp_path / "o", _quick(resume=True))
+    assert summary.resumed_units == 1 and not (tmp_path / "o" / "progress.json").exists()
+
+
+def test_a_run_stopped_while_it_swaps_in_the_output_is_finished_by_resume(sources, tmp_path, monkeypatch):
+    """progress.json went before the rename: a run stopped there left a complete partial folder that neither
+    --resume nor --overwrite took, and with --overwrite the earlier output sat in .replaced for good."""
+    import svdq_linear.convert.convert as cv
+
+    out = tmp_path / "o"
+    cv.convert(sources["flux"], out, _quick())
+    real = os.replace
+
+    def stop_at_the_swap(a, b):  # --overwrite: out -> out.replaced, then partial -> out (stopped there)
+        if Path(b) == out:
+            raise KeyboardInterrupt
+        return real(a, b)
+
+    monkeypatch.setattr(cv.os, "replace", stop_at_the_swap)
+    with pytest.raises(KeyboardInterrupt):
+        cv.convert(sources["flux"], out, _quick(overwrite=True))
+    monkeypatch.setattr(cv.os, "replace", real)
+    assert not out.exists() and (tmp_path / "o.replaced").is_dir()
+    assert (tmp_path / "o.partial" / "progress.json").is_file(), "the partial folder still says what it is"
+    cv.convert(sources["flux"], out, _quick(resume=True))
+    assert out.is_dir() and not (out / "progress.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"], "no .replaced, .partial or .lock left"
+
+
+def test_a_source_missing_a_component_or_naming_an_unknown_class_is_refused(sources, tmp_path):
+    from svdq_linear.convert.convert import ConvertError, convert
+
+    src = tmp_path / "src"
+    shutil.copytree(sources["flux"], src)
+    shutil.rmtree(src / "vae")
+    with pytest.raises(ConvertError, match=r"lacks the component folders \['vae'\]"):
+        convert(src, tmp_path / "o", _quick())
+    shutil.copytree(sources["flux"] / "vae", src / "vae")
+    _edit_json(src / "model_index.json", lambda c: c.update(_class_name="NoSuchPipeline"))
+    with pytest.raises(ConvertError, match="names the pipeline class 'NoSuchPipeline'"):
+        convert(src, tmp_path / "o", _quick())
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_a_second_conversion_into_the_same_folder_is_refused_while_the_first_runs(sources, tmp_path):
+    import fcntl
+
+    from svdq_linear.convert.convert import ConvertError, convert
+
+    out = tmp_path / "o"
+    with open(tmp_path / "o.lock", "a+") as held:  # the first run's lock
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ConvertError, match=r"another svdq-convert is writing .*o \(it holds .*o.lock\)"):
+            convert(sources["flux"], out, _quick())
+    convert(sources["flux"], out, _quick())
+    assert out.is_dir() and not (tmp_path / "o.lock").exists()

@@ -15,6 +15,8 @@ settings, is restarted with other settings without asking.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import math
 import os
@@ -159,10 +161,54 @@ class ConvertOptions:
         """What must match for ``--resume`` to continue a partial run."""
         keep = ("rank", "alpha", "svd", "refine_iters", "act_headroom", "calib", "calib_prompts", "calib_num",
                 "calib_steps", "calib_resolution", "dtype")
-        out = {"model_id": str(model_id), **{k: getattr(self, k) for k in keep}}
+        out = {"model_id": _local_or_id(str(model_id)), **{k: getattr(self, k) for k in keep}}
+        if self.calib_prompts:  # one file, however the path was typed
+            out["calib_prompts"] = str(Path(self.calib_prompts).expanduser().resolve())
         if self.calib_inputs:  # only when given: partial runs recorded before the option resume as they were
             out["calib_inputs"] = {k: str(Path(v).expanduser().resolve()) for k, v in sorted(self.calib_inputs.items())}
         return out
+
+
+def _local_or_id(model_id: str) -> str:
+    """A local folder as its resolved path (``src/flux``, ``./src/flux/`` and the absolute path are one source);
+    a hub id or ``tiny:`` name as given."""
+    path = Path(model_id).expanduser()
+    return str(path.resolve()) if not model_id.startswith(TINY_PREFIX) and path.is_dir() else model_id
+
+
+def _source_fingerprint(src: Path, model_index: dict) -> str:
+    """What identifies the source's files without reading them whole: each component's file names and sizes, and
+    the first and last MiB of each (another model of the same shapes differs there), with ``model_index.json``.
+    A ``--resume`` holds the source to it: a folder replaced by another model under the same path would otherwise
+    finish the output with the other model's blocks."""
+    digest = hashlib.sha256((src / "model_index.json").read_bytes())
+    for component in sorted(pipeline_components(model_index)):
+        folder = src / component
+        files = sorted(f for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else []
+        for f in files:
+            size = f.stat().st_size
+            digest.update(f"{f.relative_to(src).as_posix()}:{size}".encode())
+            with open(f, "rb") as fh:
+                digest.update(fh.read(1 << 20))
+                if size > 2 << 20:
+                    fh.seek(-(1 << 20), os.SEEK_END)
+                    digest.update(fh.read(1 << 20))
+    return digest.hexdigest()
+
+
+def _check_components(src: Path, model_index: dict) -> None:
+    """Every component folder that ``model_index.json`` lists is there, with its config (a source without its VAE
+    converted, and gave an output that did not load)."""
+    import diffusers
+
+    cls = model_index.get("_class_name")
+    if not isinstance(cls, str) or not hasattr(diffusers, cls):
+        raise ConvertError(f"{src}/model_index.json names the pipeline class {cls!r}, which diffusers "
+                           f"{diffusers.__version__} does not have")
+    missing = [c for c in pipeline_components(model_index) if not (src / c).is_dir() or not any((src / c).iterdir())]
+    if missing:
+        raise ConvertError(f"{src} lacks the component folders {missing} that its model_index.json lists: the output "
+                           f"would not load (download or copy the whole pipeline)")
 
 
 def _check_calib_image(name, path) -> None:
@@ -392,7 +438,7 @@ def _load_calibration(path: Path, recipe: recipes.Recipe, in_features: dict[str,
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    fix = f"delete it to calibrate again (then --resume), or pass --overwrite to start over"
+    fix = "delete it to calibrate again (then --resume), or pass --overwrite to start over"
     try:
         act_max = load_file(path)
     except (SafetensorError, OSError, ValueError) as e:
@@ -535,6 +581,14 @@ def resume_hint(error: BaseException) -> Path | None:
 # ---- the conversion ------------------------------------------------------------------------------
 
 
+def _is_replaceable(out: Path) -> bool:
+    try:
+        _check_replaceable(out)
+    except FileExistsError:
+        return False
+    return True
+
+
 def _check_replaceable(out: Path) -> None:
     """``--overwrite`` replaces only what svdq-convert wrote (not a home folder given by mistake)."""
     config = out / "transformer" / "config.json"
@@ -566,16 +620,40 @@ def convert(model_id: str, out_dir: str | os.PathLike, opts: ConvertOptions | No
         replaced = out.with_name(out.name + ".replaced")
         if replaced.exists():  # the swap's stand-by name: an earlier swap's leftover may go, nothing else
             _check_replaceable(replaced)
-    state = _open_partial(partial, opts.settings(model_id), opts)
-    try:
-        return _convert(str(model_id), out, partial, state, opts, prompts, t0)
-    except BaseException as e:
-        keep = _after_failure(partial, state, e)
+    with _exclusive(out):
+        state = _open_partial(partial, opts.settings(model_id), opts)
         try:
-            e.svdq_resumable_partial = keep
-        except AttributeError:
-            pass
-        raise
+            return _convert(str(model_id), out, partial, state, opts, prompts, t0)
+        except BaseException as e:
+            keep = _after_failure(partial, state, e)
+            try:
+                e.svdq_resumable_partial = keep
+            except AttributeError:
+                pass
+            raise
+
+
+@contextlib.contextmanager
+def _exclusive(out: Path):
+    """One svdq-convert at a time into ``out``: a second run deleted the first one's partial folder and failed on
+    a missing temporary file, naming neither run. The lock is ``<out>.lock`` (POSIX ``flock``), removed at the end."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    lock = out.with_name(out.name + ".lock")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConvertError(f"another svdq-convert is writing {out} (it holds {lock}): wait for it to end, or "
+                               f"pick another output folder") from None
+        try:
+            yield
+        finally:
+            lock.unlink(missing_ok=True)
 
 
 def _convert(model_id: str, out: Path, partial: Path, state: dict, opts: ConvertOptions, prompts: list[str],
@@ -587,6 +665,14 @@ def _convert(model_id: str, out: Path, partial: Path, state: dict, opts: Convert
     config = read_json(src / "transformer" / "config.json", "the pipeline has no transformer/ (Flux or SD3 expected)")
     if not isinstance(config, dict) or not isinstance(model_index, dict):
         raise ConvertError(f"{src}: expected JSON objects in model_index.json and transformer/config.json")
+    _check_components(src, model_index)
+    fingerprint = _source_fingerprint(src, model_index)
+    if state.get("source", fingerprint) != fingerprint:
+        raise ConvertError(f"{src} is not the source {partial}'s finished blocks were made from (its files differ): "
+                           f"pass --overwrite to start over from it")
+    if "source" not in state:
+        state["source"] = fingerprint
+        _atomic_write_json(progress_file, state)  # before the calibration and blocks it stands for
     cls_name = config.get("_class_name")
     recipes.check_supported(cls_name)
     if "quantization_config" in config:
@@ -687,16 +773,17 @@ def _convert(model_id: str, out: Path, partial: Path, state: dict, opts: Convert
         shutil.rmtree(partial / "_tiny_source")
     if calib_file.exists():
         os.replace(calib_file, partial / "svdq_calibration.safetensors")
-    progress_file.unlink()
+    # The partial folder keeps its progress.json until it is out_dir: a run stopped anywhere here leaves either a
+    # partial folder that --resume finishes, or out_dir complete (its stray progress.json removed by the next step).
+    old = out.with_name(out.name + ".replaced")
     if out.exists():  # --overwrite: the earlier output goes only now that the new one is complete
-        old = out.with_name(out.name + ".replaced")
         if old.exists():  # an earlier swap's leftover (convert() checked it is an svdq-convert output)
             shutil.rmtree(old)
         os.replace(out, old)
-        os.replace(partial, out)
+    os.replace(partial, out)  # the only step that makes out_dir exist
+    (out / "progress.json").unlink(missing_ok=True)
+    if old.exists() and _is_replaceable(old):  # this run's swap, or one a stopped run left (resumed now)
         shutil.rmtree(old)
-    else:
-        os.replace(partial, out)  # the only step that makes out_dir exist
 
     errors = sorted((layer["rel_error"], layer["name"]) for layer in layers if layer["kind"] == "w4a4")
     w4a16_errors = [layer["rel_error"] for layer in layers if layer["kind"] == "w4a16"]
