@@ -660,12 +660,7 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
             raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
         if linear.weight.is_meta:
             raise ValueError("the nn.Linear's weight is on meta (never loaded): load its weights, then quantize it")
-        if config is None:
-            config = SVDQuantConfig.from_kwargs(rank=32 if rank is None else rank, **config_kwargs)
-        elif config_kwargs:
-            raise TypeError("pass either config or SVDQuant keyword options, not both")
-        elif rank is not None and rank != config.rank:
-            raise TypeError(f"rank={rank} disagrees with config.rank={config.rank}: pass the rank once")
+        config = SVDQuantConfig.given(rank, config, config_kwargs)
         weights = svdquant(linear.weight, linear.bias, act_max=act_max, config=config)
         return cls.from_weights(weights)
 

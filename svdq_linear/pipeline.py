@@ -112,12 +112,7 @@ def quantize_linears(
     ``SVDQuantConfig`` fields, or pass a whole ``config`` (as ``SVDQW4A4Linear.from_linear``). Everything is checked
     before a layer changes, and a failure puts back the layers swapped. Returns per-layer stats.
     """
-    if config is None:
-        config = SVDQuantConfig.from_kwargs(rank=32 if rank is None else rank, **config_kwargs)
-    elif config_kwargs:
-        raise TypeError("pass either config or SVDQuant keyword options, not both")
-    elif rank is not None and rank != config.rank:
-        raise TypeError(f"rank={rank} disagrees with config.rank={config.rank}: pass the rank once")
+    config = SVDQuantConfig.given(rank, config, config_kwargs)
     for key, names in (("w4a4", w4a4), ("w4a16", w4a16)):
         if isinstance(names, str) or not all(isinstance(n, str) for n in names):
             raise TypeError(f"{key}: expected a list of module names, got {names!r}")

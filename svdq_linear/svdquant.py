@@ -87,6 +87,18 @@ class SVDQuantConfig:
             raise ValueError(f"expected 0 <= act_headroom <= {MAX_ACT_HEADROOM}, got {self.act_headroom}")
 
     @classmethod
+    def given(cls, rank: int | None, config: "SVDQuantConfig | None", kwargs: dict) -> "SVDQuantConfig":
+        """``config``, or one of ``rank`` (32 unless given) and the keyword options ``kwargs``: both at once are
+        refused, and so is a ``rank`` beside a ``config`` of another rank."""
+        if config is None:
+            return cls.from_kwargs(rank=32 if rank is None else rank, **kwargs)
+        if kwargs:
+            raise TypeError("pass either config or SVDQuant keyword options, not both")
+        if rank is not None and rank != config.rank:
+            raise TypeError(f"rank={rank} disagrees with config.rank={config.rank}: pass the rank once")
+        return config
+
+    @classmethod
     def from_kwargs(cls, **kwargs) -> "SVDQuantConfig":
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - names)
