@@ -356,8 +356,15 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.python and not re.fullmatch(r"3\.\d+", args.python):
         p.error(f"--python takes a version like 3.12, got {args.python!r}")
+    if args.arch != "sm_90a" and (args.quick or args.python):
+        p.error(f"--quick and --python apply to --arch sm_90a, not {args.arch}")
+    if not args.out.strip():
+        p.error("--out: expected a folder, got ''")
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {args.out}: {e.strerror or e}")
     if args.arch == "sm_90a":
         records = precompile_sm90(out_dir, args.keep_sass, args.quick)
         records += precompile_sm90_quack(out_dir, args.keep_sass, args.quick, args.python)
@@ -371,7 +378,12 @@ def main(argv=None) -> int:
     (out_dir / f"report-{args.arch}.json").write_text(json.dumps(records, indent=1))
     for r in records:
         print(" ".join(f"{k}={v}" for k, v in r.items() if k != "sass"))
-    print(f"{len(records)} kernels compiled for {args.arch} into {out_dir}")
+    failed = [r for r in records if r.get("ok") is False]
+    print(f"{len(records) - len(failed)} kernels compiled for {args.arch} into {out_dir}")
+    if failed:
+        print(f"svdq-precompile: {len(failed)} kernels failed to compile (report-{args.arch}.json holds their "
+              f"errors)", file=sys.stderr)
+        return 1
     return 0
 
 

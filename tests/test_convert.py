@@ -932,3 +932,10 @@ def test_a_second_conversion_into_the_same_folder_is_refused_while_the_first_run
             convert(sources["flux"], out, _quick())
     convert(sources["flux"], out, _quick())
     assert out.is_dir() and not (tmp_path / "o.lock").exists()
+
+
+def test_the_filesystem_root_as_output_is_refused_in_words(sources):
+    from svdq_linear.convert.convert import ConvertError, convert
+
+    with pytest.raises(ConvertError, match="is a filesystem root: name a folder to create"):
+        convert(sources["flux"], "/", _quick())

@@ -129,6 +129,23 @@ def test_precompile_refuses_a_malformed_python_version(capsys):
     assert "--python" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--arch", "sm_100a", "--quick"], "--quick and --python apply to --arch sm_90a, not sm_100a"),
+    (["--arch", "sm_90a", "--out", ""], "--out: expected a folder, got ''"),
+    (["--arch", "sm_90a", "--out", "{file}"], "--out {file}: File exists"),
+])
+def test_precompile_refuses_bad_arguments_in_one_line(args, says, tmp_path, capsys):
+    """An existing file as --out gave a traceback, --out "" compiled into the current folder, and --quick / --python
+    were ignored for sm_100a."""
+    from svdq_linear.precompile import main
+
+    (tmp_path / "f").write_text("")
+    fill = lambda a: a.replace("{file}", str(tmp_path / "f"))
+    with pytest.raises(SystemExit) as e:
+        main([fill(a) for a in args])
+    assert e.value.code == 2 and fill(says) in capsys.readouterr().err
+
+
 _LAUNCHES = """
 import json, os
 os.environ.pop("TRITON_INTERPRET", None)

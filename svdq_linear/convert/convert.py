@@ -612,6 +612,8 @@ def convert(model_id: str, out_dir: str | os.PathLike, opts: ConvertOptions | No
     prompts = opts.validate()  # before touching the disk
     t0 = time.perf_counter()
     out = Path(out_dir).expanduser().resolve()
+    if not out.name:
+        raise ConvertError(f"the output folder {str(out_dir)!r} is a filesystem root: name a folder to create")
     partial = out.with_name(out.name + ".partial")
     if out.exists():
         if not opts.overwrite:
