@@ -792,6 +792,18 @@ def test_readme_main_job_runs_again_over_its_earlier_output(converted, tmp_path)
     assert not (tmp_path / "out" / "tiny-flux.replaced").exists()
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--steps", "0"], "argument --steps: expected a positive integer, got 0"),
+    (["-o", "image"], "-o image: expected an image file name"),
+    (["--dtype", "float64"], "argument --dtype: invalid choice"),
+])
+def test_generate_refuses_bad_arguments_before_it_loads(converted, args, says):
+    """--steps 0 meant the default, and a bad -o failed only after the whole generation."""
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "generate.py"), str(converted["flux"]), *args],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
 def test_converter_scripts_run_svdq_convert(sources, tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(ROOT / "converters"))
     out = tmp_path / "o"
