@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from . import files
-from .linear import FIXED_DTYPES, W4A4, W4A16, NVFP4W4A16Linear, SVDQW4A4Linear, _PackedNVFP4Linear
+from .linear import FIXED_DTYPES, W4A4, W4A16, NVFP4W4A16Linear, SVDQW4A4Linear, _is_int, _PackedNVFP4Linear
 
 QUANT_METHOD = "svdq_w4a4"
 QUANT_METHOD_ON_DISK = "svdq_w4a4 (run `import svdq_linear` before from_pretrained; pip install svdq-linear)"
@@ -46,10 +46,6 @@ class SVDQQuantMethod(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _config_mixin():
@@ -153,6 +149,18 @@ def mark_quantized(model: nn.Module) -> None:
     guard_savers()
 
 
+def wrap_once(cls: type, attr: str, wrap) -> None:
+    """Replace ``cls.<attr>``, a function or classmethod that ``cls`` itself defines, with ``wrap(fn)`` (a guard
+    around diffusers' method), once: the guard is marked, and a marked one is left as it is."""
+    raw = cls.__dict__.get(attr)
+    fn = raw.__func__ if isinstance(raw, classmethod) else raw
+    if not inspect.isfunction(fn) or getattr(fn, "_svdq_guard", False):
+        return
+    guarded = wrap(fn)
+    guarded._svdq_guard = True
+    setattr(cls, attr, classmethod(guarded) if isinstance(raw, classmethod) else guarded)
+
+
 def guard_savers() -> None:
     """Make diffusers' ``ModelMixin.save_pretrained`` and ``DiffusionPipeline.save_pretrained`` check a model that
     holds svdq-linear layers before anything is written (``check_saveable``). Without it,
@@ -162,9 +170,7 @@ def guard_savers() -> None:
     from diffusers import DiffusionPipeline, ModelMixin
 
     for cls in (ModelMixin, DiffusionPipeline):
-        fn = cls.__dict__.get("save_pretrained")
-        if inspect.isfunction(fn) and not getattr(fn, "_svdq_guard", False):
-            cls.save_pretrained = _checking_save(fn)
+        wrap_once(cls, "save_pretrained", _checking_save)
 
 
 def _checking_save(fn):
@@ -184,7 +190,6 @@ def _checking_save(fn):
             check_saveable(model, safe)
         return fn(self, *args, **kwargs)
 
-    save_pretrained._svdq_guard = True
     return save_pretrained
 
 
@@ -226,9 +231,8 @@ def guard_controlnet_builders() -> None:
 
     for name in ("FluxControlNetModel", "SD3ControlNetModel"):
         cls = getattr(diffusers, name, None)
-        method = cls.__dict__.get("from_transformer") if isinstance(cls, type) else None
-        if isinstance(method, classmethod) and not getattr(method.__func__, "_svdq_guard", False):
-            cls.from_transformer = classmethod(_refusing_quantized_source(method.__func__))
+        if isinstance(cls, type):
+            wrap_once(cls, "from_transformer", _refusing_quantized_source)
 
 
 def _refusing_quantized_source(fn):
@@ -242,7 +246,6 @@ def _refusing_quantized_source(fn):
                              f"the original checkpoint)")
         return fn(cls, transformer, *args, **kwargs)
 
-    from_transformer._svdq_guard = True
     return from_transformer
 
 

@@ -112,6 +112,11 @@ def _autocast_inputs(*ts: torch.Tensor | None) -> tuple:
                  for t in ts)
 
 
+def _is_int(value) -> bool:
+    """An integer that is not a bool (``True`` is an ``int`` in Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_16_or_32_bit_float(dtype: torch.dtype) -> bool:
     return dtype in nvfp4.SUPPORTED_ACT_DTYPES
 
@@ -488,7 +493,7 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        if not _is_int(rank) or rank < 0:
             raise ValueError(f"expected an integer rank >= 0, got {rank!r}")
         super().__init__(in_features, out_features, bias, device, dtype)
         self.rank = rank

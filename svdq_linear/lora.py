@@ -251,10 +251,11 @@ def guard_pipeline_loaders() -> None:
         from diffusers.loaders import lora_pipeline
     except ImportError:  # pragma: no cover - diffusers without its LoRA loaders
         return
+    from .diffusers_quantizer import wrap_once
+
     for cls in list(vars(lora_pipeline).values()):
-        fn = cls.__dict__.get("load_lora_weights") if isinstance(cls, type) else None
-        if inspect.isfunction(fn) and not getattr(fn, "_svdq_guard", False):
-            cls.load_lora_weights = _refusing_quantized(fn)
+        if isinstance(cls, type):
+            wrap_once(cls, "load_lora_weights", _refusing_quantized)
 
 
 def _refusing_quantized(fn):
@@ -267,7 +268,6 @@ def _refusing_quantized(fn):
             _refuse_transformer_keys(self, lora, kwargs)
         return fn(self, *args, **kwargs)
 
-    load_lora_weights._svdq_guard = True
     return load_lora_weights
 
 

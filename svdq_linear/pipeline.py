@@ -19,7 +19,7 @@ from torch import nn
 
 from . import diffusers_quantizer as dq
 from . import files, nvfp4
-from .linear import MODES, W4A4, W4A16, name_layers, set_mode
+from .linear import MODES, W4A4, W4A16, _is_16_or_32_bit_float, name_layers, set_mode
 from .svdquant import SVDQuantConfig, group_smoothing_factor, svdquant, weight_only
 
 
@@ -127,10 +127,10 @@ def quantize_linears(
         lin = model.get_submodule(name)
         if not isinstance(lin, nn.Linear):
             raise TypeError(f"{name} is a {type(lin).__name__}, not an nn.Linear")
-        if type(lin).__name__ == "NonDynamicallyQuantizableLinear":
+        if isinstance(lin, nn.modules.linear.NonDynamicallyQuantizableLinear):
             raise TypeError(f"{name} is nn.MultiheadAttention's out_proj, whose weight the attention reads directly: "
                             f"it cannot be swapped")
-        if lin.weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        if not _is_16_or_32_bit_float(lin.weight.dtype):
             raise TypeError(f"{name}: expected a float16/bfloat16/float32 linear, got {lin.weight.dtype}")
         before[name] = lin
         tensors[f"{name}.weight"] = lin.weight.detach()

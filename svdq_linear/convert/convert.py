@@ -196,9 +196,10 @@ def _source_fingerprint(src: Path, model_index: dict) -> str:
     return digest.hexdigest()
 
 
-def _check_components(src: Path, model_index: dict) -> None:
-    """Every component folder that ``model_index.json`` lists is there, with its config (a source without its VAE
-    converted, and gave an output that did not load)."""
+def _check_components(src: Path, model_index: dict) -> type:
+    """The pipeline class ``model_index.json`` names, after checking that diffusers has it and that every component
+    folder it lists is there and not empty (a source without its VAE converted, and gave an output that did not
+    load)."""
     import diffusers
 
     cls = model_index.get("_class_name")
@@ -209,6 +210,7 @@ def _check_components(src: Path, model_index: dict) -> None:
     if missing:
         raise ConvertError(f"{src} lacks the component folders {missing} that its model_index.json lists: the output "
                            f"would not load (download or copy the whole pipeline)")
+    return getattr(diffusers, cls)
 
 
 def _check_calib_image(name, path) -> None:
@@ -234,17 +236,12 @@ def _load_calib_images(inputs: dict[str, str] | None) -> dict:
     return out
 
 
-def _check_pipeline_inputs(model_index: dict, opts: ConvertOptions) -> None:
-    """Before any weight is read: the calibration inputs against the pipeline's call. A pipeline that takes a mask
-    or a control image cannot run on a prompt alone (its plain ``image``, optional in some, is checked by the
-    first calibration call: ``calibrate.collect_act_max``)."""
+def _check_pipeline_inputs(cls: type, opts: ConvertOptions) -> None:
+    """Before any weight is read: the calibration inputs against the call of pipeline class ``cls``. A pipeline
+    that takes a mask or a control image cannot run on a prompt alone (its plain ``image``, optional in some, is
+    checked by the first calibration call: ``calibrate.collect_act_max``)."""
     import inspect
 
-    import diffusers
-
-    cls = getattr(diffusers, str(model_index.get("_class_name")), None)
-    if not isinstance(cls, type) or not callable(getattr(cls, "__call__", None)):
-        return
     params = inspect.signature(cls.__call__).parameters
     given = opts.calib_inputs or {}
     for name in given:
@@ -667,7 +664,7 @@ def _convert(model_id: str, out: Path, partial: Path, state: dict, opts: Convert
     config = read_json(src / "transformer" / "config.json", "the pipeline has no transformer/ (Flux or SD3 expected)")
     if not isinstance(config, dict) or not isinstance(model_index, dict):
         raise ConvertError(f"{src}: expected JSON objects in model_index.json and transformer/config.json")
-    _check_components(src, model_index)
+    pipeline_cls = _check_components(src, model_index)
     fingerprint = _source_fingerprint(src, model_index)
     if state.get("source", fingerprint) != fingerprint:
         raise ConvertError(f"{src} is not the source {partial}'s finished blocks were made from (its files differ): "
@@ -691,7 +688,7 @@ def _convert(model_id: str, out: Path, partial: Path, state: dict, opts: Convert
                            f"(the limit is {CPU_CALIB_MAX_PARAMS / 1e9:g} B): pass --no-calib (weight-only smoothing; "
                            f"the conversion itself runs on a CPU), or calibrate on a GPU (--device cuda)")
     if opts.calib:
-        _check_pipeline_inputs(model_index, opts)
+        _check_pipeline_inputs(pipeline_cls, opts)
     call_kwargs = _calibration_kwargs(model_id, src, config, opts) if opts.calib else {}
     in_features = {n: meta_model.get_submodule(n).weight.shape[1] for n in recipe.w4a4}
     model_keys = set(meta_model.state_dict())
