@@ -230,12 +230,13 @@ def fuse_lora(target, lora, scale: float = 1.0, prefix: str = "transformer", **r
             for restore in reversed(undo):
                 restore()
         raise
+    limits = backends.rank_limits()
     large = [f"{name} ({layer.rank})" for name, layer, *_ in plan if isinstance(layer, SVDQW4A4Linear)
-             and layer.rank > _RANK_LIMITS["sm100"]]
+             and layer.rank > limits["sm100"]]
     if large:
         warnings.warn(f"svdq-linear: {len(large)} layers have a low-rank branch above "
-                      f"{_RANK_LIMITS['sm100']} columns with the LoRA (e.g. {large[0]}): the Blackwell kernel takes up "
-                      f"to {_RANK_LIMITS['sm100']}, sm90's up to {_RANK_LIMITS['sm90']}; beyond, such a layer runs on "
+                      f"{limits['sm100']} columns with the LoRA (e.g. {large[0]}): the Blackwell kernel takes up "
+                      f"to {limits['sm100']}, sm90's up to {limits['sm90']}; beyond, such a layer runs on "
                       f"another backend", RuntimeWarning, stacklevel=2)
     return len(plan)
 
@@ -295,9 +296,7 @@ def _refuse_transformer_keys(pipe, lora, kwargs: dict) -> None:
                          f"removes it)") from cause
 
 
-# the largest low-rank branch each GPU kernel takes (backends/sm100, backends/sm90 decline beyond)
-_RANK_LIMITS = {"sm100": 128, "sm90": 256}
-_RANK_ALIGN = 16
+_RANK_ALIGN = 16  # the Blackwell kernel's rank step (backends.rank_note)
 
 
 def _check_in_place(name: str, layer: nn.Module) -> None:

@@ -638,6 +638,25 @@ def test_quantize_pipeline_refuses_a_partly_quantized_transformer(monkeypatch):
         svdq_linear.quantize_pipeline(pipe, rank=4, calib=False, progress=False)
 
 
+def test_quantize_pipeline_checks_the_rank_before_calibrating(monkeypatch):
+    """A rank above a layer's size failed only after the calibration runs (minutes on a real model), and a rank the
+    Blackwell kernel does not take went by without a word. Both are said before calibration starts."""
+    from svdq_linear.convert import calibrate
+    from svdq_linear.convert.convert import ConvertWarning
+
+    def refuse(*a, **k):
+        raise AssertionError("calibration ran before the rank was checked")
+
+    monkeypatch.setattr(calibrate, "collect_act_max", refuse)
+    pipe = build_tiny_pipeline("flux")
+    with pytest.raises(ValueError, match=r"expected rank <= min\(in_features, out_features\) of every W4A4 layer"):
+        svdq_linear.quantize_pipeline(pipe, rank=33, calib_prompts=["a cat"], progress=False)
+    with pytest.warns(ConvertWarning, match="rank 24 is not a positive multiple of 16") as said:
+        with pytest.raises(AssertionError, match="calibration ran"):  # said first, then calibration starts
+            svdq_linear.quantize_pipeline(pipe, rank=24, calib_prompts=["a cat"], progress=False)
+    assert len(said) == 1
+
+
 class _AdapterLayer(torch.nn.Module):
     """What peft's LoRA layers look like from outside: the linear held as ``base_layer``, not an ``nn.Linear``."""
 
@@ -785,6 +804,7 @@ def test_readme_main_job_runs_again_over_its_earlier_output(converted, tmp_path)
     env = {**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "svdq-convert: warning" not in r.stderr, f"the main job gets no warning of ours: {r.stderr[-3000:]}"
     assert "wrote" in r.stdout and (tmp_path / "out" / "tiny-flux.png").is_file()
     assert "image is noise" in r.stdout, "generate.py says where to look next"
     qcfg = json.loads((tmp_path / "out" / "tiny-flux" / "transformer" / "config.json").read_text())

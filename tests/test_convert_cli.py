@@ -41,7 +41,8 @@ def run(capfd, *args) -> tuple[int, str, str]:
 
 
 def assert_one_line_error(rc, err, *needles):
-    lines = err.strip().splitlines()
+    # the rank note (FAST's rank 8 is not the Blackwell kernel's) may come first, on its own line
+    lines = [line for line in err.strip().splitlines() if not line.startswith("svdq-convert: warning: --rank ")]
     assert rc == 2, f"exit status {rc}, stderr:\n{err}"
     assert "Traceback" not in err and lines and lines[0].startswith("svdq-convert: error: "), err
     for needle in needles:
@@ -80,12 +81,37 @@ def no_calibration(monkeypatch):
     (["--device", "gpu7"], "expected --device cpu, cuda or cuda:N, got 'gpu7'"),
     (["--device", "meta"], "expected --device cpu, cuda or cuda:N, got 'meta'"),
     (["--calib-prompts", "/nonexistent/prompts.txt"], "calibration prompt file /nonexistent/prompts.txt not found"),
+    # calibration settings beside --no-calib were ignored without a word
+    (["--no-calib", "--calib-steps", "3"], "--calib-steps sets up the calibration runs, which --no-calib skips"),
+    (["--no-calib", "--calib-num", "2", "--calib-offload"],
+     "--calib-num, --calib-offload set up the calibration runs, which --no-calib skips"),
+    (["--calib-resolution", "64", "--no-calib"], "--calib-resolution sets up the calibration runs"),
+    (["--no-calib", "--calib-prompts", "/nonexistent/prompts.txt"], "--calib-prompts sets up the calibration runs"),
 ])
 def test_bad_options_are_refused_before_calibration(sources, tmp_path, capfd, no_calibration, args, needle):
     rc, _, err = run(capfd, sources["sd3"], tmp_path / "o", "--quiet", *args)
     assert_one_line_error(rc, err, needle)
     assert "--resume" not in err, "resuming with the same options cannot succeed"
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+@pytest.mark.parametrize("rank, says", [
+    (8, "--rank 8: rank 8 is not a positive multiple of 16, which the Blackwell kernel needs"),
+    (16, None),
+])
+def test_a_rank_that_leaves_a_gpu_kernel_is_said_in_one_line_before_the_work(sources, tmp_path, capfd, rank, says):
+    """A rank the Blackwell kernel does not take converted without a word, and the layers then ran on the PyTorch
+    reference on a B200. It is said before the work, in one line, and the conversion goes on."""
+    rc, out, err = run(capfd, sources["flux"], tmp_path / "o", "--no-calib", "--dtype", "float32", "--quiet",
+                       "--rank", rank)
+    assert rc == 0, err
+    warnings_said = [line for line in err.splitlines() if line.startswith("svdq-convert: warning: ")]
+    if says is None:
+        assert not warnings_said, err
+    else:
+        assert len(warnings_said) == 1 and says in warnings_said[0] and "PyTorch reference" in warnings_said[0], err
+        assert "Traceback" not in err and "ConvertWarning" not in err, "one line, not Python's warning format"
+    assert (tmp_path / "o" / "model_index.json").is_file()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")

@@ -103,3 +103,21 @@ def test_kernel_matches_the_contract(m_rows, dtype, k, n, rank):
     tol = 2 * 2**-8 * lr + eps_out * ref.abs() + 1e-3 * ref.abs().max()
     err = (y.double() - ref).abs()
     assert bool((err <= tol).all()), f"max error {err.max().item():.3g} at {divmod(int(err.argmax()), n)}"
+
+
+@pytest.mark.parametrize("rank", [0, 8, 16, 24, 48, 128, 136, 256, 272])
+def test_the_rank_note_says_what_the_backends_decline(rank):
+    """``backends.rank_note`` (what svdq-convert and quantize_pipeline say before the work) agrees with what the
+    Blackwell backend and sm90 decline for an aligned layer of that rank: a note exactly when one of them declines,
+    naming the PyTorch reference as what runs there."""
+    from svdq_linear.backends import rank_note
+    from svdq_linear.backends.sm90 import make_backend as make_sm90
+
+    m = _module(k=512, n=512, rank=rank)
+    sm100_declines = Sm100Backend().declines(m) is not None
+    sm90_declines = make_sm90().declines(m, torch.device("cpu")) is not None
+    note = rank_note(rank)
+    assert (note is not None) == (sm100_declines or sm90_declines), (note, sm100_declines, sm90_declines)
+    if note is not None:
+        assert f"rank {rank}" in note and "PyTorch reference" in note
+        assert ("either GPU kernel" in note) == sm90_declines

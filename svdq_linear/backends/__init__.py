@@ -235,6 +235,36 @@ def get_backend(name: str) -> Backend:
     return backend
 
 
+def rank_limits() -> dict[str, int]:
+    """The largest low-rank branch each GPU kernel takes (its backend declines a layer beyond it and another
+    serves): ``{"sm100": 128, "sm90": 256}``, read from the backends' own constants (no Triton or cutlass import)."""
+    from .sm100.host import MAX_RANK as sm100_max
+    from .sm90 import MAX_RANK as sm90_max
+
+    return {"sm100": sm100_max, "sm90": sm90_max}
+
+
+def rank_note(rank: int) -> str | None:
+    """Why layers of this rank would leave a GPU kernel (the converter and ``fuse_lora`` say so before the work),
+    or None when every kernel takes it. The Blackwell kernel takes positive multiples of 16 up to 128 (one low-rank
+    MMA consumes 16 of R; ``sm100.host.layer_alignment_error``); sm90 takes up to 256. A declined layer runs on the
+    next backend: on a Blackwell GPU that is the PyTorch reference, 16-100x slower than bf16."""
+    from .sm100.host import LOWRANK_ATOM_K
+
+    limits = rank_limits()
+    slow = "the PyTorch reference, 16-100x slower than bf16"
+    if rank > limits["sm90"]:
+        return (f"rank {rank} is above what either GPU kernel takes (sm90 (H100/H200) up to {limits['sm90']}, "
+                f"Blackwell up to {limits['sm100']}): the layers will run on {slow}")
+    if rank > limits["sm100"]:
+        return (f"rank {rank} is above the Blackwell kernel's {limits['sm100']}: on a B200/B300 the layers will run "
+                f"on {slow} (sm90 takes up to {limits['sm90']})")
+    if rank <= 0 or rank % LOWRANK_ATOM_K:
+        return (f"rank {rank} is not a positive multiple of {LOWRANK_ATOM_K}, which the Blackwell kernel needs: on a "
+                f"B200/B300 the layers will run on {slow} (sm90 takes it)")
+    return None
+
+
 def device_capability(device: torch.device | str) -> tuple[int, int] | None:
     """``(major, minor)`` of a CUDA device, None elsewhere."""
     device = torch.device(device)

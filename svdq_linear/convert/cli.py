@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import warnings
 
 from safetensors import SafetensorError
 
 from svdq_linear.svdquant import DEFAULT_ACT_HEADROOM, MAX_ACT_HEADROOM
 
-from .convert import TINY_PREFIX, ConvertOptions, _one_line, convert, resume_hint
+from .convert import TINY_PREFIX, ConvertOptions, ConvertWarning, _one_line, convert, resume_hint
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"for much quieter ones (0..{MAX_ACT_HEADROOM}; default {DEFAULT_ACT_HEADROOM}, see docs/perf.md)")
     p.add_argument("--calib-prompts", metavar="FILE", help="calibration prompts, one a line (default: shipped set)")
     p.add_argument("--calib-num", type=int, help="use only the first N calibration prompts")
-    p.add_argument("--calib-steps", type=int, default=4, help="denoising steps per calibration prompt (default 4)")
+    p.add_argument("--calib-steps", type=int, help="denoising steps per calibration prompt (default 4)")
     p.add_argument("--calib-resolution", type=int,
                    help="calibration image size (default: the pipeline's own size, at most 512, within what its "
                    "positional embedding covers)")
@@ -106,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.public and not args.push_to_hub:
         _error("--public needs --push-to-hub REPO")
         return 2
+    if args.no_calib and args.calib_steps is not None:
+        _error("--calib-steps sets up the calibration runs, which --no-calib skips: pass one or the other")
+        return 2
     calib_inputs = {}
     for item in args.calib_input:
         name, sep, path = item.partition("=")
@@ -116,11 +120,21 @@ def main(argv: list[str] | None = None) -> int:
     opts = ConvertOptions(
         rank=args.rank, alpha=args.alpha, svd=args.svd, refine_iters=args.refine_iters,
         act_headroom=args.act_headroom, calib=not args.no_calib, calib_prompts=args.calib_prompts,
-        calib_num=args.calib_num, calib_steps=args.calib_steps, calib_resolution=args.calib_resolution,
+        calib_num=args.calib_num, calib_steps=4 if args.calib_steps is None else args.calib_steps,
+        calib_resolution=args.calib_resolution,
         calib_offload=args.calib_offload, calib_inputs=calib_inputs or None, device=args.device, dtype=args.dtype,
         resume=args.resume, overwrite=args.overwrite, progress=not args.quiet,
     )
-    with _quiet_libraries(args.quiet):
+    with _quiet_libraries(args.quiet), warnings.catch_warnings():
+        plain = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, ConvertWarning):  # ours: one line, as the errors
+                print(f"svdq-convert: warning: {message}", file=sys.stderr)
+            else:
+                plain(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
         try:
             summary = convert(args.model_id, args.out_dir, opts)
         except (OSError, ValueError, TypeError, RuntimeError, SafetensorError, KeyboardInterrupt) as e:

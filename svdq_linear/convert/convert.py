@@ -24,6 +24,7 @@ import shutil
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -56,6 +57,20 @@ LAYER_REPORT = "svdq_layers.json"  # per-layer error and activation headroom, in
 class ConvertError(ValueError):
     """A failure that the same command would hit again (an option that cannot work for this model or
     machine, a damaged ``.partial``): no ``--resume`` advice follows it."""
+
+
+class ConvertWarning(UserWarning):
+    """An option that works but costs the user later (``svdq-convert`` prints it on one line)."""
+
+
+def _warn_rank(rank: int, what: str = "--rank") -> None:
+    """Say before the work when the rank leaves a GPU kernel (``backends.rank_note``): the layers would run on a slower
+    backend there, which nothing at load time would make obvious."""
+    from svdq_linear.backends import rank_note
+
+    note = rank_note(rank)
+    if note:
+        warnings.warn(f"{what} {rank}: {note}", ConvertWarning, stacklevel=3)
 
 
 def _flag(name: str) -> str:
@@ -136,8 +151,14 @@ class ConvertOptions:
             _expect_int("calib_resolution", self.calib_resolution, 16)
         self.torch_dtype()
         check_device(self.device)
-        if self.calib_inputs and not self.calib:
-            raise ConvertError("--calib-input goes to the calibration runs, which --no-calib skips: pass one of them")
+        if not self.calib:
+            given = [flag for flag, v in (("--calib-prompts", self.calib_prompts), ("--calib-num", self.calib_num),
+                                          ("--calib-resolution", self.calib_resolution),
+                                          ("--calib-input", self.calib_inputs or None)) if v is not None]
+            given += ["--calib-offload"] if self.calib_offload else []
+            if given:
+                raise ConvertError(f"{', '.join(given)} set{'s' if len(given) == 1 else ''} up the calibration runs, "
+                                   "which --no-calib skips: pass one or the other")
         for name, path in (self.calib_inputs or {}).items():
             _check_calib_image(name, path)
         if not self.calib:
@@ -386,12 +407,12 @@ def _meta_model(cls_name: str, config: dict, where: Path):
                            f"({type(e).__name__}: {' '.join(str(e).split())})") from e
 
 
-def _check_rank(model, recipe: recipes.Recipe, rank: int) -> None:
-    """Rank against every W4A4 target: ``rank <= min(in_features, out_features)``."""
+def _check_rank(model, recipe: recipes.Recipe, rank: int, what: str = "--rank") -> None:
+    """Rank against every W4A4 target: ``rank <= min(in_features, out_features)`` (``what``: the option's name)."""
     smallest = min(recipe.w4a4, key=lambda n: min(model.get_submodule(n).weight.shape))
     n, k = model.get_submodule(smallest).weight.shape
     if rank > min(n, k):
-        raise ConvertError(f"expected --rank <= min(in_features, out_features) of every W4A4 layer, got {rank} "
+        raise ConvertError(f"expected {what} <= min(in_features, out_features) of every W4A4 layer, got {rank} "
                            f"> {min(n, k)} for {smallest} ({k} -> {n})")
 
 
@@ -707,6 +728,7 @@ def _convert(model_id: str, out: Path, partial: Path, state: dict, opts: Convert
                    for i, u in enumerate(units)}
     is_done = lambda u: u in state["done"] and (partial / "transformer" / shard_names[u]).is_file()
 
+    _warn_rank(opts.rank)  # the checks passed: the work starts
     act_max: dict[str, torch.Tensor] = {}
     calib_file = partial / CALIB_FILE
     if opts.calib and not all(is_done(u) for u in units):  # calibrate only when a block still needs it
@@ -842,7 +864,10 @@ def quantize_pipeline(
                          f"(first: {adapted[0]!r}), which quantize_pipeline would leave unquantized: merge them first "
                          "(pipe.fuse_lora(); pipe.unload_lora_weights()), or quantize without them and apply the LoRA "
                          "afterwards with svdq_linear.fuse_lora")
+    config = SVDQuantConfig.from_kwargs(rank=rank, **config_kwargs)  # checked before the calibration runs
     recipe = recipes.recipe_for(transformer)
+    _check_rank(transformer, recipe, config.rank, "rank")
+    _warn_rank(config.rank, "rank")
     act_max = {}
     if calib:
         prompts = calib_prompts if isinstance(calib_prompts, list) else calibrate.read_prompts(calib_prompts)
@@ -853,7 +878,6 @@ def quantize_pipeline(
                                                dict(vae.config) if vae is not None else None)
             call_kwargs.update(height=size.default, width=size.default)
         act_max = calibrate.collect_act_max(pipe, recipe.w4a4, prompts, calib_steps, call_kwargs, progress=progress)
-    config = SVDQuantConfig.from_kwargs(rank=rank, **config_kwargs)
     by_unit: dict[str, list[str]] = {}
     for name in recipe.kinds:
         by_unit.setdefault(recipes.unit_of(name), []).append(name)
