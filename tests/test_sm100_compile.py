@@ -57,3 +57,22 @@ def test_sass_has_block_scaled_and_low_rank_mmas_tma_and_no_local_memory(compile
         if b["ok"]:
             lines.append(f"{b['name']:50} regs {b['registers']:3} spills {b.get('spills')}  (reference, no low-rank)")
     print("\n" + "\n".join(lines))
+
+
+def test_the_weight_scales_reach_both_ctas_of_a_pair(compiled):
+    """In a 2-CTA MMA each CTA of the pair loads half of B but needs the scales (SFB) of the whole N tile, so each
+    CTA's SFB load goes to both (CUTLASS's block-scaled example and quack's GemmSm100 build its mask from the SFB
+    cluster layout: 0b11). The kernel had used B's mask, the issuing CTA alone (``1 << rank``): half the bytes the
+    pipeline's expect-tx counts would land, and the first K tile's barrier would never complete. Read from the PTX:
+    the loads' masks, no GPU."""
+    arch, recs, _ = compiled
+    by_name = {c.name: c for c in LIBRARY_CONFIGS}
+    for r in recs:
+        cfg, masks = by_name[r["name"]], r["tma_load_masks"]
+        where = f"{arch} {r['name']}: {masks}"
+        # A, B, SFA, SFB, and lora_act and proj_up once per low-rank chunk (unrolled at trace time)
+        assert len(masks) >= 6, f"loads missing in {where}"
+        if cfg.use_2cta:  # SFB's load alone is multicast, to both CTAs
+            assert masks.count("3") == 1 and masks.count("self") == len(masks) - 1, where
+        else:
+            assert masks == ["self"] * len(masks), where

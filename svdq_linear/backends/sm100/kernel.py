@@ -353,6 +353,7 @@ class Sm100W4A4Kernel:
                 ab_pipeline, lr_pipeline, k_tile_cnt, num_clusters_m, num_tiles, cluster_layout_vmnk, cluster_coord,
                 tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, tma_atom_sfa, tAgSFA, tAsSFA,
                 tma_atom_sfb, tBgSFB, tBsSFB, tma_atom_a2, tAgA2, tAsA2, tma_atom_b2, tBgB2, tBsB2,
+                cluster_layout_sfb_vmnk, cluster_coord_sfb,
             )
         if warp_idx == self.mma_warp_id:
             tmem.wait_for_alloc()
@@ -382,6 +383,7 @@ class Sm100W4A4Kernel:
         self, ab_pipeline, lr_pipeline, k_tile_cnt, num_clusters_m, num_tiles, cluster_layout_vmnk, cluster_coord,
         tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB, tma_atom_sfa, tAgSFA, tAsSFA,
         tma_atom_sfb, tBgSFB, tBsSFB, tma_atom_a2, tAgA2, tAsA2, tma_atom_b2, tBgB2, tBsB2,
+        cluster_layout_sfb_vmnk, cluster_coord_sfb,
     ):
         a_mask = None
         b_mask = None
@@ -389,7 +391,7 @@ class Sm100W4A4Kernel:
         if cutlass.const_expr(self.use_2cta):
             a_mask = cpasync.create_tma_multicast_mask(cluster_layout_vmnk, cluster_coord, mcast_mode=2)
             b_mask = cpasync.create_tma_multicast_mask(cluster_layout_vmnk, cluster_coord, mcast_mode=1)
-            sfb_mask = b_mask
+            sfb_mask = cpasync.create_tma_multicast_mask(cluster_layout_sfb_vmnk, cluster_coord_sfb, mcast_mode=1)
         # states live across persistent tiles: never reset (pipeline_model checks why)
         ab_state = self._state("ab", "producer")
         lr_state = self._state("lr", "producer")

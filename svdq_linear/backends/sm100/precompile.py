@@ -116,6 +116,23 @@ def accumulate_flags(ptx: str) -> dict:
     return out
 
 
+def tma_load_masks(ptx: str) -> list[str]:
+    """The CTA mask of every TMA load into shared memory, in program order: ``"self"`` for a load without
+    multicast (it lands in the issuing CTA, or in the pair's shared barrier under ``cta_group::2``), the mask's
+    value for a multicast load whose mask is a compile-time constant (``mov.b16 %rs, 3``: both CTAs of a pair),
+    ``"runtime"`` for one computed at run time (e.g. ``1 << cta_rank``: the issuing CTA alone)."""
+    defs = {m.group(1): m.group(2) for m in re.finditer(r"mov\.b16\s+(%rs\d+),\s*(\d+);", ptx)}
+    out = []
+    for m in re.finditer(r"cp\.async\.bulk\.tensor\.[^\n]*?shared::(?:cta|cluster)\.global[^\n]*", ptx):
+        line = m.group(0)
+        if ".multicast::cluster" not in line:
+            out.append("self")
+            continue
+        mask = re.search(r"\],\s*(%rs\d+),", line)
+        out.append(defs.get(mask.group(1), "runtime") if mask else "runtime")
+    return out
+
+
 def sass_counts(sass: str) -> dict:
     return {k: len(re.findall(p, sass)) for k, p in SASS_COUNTS.items()}
 
@@ -152,7 +169,9 @@ def _record(name: str, config: dict, arch: str, dump: Path, out_dir: Path, keep_
     rec["cubin"] = str(cubin)
     ptxs = sorted(dump.glob(f"*.{arch}.ptx"))
     if ptxs:
-        rec["accumulate_flags"] = accumulate_flags(ptxs[0].read_text())
+        ptx = ptxs[0].read_text()
+        rec["accumulate_flags"] = accumulate_flags(ptx)
+        rec["tma_load_masks"] = tma_load_masks(ptx)
     if nvdisasm:
         sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
         rec["sass_counts"] = sass_counts(sass)
