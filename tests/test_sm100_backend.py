@@ -82,6 +82,23 @@ def test_prepare_repacks_scales_and_folds_proj_up_once(bias):
     assert torch.equal(p.smooth_recip, 1.0 / m.smooth)
 
 
+def test_no_tokens_launch_nothing(monkeypatch):
+    """Zero rows gave the persistent grid 0 clusters, a launch CUDA refuses (sm90 returns early; sm100 did not). The
+    call returns an empty [0, N] output and launches nothing (checked on the CPU: the launch is the kernel's)."""
+    mod = _module(k=256, n=192)
+    b = Sm100Backend()
+
+    def no_launch(*a, **k):
+        raise AssertionError("launched a kernel for zero rows")
+
+    monkeypatch.setattr(b, "_launch", no_launch)
+    t = mod._parameters
+    x = torch.empty(0, 256, dtype=torch.bfloat16)
+    y = b.run_w4a4(x, t["qweight"], t["wscales"], mod.smooth, t["proj_down"], t["proj_up"], t["wcscale"], t["bias"],
+                   b.extra_tensors(b.prepare(mod)))
+    assert y.shape == (0, 192) and y.dtype == torch.bfloat16
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _capability_10(), reason="needs a compute capability 10.x GPU (B200/B300)")
 @pytest.mark.parametrize("m_rows", [1, 100, 300, 4352])

@@ -126,7 +126,7 @@ TILES_PER_CTA = (1, 2, 3, 40)
 
 @pytest.mark.parametrize("cfg", LIBRARY_CONFIGS, ids=lambda c: c.name)
 def test_pipeline_model_every_configuration(cfg):
-    for num_ab_stage, k_tile_cnt, tiles in itertools.product((2, 3, 4, 6), (1, 2, 3, 15, 60), TILES_PER_CTA):
+    for num_ab_stage, k_tile_cnt, tiles in itertools.product((2, 3, 4, 5, 6, 7), (1, 2, 3, 15, 60), TILES_PER_CTA):
         res = run_model(cfg, num_ab_stage, k_tile_cnt, tiles)
         assert all(res.epilogue_tiles[v] == tiles for v in res.epilogue_tiles)
         for tile in range(tiles):

@@ -127,6 +127,8 @@ class Sm100Backend(Backend):
         p = Sm100Prepared.from_tensors(extra)
         m, k = x.shape
         n, r = qweight.shape[0], proj_down.shape[1]
+        if m == 0:  # no tile: the persistent grid would have 0 clusters, and CUDA refuses a launch of 0 blocks
+            return torch.empty(0, n, dtype=x.dtype, device=x.device)
         codes, asf, xs = quantize_act(x, p.smooth_recip, want_xs=True)
         lora_act = (xs @ proj_down.float()).to(torch.bfloat16)
         out_dtype = "bfloat16" if x.dtype == torch.bfloat16 else "float16"

@@ -221,7 +221,8 @@ def num_clusters_mn(m: int, n: int, cfg: KernelConfig) -> tuple[int, int]:
 
 
 def grid_clusters(m: int, n: int, cfg: KernelConfig, sm_count: int) -> int:
-    """Persistent clusters launched: ``min(num_tiles, sm_count // cluster_size)``."""
+    """Persistent clusters launched: ``min(num_tiles, sm_count // cluster_size)``, as the kernel computes it, for
+    ``num_tiles >= 1`` (the backend launches nothing for zero rows; 1 here for the host model's loops)."""
     cm, cn = num_clusters_mn(m, n, cfg)
     cluster_size = cfg.cluster_shape_mn[0] * cfg.cluster_shape_mn[1]
     return max(1, min(cm * cn, sm_count // cluster_size))

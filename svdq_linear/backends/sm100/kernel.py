@@ -154,24 +154,7 @@ class Sm100W4A4Kernel:
         max_clusters = self.sm_count // (self.cluster_shape_mn[0] * self.cluster_shape_mn[1])
         grid_clusters = cutlass.min(num_tiles, max_clusters)
 
-        @cute.struct
-        class SharedStorage:
-            ab_full: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage]
-            ab_empty: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage]
-            lr_full: cute.struct.MemRange[cutlass.Int64, host.NUM_LOWRANK_STAGE]
-            lr_empty: cute.struct.MemRange[cutlass.Int64, host.NUM_LOWRANK_STAGE]
-            acc_full: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage]
-            acc_empty: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage]
-            tmem_dealloc_mbar: cutlass.Int64
-            tmem_holding_buf: cutlass.Int32
-            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(lay.c_smem.outer)], layouts.BUFFER_ALIGN]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(lay.a_smem.outer)], layouts.BUFFER_ALIGN]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(lay.b_smem.outer)], layouts.BUFFER_ALIGN]
-            sSFA: cute.struct.Align[cute.struct.MemRange[self.sf_dtype, cute.cosize(lay.sfa_smem)], layouts.BUFFER_ALIGN]
-            sSFB: cute.struct.Align[cute.struct.MemRange[self.sf_dtype, cute.cosize(lay.sfb_smem)], layouts.BUFFER_ALIGN]
-            sA2: cute.struct.Align[cute.struct.MemRange[self.lr_dtype, cute.cosize(lay.a2_smem.outer)], layouts.BUFFER_ALIGN]
-            sB2: cute.struct.Align[cute.struct.MemRange[self.lr_dtype, cute.cosize(lay.b2_smem.outer)], layouts.BUFFER_ALIGN]
-
+        SharedStorage = layouts.shared_storage(lay, cfg)
         self.shared_storage = SharedStorage
         if cutlass.const_expr(SharedStorage.size_in_bytes() > host.SMEM_CAPACITY_SM100):
             raise host.Sm100ConfigError(

@@ -73,8 +73,39 @@ def _slice_stage(layout, rank_modes: int):
     return cute.slice_(layout, (None,) * rank_modes + (0,))
 
 
+def _aligned(nbytes: int) -> int:
+    """A buffer's bytes in ``shared_storage``, which starts each buffer at a ``BUFFER_ALIGN`` boundary."""
+    return -(-nbytes // BUFFER_ALIGN) * BUFFER_ALIGN
+
+
+def shared_storage(lay: Layouts, cfg: KernelConfig):
+    """The kernel's shared-memory struct for ``lay`` (its stage count): the pipelines' mbarriers and the TMEM
+    pointer (``BARRIER_BYTES`` at most), then each operand buffer at a ``BUFFER_ALIGN`` boundary. Inside a trace;
+    the kernel allocates it, and tests read ``size_in_bytes()`` against the budget."""
+    c_dtype = out_dtype_of(cfg)
+
+    fields = {  # real objects, not the strings this module's postponed annotations would give a class body
+        "ab_full": cute.struct.MemRange[cutlass.Int64, lay.num_ab_stage],
+        "ab_empty": cute.struct.MemRange[cutlass.Int64, lay.num_ab_stage],
+        "lr_full": cute.struct.MemRange[cutlass.Int64, NUM_LOWRANK_STAGE],
+        "lr_empty": cute.struct.MemRange[cutlass.Int64, NUM_LOWRANK_STAGE],
+        "acc_full": cute.struct.MemRange[cutlass.Int64, cfg.num_acc_stage],
+        "acc_empty": cute.struct.MemRange[cutlass.Int64, cfg.num_acc_stage],
+        "tmem_dealloc_mbar": cutlass.Int64,
+        "tmem_holding_buf": cutlass.Int32,
+    }
+    for name, dtype, layout in (("sC", c_dtype, lay.c_smem.outer), ("sA", AB_DTYPE, lay.a_smem.outer),
+                                ("sB", AB_DTYPE, lay.b_smem.outer), ("sSFA", SF_DTYPE, lay.sfa_smem),
+                                ("sSFB", SF_DTYPE, lay.sfb_smem), ("sA2", LOWRANK_DTYPE, lay.a2_smem.outer),
+                                ("sB2", LOWRANK_DTYPE, lay.b2_smem.outer)):
+        fields[name] = cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], BUFFER_ALIGN]
+    SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+    return SharedStorage
+
+
 def build_layouts(cfg: KernelConfig, smem_capacity: int = SMEM_CAPACITY_SM100, num_ab_stage: int | None = None):
-    """Build everything shape-dependent; choose ``num_ab_stage`` from the cosizes (max that fits)."""
+    """Build everything shape-dependent; choose ``num_ab_stage`` from the cosizes: the most stages whose buffers,
+    padded as ``shared_storage`` lays them out, fit beside the barriers (``BARRIER_BYTES``) in ``smem_capacity``."""
     cta_group = tcgen05.CtaGroup.TWO if cfg.use_2cta else tcgen05.CtaGroup.ONE
     mn = (cfg.mma_tile_m, cfg.mma_tile_n)
     k_major = OperandMajorMode.K
@@ -117,10 +148,11 @@ def build_layouts(cfg: KernelConfig, smem_capacity: int = SMEM_CAPACITY_SM100, n
         rank = 2 if name == "c" else 3
         stage_bytes[name] = _cosize_bytes(dtypes[name], _slice_stage(lay.outer if isinstance(lay, cute.ComposedLayout) else lay, rank))
     ab_stage = sum(stage_bytes[k] for k in ("a", "b", "sfa", "sfb"))
-    fixed = BARRIER_BYTES + NUM_LOWRANK_STAGE * (stage_bytes["a2"] + stage_bytes["b2"]) + NUM_C_STAGE * stage_bytes["c"]
-    # each operand buffer is 1024-byte aligned: leave room for the padding of the 7 buffers
-    fixed += 7 * BUFFER_ALIGN
-    fits = (smem_capacity - fixed) // ab_stage
+    fixed = (BARRIER_BYTES + _aligned(NUM_LOWRANK_STAGE * stage_bytes["a2"])
+             + _aligned(NUM_LOWRANK_STAGE * stage_bytes["b2"]) + _aligned(NUM_C_STAGE * stage_bytes["c"]))
+    fits = 0  # the most A/B stages whose buffers, each padded to BUFFER_ALIGN as shared_storage lays them, fit
+    while fixed + sum(_aligned((fits + 1) * stage_bytes[k]) for k in ("a", "b", "sfa", "sfb")) <= smem_capacity:
+        fits += 1
     if num_ab_stage is None:
         num_ab_stage = fits
     if num_ab_stage < 2 or num_ab_stage > fits:
