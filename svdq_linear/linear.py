@@ -136,6 +136,10 @@ def _check_values(name: str, t: torch.Tensor, key: str) -> None:
             got = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
             raise ValueError(f"{key}: expected finite positive {what}, got {got} "
                              f"(first at index {first}: {t[first].item()})")
+    elif name in ("bias", "proj_down", "proj_up") and t.is_floating_point() and not torch.isfinite(t).all():
+        bad = ~torch.isfinite(t)
+        raise ValueError(f"{key}: expected finite values, got {int(bad.sum())} NaN or Inf (first at index "
+                         f"{bad.nonzero()[0].tolist()}): every output it touches would be NaN or Inf")
     elif name == "wscales":  # E4M3 has one NaN, S.1111.111
         nan = (t.view(torch.uint8) & 0x7F) == nvfp4.E4M3_NAN_BYTE
         if nan.any():
@@ -373,7 +377,8 @@ class _PackedNVFP4Linear(nn.Module):
 
         Raises ValueError naming ``key`` (default ``name``) with what was expected and what came. The
         tensors of ``FIXED_DTYPES`` must come in exactly that dtype; ``smooth`` and ``wcscale`` must be finite and
-        positive and ``wscales`` must hold no NaN scale (bytes 0x7F/0xFF). The 16-bit branch tensors
+        positive, ``bias``, ``proj_down`` and ``proj_up`` finite, and ``wscales`` must hold no NaN scale (bytes
+        0x7F/0xFF). The 16-bit branch tensors
         take the module's dtype, or keep their own when the module is still on ``meta``
         (``load_state_dict(assign=True)``).
         """
@@ -656,6 +661,13 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
     ) -> "SVDQW4A4Linear":
         """SVDQuant ``linear`` (see ``svdq_linear.svdquant``) at ``rank`` (32 unless given); ``act_max [K]`` from
         calibration.
+
+        Without ``act_max`` the activation scales are placed for inputs of about unit size: a block of 16 smoothed
+        inputs whose largest magnitude is below ~0.01 gets a block scale of 0 or of a few bits (E4M3's smallest is
+        2^-9; the block then reads as zeros and the output keeps little more than the low-rank branch), and blocks
+        above 2688 (6 x 448) saturate. Pass ``act_max``
+        (the per-channel max |x| of a few real batches) for inputs of other sizes; ``SVDQ_LINEAR_CHECK_RANGE=1``
+        warns at run time where blocks saturate or underflow.
 
         Extra keyword arguments are ``SVDQuantConfig`` fields (``alpha``, ``smooth``, ``svd``, ...); or pass a whole
         ``config`` (its rank then, a different ``rank`` beside it is refused).

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import zlib
@@ -34,6 +35,21 @@ class LayerStats:
 
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@contextlib.contextmanager
+def _named(name: str):
+    """A layer's refusal (rank, shape, NaN weights) names the layer: in a model of hundreds it is otherwise lost."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        if str(e).startswith(f"{name}: "):
+            raise
+        try:
+            named = type(e)(f"{name}: {e}")
+        except Exception:  # an exception class whose constructor takes other arguments
+            named = (TypeError if isinstance(e, TypeError) else ValueError)(f"{name}: {e}")
+        raise named from e
 
 
 def quantize_state_dict(
@@ -67,13 +83,25 @@ def quantize_state_dict(
         if kinds[name] == W4A4:
             members.setdefault(groups.get(name, name), []).append(name)
     for names in members.values():
+        ks = {n: tensors[f"{n}.weight"].shape[-1] for n in names}
+        if len(set(ks.values())) > 1:
+            raise ValueError(f"smoothing group {groups.get(names[0], names[0])!r} joins layers of different "
+                             f"in_features ({', '.join(f'{n}: {k}' for n, k in ks.items())}): one smoothing factor "
+                             f"needs one input width")
+        for n in names:
+            a = act_max.get(n)
+            if a is not None and (not isinstance(a, torch.Tensor) or tuple(a.shape) != (ks[n],)
+                                  or a.dtype == torch.bool or a.is_complex()):
+                got = f"{a.dtype} {list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
+                raise ValueError(f"{n}: expected act_max as a real tensor [{ks[n]}] (its in_features), got {got}")
         stats_in = [act_max[n] for n in names if n in act_max]
         group_act = torch.stack(stats_in).amax(0) if stats_in else None
         lam = group_smoothing_factor([tensors[f"{n}.weight"] for n in names], group_act, config.alpha, config.smooth)
         for name in names:
             w, b = tensors[f"{name}.weight"], tensors.get(f"{name}.bias")
-            res = svdquant(w, b, act_max=group_act, config=config, dtype=dtype or w.dtype, smooth=lam,
-                           seed=zlib.crc32(name.encode()))
+            with _named(name):
+                res = svdquant(w, b, act_max=group_act, config=config, dtype=dtype or w.dtype, smooth=lam,
+                               seed=zlib.crc32(name.encode()))
             new = {f"{name}.{k}": v for k, v in res.tensors().items() if v is not None}
             out.update(new)
             stats.append(LayerStats(name, W4A4, _nbytes([w, b]) * 2 // w.element_size(), _nbytes(new.values()),
@@ -83,7 +111,8 @@ def quantize_state_dict(
         if kinds[name] != W4A16:
             continue
         w, b = tensors[f"{name}.weight"], tensors.get(f"{name}.bias")
-        q = weight_only(w, b, dtype or w.dtype)
+        with _named(name):
+            q = weight_only(w, b, dtype or w.dtype)
         deq = nvfp4.dequantize_weight(q["qweight"], q["wscales"], q["wcscale"])
         err = float((deq - w.float()).norm() / w.float().norm().clamp(min=torch.finfo(torch.float32).tiny))
         new = {f"{name}.{k}": v for k, v in q.items()}
@@ -122,6 +151,10 @@ def quantize_linears(
     qcfg = dq.SVDQuantizationConfig(rank=config.rank, w4a4_modules=list(dict.fromkeys(w4a4)),
                                     w4a16_modules=list(dict.fromkeys(w4a16)))
     kinds = qcfg.targets()
+    stray = sorted(set(act_max or {}) - set(w4a4))
+    if stray:  # a prefix typo ("transformer.x" for "x") would quantize those layers without their statistics
+        raise ValueError(f"act_max names {len(stray)} modules that are not W4A4 targets (e.g. {stray[:3]}): its keys "
+                         f"must be names in w4a4, as model.get_submodule takes them")
     tensors, before = {}, {}
     for name in kinds:
         lin = model.get_submodule(name)
@@ -132,6 +165,9 @@ def quantize_linears(
                             f"it cannot be swapped")
         if not _is_16_or_32_bit_float(lin.weight.dtype):
             raise TypeError(f"{name}: expected a float16/bfloat16/float32 linear, got {lin.weight.dtype}")
+        if lin.weight.device.type == "meta":
+            raise ValueError(f"{name}: the weight is on the meta device (no values to quantize): load the model's "
+                             f"weights first")
         before[name] = lin
         tensors[f"{name}.weight"] = lin.weight.detach()
         if lin.bias is not None:

@@ -178,8 +178,16 @@ def group_smoothing_factor(
     return smoothing_factor(torch.cat([w.detach() for w in weights], dim=0), act_max, alpha, rule)
 
 
+def _check_finite_bias(bias: torch.Tensor | None) -> None:
+    """A bias of NaN or Inf is a damaged checkpoint, refused as NaN or Inf weights are (loading refuses it too)."""
+    if bias is not None and not torch.isfinite(bias.detach()).all():
+        raise ValueError(f"bias holds {int((~torch.isfinite(bias.detach())).sum())} NaN or Inf values; cannot "
+                         f"quantize the layer")
+
+
 def weight_only(weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None):
     """The tensors of an ``NVFP4W4A16Linear`` for ``weight [N, K]``: qweight, wscales, wcscale, bias."""
+    _check_finite_bias(bias)
     qweight, wscales, row_scale = nvfp4.quantize_weight(weight.detach())
     tensors = {"qweight": qweight, "wscales": wscales, "wcscale": row_scale}
     if bias is not None:
@@ -283,6 +291,8 @@ def _svdquant(weight, bias, act_max, config, dtype, smooth, seed) -> SVDQuantWei
         raise ValueError(f"rank {config.rank} exceeds min(out_features, in_features) = {min(n, k)}")
     if act_max is not None and tuple(act_max.shape) != (k,):
         raise ValueError(f"expected act_max of shape ({k},), got {tuple(act_max.shape)}")
+    if act_max is not None and (act_max.dtype == torch.bool or act_max.is_complex()):
+        raise ValueError(f"expected act_max as real per-channel maxima, got {act_max.dtype}")
     if act_max is not None and not torch.isfinite(act_max).all():
         raise ValueError(f"act_max holds {int((~torch.isfinite(act_max)).sum())} NaN or Inf values (calibration "
                          "maxima must be finite)")
@@ -290,6 +300,7 @@ def _svdquant(weight, bias, act_max, config, dtype, smooth, seed) -> SVDQuantWei
         raise ValueError("smooth must be finite and positive (it divides the input)")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"expected bias of shape ({n},), got {tuple(bias.shape)}")
+    _check_finite_bias(bias)
     out_device = weight.device
     dtype = dtype or weight.dtype
     dev = _default_device(weight, config.device)

@@ -740,6 +740,45 @@ def test_quantize_linears_checks_everything_before_a_layer_changes():
     assert isinstance(m[0], SVDQW4A4Linear) and m[0].proj_down.dtype == torch.float32
 
 
+def test_quantize_linears_names_the_layer_and_refuses_statistics_it_would_not_use():
+    """Found by a helper's probe: ``act_max`` under a key that matches no target (a prefix typo) was ignored and those
+    layers quantized without smoothing; an ``act_max`` of the wrong width, or a smoothing group of layers of different
+    widths, failed in torch's words; a layer's own refusal (rank, width, NaN bias) did not say which layer; a meta
+    linear failed on ``Tensor.item()``. A float layer with a NaN bias is refused by both siblings, as NaN weights
+    are."""
+    def model():
+        m = torch.nn.Module()
+        m.a, m.b, m.c = torch.nn.Linear(64, 64), torch.nn.Linear(128, 64), torch.nn.Linear(64, 64)
+        return m
+
+    cases = [
+        (dict(w4a4=["a"], act_max={"transformer.a": torch.full((64,), 5.0)}),
+         r"act_max names 1 modules that are not W4A4 targets \(e.g. \['transformer.a'\]\)"),
+        (dict(w4a4=["a"], act_max={"a": torch.ones(32)}), r"a: expected act_max as a real tensor \[64\] .*\[32\]"),
+        (dict(w4a4=["a"], act_max={"a": torch.ones(64, dtype=torch.bool)}), r"a: expected act_max as a real tensor"),
+        (dict(w4a4=["a", "b"], smooth_groups={"a": "g", "b": "g"}),
+         r"smoothing group 'g' joins layers of different in_features \(a: 64, b: 128\)"),
+        (dict(w4a4=["a", "c"], rank=65), r"^a: rank 65 exceeds min\(out_features, in_features\) = 64"),
+    ]
+    for kwargs, match in cases:
+        m = model()
+        before = dict(m.named_children())
+        with pytest.raises(ValueError, match=match):
+            svdq_linear.quantize_linears(m, **{"rank": 8, **kwargs})
+        assert dict(m.named_children()) == before, "a layer changed"
+    m = model()
+    with torch.no_grad():
+        m.c.bias[5] = float("nan")
+    with pytest.raises(ValueError, match=r"^c: bias holds 1 NaN or Inf values"):
+        svdq_linear.quantize_linears(m, w4a4=["a"], w4a16=["c"], rank=8)
+    for build in (lambda lin: SVDQW4A4Linear.from_linear(lin, rank=8), NVFP4W4A16Linear.from_linear):
+        with pytest.raises(ValueError, match="bias holds 1 NaN or Inf values"):
+            build(m.c)
+    m.a = torch.nn.Linear(64, 64, device="meta")
+    with pytest.raises(ValueError, match="a: the weight is on the meta device"):
+        svdq_linear.quantize_linears(m, w4a4=["a"], rank=8)
+
+
 # ---- recipes --------------------------------------------------------------------------------------
 
 

@@ -177,6 +177,42 @@ def test_damaged_calibration_on_resume_is_one_line_and_other_settings_restart(so
     assert "starting" in err and "its last run failed" in err
 
 
+def test_non_finite_calibration_maxima_are_named_and_not_resumed_from(sources, tmp_path, capfd, monkeypatch):
+    """A calibration run that overflowed (fp16) gave NaN or Inf maxima without a word, and the conversion then failed
+    on "act_max holds NaN or Inf values", naming no layer; a saved calibration file with them failed the same way on
+    every --resume. Calibration now names the first such layer and the remedy; a saved file with them is refused
+    as damaged, with the way out."""
+    from safetensors.torch import load_file, save_file
+
+    from svdq_linear.convert.tiny import build_tiny_pipeline
+
+    pipe = build_tiny_pipeline("flux")
+    target = "transformer_blocks.0.attn.to_q"
+
+    def overflow(module, args):  # what an fp16 overflow upstream hands the layer: Inf in one channel
+        x = args[0].clone()
+        x[..., 3] = float("inf")
+        return (x, *args[1:])
+
+    pipe.transformer.get_submodule(target).register_forward_pre_hook(overflow)
+    with pytest.raises(ValueError, match=rf"NaN or Inf inputs at \d+ target layers \(first {target!r}\).*"
+                                         rf"calibrate in bfloat16 or float32"):
+        calibrate.collect_act_max(pipe, [target, "transformer_blocks.0.attn.to_k"], ["a cat"], steps=1,
+                                  call_kwargs={"height": 64, "width": 64}, progress=False)
+
+    out = tmp_path / "o"
+    monkeypatch.setenv(FAIL_AFTER_ENV, "1")
+    assert run(capfd, sources["flux"], out, *FAST)[0] == 2
+    monkeypatch.delenv(FAIL_AFTER_ENV)
+    calib = tmp_path / "o.partial" / "calibration.safetensors"
+    maxima = load_file(calib)
+    name = sorted(maxima)[0]
+    maxima[name][5] = float("nan")
+    save_file(maxima, calib)
+    rc, _, err = run(capfd, sources["flux"], out, *FAST, "--resume")
+    assert_one_line_error(rc, err, f"{name} holds 1 NaN or Inf maxima", "delete it to calibrate again")
+
+
 # ---- item 7: the default calibration size suits the pipeline ---------------------------------------
 
 

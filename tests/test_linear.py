@@ -196,6 +196,13 @@ def test_bad_state_dict_names_the_tensor(key, value, match):
      r"first at \[row, block\] = \[0, 3\]\)"),
     ("wscales", lambda t: t.view(torch.uint8).index_fill(0, torch.tensor([5]), 0xFF).view(torch.float8_e4m3fn),
      r"layer.wscales: .* got 4 NaN scale bytes \(0x7F/0xFF; first at \[row, block\] = \[5, 0\]\)"),
+    # the low-rank branch and the bias had loaded with NaN or Inf (a probe's find): every output they touch was
+    ("proj_up", lambda t: t.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(float("inf"))),
+     r"layer.proj_up: expected finite values, got 1 NaN or Inf \(first at index \[0, 0\]\)"),
+    ("proj_down", lambda t: t.index_put((torch.tensor([9]), torch.tensor([2])), torch.tensor(float("nan"))),
+     r"layer.proj_down: expected finite values, got 1 NaN or Inf \(first at index \[9, 2\]\)"),
+    ("bias", lambda t: t.index_fill(0, torch.tensor([3, 4]), float("nan")),
+     r"layer.bias: expected finite values, got 2 NaN or Inf \(first at index \[3\]\)"),
 ])
 def test_values_that_would_poison_the_output_are_refused(key, edit, match):
     m, _ = _module(k=64, n=32, rank=8)

@@ -183,4 +183,10 @@ def collect_act_max(
     missing = [n for n in names if n not in maxima]
     if missing:
         raise RuntimeError(f"calibration never reached {len(missing)} target layers (e.g. {missing[:3]})")
+    bad = [n for n in names if not torch.isfinite(maxima[n]).all()]
+    if bad:  # a maximum of NaN or Inf cannot place a scale; the layers after the first one only inherit it
+        dtype = next((t.dtype for t in transformer.parameters() if t.is_floating_point()), None)
+        raise ValueError(f"calibration saw NaN or Inf inputs at {len(bad)} target layers (first {bad[0]!r}): the "
+                         f"pipeline overflows or diverges in {str(dtype).removeprefix('torch.')} on these prompts; "
+                         f"calibrate in bfloat16 or float32, or with other prompts")
     return {n: v.cpu() for n, v in maxima.items()}

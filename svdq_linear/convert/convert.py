@@ -466,6 +466,8 @@ def _load_calibration(path: Path, recipe: recipes.Recipe, in_features: dict[str,
         if t is None or tuple(t.shape) != (in_features[name],) or t.dtype != torch.float32:
             got = "nothing" if t is None else f"{t.dtype} {list(t.shape)}"
             raise ConvertError(f"{path}: expected {name} as float32 [{in_features[name]}], got {got}: {fix}")
+        if not torch.isfinite(t).all():
+            raise ConvertError(f"{path}: {name} holds {int((~torch.isfinite(t)).sum())} NaN or Inf maxima: {fix}")
     return act_max
 
 
@@ -883,11 +885,12 @@ def quantize_pipeline(
         by_unit.setdefault(recipes.unit_of(name), []).append(name)
     stats = []
     for names in tqdm(by_unit.values(), desc="quantizing", unit="block", disable=not progress):
+        w4a4 = [n for n in names if recipe.kinds[n] == recipes.W4A4]
         stats += quantize_linears(
             transformer,
-            w4a4=[n for n in names if recipe.kinds[n] == recipes.W4A4],
+            w4a4=w4a4,
             w4a16=[n for n in names if recipe.kinds[n] == recipes.W4A16],
-            act_max=act_max,
+            act_max={n: act_max[n] for n in w4a4 if n in act_max},  # this block's
             smooth_groups=recipe.groups,
             config=config,
         )
