@@ -112,6 +112,17 @@ def _autocast_inputs(*ts: torch.Tensor | None) -> tuple:
                  for t in ts)
 
 
+def _check_plain_linear(linear, name: str | None = None) -> None:
+    """An ``nn.Linear`` whose product is ``F.linear``: a subclass with its own ``forward`` (a LoRA wrapper, another
+    quantizer's layer) would lose that behaviour silently when its weight is quantized."""
+    where = f"{name}: " if name else ""
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"{where}expected an nn.Linear, got {type(linear).__name__}")
+    if type(linear).forward is not nn.Linear.forward:
+        raise TypeError(f"{where}{type(linear).__name__} subclasses nn.Linear with its own forward, which the "
+                        f"quantized layer would drop: quantize a plain nn.Linear (merge or remove the wrapper first)")
+
+
 def _is_int(value) -> bool:
     """An integer that is not a bool (``True`` is an ``int`` in Python)."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -673,8 +684,7 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
         ``config`` (its rank then, a different ``rank`` beside it is refused).
         The module keeps the linear's dtype and device.
         """
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
+        _check_plain_linear(linear)
         if linear.weight.is_meta:
             raise ValueError("the nn.Linear's weight is on meta (never loaded): load its weights, then quantize it")
         config = SVDQuantConfig.given(rank, config, config_kwargs)
@@ -721,8 +731,7 @@ class NVFP4W4A16Linear(_PackedNVFP4Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "NVFP4W4A16Linear":
         """Quantize ``linear`` (per-row scale folded into ``wcscale``); keeps its dtype and device."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
+        _check_plain_linear(linear)
         if linear.weight.is_meta:
             raise ValueError("the nn.Linear's weight is on meta (never loaded): load its weights, then quantize it")
         tensors = weight_only(linear.weight, linear.bias)

@@ -20,7 +20,7 @@ from torch import nn
 
 from . import diffusers_quantizer as dq
 from . import files, nvfp4
-from .linear import MODES, W4A4, W4A16, _is_16_or_32_bit_float, name_layers, set_mode
+from .linear import MODES, W4A4, W4A16, _check_plain_linear, _is_16_or_32_bit_float, name_layers, set_mode
 from .svdquant import SVDQuantConfig, group_smoothing_factor, svdquant, weight_only
 
 
@@ -163,6 +163,7 @@ def quantize_linears(
         if isinstance(lin, nn.modules.linear.NonDynamicallyQuantizableLinear):
             raise TypeError(f"{name} is nn.MultiheadAttention's out_proj, whose weight the attention reads directly: "
                             f"it cannot be swapped")
+        _check_plain_linear(lin, name)
         if not _is_16_or_32_bit_float(lin.weight.dtype):
             raise TypeError(f"{name}: expected a float16/bfloat16/float32 linear, got {lin.weight.dtype}")
         if lin.weight.device.type == "meta":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -65,12 +66,24 @@ class SVDQuantConfig:
     device: str | None = None
 
     def __post_init__(self):
-        for name in ("rank", "refine_iters", "act_headroom"):
+        for name in ("rank", "refine_iters", "act_headroom", "lowrank_threshold", "lowrank_oversample",
+                     "lowrank_niter"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
                 raise TypeError(f"expected an integer {name}, got {value!r} ({type(value).__name__})")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)):
+            object.__setattr__(self, name, int(value))  # frozen; a numpy integer would not serialize
+            if name.startswith("lowrank_") and value < 0:
+                raise ValueError(f"expected {name} >= 0, got {value}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real):  # numpy scalars included
             raise TypeError(f"expected a float alpha, got {self.alpha!r} ({type(self.alpha).__name__})")
+        object.__setattr__(self, "alpha", float(self.alpha))
+        if self.device is not None:
+            try:
+                dev = torch.device(self.device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"expected device to be a torch device name, got {self.device!r}") from e
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"device={self.device!r}: no CUDA device is available to this torch")
         if self.rank < 0:
             raise ValueError(f"expected rank >= 0, got {self.rank}")
         if not 0.0 <= self.alpha <= 1.0:

@@ -157,6 +157,25 @@ def test_from_linear_rejects_non_linear():
         SVDQW4A4Linear.from_linear(torch.nn.Conv2d(3, 3, 1))
 
 
+def test_a_linear_subclass_with_its_own_forward_is_refused_not_stripped():
+    """A subclass of nn.Linear with its own forward (a LoRA wrapper, another quantizer's layer) was quantized and its
+    forward dropped: the quantized layer computed something else (a probe measured 1.12 relative error). Both
+    siblings and quantize_linears refuse it by name; a subclass that keeps nn.Linear's forward is taken."""
+    class Doubled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    class Plain(torch.nn.Linear):
+        pass
+
+    for build in (lambda lin: SVDQW4A4Linear.from_linear(lin, rank=8), NVFP4W4A16Linear.from_linear):
+        with pytest.raises(TypeError, match="Doubled subclasses nn.Linear with its own forward"):
+            build(Doubled(64, 32))
+        assert build(Plain(64, 32)).out_features == 32
+    with pytest.raises(TypeError, match="^1: Doubled subclasses nn.Linear with its own forward"):
+        svdq_linear.quantize_linears(torch.nn.Sequential(Plain(64, 64), Doubled(64, 32)), w4a4=["0", "1"], rank=8)
+
+
 @pytest.mark.parametrize(
     "key, value, match",
     [

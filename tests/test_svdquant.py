@@ -124,7 +124,11 @@ def test_weight_rule_flattens_columns():
         ({"svd_dtype": torch.float16}, "svd_dtype"),
         ({"act_headroom": 13}, "act_headroom"),
         ({"act_headroom": -1}, "act_headroom"),
-    ],
+        # the randomized SVD's options had no check: a negative one failed deep in torch
+        ({"lowrank_oversample": -100}, "expected lowrank_oversample >= 0, got -100"),
+        ({"lowrank_niter": -1}, "expected lowrank_niter >= 0"),
+        ({"device": "gpu9"}, "expected device to be a torch device name, got 'gpu9'"),
+    ] + ([({"device": "cuda"}, "no CUDA device is available")] if not torch.cuda.is_available() else []),
 )
 def test_config_rejects_bad_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -137,6 +141,18 @@ def test_config_rejects_values_of_the_wrong_type(kwargs):
     (name, value), = kwargs.items()
     with pytest.raises(TypeError, match=f"expected an? (integer|float) {name}, got {value!r}"):
         SVDQuantConfig(**kwargs)
+
+
+def test_config_takes_numpy_numbers_as_plain_ones():
+    """``alpha=np.float32(0.5)`` was refused as "not a float"; a numpy integer rank was taken as it was and would not
+    serialize into a saved folder's quantization_config."""
+    import json
+
+    import numpy as np
+
+    c = SVDQuantConfig(rank=np.int64(16), alpha=np.float32(0.25), lowrank_niter=np.int32(3))
+    assert (type(c.rank), type(c.alpha), type(c.lowrank_niter)) == (int, float, int)
+    assert json.dumps({"rank": c.rank, "alpha": c.alpha}) == '{"rank": 16, "alpha": 0.25}'
 
 
 def test_svdquant_rejects_bad_inputs():
