@@ -34,7 +34,8 @@ LOWRANK_CHUNK = 64
 """R values per low-rank prelude stage: 64 bf16 = one 128-byte swizzle row."""
 
 NUM_LOWRANK_STAGE = 2
-"""Prelude stages; every chunk of a tile fits at once, so the loader never waits on its own tile."""
+"""Prelude stages; every chunk of a tile fits at once, so the loader never waits on its own tile (nor, with
+``pipeline_model.load_order``'s mid-tile chunk loads, at a tile's start on the previous tile's last MMA)."""
 
 MAX_RANK = LOWRANK_CHUNK * NUM_LOWRANK_STAGE
 

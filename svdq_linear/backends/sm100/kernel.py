@@ -35,7 +35,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from . import host, layouts
 from .host import KernelConfig
-from .pipeline_model import EPILOGUE_WARPS, lowrank_issue_ktile, pipeline_specs
+from .pipeline_model import EPILOGUE_WARPS, lowrank_issue_ktile, lowrank_load_ktile, pipeline_specs
 
 
 class Sm100W4A4Kernel:
@@ -383,14 +383,15 @@ class Sm100W4A4Kernel:
         work = cluster_idx
         while work < num_tiles:
             tile_m, tile_n = host.tile_of_work(work, num_clusters_m)
-            # pipeline_model.load_order: every prelude chunk first, then the K tiles
-            for chunk in cutlass.range_constexpr(self.num_lr_chunks):
-                lr_pipeline.producer_acquire(lr_state)
-                bar = lr_pipeline.producer_get_barrier(lr_state)
-                cute.copy(tma_atom_a2, tAgA2[(None, tile_m, chunk, 0)], tAsA2[(None, lr_state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
-                cute.copy(tma_atom_b2, tBgB2[(None, tile_n, chunk, 0)], tBsB2[(None, lr_state.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
-                lr_state.advance()
+            # pipeline_model.load_order: chunk 0 first, chunk c >= 1 before K tile lowrank_load_ktile(c) (or after
+            # the loop), so the loader never waits at a tile's start for the previous tile's last MMA
+            lr_state = self._load_chunk(lr_pipeline, lr_state, 0, tile_m, tile_n, tma_atom_a2, tAgA2, tAsA2,
+                                        tma_atom_b2, tBgB2, tBsB2, a_mask, b_mask)
             for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+                for chunk in cutlass.range_constexpr(1, self.num_lr_chunks):
+                    if lowrank_load_ktile(chunk, k_tile_cnt, self.num_lr_chunks) == k_tile:
+                        lr_state = self._load_chunk(lr_pipeline, lr_state, chunk, tile_m, tile_n, tma_atom_a2, tAgA2,
+                                                    tAsA2, tma_atom_b2, tBgB2, tBsB2, a_mask, b_mask)
                 ab_pipeline.producer_acquire(ab_state)
                 bar = ab_pipeline.producer_get_barrier(ab_state)
                 s = ab_state.index
@@ -399,9 +400,26 @@ class Sm100W4A4Kernel:
                 cute.copy(tma_atom_sfa, tAgSFA[(None, tile_m, k_tile, 0)], tAsSFA[(None, s)], tma_bar_ptr=bar, mcast_mask=a_mask)
                 cute.copy(tma_atom_sfb, tBgSFB[(None, tile_n, k_tile, 0)], tBsSFB[(None, s)], tma_bar_ptr=bar, mcast_mask=sfb_mask)
                 ab_state.advance()
+            for chunk in cutlass.range_constexpr(1, self.num_lr_chunks):  # due past the last K tile (few K tiles)
+                if lowrank_load_ktile(chunk, k_tile_cnt, self.num_lr_chunks) >= k_tile_cnt:
+                    lr_state = self._load_chunk(lr_pipeline, lr_state, chunk, tile_m, tile_n, tma_atom_a2, tAgA2, tAsA2,
+                                                tma_atom_b2, tBgB2, tBsB2, a_mask, b_mask)
             work += grid_clusters
         ab_pipeline.producer_tail(ab_state)
         lr_pipeline.producer_tail(lr_state)
+
+    def _load_chunk(self, lr_pipeline, lr_state, chunk: int, tile_m, tile_n, tma_atom_a2, tAgA2, tAsA2,
+                    tma_atom_b2, tBgB2, tBsB2, a_mask, b_mask):
+        """TMA of low-rank chunk ``chunk`` (a Python int: traced inline) of a tile, its ``lora_act`` and
+        ``proj_up`` columns, into the next ``lr`` stage; returns the advanced state."""
+        lr_pipeline.producer_acquire(lr_state)
+        bar = lr_pipeline.producer_get_barrier(lr_state)
+        cute.copy(tma_atom_a2, tAgA2[(None, tile_m, chunk, 0)], tAsA2[(None, lr_state.index)], tma_bar_ptr=bar,
+                  mcast_mask=a_mask)
+        cute.copy(tma_atom_b2, tBgB2[(None, tile_n, chunk, 0)], tBsB2[(None, lr_state.index)], tma_bar_ptr=bar,
+                  mcast_mask=b_mask)
+        lr_state.advance()
+        return lr_state
 
     # ---- role: MMA --------------------------------------------------------------------------
 

@@ -78,10 +78,28 @@ def lowrank_issue_ktile(chunk, k_tile_cnt, num_chunks):
     return ((chunk + 1) * k_tile_cnt + num_chunks - 1) // num_chunks - 1
 
 
+def lowrank_load_ktile(chunk, k_tile_cnt, num_chunks):
+    """The K tile before whose loads the load warp issues low-rank chunk ``chunk`` (``k_tile_cnt``: after
+    the K loop, or later). Chunk 0 comes first; chunk ``c >= 1`` right after the K tile at which chunk
+    ``c - 1`` is consumed, ``lowrank_issue_ktile(c - 1) + 1``: it still lands ``~K / C`` tiles before its
+    own MMA, and its stage, which the previous tile's chunk ``c`` held until that tile's K tile
+    ``lowrank_issue_ktile(c)`` (its last one for the last chunk), is free by then. Loading every chunk
+    first instead made the loader wait, at each tile's start, for the previous tile's last MMA: the A/B
+    pipeline drained at every tile boundary at ranks 65-128 (two chunks). Python ints or DSL Int32."""
+    if chunk == 0:
+        return 0
+    return lowrank_issue_ktile(chunk - 1, k_tile_cnt, num_chunks) + 1
+
+
 def load_order(k_tile_cnt: int, num_chunks: int) -> list[tuple[str, int]]:
-    """What the load warp issues for one tile: every prelude chunk first (they are needed early and
-    all fit in the prelude at once), then the main K tiles."""
-    return [("lr", c) for c in range(num_chunks)] + [("ab", t) for t in range(k_tile_cnt)]
+    """What the load warp issues for one tile: each chunk before the K tile ``lowrank_load_ktile`` names
+    (chunk 0 first), the K tiles in order, and the chunks due past the last K tile at the end."""
+    at = [lowrank_load_ktile(c, k_tile_cnt, num_chunks) for c in range(num_chunks)]
+    out: list[tuple[str, int]] = []
+    for t in range(k_tile_cnt):
+        out += [("lr", c) for c in range(num_chunks) if at[c] == t]
+        out.append(("ab", t))
+    return out + [("lr", c) for c in range(num_chunks) if at[c] >= k_tile_cnt]
 
 
 def mma_order(k_tile_cnt: int, num_chunks: int) -> list[tuple[str, int]]:
