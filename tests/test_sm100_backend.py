@@ -138,3 +138,35 @@ def test_the_rank_note_says_what_the_backends_decline(rank):
     if note is not None:
         assert f"rank {rank}" in note and "PyTorch reference" in note
         assert ("either GPU kernel" in note) == sm90_declines
+
+
+def test_the_grid_is_sized_by_the_clusters_the_driver_keeps_resident(monkeypatch):
+    """The persistent grid took SMs / cluster size clusters; where fewer 2-CTA clusters fit at once (GPC
+    fragmentation, MPS), the rest ran as a second wave. It now takes the driver's count of active clusters
+    (CUTLASS's persistent examples do the same), and the SM count where the driver cannot say."""
+    import cutlass.utils
+
+    from svdq_linear.backends import sm100
+
+    class Props:
+        multi_processor_count = 148
+
+    asked = []
+
+    class Info:
+        def __init__(self, device_id=0):
+            asked.append(device_id)
+
+        def get_max_active_clusters(self, cluster_size):
+            if cluster_size == 4:
+                raise RuntimeError("driver too old")
+            return 70
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    monkeypatch.setattr(cutlass.utils, "HardwareInfo", Info)
+    monkeypatch.setattr(sm100, "_RESIDENT", {})
+    dev = torch.device("cuda", 1)
+    assert sm100.resident_ctas(dev, 2) == 140 and asked == [1]
+    assert sm100.resident_ctas(dev, 2) == 140 and asked == [1], "cached"
+    assert sm100.resident_ctas(dev, 1) == 70
+    assert sm100.resident_ctas(dev, 4) == 148, "the SM count where the query fails"

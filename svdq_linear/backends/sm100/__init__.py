@@ -147,7 +147,7 @@ class Sm100Backend(Backend):
         from . import layouts
         from .kernel import compile_kernel
 
-        sm_count = torch.cuda.get_device_properties(c.device).multi_processor_count
+        sm_count = resident_ctas(c.device, cfg.cluster_shape_mn[0] * cfg.cluster_shape_mn[1])
         key = (cfg, arch, sm_count)
         if key not in self._compiled:
             self._compiled[key] = compile_kernel(cfg, arch, sm_count)
@@ -161,6 +161,28 @@ class Sm100Backend(Backend):
         ]
         stream = cuda.CUstream(torch.cuda.current_stream(c.device).cuda_stream)
         self._compiled[key](*args, cutlass.Int32(m), cutlass.Int32(n), cutlass.Int32(k), stream)
+
+
+_RESIDENT: dict = {}
+
+
+def resident_ctas(device: torch.device, cluster_size: int) -> int:
+    """CTAs the persistent grid can keep resident at once on ``device``: the driver's count of active clusters of
+    ``cluster_size`` at the kernel's shared memory (``HardwareInfo.get_max_active_clusters``, as CUTLASS's
+    persistent examples size their grids), times the cluster size. Fewer than ``SMs / cluster_size`` where a GPC
+    cannot hold whole clusters, or under MPS limits; a grid sized by the SM count would then run its last clusters
+    as a second wave. The SM count where the driver cannot say. Cached per device and cluster size."""
+    key = (device, cluster_size)
+    if key not in _RESIDENT:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        try:
+            import cutlass.utils
+
+            clusters = cutlass.utils.HardwareInfo(device.index or 0).get_max_active_clusters(cluster_size)
+            _RESIDENT[key] = min(sms, clusters * cluster_size) if clusters > 0 else sms
+        except Exception:  # an older driver, or the query unavailable: the SM count, as before
+            _RESIDENT[key] = sms
+    return _RESIDENT[key]
 
 
 def make_backend() -> Sm100Backend:
