@@ -5,8 +5,8 @@ importing ``svdq_linear`` imports nothing from here). The kernel modules (cutlas
 imported on first use. See ``design.md`` beside this file.
 
 Per call: ``quantize_act`` (Triton) turns ``x`` into E2M1 codes + E4M3 scales in the tcgen05
-scale-factor atom layout and the float32 ``xs``; ``lora_act = (xs @ proj_down)`` in bf16; then one
-persistent kernel computes ``y = (A4 (*) W4 + lora_act @ (proj_up / wcscale)^T) * wcscale + bias``.
+scale-factor atom layout; ``lora_act = x.bf16 @ (proj_down / smooth)`` (one bf16 GEMM, the prepared
+``proj_down_smoothed``); then one persistent kernel computes ``y = (A4 (*) W4 + lora_act @ (proj_up / wcscale)^T) * wcscale + bias``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ class Sm100Prepared:
     - ``smooth_recip [K] f32``: ``1 / smooth`` (IEEE division, the contract's rule);
     - ``proj_up_folded [N_pad, R] bf16``: ``proj_up / wcscale`` rows, zero rows past N; bf16 even for
       fp16 output, because ``proj_up / wcscale`` routinely exceeds fp16's range;
-    - ``wcscale_pad``, ``bias_pad [N_pad] f32``: zero past N (bias zeros when the layer has none).
+    - ``wcscale_pad``, ``bias_pad [N_pad] f32``: zero past N (bias zeros when the layer has none);
+    - ``proj_down_smoothed [K, R] bf16``: ``proj_down / smooth``, so ``lora_act = x.bf16 @ it`` is one bf16
+      tensor-core GEMM reading x (the contract's bf16 operands of the low-rank product, as sm90's).
     """
 
     wsf: torch.Tensor
@@ -37,9 +39,11 @@ class Sm100Prepared:
     proj_up_folded: torch.Tensor
     wcscale_pad: torch.Tensor
     bias_pad: torch.Tensor
+    proj_down_smoothed: torch.Tensor
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.wsf, self.smooth_recip, self.proj_up_folded, self.wcscale_pad, self.bias_pad]
+        return [self.wsf, self.smooth_recip, self.proj_up_folded, self.wcscale_pad, self.bias_pad,
+                self.proj_down_smoothed]
 
     @classmethod
     def from_tensors(cls, extra: list[torch.Tensor]) -> "Sm100Prepared":
@@ -114,6 +118,8 @@ class Sm100Backend(Backend):
             proj_up_folded=folded,
             wcscale_pad=wcs,
             bias_pad=bias,
+            proj_down_smoothed=(module.proj_down.to(dev, torch.float32)
+                                / module.smooth.to(dev, torch.float32)[:, None]).to(torch.bfloat16),
         )
 
     def extra_tensors(self, prepared: Sm100Prepared) -> list[torch.Tensor]:
@@ -129,14 +135,22 @@ class Sm100Backend(Backend):
         n, r = qweight.shape[0], proj_down.shape[1]
         if m == 0:  # no tile: the persistent grid would have 0 clusters, and CUDA refuses a launch of 0 blocks
             return torch.empty(0, n, dtype=x.dtype, device=x.device)
-        codes, asf, xs = quantize_act(x, p.smooth_recip, want_xs=True)
-        lora_act = (xs @ proj_down.float()).to(torch.bfloat16)
+        codes, asf, _ = quantize_act(x, p.smooth_recip)
+        lora_act = self.lora_act(x, p)
         out_dtype = "bfloat16" if x.dtype == torch.bfloat16 else "float16"
         cfg = host.choose_config(m, n, r, out_dtype)
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
         self._launch(cfg, arch_of(x.device), codes, qweight, asf, p.wsf, lora_act, p.proj_up_folded, y,
                      p.wcscale_pad, p.bias_pad, m, n, k)
         return y
+
+    @staticmethod
+    def lora_act(x: torch.Tensor, p: Sm100Prepared) -> torch.Tensor:
+        """``lora_act [M, R] bf16 = x.bf16 @ (proj_down / smooth)``: one bf16 GEMM (fp32 accumulation, one
+        rounding), as sm90's exact mode computes it. It had been ``(x / smooth) @ proj_down`` in float32 from a
+        written float32 copy of ``xs``: [M, K] fp32 written and read again (67 MB at 4352 x 3840) and an fp32
+        GEMM, together several times the NVFP4 GEMM's own time on a B200."""
+        return x.to(torch.bfloat16) @ p.proj_down_smoothed
 
     def _launch(self, cfg, arch, a, b, sfa, sfb, a2, b2, c, wcs, bias, m, n, k):
         import cuda.bindings.driver as cuda

@@ -1,6 +1,6 @@
 """Activation quantization for the sm100 kernel (Triton): ``xs = x * (1 / smooth)`` -> packed E2M1
 codes ``[M, K/2]`` and E4M3 block scales written directly in the tcgen05 scale-factor atom layout
-(``host.sf_atom_offset``), so nothing is repacked per call; plus ``lora_act = xs @ proj_down``.
+(``host.sf_atom_offset``), so nothing is repacked per call (and, for tests, the float32 ``xs``).
 
 Numerics are the contract's (``svdq_linear.nvfp4``): block max with NaN propagation, ``e4m3(amax / 6)``
 rounded to nearest-even and saturated, NaN/Inf blocks -> NaN scale and zero codes, reciprocal
