@@ -6,7 +6,8 @@ imported on first use. See ``design.md`` beside this file.
 
 Per call: ``quantize_act`` (Triton) turns ``x`` into E2M1 codes + E4M3 scales in the tcgen05
 scale-factor atom layout; ``lora_act = x.bf16 @ (proj_down / smooth)`` (one bf16 GEMM, the prepared
-``proj_down_smoothed``); then one persistent kernel computes ``y = (A4 (*) W4 + lora_act @ (proj_up / wcscale)^T) * wcscale + bias``.
+``proj_down_smoothed``); then one persistent kernel computes
+``y = (A4 (*) W4 + lora_act @ (proj_up / wcscale)^T) * wcscale + bias``.
 """
 
 from __future__ import annotations
