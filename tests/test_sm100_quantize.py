@@ -31,7 +31,7 @@ CHECK = textwrap.dedent(
     x[5 % m, 50] = 30000
     x[6 % m, 16:32] = -0.0
     smooth = torch.rand(k) + 0.5
-    codes, sf, xs = quantize_act(x, 1.0 / smooth, want_xs=True)
+    codes, sf, xs = quantize_act(x, 1.0 / smooth, want_xs=True, block_m={block_m}, block_k={block_k})
     xs_ref = nvfp4.smooth_input(x, smooth)
     assert torch.allclose(xs, xs_ref, rtol=0, atol=0, equal_nan=True), "xs differs"
     ref_codes, ref_scales = nvfp4.quantize_nvfp4(xs_ref)
@@ -46,10 +46,13 @@ CHECK = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("m,k,dtype", [(140, 160, "bfloat16"), (7, 96, "float16"), (130, 64, "float32")])
-def test_quantize_act_is_bit_exact_to_the_contract(m, k, dtype, tmp_path):
+@pytest.mark.parametrize("m,k,dtype,block_m,block_k", [(140, 160, "bfloat16", 8, 64), (7, 96, "float16", 4, 256),
+                                                       (130, 64, "float32", 32, 128), (33, 544, "bfloat16", 1, 256)])
+def test_quantize_act_is_bit_exact_to_the_contract(m, k, dtype, block_m, block_k, tmp_path):
+    """Tiles (``block_m`` x ``block_k``) that do not divide M or K: the last programs' rows and columns past the
+    tensor write nothing."""
     script = tmp_path / "check.py"
-    script.write_text(CHECK.format(seed=m, m=m, k=k, dtype=dtype))
+    script.write_text(CHECK.format(seed=m, m=m, k=k, dtype=dtype, block_m=block_m, block_k=block_k))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, (r.stdout + r.stderr)[-3000:]

@@ -5,7 +5,7 @@ codes ``[M, K/2]`` and E4M3 block scales written directly in the tcgen05 scale-f
 Numerics are the contract's (``svdq_linear.nvfp4``): block max with NaN propagation, ``e4m3(amax / 6)``
 rounded to nearest-even and saturated, NaN/Inf blocks -> NaN scale and zero codes, reciprocal
 ``1 / s`` by IEEE division then one multiply, E2M1 nearest-even with the contract's sign rule.
-One program quantizes one row x 64 values of K (one column of 4 scales of an SF atom).
+One program quantizes a ``BLOCK_M`` x ``BLOCK_K`` tile, read row by row in whole (coalesced) rows.
 """
 
 from __future__ import annotations
@@ -58,59 +58,73 @@ def _e4m3_round(v):
 def quantize_act_kernel(
     x_ptr, smooth_recip_ptr, codes_ptr, sf_ptr, xs_ptr,
     M, K, stride_xm, atoms_k,
-    WRITE_XS: tl.constexpr,
+    WRITE_XS: tl.constexpr, BLOCK_M: tl.constexpr = 8, BLOCK_K: tl.constexpr = 256,
 ):
-    m = tl.program_id(0)
-    kc = tl.program_id(1)  # 64-value chunk of K = one SF atom column (4 blocks of 16)
-    b = tl.arange(0, 4)[:, None]  # block within the chunk
-    j = tl.arange(0, 8)[None, :]  # pair within the block
-    k_even = kc * 64 + b * 16 + 2 * j
-    valid = k_even < K  # K is a multiple of 32: a pair and a block are all in or all out
-    x_row = x_ptr + m.to(tl.int64) * stride_xm
-    x0 = tl.load(x_row + k_even, mask=valid, other=0.0).to(tl.float32)
-    x1 = tl.load(x_row + k_even + 1, mask=valid, other=0.0).to(tl.float32)
-    r0 = tl.load(smooth_recip_ptr + k_even, mask=valid, other=0.0)
-    r1 = tl.load(smooth_recip_ptr + k_even + 1, mask=valid, other=0.0)
-    xs0 = x0 * r0
-    xs1 = x1 * r1
+    # One [BLOCK_M, BLOCK_K] tile a program, read in whole rows of BLOCK_K (coalesced), its 16-value blocks and
+    # value pairs taken apart in registers: every byte of x is read once.
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    k0 = tl.program_id(1) * BLOCK_K
+    rk = k0 + tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    k_ok = rk < K  # K is a multiple of 32: a pair and a block are all in or all out
+    mask = m_ok[:, None] & k_ok[None, :]
+    x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    recip_smooth = tl.load(smooth_recip_ptr + rk, mask=k_ok, other=0.0)
+    xs = x * recip_smooth[None, :]
     if WRITE_XS:
-        xs_row = xs_ptr + m.to(tl.int64) * K
-        tl.store(xs_row + k_even, xs0, mask=valid)
-        tl.store(xs_row + k_even + 1, xs1, mask=valid)
-    # block amax with NaN propagation: a NaN anywhere makes the block's scale NaN
-    a = tl.maximum(tl.abs(xs0), tl.abs(xs1))
-    amax = tl.max(a, axis=1)
-    has_nan = tl.max((xs0 != xs0).to(tl.int32) | (xs1 != xs1).to(tl.int32), axis=1) > 0
-    bad = has_nan | (amax == float("inf"))
+        tl.store(xs_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :], xs, mask=mask)
+    xb = tl.reshape(xs, (BLOCK_M, BLOCK_K // 16, 16))
+    # the block max on the magnitudes' bits, one reduction: integer order is float order for non-negative floats,
+    # and +-Inf and every NaN lie at or above 0x7F800000, so the same max tells a block that must read NaN
+    mb = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+    bad = mb >= 0x7F800000
+    amax = mb.to(tl.float32, bitcast=True)
     s, s_byte = _e4m3_round(tl.where(bad, 0.0, tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))))
     s = tl.where(bad, float("nan"), s)
     recip = tl.where(s > 0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), 0.0)  # div.rn; 0 for s = 0 or NaN
-    q0 = xs0 * recip[:, None]
-    q1 = xs1 * recip[:, None]
-    byte = _e2m1_code(q0) | (_e2m1_code(q1) << 4)
-    tl.store(codes_ptr + m.to(tl.int64) * (K // 2) + k_even // 2, byte.to(tl.uint8), mask=valid)
+    # eight codes a 32-bit word, code j of a word in nibble j (even k in the low nibble of each byte, little
+    # endian): word stores, where byte stores of split pairs had bound the pass at ~40 % of copy bandwidth
+    code = tl.reshape(_e2m1_code(xb * recip[:, :, None]), (BLOCK_M, BLOCK_K // 8, 8)).to(tl.uint32)
+    word = tl.sum(code << (tl.arange(0, 8) * 4).to(tl.uint32)[None, None, :], axis=2)  # disjoint nibbles: sum = or
+    rk8 = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    tl.store(codes_ptr + rm.to(tl.int64)[:, None] * (K // 8) + rk8[None, :], word,
+             mask=m_ok[:, None] & (rk8 < K // 8)[None, :])
     # scale bytes straight into the tcgen05 scale-factor atom layout (host.sf_atom_offset)
-    kb = kc * 4 + tl.arange(0, 4)
-    off = ((m // 128) * atoms_k + kb // 4) * 512 + (m % 32) * 16 + ((m // 32) % 4) * 4 + kb % 4
-    sbyte = tl.where(bad, 0x7F, s_byte)
-    tl.store(sf_ptr + off, sbyte.to(tl.uint8), mask=kb * 16 < K)
+    m2 = rm[:, None]
+    kb = k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :]
+    off = ((m2 // 128) * atoms_k + kb // 4) * 512 + (m2 % 32) * 16 + ((m2 // 32) % 4) * 4 + kb % 4
+    tl.store(sf_ptr + off, tl.where(bad, 0x7F, s_byte).to(tl.uint8), mask=m_ok[:, None] & (kb * 16 < K))
 
 
-def quantize_act(x: torch.Tensor, smooth_recip: torch.Tensor, want_xs: bool = False):
-    """``x [M, K]`` (bf16/fp16/fp32) -> ``(codes [M, K/2] uint8, sf flat uint8 in the atom layout,
-    xs [M, K] float32 or None)``. ``smooth_recip = 1 / smooth`` (float32, computed once at prepare)."""
+# Rows and columns a program, and warps: measured on the H100 (docs/perf.md, 2026-12-07; the same Triton kernel on
+# sm_90): 45-50 % of copy bandwidth, where the first form, one row x 64 columns a program in strided pairs, ran at 5 %.
+BLOCK_M, BLOCK_K, NUM_WARPS = 8, 256, 4
+
+
+def quantize_act(x: torch.Tensor, smooth_recip: torch.Tensor, want_xs: bool = False, block_m: int | None = None,
+                 block_k: int | None = None, num_warps: int | None = None):
+    """``x [M, K]`` (bf16/fp16/fp32, unit stride along K) -> ``(codes [M, K/2] uint8, sf flat uint8 in the atom
+    layout, xs [M, K] float32 or None)``. ``smooth_recip = 1 / smooth`` (float32, computed once at prepare).
+    ``block_m`` x ``block_k`` a program and ``num_warps`` warps (default ``BLOCK_M``, ``BLOCK_K``, ``NUM_WARPS``)."""
     m, k = x.shape
     if k % 32:
         raise ValueError(f"expected in_features % 32 == 0, got {k}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    block_m, block_k = block_m or BLOCK_M, block_k or BLOCK_K
     rows_pad, kb_pad = host.sf_atom_shape(m, k)
     codes = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
     # zeros: the padding of the atom (rows past M, blocks past K/16) must read as scale 0
     sf = torch.zeros(rows_pad * kb_pad, dtype=torch.uint8, device=x.device)
     xs = torch.empty(m, k, dtype=torch.float32, device=x.device) if want_xs else codes
-    grid = (m, triton.cdiv(k, 64))
-    # no FMA contraction: the contract rounds every multiply on its own
-    quantize_act_kernel[grid](x, smooth_recip, codes, sf, xs, m, k, x.stride(0), kb_pad // 4, WRITE_XS=want_xs,
-                              enable_fp_fusion=False)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+    if m:
+        # no FMA contraction: the contract rounds every multiply on its own. The codes go out as 32-bit words (K % 32
+        # == 0: whole words a row)
+        words = codes.view(torch.int32)
+        quantize_act_kernel[grid](x, smooth_recip, words, sf, xs, m, k, x.stride(0), kb_pad // 4, WRITE_XS=want_xs,
+                                  BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps or NUM_WARPS,
+                                  enable_fp_fusion=False)
     return codes, sf, (xs if want_xs else None)
 
 
@@ -121,7 +135,9 @@ def compile_for(arch: str = "sm_100a", x_dtype: str = "bf16"):
     from triton.compiler import ASTSource
 
     cap = {"sm_100a": 100, "sm_103a": 103}[arch]
-    sig = {"x_ptr": f"*{x_dtype}", "smooth_recip_ptr": "*fp32", "codes_ptr": "*u8", "sf_ptr": "*u8",
+    sig = {"x_ptr": f"*{x_dtype}", "smooth_recip_ptr": "*fp32", "codes_ptr": "*i32", "sf_ptr": "*u8",
            "xs_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32", "atoms_k": "i32", "WRITE_XS": "constexpr"}
-    src = ASTSource(quantize_act_kernel, sig, constexprs={"WRITE_XS": False})
-    return triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"enable_fp_fusion": False})
+    sig.update(BLOCK_M="constexpr", BLOCK_K="constexpr")
+    src = ASTSource(quantize_act_kernel, sig, constexprs={"WRITE_XS": False, "BLOCK_M": BLOCK_M, "BLOCK_K": BLOCK_K})
+    return triton.compile(src, target=GPUTarget("cuda", cap, 32),
+                          options={"enable_fp_fusion": False, "num_warps": NUM_WARPS})
