@@ -338,6 +338,15 @@ def test_alphas_scale_as_diffusers_scales_them(tmp_path):
     got = {n: _delta_ratio(getattr(attn, n), base[n], x, *ab[n]) for n in names}
     assert got == pytest.approx({"to_q": 4.0, "to_k": 4.0, "to_v": 1.0}, rel=1e-4)
     unfuse_lora(pipe)
+    # rsLoRA (use_rslora): alpha / sqrt(r), as peft scales it; a mutation that ignored the flag passed every test
+    (tmp_path / "rs").mkdir()
+    FluxPipeline.save_lora_weights(tmp_path / "rs", transformer_lora_layers=layers,
+                                   transformer_lora_adapter_metadata={"r": 4, "lora_alpha": 8, "use_rslora": True,
+                                                                      "target_modules": names})
+    fuse_lora(pipe, tmp_path / "rs" / "pytorch_lora_weights.safetensors")
+    got = {n: _delta_ratio(getattr(attn, n), base[n], x, *ab[n]) for n in names}
+    assert got == pytest.approx(dict.fromkeys(names, 8 / 4**0.5), rel=1e-4)
+    unfuse_lora(pipe)
     with pytest.raises(ValueError, match="alpha nan is not finite"):
         fuse_lora(pipe, {**sd, f"{key}to_q.alpha": torch.tensor(float("nan"))})
 

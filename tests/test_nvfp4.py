@@ -267,3 +267,23 @@ def test_weight_rows_far_below_float32_normals_get_finite_scales():
     with torch.no_grad():
         lin.weight.copy_(w)
     NVFP4W4A16Linear.from_linear(lin)  # refused the NaN scales before
+
+
+def test_every_scale_and_midpoint_takes_the_reciprocal_rule():
+    """Each value is multiplied by ``1 / s`` (one float32 rounding), not divided by ``s``: the two differ only where a
+    value over its scale lands on an E2M1 midpoint, e.g. the scale byte 0x77 at 5.0 (found by a mutation probe: the
+    random blocks above never hit one). Every finite positive scale byte times every midpoint, in blocks whose
+    maximum (6 s) fixes the scale, against the oracle (which multiplies by the reciprocal, element by element)."""
+    import oracle
+
+    mids = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, -2.5, -5.0]
+    rows = []
+    for byte in range(1, 0x7F):
+        s = oracle.e4m3_value(byte)
+        rows.append([6.0 * s] + [m * s for m in mids] + [0.0] * 5)
+    x = torch.tensor(rows, dtype=torch.float32)
+    packed, scales = nvfp4.quantize_nvfp4(x)
+    codes, scale_bytes = oracle.quantize_act(x)
+    assert torch.equal(scales.view(torch.uint8), scale_bytes)
+    diff = (packed != (codes[:, 0::2] | (codes[:, 1::2] << 4))).nonzero()
+    assert diff.numel() == 0, f"{len(diff)} packed bytes differ, first at scale row {diff[0].tolist()}"

@@ -47,7 +47,8 @@ def test_separate_lowrank_accumulator_does_not_fit_two_stages_at_tile_n_128():
 
 @pytest.mark.parametrize(
     "n,k,r,match",
-    [(3072, 3000, 32, "in_features % 32"), (3070, 3072, 32, "out_features % 8"), (3072, 3072, 24, "multiple of 16"),
+    [(3072, 3000, 32, "in_features % 32"), (3070, 3072, 32, "out_features % 8"), (3068, 3072, 32, "out_features % 8"),
+     (3072, 3072, 24, "multiple of 16"),
      (3072, 3072, 256, "rank <= 128")],
 )
 def test_alignment_errors_say_what_was_expected(n, k, r, match):
@@ -65,6 +66,18 @@ def test_bad_configs_are_refused():
         KernelConfig(64, 128, 32)
     with pytest.raises(Sm100ConfigError, match="rank"):
         KernelConfig(256, 128, 136)
+
+
+def test_config_boundaries_are_where_the_design_puts_them():
+    """Up to 128 tokens one 1-CTA tile; above, 2-CTA, 256 wide where N % 256 == 0, N >= 2048 and the rank is at most
+    32 (a wider prelude leaves 256 x 256 three stages), else 128 wide. Only that the choice exists was tested; a
+    mutation moving either boundary passed."""
+    assert not host.choose_config(128, 3072, 32, "bfloat16").use_2cta
+    assert host.choose_config(129, 3072, 32, "bfloat16").use_2cta
+    assert host.choose_config(4352, 3072, 32, "bfloat16").mma_tile_n == 256
+    assert host.choose_config(4352, 3072, 48, "bfloat16").mma_tile_n == 128
+    assert host.choose_config(4352, 1792, 32, "bfloat16").mma_tile_n == 128  # below 2048
+    assert host.choose_config(4352, 3200, 32, "bfloat16").mma_tile_n == 128  # not a multiple of 256
 
 
 def test_small_m_takes_the_one_cta_tile():

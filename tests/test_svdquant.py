@@ -240,3 +240,32 @@ def test_decomposition_does_not_depend_on_ambient_autocast(svd):
         a, b = getattr(got, name), getattr(want, name)
         assert torch.equal(a, b), f"{name} differs under autocast"
     assert torch.equal(got.wscales.view(torch.uint8), want.wscales.view(torch.uint8))
+
+
+def test_smoothing_factor_follows_alpha_on_both_sides():
+    """``lambda_j = max|x_j|^alpha / max|W_j|^(1 - alpha)`` (SmoothQuant's rule) and the weight-only rule
+    ``max|W_j|^-(1 - alpha)``, geometric-mean normalized: at the default alpha = 0.5 the exponents are symmetric, so
+    a swap of them went unnoticed (a mutation probe); alpha = 0.25 and 0.8 pin them."""
+    torch.manual_seed(0)
+    w = torch.randn(32, 64) * (torch.rand(64) * 4 + 0.1)
+    act = torch.rand(64) * 20 + 0.5
+    w_max = w.abs().amax(0)
+    for alpha in (0.25, 0.8):
+        got = smoothing_factor(w, act, alpha, "activation")
+        assert torch.allclose(got, act.pow(alpha) / w_max.pow(1 - alpha), rtol=1e-5)
+        lam = w_max.pow(-(1 - alpha))
+        assert torch.allclose(smoothing_factor(w, None, alpha, "weight"), lam / lam.log().mean().exp(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("svd", ["full", "lowrank"])
+def test_low_rank_factors_share_the_singular_values_evenly(svd):
+    """``up = U sqrt(S)``, ``down = V sqrt(S)``: both factors' column norms are ``sqrt(S)``, which keeps each in range
+    for bf16 / fp16 (a weight scaled by 1e3 would otherwise put S on one side). A mutation that put all of S on
+    ``up`` kept the product and passed every other test."""
+    from svdq_linear.svdquant import low_rank
+
+    torch.manual_seed(1)
+    a = torch.randn(96, 80) @ torch.diag(torch.logspace(3, 0, 80)) @ torch.linalg.qr(torch.randn(80, 80))[0]
+    up, down = low_rank(a, 8, SVDQuantConfig(rank=8, svd=svd, lowrank_niter=4))
+    s = torch.linalg.svdvals(a)[:8]
+    assert torch.allclose(up.norm(dim=0), s.sqrt(), rtol=1e-3) and torch.allclose(down.norm(dim=0), s.sqrt(), rtol=1e-3)
