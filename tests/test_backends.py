@@ -396,14 +396,18 @@ def test_eager_calls_skip_the_custom_op_only_where_nothing_needs_it(monkeypatch)
     assert not backends.plain_eager_call(x)  # grad mode
 
 
-def test_ops_pass_opcheck():
-    m = _module()
-    x = torch.randn(5, 64)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_ops_pass_opcheck(dtype):
+    """Each entry point's fake against its run, in every input dtype: a fake that reported float32 for a bf16 call
+    passed the float32-only form of this test (a mutation probe)."""
+    m = _module().to(dtype)
+    x = torch.randn(5, 64, dtype=dtype)
     args = (x, m.qweight, m.wscales, m.smooth, m.proj_down, m.proj_up, m.wcscale, m.bias, [], "reference")
     # test_schema is left out: its mutation check multiplies the float8 inputs, which the CPU lacks.
     tests = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(backends.w4a4_linear, args, test_utils=tests)
-    w = NVFP4W4A16Linear.from_linear(torch.nn.Linear(64, 32))
+    torch.library.opcheck(backends.w4a4_fast_linear, args, test_utils=tests)
+    w = NVFP4W4A16Linear.from_linear(torch.nn.Linear(64, 32)).to(dtype)
     torch.library.opcheck(backends.w4a16_linear, (x, w.qweight, w.wscales, w.wcscale, w.bias, [], "reference"),
                           test_utils=tests)
 
