@@ -658,3 +658,26 @@ def test_splitk_epilogue_sums_in_order_and_applies_both_scales(s, m):
     _close(out, ref, "splitk_epilogue with a row scale")
     kernels.splitk_epilogue(part.to(**to), out, cs.to(**to))
     _close(out, part.double().sum(0) * cs.double(), "splitk_epilogue, factors only")
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_triton_gemm_adds_the_low_rank_branch_with_or_without_split_k(split):
+    """``kernels.w4_gemm`` with a low-rank branch, in one pass and split over K (the split's sum and the branch then
+    come from ``splitk_epilogue``): a mutation dropping the branch from the split path passed every test, since the
+    tile rule never splits a call with a branch above 64 tokens. Against the float64 formula."""
+    from svdq_linear.backends.sm90 import kernels
+    from svdq_linear.backends.sm90.tuning import GemmConfig
+
+    gen = torch.Generator().manual_seed(11 + split)
+    m, n, k, r = 24, 64, 384, 16
+    q, ws = _weight(n, k, gen)
+    wc, bias = torch.rand(n, generator=gen) + 0.5, torch.randn(n, generator=gen)
+    a = torch.randn(m, k, generator=gen).bfloat16()
+    up, lora, lr = _lowrank(m, n, r, gen)
+    cfg = GemmConfig(block_n=64, block_m=16, block_k=128, split_k=split, num_warps=4, num_stages=1)
+    to = dict(device=DEV)
+    y = kernels.w4_gemm(a.to(**to), q.to(**to), ws.to(**to), wc.to(**to), bias.to(**to), up.to(**to), lora.to(**to),
+                        torch.float32, cfg)
+    w = nvfp4.dequantize_weight(q, ws, torch.ones(n)).double()
+    ref = (a.double() @ w.T) * wc.double() + lr + bias.double()
+    _close(y, ref, f"w4_gemm, split {split}")
