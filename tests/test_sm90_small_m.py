@@ -681,3 +681,18 @@ def test_triton_gemm_adds_the_low_rank_branch_with_or_without_split_k(split):
     w = nvfp4.dequantize_weight(q, ws, torch.ones(n)).double()
     ref = (a.double() @ w.T) * wc.double() + lr + bias.double()
     _close(y, ref, f"w4_gemm, split {split}")
+
+
+def test_in_kernel_quantization_rounds_every_midpoint_to_even():
+    """The kernel's own NVFP4 quantizer (``ACT_NVFP4``, one or two tokens) at every E2M1 midpoint and beside it,
+    in blocks whose maximum 6 fixes the scale to 1: random inputs never land on one, and a mutation rounding 0.75
+    down passed every test. Against the contract's codes through the float64 formula."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 64, 256
+    q, ws = _weight(n, k, gen)
+    mids = torch.tensor([6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5, 0.7501])
+    x = torch.stack([mids.repeat(k // 16), -mids.repeat(k // 16)])
+    ref = (nvfp4.dequantize_nvfp4(*nvfp4.quantize_nvfp4(x)).double() @ nvfp4.dequantize_nvfp4(q, ws).double().T)
+    y = sm.linear(x.to(DEV), sm.CANONICAL, q.to(DEV), ws.to(DEV), torch.ones(n, device=DEV), n, act=sm.ACT_NVFP4,
+                  smooth=torch.ones(k, device=DEV), out_dtype=torch.float32, fma=True)
+    _close(y, ref, "in-kernel quantization at the midpoints")
