@@ -100,6 +100,13 @@ def test_one_launch_meets_the_fast_formula(m, r, with_bias, dtype, dot):
     y = smf.linear(x.to(DEV), **ops, out_dtype=torch.float32, dot=dot)
     want, bound = _want(x.float(), q, ws, wc, smooth, pd, up, bias, dot)
     _check(y, want, bound, f"m={m} r={r} dot={dot}")
+    if r:
+        # The bound is a worst case (K * 2**-23 of the magnitudes' sums); these inputs land ~1000x inside it. A
+        # lora_act that lost the low bf16 half of its two-part form (2**-9 of itself: a mutation probe) lands at
+        # 0.36-0.72 of it, inside, so the branch's precision is held to a twentieth of the bound.
+        fin = want.isfinite()
+        ratio = ((y.double().cpu() - want).abs()[fin] / bound[fin]).max().item()
+        assert ratio < 0.05, f"m={m} r={r} dot={dot}: err / bound {ratio:.3g}, far above the kernel's usual ~1e-3"
     assert all(int(b.abs().sum()) == 0 for b in small_m._SYNC_WORDS.values()), "sync words left nonzero"
     # a second launch on the same sync words gives the same bits
     assert torch.equal(smf.linear(x.to(DEV), **ops, out_dtype=torch.float32, dot=dot), y)
