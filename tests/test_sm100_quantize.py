@@ -73,3 +73,37 @@ def test_quantize_act_compiles_with_ieee_division_only(arch, tmp_path):
     assert divs == {"div.rn.f32"}, f"expected only IEEE div.rn.f32, got {divs}"
     assert "st.global" in ptx and "ld.local" not in ptx and "st.local" not in ptx
     assert "fma.rn.f32" not in ptx, "a multiply was contracted into an FMA: the contract rounds each one"
+
+
+def test_e2m1_code_by_arithmetic_matches_the_oracle_on_a_dense_sweep(tmp_path):
+    """The pass's E2M1 code (a magic-constant rounding, then the rounded value's bits) against the oracle's
+    nearest-even encoder: every midpoint and its float32 neighbours, a dense grid over [-8, 8], the signs of zero,
+    saturation, NaN and Inf (the interpreter runs the same arithmetic as the GPU: no FMA, IEEE adds)."""
+    script = tmp_path / "sweep.py"
+    script.write_text(textwrap.dedent(
+        """
+        import sys
+        import torch, triton, triton.language as tl
+        sys.path.insert(0, {tests!r})
+        import oracle
+        from svdq_linear.backends.sm100.quantize import _e2m1_code_by_rounding
+
+        @triton.jit
+        def k(q_ptr, c_ptr, N, B: tl.constexpr):
+            i = tl.program_id(0) * B + tl.arange(0, B)
+            tl.store(c_ptr + i, _e2m1_code_by_rounding(tl.load(q_ptr + i, mask=i < N, other=0.0)), mask=i < N)
+
+        base = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 1e-30, 7.0, 1e30])
+        near = torch.cat([base, torch.nextafter(base, torch.full_like(base, 1e38)), torch.nextafter(base, 0 * base)])
+        q = torch.cat([near, -near, torch.linspace(-8, 8, 20001),
+                       torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf")])]).float()
+        got = torch.empty(q.numel(), dtype=torch.int32)
+        k[(triton.cdiv(q.numel(), 1024),)](q, got, q.numel(), B=1024)
+        want = [oracle.encode_e2m1(v) for v in q.tolist()]
+        bad = [(v, g, w) for v, g, w in zip(q.tolist(), got.tolist(), want) if g != w]
+        assert not bad, bad[:5]
+        print("OK")
+        """).format(tests=os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, (r.stdout + r.stderr)[-3000:]

@@ -18,23 +18,10 @@ from . import host
 
 
 @triton.jit
-def _e2m1_code(q):
-    """E2M1 code (int32 0..15) of float32 ``q``: nearest, ties to even, saturating; the sign bit only
-    for strictly negative values, NaN -> 0 (the contract's ``round_e2m1``)."""
-    a = tl.abs(q)
-    mag = (a > 0.25).to(tl.int32)
-    mag += (a >= 0.75).to(tl.int32)
-    mag += (a > 1.25).to(tl.int32)
-    mag += (a >= 1.75).to(tl.int32)
-    mag += (a > 2.5).to(tl.int32)
-    mag += (a >= 3.5).to(tl.int32)
-    mag += (a > 5.0).to(tl.int32)
-    return mag | ((q < 0).to(tl.int32) << 3)
-
-
-@triton.jit
 def _e2m1_code_by_rounding(q):
-    """``_e2m1_code`` by arithmetic instead of seven comparisons: ``|q|`` clamped to 6 is rounded to the E2M1 grid by
+    """E2M1 code (int32 0..15) of float32 ``q``: nearest, ties to even, saturating; the sign bit only for strictly
+    negative values, NaN -> 0 (the contract's ``round_e2m1``). By arithmetic rather than seven comparisons (which
+    had bound the pass: docs/perf.md): ``|q|`` clamped to 6 is rounded to the E2M1 grid by
     one add and subtract of a magic constant (``1.5 * 2**22`` times the grid step of ``max(|q|, 1)``'s binade: the
     step is 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6]; float addition rounds to nearest even on it, which is the
     contract's alternating midpoints 0.25 down, 0.75 up, 1.25 down, ... 5 down), then the code is read off the
