@@ -93,7 +93,8 @@ def test_e2m1_code_by_arithmetic_matches_the_oracle_on_a_dense_sweep(tmp_path):
             i = tl.program_id(0) * B + tl.arange(0, B)
             tl.store(c_ptr + i, _e2m1_code_by_rounding(tl.load(q_ptr + i, mask=i < N, other=0.0)), mask=i < N)
 
-        base = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 1e-30, 7.0, 1e30])
+        base = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 1e-30, 7.0,
+                             1e30])
         near = torch.cat([base, torch.nextafter(base, torch.full_like(base, 1e38)), torch.nextafter(base, 0 * base)])
         q = torch.cat([near, -near, torch.linspace(-8, 8, 20001),
                        torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf")])]).float()
