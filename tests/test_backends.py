@@ -845,3 +845,13 @@ def test_reset_prepared_after_edits_the_seam_cannot_see(derived):
 def test_a_zero_dimensional_input_is_a_clear_error():
     with pytest.raises(ValueError, match=r"last dimension 64, got shape \(\)"):
         _module()(torch.tensor(1.0))
+
+
+def test_a_layers_own_preference_wins_over_the_environment(counting, monkeypatch):
+    """``set_backend`` on a layer beats ``SVDQ_LINEAR_BACKEND``; without one the variable applies (each was tested
+    alone, never both at once)."""
+    monkeypatch.setenv(backends.ENV_BACKEND, "reference")
+    m = _module().set_backend("counting")
+    assert m.backend_for(torch.randn(1, 64)) == "counting"
+    m.set_backend(None)
+    assert m.backend_for(torch.randn(1, 64)) == "reference"

@@ -1010,3 +1010,146 @@ def test_the_filesystem_root_as_output_is_refused_in_words(sources):
 
     with pytest.raises(ConvertError, match="is a filesystem root: name a folder to create"):
         convert(sources["flux"], "/", _quick())
+
+
+# ---- gaps a second mutation probe found (each test fails on its mutation) -------------------------
+
+
+def test_a_w4a4_layer_listed_as_w4a16_is_refused(converted, tmp_path):
+    """The key check refuses tensors the config does not expect, not only missing ones: a W4A4 layer recorded as
+    W4A16 would otherwise load without its smoothing and low-rank branch."""
+    out = _copy(converted, tmp_path)
+    name = "transformer_blocks.1.ff.net.2"
+
+    def edit(c):
+        q = c["quantization_config"]
+        q["w4a4_modules"].remove(name)
+        q["w4a16_modules"].append(name)
+
+    _edit_json(out / "transformer" / "config.json", edit)
+    with pytest.raises(ValueError, match=r"does not match its quantization_config: 3 unexpected tensors"):
+        load_svdq_pipeline(out, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("size_mib", [1.5, 3])
+def test_the_source_fingerprint_sees_the_tail_of_a_file(tmp_path, size_mib):
+    """A resume holds the source to its fingerprint; the tail of a large file (another model of the same shapes
+    differs in its last tensor) must move it, and so must the bytes past the first MiB of a file under 2 MiB, which
+    had not been read at all."""
+    from svdq_linear.convert.convert import _source_fingerprint
+
+    index = {"_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"]}
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    (tmp_path / "transformer").mkdir()
+    f = tmp_path / "transformer" / "diffusion_pytorch_model.safetensors"
+    data = bytearray(int(size_mib * (1 << 20)))
+    f.write_bytes(bytes(data))
+    before = _source_fingerprint(tmp_path, index)
+    data[-10] = 1
+    f.write_bytes(bytes(data))
+    assert _source_fingerprint(tmp_path, index) != before
+
+
+def test_a_refused_second_run_leaves_the_first_runs_partial_alone(sources, tmp_path, monkeypatch):
+    """The lock is taken before the ``.partial`` is opened: a second run refused by it must not have discarded the
+    first run's finished blocks (``overwrite`` would)."""
+    import fcntl
+
+    from svdq_linear.convert.convert import ConvertError, convert
+
+    out = tmp_path / "o"
+    monkeypatch.setenv(FAIL_AFTER_ENV, "1")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        convert(sources["flux"], out, _quick())  # the first run, one block done
+    monkeypatch.delenv(FAIL_AFTER_ENV)
+    progress = (tmp_path / "o.partial" / "progress.json").read_text()
+    with open(tmp_path / "o.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ConvertError, match="another svdq-convert is writing"):
+            convert(sources["flux"], out, _quick(overwrite=True))
+    assert (tmp_path / "o.partial" / "progress.json").read_text() == progress
+
+
+def test_the_summary_counts_bytes_and_kept_tensors_take_the_dtype(sources, tmp_path):
+    """The summary's sizes are the checkpoints' bytes (no test read them), and tensors the recipe keeps (embedders,
+    the final norm) take ``--dtype``: the tiny sources are float32 and the other tests convert to float32."""
+    from svdq_linear.convert.convert import ConvertOptions, convert
+    from svdq_linear.linear import FIXED_DTYPES
+
+    src = load_file(sources["flux"] / "transformer" / "diffusion_pytorch_model.safetensors")
+    s = convert(sources["flux"], tmp_path / "o",
+                ConvertOptions(rank=8, calib=False, dtype="bfloat16", progress=False, device="cpu"))
+    out = {}
+    for f in (tmp_path / "o" / "transformer").glob("*.safetensors"):
+        out.update(load_file(f))
+    assert s.bytes_before == sum(t.numel() * t.element_size() for t in src.values())
+    assert s.bytes_after == sum(t.numel() * t.element_size() for t in out.values()) < s.bytes_before
+    assert f"({s.bytes_before / s.bytes_after:.2f}x smaller)" in s.text()
+    wrong = {k: t.dtype for k, t in out.items()
+             if k.rpartition(".")[2] not in FIXED_DTYPES and t.dtype != torch.bfloat16}
+    assert not wrong, list(wrong.items())[:3]
+
+
+def test_load_svdq_pipeline_never_unpickles_a_component(converted, tmp_path):
+    """A component saved as a pickle (``.bin``) is refused, not loaded: the loader asks diffusers for safetensors."""
+    out = _copy(converted, tmp_path)
+    st = out / "vae" / "diffusion_pytorch_model.safetensors"
+    torch.save(load_file(st), out / "vae" / "diffusion_pytorch_model.bin")
+    st.unlink()
+    with pytest.raises((OSError, ValueError), match="safetensors"):
+        load_svdq_pipeline(out, dtype=torch.float32)
+
+
+def test_a_sharded_source_converts_like_the_single_file(sources, tmp_path):
+    """FLUX.1-dev's transformer is sharded (an index and several files); the tiny sources are single files. The same
+    tensors split in two shards convert to the same bytes."""
+    from svdq_linear.convert.convert import convert
+
+    src = tmp_path / "sharded"
+    shutil.copytree(sources["flux"], src)
+    single = src / "transformer" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(single)
+    single.unlink()
+    keys = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2:])):
+        name = f"diffusion_pytorch_model-{i + 1:05d}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in part}, src / "transformer" / name)
+        weight_map.update(dict.fromkeys(part, name))
+    (src / "transformer" / "diffusion_pytorch_model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    a = convert(src, tmp_path / "a", _quick())
+    b = convert(sources["flux"], tmp_path / "b", _quick())
+    assert a.bytes_after == b.bytes_after
+    for f in sorted((tmp_path / "b" / "transformer").glob("*.safetensors")):
+        x, y = load_file(f), load_file(tmp_path / "a" / "transformer" / f.name)
+        assert x.keys() == y.keys() and all(torch.equal(x[k].view(torch.uint8), y[k].view(torch.uint8)) for k in x)
+
+
+def test_quantize_linears_keeps_a_missing_bias_missing():
+    """Every target of the tiny pipelines has a bias; a layer without one stays without one, in both kinds."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 16, bias=False))
+    svdq_linear.quantize_linears(model, w4a4=["0"], w4a16=["1"], rank=8)
+    assert model[0].bias is None and model[1].bias is None
+    assert "0.bias" not in model.state_dict() and model(torch.randn(4, 64)).shape == (4, 16)
+
+
+def test_collect_act_max_is_the_max_abs_input_over_every_call_and_leaves_no_hook():
+    """Calibration's maxima were checked only through PSNR and headroom, which tolerate signed or averaged maxima:
+    each is the max |x| per channel over every call of every prompt and step, and no hook stays behind."""
+    from svdq_linear.convert import calibrate
+
+    pipe = build_tiny_pipeline("sd3")
+    names = recipes.recipe_for(pipe.transformer).w4a4[:4]
+    seen = {n: [] for n in names}
+    spies = [pipe.transformer.get_submodule(n).register_forward_pre_hook(
+        lambda m, a, n=n: seen[n].append(a[0].detach().reshape(-1, a[0].shape[-1]).clone())) for n in names]
+    got = calibrate.collect_act_max(pipe, names, ["a cat", "a dog"], 2, {"height": 64, "width": 64}, progress=False)
+    for h in spies:
+        h.remove()
+    assert not [m for m in pipe.transformer.modules() if m._forward_pre_hooks], "hooks left behind"
+    for n in names:
+        x = torch.cat(seen[n])
+        assert len(seen[n]) >= 4 and (x < 0).any()  # 2 prompts x 2 steps; signed inputs
+        assert torch.equal(got[n], x.abs().amax(0).float())

@@ -552,3 +552,13 @@ def test_an_img2img_pipeline_without_its_image_names_the_input(image_sources, tm
     rc, _, err = run(capfd, image_sources["img2img"], tmp_path / "o", *FAST, "--calib-input",
                      f"image={image_sources['image']}")
     assert rc == 0, err
+
+
+def test_an_interrupt_is_exit_status_130_in_one_line(tmp_path, capfd, monkeypatch):
+    """Ctrl-C: exit status 130 (the shell's convention for SIGINT), one line, no traceback."""
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "convert", stop)
+    assert cli.main(["tiny:flux", str(tmp_path / "o"), "--no-calib", "--quiet"]) == 130
+    assert capfd.readouterr().err.strip() == "svdq-convert: error: interrupted"

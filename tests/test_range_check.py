@@ -121,3 +121,18 @@ def test_environment_variable_of_another_word_is_refused(monkeypatch):
     monkeypatch.setenv("SVDQ_LINEAR_CHECK_RANGE", "maybe")
     with pytest.raises(ValueError, match=r"\$SVDQ_LINEAR_CHECK_RANGE='maybe': expected 1/true/yes/on or 0/false"):
         linear_mod._flag("SVDQ_LINEAR_CHECK_RANGE")
+
+
+def test_the_check_covers_the_fused_entry_points(monkeypatch):
+    """``SVDQ_LINEAR_CHECK_RANGE`` watches ``forward_cat_gelu`` and ``forward_ada_norm`` too (only ``forward`` was
+    tested)."""
+    import svdq_linear.linear as linear_mod
+
+    monkeypatch.setattr(linear_mod, "_CHECK_RANGE", True)
+    layer, x = _layer()
+    with pytest.warns(RuntimeWarning, match="activation blocks saturate"):
+        layer.forward_cat_gelu(x[:, :32] * 1e4, x[:, 32:])
+    layer, x = _layer(1)
+    shift, scale = torch.zeros(1, 64), torch.full((1, 64), 1e5)
+    with pytest.warns(RuntimeWarning, match="activation blocks saturate"):
+        layer.forward_ada_norm(x[None], shift, scale, 1e-6)

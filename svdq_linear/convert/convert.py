@@ -211,9 +211,9 @@ def _source_fingerprint(src: Path, model_index: dict) -> str:
             digest.update(f"{f.relative_to(src).as_posix()}:{size}".encode())
             with open(f, "rb") as fh:
                 digest.update(fh.read(1 << 20))
-                if size > 2 << 20:
-                    fh.seek(-(1 << 20), os.SEEK_END)
-                    digest.update(fh.read(1 << 20))
+                if size > 1 << 20:  # the last MiB, or the rest of a file under 2 MiB (it had gone unread)
+                    fh.seek(max(1 << 20, size - (1 << 20)))
+                    digest.update(fh.read())
     return digest.hexdigest()
 
 
