@@ -199,7 +199,8 @@ def _local_or_id(model_id: str) -> str:
 
 def _source_fingerprint(src: Path, model_index: dict) -> str:
     """What identifies the source's files without reading them whole: each component's file names and sizes, and
-    the first and last MiB of each (another model of the same shapes differs there), with ``model_index.json``.
+    the first and last MiB of each (all of a file under 2 MiB; another model of the same shapes differs there), with
+    ``model_index.json``.
     A ``--resume`` holds the source to it: a folder replaced by another model under the same path would otherwise
     finish the output with the other model's blocks."""
     digest = hashlib.sha256((src / "model_index.json").read_bytes())
