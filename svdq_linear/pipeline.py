@@ -151,10 +151,13 @@ def quantize_linears(
     qcfg = dq.SVDQuantizationConfig(rank=config.rank, w4a4_modules=list(dict.fromkeys(w4a4)),
                                     w4a16_modules=list(dict.fromkeys(w4a16)))
     kinds = qcfg.targets()
-    stray = sorted(set(act_max or {}) - set(w4a4))
-    if stray:  # a prefix typo ("transformer.x" for "x") would quantize those layers without their statistics
-        raise ValueError(f"act_max names {len(stray)} modules that are not W4A4 targets (e.g. {stray[:3]}): its keys "
-                         f"must be names in w4a4, as model.get_submodule takes them")
+    # a key that names no linear of the model (a prefix typo: "transformer.x" for "x") would leave its layer without
+    # its statistics; keys of other layers are fine (a dict calibrated once, quantized block by block)
+    linears = {n for n, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+    stray = sorted(set(act_max or {}) - linears - set(w4a4))
+    if stray:
+        raise ValueError(f"act_max names {len(stray)} modules the model has no linear under (e.g. {stray[:3]}): its "
+                         f"keys must be module names as model.get_submodule takes them")
     tensors, before = {}, {}
     for name in kinds:
         lin = model.get_submodule(name)

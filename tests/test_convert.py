@@ -753,7 +753,7 @@ def test_quantize_linears_names_the_layer_and_refuses_statistics_it_would_not_us
 
     cases = [
         (dict(w4a4=["a"], act_max={"transformer.a": torch.full((64,), 5.0)}),
-         r"act_max names 1 modules that are not W4A4 targets \(e.g. \['transformer.a'\]\)"),
+         r"act_max names 1 modules the model has no linear under \(e.g. \[.transformer.a.\]\)"),
         (dict(w4a4=["a"], act_max={"a": torch.ones(32)}), r"a: expected act_max as a real tensor \[64\] .*\[32\]"),
         (dict(w4a4=["a"], act_max={"a": torch.ones(64, dtype=torch.bool)}), r"a: expected act_max as a real tensor"),
         (dict(w4a4=["a", "b"], smooth_groups={"a": "g", "b": "g"}),
@@ -766,6 +766,9 @@ def test_quantize_linears_names_the_layer_and_refuses_statistics_it_would_not_us
         with pytest.raises(ValueError, match=match):
             svdq_linear.quantize_linears(m, **{"rank": 8, **kwargs})
         assert dict(m.named_children()) == before, "a layer changed"
+    m = model()  # a dict calibrated once and quantized block by block: another layer's key is fine
+    svdq_linear.quantize_linears(m, w4a4=["a"], rank=8, act_max={"a": torch.ones(64), "c": torch.ones(64)})
+    assert isinstance(m.a, SVDQW4A4Linear) and type(m.c) is torch.nn.Linear
     m = model()
     with torch.no_grad():
         m.c.bias[5] = float("nan")

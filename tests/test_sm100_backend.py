@@ -141,6 +141,8 @@ def test_the_grid_is_sized_by_the_clusters_the_driver_keeps_resident(monkeypatch
     """The persistent grid took SMs / cluster size clusters; where fewer 2-CTA clusters fit at once (GPC
     fragmentation, MPS), the rest ran as a second wave. It now takes the driver's count of active clusters
     (CUTLASS's persistent examples do the same), and the SM count where the driver cannot say."""
+    import contextlib
+
     import cutlass.utils
 
     from svdq_linear.backends import sm100
@@ -159,11 +161,19 @@ def test_the_grid_is_sized_by_the_clusters_the_driver_keeps_resident(monkeypatch
                 raise RuntimeError("driver too old")
             return 70
 
+    current = []
+
+    @contextlib.contextmanager
+    def on(device):  # the query must run with the layer's device current (its context)
+        current.append(device)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", on)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
     monkeypatch.setattr(cutlass.utils, "HardwareInfo", Info)
     monkeypatch.setattr(sm100, "_RESIDENT", {})
     dev = torch.device("cuda", 1)
-    assert sm100.resident_ctas(dev, 2) == 140 and asked == [1]
+    assert sm100.resident_ctas(dev, 2) == 140 and asked == [1] and current == [dev]
     assert sm100.resident_ctas(dev, 2) == 140 and asked == [1], "cached"
     assert sm100.resident_ctas(dev, 1) == 70
     assert sm100.resident_ctas(dev, 4) == 148, "the SM count where the query fails"

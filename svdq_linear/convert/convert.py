@@ -63,14 +63,14 @@ class ConvertWarning(UserWarning):
     """An option that works but costs the user later (``svdq-convert`` prints it on one line)."""
 
 
-def _warn_rank(rank: int, what: str = "--rank") -> None:
+def _warn_rank(rank: int) -> None:
     """Say before the work when the rank leaves a GPU kernel (``backends.rank_note``): the layers would run on a slower
     backend there, which nothing at load time would make obvious."""
     from svdq_linear.backends import rank_note
 
     note = rank_note(rank)
     if note:
-        warnings.warn(f"{what} {rank}: {note}", ConvertWarning, stacklevel=3)
+        warnings.warn(note, ConvertWarning, stacklevel=3)
 
 
 def _flag(name: str) -> str:
@@ -870,7 +870,7 @@ def quantize_pipeline(
     config = SVDQuantConfig.from_kwargs(rank=rank, **config_kwargs)  # checked before the calibration runs
     recipe = recipes.recipe_for(transformer)
     _check_rank(transformer, recipe, config.rank, "rank")
-    _warn_rank(config.rank, "rank")
+    _warn_rank(config.rank)
     act_max = {}
     if calib:
         prompts = calib_prompts if isinstance(calib_prompts, list) else calibrate.read_prompts(calib_prompts)

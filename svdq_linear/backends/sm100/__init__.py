@@ -193,7 +193,8 @@ def resident_ctas(device: torch.device, cluster_size: int) -> int:
         try:
             import cutlass.utils
 
-            clusters = cutlass.utils.HardwareInfo(device.index or 0).get_max_active_clusters(cluster_size)
+            with torch.cuda.device(device):  # the driver query runs in the current context: make it this device's
+                clusters = cutlass.utils.HardwareInfo(device.index or 0).get_max_active_clusters(cluster_size)
             _RESIDENT[key] = min(sms, clusters * cluster_size) if clusters > 0 else sms
         except Exception:  # an older driver, or the query unavailable: the SM count, as before
             _RESIDENT[key] = sms
