@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from . import backends
+from .backends.sm100.host import LOWRANK_ATOM_K
 from .fuse import _FUSED_NAMES
 from .linear import NVFP4W4A16Linear, SVDQW4A4Linear
 
@@ -296,7 +297,7 @@ def _refuse_transformer_keys(pipe, lora, kwargs: dict) -> None:
                          f"removes it)") from cause
 
 
-_RANK_ALIGN = 16  # the Blackwell kernel's rank step (backends.rank_note)
+_RANK_ALIGN = LOWRANK_ATOM_K  # the Blackwell kernel's rank step (backends.rank_note)
 
 
 def _check_in_place(name: str, layer: nn.Module) -> None:

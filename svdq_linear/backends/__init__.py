@@ -245,8 +245,8 @@ def rank_limits() -> dict[str, int]:
 
 
 def rank_note(rank: int) -> str | None:
-    """Why layers of this rank would leave a GPU kernel (the converter and ``fuse_lora`` say so before the work),
-    or None when every kernel takes it. The Blackwell kernel takes positive multiples of 16 up to 128 (one low-rank
+    """Why layers of this rank would leave a GPU kernel (``svdq-convert`` and ``quantize_pipeline`` say so before the
+    work), or None when every kernel takes it. The Blackwell kernel takes positive multiples of 16 up to 128 (one low-rank
     MMA consumes 16 of R; ``sm100.host.layer_alignment_error``); sm90 takes up to 256. A declined layer runs on the
     next backend: on a Blackwell GPU that is the PyTorch reference, 16-100x slower than bf16."""
     from .sm100.host import LOWRANK_ATOM_K
