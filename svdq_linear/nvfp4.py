@@ -292,6 +292,12 @@ def smooth_input(x: torch.Tensor, smooth: torch.Tensor) -> torch.Tensor:
     return x.float() * (1.0 / smooth.float())
 
 
+def proj_down_smoothed(proj_down: torch.Tensor, smooth: torch.Tensor) -> torch.Tensor:
+    """``proj_down / smooth`` in bf16: the operand the tensor-core backends multiply ``x`` (in bf16) by for
+    ``lora_act`` (item 2 of the tolerance: bf16 operands of the low-rank product)."""
+    return (proj_down.float() / smooth.float()[:, None]).to(torch.bfloat16)
+
+
 def w4a4_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,

@@ -21,7 +21,7 @@ from torch import nn
 from . import diffusers_quantizer as dq
 from . import files, nvfp4
 from .linear import MODES, W4A4, W4A16, _check_plain_linear, _is_16_or_32_bit_float, name_layers, set_mode
-from .svdquant import SVDQuantConfig, group_smoothing_factor, svdquant, weight_only
+from .svdquant import SVDQuantConfig, check_act_max, group_smoothing_factor, svdquant, weight_only
 
 
 @dataclass
@@ -88,12 +88,10 @@ def quantize_state_dict(
             raise ValueError(f"smoothing group {groups.get(names[0], names[0])!r} joins layers of different "
                              f"in_features ({', '.join(f'{n}: {k}' for n, k in ks.items())}): one smoothing factor "
                              f"needs one input width")
-        for n in names:
-            a = act_max.get(n)
-            if a is not None and (not isinstance(a, torch.Tensor) or tuple(a.shape) != (ks[n],)
-                                  or a.dtype == torch.bool or a.is_complex()):
-                got = f"{a.dtype} {list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
-                raise ValueError(f"{n}: expected act_max as a real tensor [{ks[n]}] (its in_features), got {got}")
+        for n in names:  # before the group's maxima are stacked, each named
+            if n in act_max:
+                with _named(n):
+                    check_act_max(act_max[n], ks[n])
         stats_in = [act_max[n] for n in names if n in act_max]
         group_act = torch.stack(stats_in).amax(0) if stats_in else None
         lam = group_smoothing_factor([tensors[f"{n}.weight"] for n in names], group_act, config.alpha, config.smooth)

@@ -191,6 +191,17 @@ def group_smoothing_factor(
     return smoothing_factor(torch.cat([w.detach() for w in weights], dim=0), act_max, alpha, rule)
 
 
+def check_act_max(act_max, k: int) -> None:
+    """``act_max`` must be a real tensor ``[K]`` of finite per-input-channel maxima (the calibration's)."""
+    if (not isinstance(act_max, torch.Tensor) or tuple(act_max.shape) != (k,) or act_max.dtype == torch.bool
+            or act_max.is_complex()):
+        got = f"{act_max.dtype} {list(act_max.shape)}" if isinstance(act_max, torch.Tensor) else type(act_max).__name__
+        raise ValueError(f"expected act_max as a real tensor [{k}] (per-input-channel maxima), got {got}")
+    if not torch.isfinite(act_max).all():
+        raise ValueError(f"act_max holds {int((~torch.isfinite(act_max)).sum())} NaN or Inf values (calibration "
+                         "maxima must be finite)")
+
+
 def _check_finite_bias(bias: torch.Tensor | None) -> None:
     """A bias of NaN or Inf is a damaged checkpoint, refused as NaN or Inf weights are (loading refuses it too)."""
     if bias is not None and not torch.isfinite(bias.detach()).all():
@@ -302,13 +313,8 @@ def _svdquant(weight, bias, act_max, config, dtype, smooth, seed) -> SVDQuantWei
         raise ValueError(f"expected in_features % {nvfp4.BLOCK_SIZE} == 0, got {k}")
     if config.rank > min(n, k):
         raise ValueError(f"rank {config.rank} exceeds min(out_features, in_features) = {min(n, k)}")
-    if act_max is not None and tuple(act_max.shape) != (k,):
-        raise ValueError(f"expected act_max of shape ({k},), got {tuple(act_max.shape)}")
-    if act_max is not None and (act_max.dtype == torch.bool or act_max.is_complex()):
-        raise ValueError(f"expected act_max as real per-channel maxima, got {act_max.dtype}")
-    if act_max is not None and not torch.isfinite(act_max).all():
-        raise ValueError(f"act_max holds {int((~torch.isfinite(act_max)).sum())} NaN or Inf values (calibration "
-                         "maxima must be finite)")
+    if act_max is not None:
+        check_act_max(act_max, k)
     if smooth is not None and not (torch.isfinite(smooth) & (smooth > 0)).all():
         raise ValueError("smooth must be finite and positive (it divides the input)")
     if bias is not None and tuple(bias.shape) != (n,):

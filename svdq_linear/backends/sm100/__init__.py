@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ... import nvfp4
 from .. import Backend
 from . import host
 
@@ -119,8 +120,7 @@ class Sm100Backend(Backend):
             proj_up_folded=folded,
             wcscale_pad=wcs,
             bias_pad=bias,
-            proj_down_smoothed=(module.proj_down.to(dev, torch.float32)
-                                / module.smooth.to(dev, torch.float32)[:, None]).to(torch.bfloat16),
+            proj_down_smoothed=nvfp4.proj_down_smoothed(module.proj_down.to(dev), module.smooth.to(dev)),
         )
 
     def extra_tensors(self, prepared: Sm100Prepared) -> list[torch.Tensor]:

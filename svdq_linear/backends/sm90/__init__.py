@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ... import nvfp4
 from ..._env import getenv
 
 from .. import (Backend, device_capability, plain_eager_call, tracing, w4a4_ada_norm_linear, w4a4_cat_gelu_linear,
@@ -351,7 +352,7 @@ class Sm90Backend(Backend):
         if module.kind == "w4a16":
             return None
         r = module.rank
-        pds = (module.proj_down.float() / module.smooth[:, None]).to(torch.bfloat16) if r else None
+        pds = nvfp4.proj_down_smoothed(module.proj_down, module.smooth) if r else None
         patch = None
         if module.kind == "w4a4_fast":
             fw = _quack_fast_module().prepare(module.qweight, module.wscales, module.wcscale, module.bias)
@@ -793,7 +794,7 @@ def _exact_inv(extra: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[tor
 def _proj_down_smoothed(extra: list[torch.Tensor], proj_down: torch.Tensor, smooth: torch.Tensor) -> torch.Tensor:
     """``proj_down / smooth`` in bf16 (``lora_act = x @ it``): the prepared one (``extra[0]``; padded to
     whole windows where the branch joins quack's accumulator), or made here for an unprepared call."""
-    return extra[0] if extra else (proj_down.float() / smooth[:, None]).to(torch.bfloat16)
+    return extra[0] if extra else nvfp4.proj_down_smoothed(proj_down, smooth)
 
 
 _MM_OUT_DTYPE = True  # torch.mm(..., out_dtype=) serves this build (cleared on the first refusal)
