@@ -63,7 +63,7 @@ def _e4m3_round(v):
 def quantize_act_kernel(
     x_ptr, smooth_recip_ptr, codes_ptr, sf_ptr, xs_ptr,
     M, K, stride_xm, atoms_k, rows_pad,
-    WRITE_XS: tl.constexpr, BLOCK_M: tl.constexpr = 8, BLOCK_K: tl.constexpr = 256,
+    WRITE_XS: tl.constexpr, BLOCK_M: tl.constexpr = 16, BLOCK_K: tl.constexpr = 256,
 ):
     # One [BLOCK_M, BLOCK_K] tile a program, read in whole rows of BLOCK_K (coalesced), its 16-value blocks and
     # value pairs taken apart in registers: every byte of x is read once. The grid covers the scale atoms' padded
@@ -89,10 +89,10 @@ def quantize_act_kernel(
     s, s_byte = _e4m3_round(tl.where(bad, 0.0, tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))))
     s = tl.where(bad, float("nan"), s)
     recip = tl.where(s > 0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), 0.0)  # div.rn; 0 for s = 0 or NaN
-    # eight codes a 32-bit word, code j of a word in nibble j (even k in the low nibble of each byte, little
-    # endian): word stores, where byte stores of split pairs had bound the pass at ~40 % of copy bandwidth
     # a NaN block's values (recip 0: NaN for its NaN / Inf entries, else 0) quantize as zeros
     q = tl.where(bad[:, :, None], 0.0, xb * recip[:, :, None])
+    # eight codes a 32-bit word, code j of a word in nibble j (even k in the low nibble of each byte, little
+    # endian): word stores, where byte stores of split pairs had bound the pass at ~40 % of copy bandwidth
     code = tl.reshape(_e2m1_code_by_rounding(q), (BLOCK_M, BLOCK_K // 8, 8)).to(tl.uint32)
     word = tl.sum(code << (tl.arange(0, 8) * 4).to(tl.uint32)[None, None, :], axis=2)  # disjoint nibbles: sum = or
     rk8 = k0 // 8 + tl.arange(0, BLOCK_K // 8)
