@@ -855,3 +855,82 @@ def test_a_layers_own_preference_wins_over_the_environment(counting, monkeypatch
     assert m.backend_for(torch.randn(1, 64)) == "counting"
     m.set_backend(None)
     assert m.backend_for(torch.randn(1, 64)) == "reference"
+
+
+class _ExactOnlyBackend(_CountingBackend):
+    """Covers both modes on the CPU but declines a layer in the fast mode (as sm90 declines fast-mode layers whose
+    widths its FP8 GEMM does not take): what it declines depends on the layer's mode, not on the layer alone."""
+
+    name = "exact_only"
+    kinds = frozenset({"w4a4", "w4a4_fast"})
+
+    def declines(self, module, device):
+        return "no fast-mode kernel for this layer" if module.kind == "w4a4_fast" else None
+
+
+@pytest.fixture
+def exact_only():
+    yield from _registered(_ExactOnlyBackend())
+
+
+def test_a_mode_switch_asks_the_backend_again(exact_only):
+    """A layer's decline is cached per backend, device and kind: switching the layer's mode asks again, in both
+    directions (an answer cached for the layer alone served the fast mode on a backend that had declined it, or
+    kept the exact mode off a backend that takes it)."""
+    x = torch.randn(2, 64)
+    m = _module().set_mode("exact")
+    assert m.backend_for(x) == "exact_only"
+    m.set_mode("fast")
+    assert m.backend_for(x) == "reference"
+    m2 = _module().set_mode("fast")
+    assert m2.backend_for(x) == "reference"
+    m2.set_mode("exact")
+    assert m2.backend_for(x) == "exact_only"
+    with torch.no_grad():
+        ref = nvfp4.w4a4_linear(x, m2.qweight, m2.wscales, m2.smooth, m2.proj_down, m2.proj_up, m2.wcscale, m2.bias)
+        assert torch.equal(m2(x), ref) and exact_only.calls == 1
+
+
+def test_one_tensor_replaced_is_a_new_weight_not_an_offloader(counting):
+    """A single tensor put in anew (accelerate's ``set_module_tensor_to_device`` for one name, a LoRA merge) rebuilds
+    the prepared state once and keeps it cached; only every tensor at a new address between two calls marks the
+    layer as moved per call (which rebuilds the state at every call from then on)."""
+    m = _module()
+    x = torch.randn(2, 64)
+    m(x)
+    with torch.no_grad():
+        m._set("proj_up", m.proj_up * 2)
+    want = nvfp4.w4a4_linear(x, m.qweight, m.wscales, m.smooth, m.proj_down, m.proj_up, m.wcscale, m.bias)
+    for _ in range(3):
+        assert torch.equal(m(x), want)
+    assert counting.prepares == 2, f"prepared {counting.prepares} times for one replaced tensor"
+    assert not backends.weights_are_offloaded(m) and m._dispatch_cache
+
+
+def test_auto_mode_is_exact_where_no_gpu_kernel_serves_the_fast_mode(monkeypatch):
+    """``"auto"`` (the default) resolves to the fast mode only where a backend other than the reference serves it:
+    not on this CPU; with such a backend registered (after the answer was cached), fast, unless the layer prefers a
+    backend that has no fast mode (the reference); with it removed, exact again."""
+    monkeypatch.delenv("SVDQ_LINEAR_MODE", raising=False)  # conftest pins "exact" for the suite
+    monkeypatch.setattr(backends, "_NATIVE_FAST", {})
+    m = _module()
+    assert m.mode == "auto" and m.kind == "w4a4"
+    backend = _ExactOnlyBackend()
+    backends.register_backend(backend, priority=100)
+    try:
+        assert m.kind == "w4a4_fast", "the cached answer missed a backend registered after it"
+        assert m.set_backend("reference").kind == "w4a4"
+        assert m.set_backend("exact_only").kind == "w4a4_fast"
+    finally:
+        backends._ENTRIES.pop(backend.name)
+    assert m.set_backend(None).kind == "w4a4"
+
+
+def test_prepare_before_trace_prepares_only_the_traced_device(standing):
+    """A trace on one device prepares that device's layers only (a pipeline spread over devices compiles a block
+    per device): a trace of the meta device leaves a CPU layer unprepared, a trace of the CPU prepares it."""
+    lone = _module()
+    backends.prepare_before_trace("meta", None, "torch.float32")
+    assert not lone._dispatch_cache and standing.prepares == 0
+    backends.prepare_before_trace("cpu", None, "torch.float32")
+    assert lone._dispatch_cache and standing.prepares == 1

@@ -1156,3 +1156,96 @@ def test_collect_act_max_is_the_max_abs_input_over_every_call_and_leaves_no_hook
         x = torch.cat(seen[n])
         assert len(seen[n]) >= 4 and (x < 0).any()  # 2 prompts x 2 steps; signed inputs
         assert torch.equal(got[n], x.abs().amax(0).float())
+
+
+def _transformer_inputs(kind, g):
+    """Random inputs of the tiny transformers' forward (16 image and 8 text tokens)."""
+    from svdq_linear.convert import tiny
+
+    if kind == "flux":
+        return dict(hidden_states=torch.randn(1, 16, 4 * tiny.VAE_LATENT_CHANNELS, generator=g),
+                    encoder_hidden_states=torch.randn(1, 8, tiny.T5_DIM, generator=g),
+                    pooled_projections=torch.randn(1, tiny.CLIP_DIM, generator=g), timestep=torch.rand(1, generator=g),
+                    img_ids=torch.randint(0, 4, (16, 3), generator=g).float(), txt_ids=torch.zeros(8, 3),
+                    guidance=torch.full((1,), 3.5))
+    return dict(hidden_states=torch.randn(1, tiny.VAE_LATENT_CHANNELS, 8, 8, generator=g),
+                encoder_hidden_states=torch.randn(1, 8, tiny.T5_DIM, generator=g),
+                pooled_projections=torch.randn(1, 2 * tiny.CLIP_DIM, generator=g),
+                timestep=torch.rand(1, generator=g) * 1000)
+
+
+@pytest.mark.parametrize("kind", ["flux", "sd35"])
+def test_smoothing_groups_are_exactly_the_linears_that_read_one_input(kind):
+    """One smoothing factor serves a group, so a group's members must read the very same tensor, and every two W4A4
+    linears of a block that read one tensor must share a group (else the fused q/k/v cannot be built, and their
+    statistics differ for nothing). Seen in a forward of the tiny transformer with hooks, not from the names: the
+    image and context q/k/v of a joint block read different streams, Flux single blocks' ``proj_mlp`` reads q/k/v's
+    input."""
+    from svdq_linear.convert import tiny
+
+    torch.manual_seed(0)
+    transformer = tiny._flux_transformer() if kind == "flux" else tiny._sd3_transformer("sd35")
+    recipe = recipes.recipe_for(transformer)
+    seen = {}
+    hooks = [transformer.get_submodule(n).register_forward_pre_hook(
+        lambda m, a, n=n: seen.setdefault(n, a[0].detach().clone())) for n in recipe.w4a4]
+    with torch.no_grad():
+        transformer(**_transformer_inputs(kind, torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))))
+    for h in hooks:
+        h.remove()
+    assert set(seen) == set(recipe.w4a4)
+    same = lambda a, b: seen[a].shape == seen[b].shape and torch.equal(seen[a], seen[b])  # noqa: E731
+    members = {}
+    for name, group in recipe.groups.items():
+        members.setdefault(group, []).append(name)
+    for group, names in members.items():
+        assert len(names) > 1 and all(same(names[0], n) for n in names), f"{group}: {names} read different inputs"
+    for a in recipe.w4a4:
+        for b in recipe.w4a4:
+            if a < b and recipes.unit_of(a) == recipes.unit_of(b) and same(a, b):
+                assert recipe.groups.get(a) is not None and recipe.groups.get(a) == recipe.groups.get(b), (a, b)
+
+
+class _SeedRecorder:
+    """A pipeline stand-in for ``collect_act_max``: each call runs its transformer (one linear) ``steps`` times on
+    inputs drawn from the call's generator, and records the generator's seed."""
+
+    def __init__(self):
+        self.transformer = torch.nn.Sequential(torch.nn.Linear(8, 4))
+        self.seeds = []
+
+    def __call__(self, prompt, generator, num_inference_steps, output_type):
+        self.seeds.append(generator.initial_seed())
+        for _ in range(num_inference_steps):
+            self.transformer(torch.randn(3, 8, generator=generator) * 4)
+
+
+def test_each_calibration_prompt_runs_from_its_own_seed():
+    """Prompt ``i`` runs from seed ``seed + i`` (not one noise for every prompt), and the maxima are those of the
+    inputs those seeds draw (regenerated here)."""
+    from svdq_linear.convert import calibrate
+
+    seed, steps = int(torch.randint(1 << 20, ())), 2
+    pipe = _SeedRecorder()
+    got = calibrate.collect_act_max(pipe, ["0"], ["a cat", "a dog", "a hat"], steps, seed=seed, progress=False)
+    assert pipe.seeds == [seed, seed + 1, seed + 2], pipe.seeds
+    want = torch.zeros(8)
+    for i in range(3):
+        g = torch.Generator().manual_seed(seed + i)
+        for _ in range(steps):
+            want = torch.maximum(want, (torch.randn(3, 8, generator=g) * 4).abs().amax(0))
+    assert torch.equal(got["0"], want), (got["0"], want)
+
+
+def test_prompt_files_skip_blank_lines_and_comments(tmp_path):
+    """A prompt file holds one prompt a line; blank lines and lines starting with ``#`` (after spaces) are skipped,
+    a ``#`` inside a prompt is kept; ``limit`` takes the first prompts."""
+    from svdq_linear.convert import calibrate
+
+    f = tmp_path / "prompts.txt"
+    f.write_text("# calibration set\n\n  a cat  \n   # an indented comment\n\t\na dog # on a mat\nthe end\n")
+    assert calibrate.read_prompts(f) == ["a cat", "a dog # on a mat", "the end"]
+    assert calibrate.read_prompts(f, 2) == ["a cat", "a dog # on a mat"]
+    f.write_text("# only\n  # comments\n\n")
+    with pytest.raises(ValueError, match="no prompts"):
+        calibrate.read_prompts(f)

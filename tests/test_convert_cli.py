@@ -562,3 +562,38 @@ def test_an_interrupt_is_exit_status_130_in_one_line(tmp_path, capfd, monkeypatc
     monkeypatch.setattr(cli, "convert", stop)
     assert cli.main(["tiny:flux", str(tmp_path / "o"), "--no-calib", "--quiet"]) == 130
     assert capfd.readouterr().err.strip() == "svdq-convert: error: interrupted"
+
+
+def test_every_option_reaches_the_conversion_as_given(tmp_path, capfd, monkeypatch):
+    """``main`` hands ``convert`` the options the command line gave, each in its own field: without flags exactly
+    ``ConvertOptions()`` (the library's defaults, which the help text states), and every flag set to a value other
+    than its default lands in its field (``convert`` is stubbed: the mapping is the promise here). ``--refine-iters``,
+    ``--svd`` and a changed ``--alpha`` default were never checked: each could have been dropped silently."""
+    calls = []
+
+    class Summary:
+        out_dir = str(tmp_path / "o")
+
+        def text(self):
+            return "svdq-convert: wrote nothing (stubbed)"
+
+    monkeypatch.setattr(cli, "convert", lambda model_id, out_dir, opts: calls.append((model_id, out_dir, opts))
+                        or Summary())
+    rc, _, err = run(capfd, "some/model", tmp_path / "o")
+    assert rc == 0, err
+    assert calls[-1][:2] == ("some/model", str(tmp_path / "o"))
+    assert calls[-1][2] == ConvertOptions(), calls[-1][2]
+    prompts = tmp_path / "p.txt"
+    rc, _, err = run(capfd, "some/model", tmp_path / "o", "--rank", "48", "--alpha", "0.25", "--svd", "full",
+                     "--refine-iters", "3", "--act-headroom", "2", "--calib-prompts", prompts, "--calib-num", "5",
+                     "--calib-steps", "7", "--calib-resolution", "256", "--calib-offload", "--calib-input",
+                     "image=a.png", "--calib-input", "mask_image=m.png", "--device", "cuda:1", "--dtype", "float16",
+                     "--resume", "--quiet")
+    assert rc == 0, err
+    want = ConvertOptions(rank=48, alpha=0.25, svd="full", refine_iters=3, act_headroom=2, calib=True,
+                          calib_prompts=str(prompts), calib_num=5, calib_steps=7, calib_resolution=256,
+                          calib_offload=True, calib_inputs={"image": "a.png", "mask_image": "m.png"}, device="cuda:1",
+                          dtype="float16", resume=True, progress=False)
+    assert calls[-1][2] == want, calls[-1][2]
+    rc, _, err = run(capfd, "some/model", tmp_path / "o", "--no-calib", "--svd", "lowrank", "--overwrite")
+    assert rc == 0 and calls[-1][2] == ConvertOptions(calib=False, svd="lowrank", overwrite=True), calls[-1][2]

@@ -133,6 +133,8 @@ def test_precompile_refuses_a_malformed_python_version(capsys):
     (["--arch", "sm_100a", "--quick"], "--quick and --python apply to --arch sm_90a, not sm_100a"),
     (["--arch", "sm_90a", "--out", ""], "--out: expected a folder, got ''"),
     (["--arch", "sm_90a", "--out", "{file}"], "--out {file}: File exists"),
+    (["--arch", "sm_100a", "--python", "3.12"], "--quick and --python apply to --arch sm_90a, not sm_100a"),
+    (["--arch", "sm_90a", "--python", "3.12.1"], "--python takes a version like 3.12, got '3.12.1'"),
 ])
 def test_precompile_refuses_bad_arguments_in_one_line(args, says, tmp_path, capsys):
     """An existing file as --out gave a traceback, --out "" compiled into the current folder, and --quick / --python
@@ -144,6 +146,37 @@ def test_precompile_refuses_bad_arguments_in_one_line(args, says, tmp_path, caps
     with pytest.raises(SystemExit) as e:
         main([fill(a) for a in args])
     assert e.value.code == 2 and fill(says) in capsys.readouterr().err
+
+
+def test_kernels_that_failed_to_compile_make_the_exit_status_1(tmp_path, capsys, monkeypatch):
+    """A run whose report holds a kernel with ``ok: False`` (a quack shape that failed in its child process) exits 1
+    and says how many failed, after writing the whole report; a run without one exits 0. The compiles are stubbed:
+    the exit status is the promise here."""
+    from svdq_linear import precompile
+
+    records = [{"kernel": "w4_gemm_a", "arch": "sm_90a"}, {"kernel": "quack_w4a8_b", "arch": "sm_90a", "ok": True}]
+    monkeypatch.setattr(precompile, "precompile_sm90", lambda out, keep, quick: list(records))
+    failed = [{"kernel": "quack_w4a16_c", "arch": "sm_90a", "ok": False, "error": "boom"}]
+    for quack, rc in (([], 0), (failed, 1)):
+        monkeypatch.setattr(precompile, "precompile_sm90_quack", lambda out, keep, quick, py, q=quack: list(q))
+        out = tmp_path / f"rc{rc}"
+        assert precompile.main(["--arch", "sm_90a", "--out", str(out), "--quick"]) == rc
+        report = json.loads((out / "report-sm_90a.json").read_text())
+        assert [r["kernel"] for r in report] == [r["kernel"] for r in records + quack]
+        err = capsys.readouterr().err
+        assert ("1 kernels failed to compile" in err) == (rc == 1), err
+
+
+def test_quack_variants_start_at_the_backends_token_threshold():
+    """quack's W4A16 GEMM serves the exact mode from ``QUACK_MIN_M`` tokens (``sm90.QUACK_MIN_M``), so the precompile
+    builds it for a shape of exactly that many tokens and not one fewer; the fast mode's FP8 GEMM at every M."""
+    pytest.importorskip("quack")
+    from svdq_linear.backends.sm90 import QUACK_MIN_M
+    from svdq_linear.backends.sm90 import quack_precompile as qp
+
+    labels = [label for label, _ in qp.variants([(QUACK_MIN_M, 3072, 3072), (QUACK_MIN_M - 1, 3072, 3072)], True)]
+    assert labels == [f"quack_w4a16_{QUACK_MIN_M}x3072x3072_r32", f"quack_w4a8_{QUACK_MIN_M}x3072x3072_r32",
+                      f"quack_w4a8_{QUACK_MIN_M - 1}x3072x3072_r32"], labels
 
 
 _LAUNCHES = """

@@ -77,6 +77,7 @@ def test_config_boundaries_are_where_the_design_puts_them():
     assert host.choose_config(4352, 3072, 32, "bfloat16").mma_tile_n == 256
     assert host.choose_config(4352, 3072, 48, "bfloat16").mma_tile_n == 128
     assert host.choose_config(4352, 1792, 32, "bfloat16").mma_tile_n == 128  # below 2048
+    assert host.choose_config(4352, 2048, 32, "bfloat16").mma_tile_n == 256  # 2048 itself is wide enough
     assert host.choose_config(4352, 3200, 32, "bfloat16").mma_tile_n == 128  # not a multiple of 256
 
 
@@ -260,3 +261,111 @@ def test_chosen_configs_are_library_configs(m, n, rank):
     # every configuration a call can pick is one that svdq-precompile compiles and CI checks
     cfg = host.choose_config(m, n, rank, "float16")
     assert any((c.mma_tile_m, c.mma_tile_n) == (cfg.mma_tile_m, cfg.mma_tile_n) for c in LIBRARY_CONFIGS), cfg.name
+
+
+@pytest.mark.parametrize("rank", range(16, host.MAX_RANK + 1, 16))
+def test_the_low_rank_atoms_of_a_tile_cover_every_column_of_the_rank(rank):
+    """The prelude's chunks (``num_lowrank_chunks`` of ``lowrank_chunk`` columns, ``lowrank_atoms_per_chunk`` MMAs of
+    16 each) multiply every one of R's columns in every tile, and nothing past the last 64-column TMA box (columns
+    past R there are the box's zero fill). A floor for the chunk count (``rank // 64``) issued no low-rank MMA at all
+    below rank 64 and dropped the last 32 columns at rank 96, and the pipeline model, counting against the same
+    config, agreed."""
+    cfg = KernelConfig(256, 128, rank)
+    res = run_model(cfg, 4, 5, 2)
+    boxes = -(-rank // host.LOWRANK_CHUNK)  # 64-column boxes of proj_up / lora_act, by hand
+    for tile in range(2):
+        cols = [c * cfg.lowrank_chunk + a * host.LOWRANK_ATOM_K + j
+                for c, a in res.lowrank_atoms[tile] for j in range(host.LOWRANK_ATOM_K)]
+        assert len(cols) == len(set(cols)), f"rank {rank}, tile {tile}: a column multiplied twice"
+        missing = sorted(set(range(rank)) - set(cols))
+        assert not missing, f"rank {rank}, tile {tile}: columns {missing[:4]}... never multiplied"
+        assert max(cols) < boxes * host.LOWRANK_CHUNK, f"rank {rank}: columns up to {max(cols)} read"
+
+
+# ----------------------------------------------------------------------------- the backend object (no GPU)
+
+
+def _sm100_module(k=256, n=192, rank=32, dtype=torch.bfloat16):
+    from svdq_linear import SVDQW4A4Linear
+
+    return SVDQW4A4Linear.from_linear(torch.nn.Linear(k, n), rank=rank).to(dtype)
+
+
+@pytest.mark.parametrize("cap, arch", [((10, 0), "sm_100a"), ((10, 3), "sm_103a"), ((9, 0), None), ((12, 0), None),
+                                       ((11, 0), None), ((8, 9), None)])
+def test_arch_of_is_compute_capability_10_only(cap, arch, monkeypatch):
+    """Only datacenter Blackwell (10.0: B200, 10.3: B300) takes the tcgen05 kernel: consumer Blackwell (12.x) and
+    Hopper have no tcgen05, and a check for ``major >= 10`` would have launched it there."""
+    from svdq_linear.backends import sm100
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    assert sm100.arch_of(torch.device("cuda", 0)) == arch, cap
+    assert sm100.Sm100Backend().supports(torch.device("cuda", 0), "w4a4") == (arch is not None)
+    assert sm100.arch_of(torch.device("cpu")) is None
+
+
+def test_on_a_blackwell_device_calls_decline_only_what_the_kernel_cannot_read(monkeypatch):
+    """With the device check passed (``arch_of`` stubbed: no GPU here), a call is declined for an fp32 input or one
+    whose rows are not contiguous along K (TMA reads unit-stride rows), and taken in bf16 and fp16, the kernel's two
+    output dtypes."""
+    from svdq_linear.backends import sm100
+
+    monkeypatch.setattr(sm100, "arch_of", lambda device: "sm_100a")
+    b, m = sm100.Sm100Backend(), _sm100_module()
+    for dtype in (torch.bfloat16, torch.float16):
+        assert b.declines_call(m, torch.randn(5, 256).to(dtype)) is None, dtype
+        strided = torch.randn(256, 5).to(dtype).t()  # [5, 256], stride 1 along M
+        assert "unit stride" in (b.declines_call(m, strided) or ""), dtype
+    assert "float32" in (b.declines_call(m, torch.randn(5, 256)) or "")
+
+
+def test_a_fold_beyond_float16_but_within_bfloat16_is_taken():
+    """``proj_up / wcscale`` is held in bf16 for both output dtypes, so a fold beyond float16's 65504 (here 1e5,
+    common where wcscale is small) runs on the kernel; only one beyond bf16's range is declined."""
+    from svdq_linear.backends.sm100 import Sm100Backend
+
+    for dtype in (torch.bfloat16, torch.float16):
+        m = _sm100_module(dtype=dtype)
+        m.wcscale[3] = 1e-3
+        m.proj_up.data[3, 0] = 100.0
+        assert Sm100Backend().declines(m) is None, dtype
+        m.wcscale[3] = 1e-37
+        assert "overflows" in Sm100Backend().declines(m), dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_prepare_keeps_the_bias_in_float32_exactly(dtype):
+    """The epilogue adds ``bias_pad`` in float32: the layer's bias bit for bit (an fp16 or fp32 bias through bf16
+    would lose mantissa bits), zeros past N."""
+    from svdq_linear.backends.sm100 import Sm100Backend
+
+    m = _sm100_module(n=200, dtype=dtype)
+    m.bias.data.copy_((torch.randn(200) * 3).to(dtype))
+    p = Sm100Backend().prepare(m)
+    assert torch.equal(p.bias_pad[:200], m.bias.float()), (p.bias_pad[:200] - m.bias.float()).abs().max()
+    assert not p.bias_pad[200:].any()
+
+
+@pytest.mark.parametrize("m_rows, dtype", [(8, torch.bfloat16), (128, torch.float16), (300, torch.bfloat16),
+                                           (129, torch.float16)])
+def test_a_call_launches_the_tile_of_its_token_count_and_dtype(m_rows, dtype, monkeypatch):
+    """``run_w4a4`` hands the launch the config of its own call (the launch itself is stubbed: no GPU): one 1-CTA
+    tile up to 128 tokens, 2-CTA above (the design's rule, by hand; N = 192 is 128 wide), the input's dtype as the
+    output's, the layer's rank, and M, N, K in that order."""
+    from svdq_linear.backends.sm100 import Sm100Backend, quantize
+
+    mod = _sm100_module(k=256, n=192, rank=32, dtype=dtype)
+    b = Sm100Backend()
+    seen = {}
+    monkeypatch.setattr(quantize, "quantize_act", lambda x, recip, want_xs=False: (None, None, None))
+    monkeypatch.setattr(b, "_launch", lambda cfg, arch, *args: seen.update(cfg=cfg, mnk=args[-3:], out=args[6]))
+    t = mod._parameters
+    x = torch.randn(m_rows, 256).to(dtype)
+    y = b.run_w4a4(x, t["qweight"], t["wscales"], t["smooth"], t["proj_down"], t["proj_up"], t["wcscale"], t["bias"],
+                   b.extra_tensors(b.prepare(mod)))
+    cfg = seen["cfg"]
+    want_tile = (128, 128) if m_rows <= 128 else (256, 128)
+    assert (cfg.mma_tile_m, cfg.mma_tile_n) == want_tile, (m_rows, cfg.name)
+    assert cfg.out_dtype == str(dtype).removeprefix("torch.") and cfg.rank == 32, cfg.name
+    assert seen["mnk"] == (m_rows, 192, 256) and seen["out"] is y and y.shape == (m_rows, 192) and y.dtype == dtype

@@ -101,3 +101,60 @@ def test_chosen_config_keeps_enough_ab_stages(rank, m, n):
     cfg = host.choose_config(m, n, rank, "bfloat16")
     want = 4
     assert smem_budget(cfg)["num_ab_stage"] >= want, cfg.name
+
+
+@pytest.mark.parametrize("cfg", LIBRARY_CONFIGS[::2], ids=lambda c: c.name)
+def test_tmem_plan_gives_the_scale_factors_the_columns_cutes_layouts_span(cfg):
+    """``host.tmem_plan`` places SFB right after SFA's columns, so SFA's count must be what CuTe's TMEM layout of the
+    kernel's SFA tile spans (``make_tmem_layout_sfa`` over the one-stage SMEM layout, as ``kernel.mma`` builds it):
+    fewer columns would put SFB over the last SFA columns; the same for SFB, which must end inside the allocation.
+    Only the accumulator's span was checked (by the kernel, at trace time)."""
+    import cutlass.cute as cute
+    import cutlass.utils.blockscaled_layout as blockscaled_utils
+    from cutlass.cute.nvgpu import tcgen05
+
+    from svdq_linear.backends.sm100.layouts import SF_DTYPE, build_layouts
+
+    got = {}
+
+    @cute.jit
+    def trace():
+        lay = build_layouts(cfg)
+        ptr = cute.make_ptr(SF_DTYPE, 0, cute.AddressSpace.tmem)
+        for name, make, smem in (("sfa", blockscaled_utils.make_tmem_layout_sfa, lay.sfa_smem),
+                                 ("sfb", blockscaled_utils.make_tmem_layout_sfb, lay.sfb_smem)):
+            layout = make(lay.tiled_mma, lay.mma_tiler, 16, cute.slice_(smem, (None, None, None, 0)))
+            got[name] = tcgen05.find_tmem_tensor_col_offset(cute.make_tensor(ptr, layout))
+
+    trace()
+    plan = host.tmem_plan(cfg)
+    assert (plan.sfa_cols, plan.sfb_cols) == (got["sfa"], got["sfb"]), (plan, got)
+    assert plan.offsets["sfb"] == plan.offsets["sfa"] + got["sfa"]
+    assert plan.offsets["sfb"] + got["sfb"] <= plan.alloc_cols <= host.TMEM_COLUMNS
+
+
+def test_the_stage_count_is_the_most_the_kernels_struct_fits_in_any_capacity():
+    """At a capacity of exactly the kernel's shared-memory struct for S stages, ``build_layouts`` takes S stages; one
+    byte less, S - 1, and below two stages it refuses (a one-stage pipeline cannot overlap a load with an MMA). The
+    budget's barrier bytes and padding are thereby held to the real struct at every stage count, not only at the
+    227 KiB of sm_100."""
+    import cutlass.cute as cute
+
+    from svdq_linear.backends.sm100.host import Sm100ConfigError
+    from svdq_linear.backends.sm100.layouts import build_layouts, shared_storage
+
+    cfg = LIBRARY_CONFIGS[0]
+    got = {}
+
+    @cute.jit
+    def trace():
+        for s in (2, 3):
+            size = shared_storage(build_layouts(cfg, smem_capacity=1 << 30, num_ab_stage=s), cfg).size_in_bytes()
+            got[s] = build_layouts(cfg, smem_capacity=size).num_ab_stage
+            try:
+                got[s - 0.5] = build_layouts(cfg, smem_capacity=size - 1).num_ab_stage
+            except Sm100ConfigError:
+                got[s - 0.5] = "refused"
+
+    trace()
+    assert got == {2: 2, 1.5: "refused", 3: 3, 2.5: 2}, got

@@ -65,6 +65,100 @@ def test_tile_table_is_well_formed():
         assert cfg.split_k >= 1 and 3072 % cfg.block_k == 0
 
 
+def test_pick_reads_the_row_of_the_smallest_bucket_that_holds_the_tokens():
+    """``pick(m)`` takes ``configs.json``'s row for the smallest M bucket >= m (the largest past the last bucket):
+    a bucket's own token count is its row's (512 tokens ran the 1024 row's 256 x 64 tile when the bucket search
+    took the next bucket up at equality)."""
+    from svdq_linear.backends.sm90 import tuning
+
+    raw = json.loads(tuning._TABLE.read_text())["configs"]
+    buckets = sorted(map(int, raw))
+    ms = set(buckets) | {b + 1 for b in buckets} | set(torch.randint(1, 9000, (40,)).tolist())  # fresh each run
+    for m in sorted(ms):
+        want = next((b for b in buckets if b >= m), buckets[-1])
+        assert tuning.m_bucket(m) == want, (m, tuning.m_bucket(m), want)
+        cfg, row = tuning.pick(m, 3072, 3072), raw[str(want)]
+        assert (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.group_n) == (
+            row["block_n"], row["block_k"], row["num_warps"], row["group_n"]), (m, want, cfg)
+
+
+def test_split_k_covers_the_sms_twice_where_k_allows():
+    """Where the table leaves split-K to the rule (its small-M rows; the Triton GEMM serves W4A16 calls of 33-64
+    tokens with them), the split is the smallest power of two up to 16 whose CTAs cover the 132 SMs twice, or the
+    largest that keeps at least four K-steps a split (the rule written out here by brute force)."""
+    from svdq_linear.backends.sm90 import tuning
+
+    rows = json.loads(tuning._TABLE.read_text())["configs"]
+    checked = 0
+    for m in range(33, 65):
+        for n, k in ((3072, 3072), (3072, 9216), (3072, 18432), (12288, 3072), (2432, 14592)):
+            cfg = tuning.pick(m, n, k)
+            if rows[str(tuning.m_bucket(m))]["split_k"] != 0:
+                continue
+            tiles = -(-n // cfg.block_n) * -(-m // cfg.block_m)
+            allowed = [s for s in (1, 2, 4, 8, 16) if s == 1 or (k // cfg.block_k) // s >= 4]
+            want = next((s for s in allowed if tiles * s >= 2 * tuning.SM_COUNT), allowed[-1])
+            assert cfg.split_k == want, f"M {m}, N {n}, K {k}: split {cfg.split_k}, expected {want} ({tiles} tiles)"
+            checked += 1
+    assert checked > 100
+
+
+def test_prefill_tile_ties_go_to_the_wider_tile():
+    """Among token-tile widths of equal model cost (waves x width) the prefill rule takes the widest: narrower
+    tiles run their wgmmas less efficiently, which is why 256 is the default (``tuning.prefill_tiles``). Ties are
+    common: 1046 tokens x 18432 rows cost 224 wide as 192 wide does."""
+    from svdq_linear.backends.sm90 import tuning
+
+    def waves_x_width(m, n, tn, sms=132):
+        return -(-(-(-n // 128) * -(-m // tn)) // sms) * tn
+
+    ties = 0
+    for m in range(1025, 12000, 37):
+        for n in (3072, 9216, 12288, 15360, 18432, 21504):
+            tn = tuning.prefill_tiles(m, n)[1]
+            costs = {w: waves_x_width(m, n, w) for w in tuning.PREFILL_TOKEN_TILES}
+            best = min(costs.values())
+            if tn != 256 or costs[256] == best:
+                assert tn == max(w for w, c in costs.items() if c == best), (m, n, tn, costs)
+            ties += sum(c == best for c in costs.values()) > 1
+    assert ties > 10
+    assert tuning.prefill_tiles(1046, 18432) == (128, 224)
+
+
+def test_lora_act_split_keeps_two_of_the_kernels_k_steps_at_every_rank():
+    """The Triton ``lora_act``'s k-step is 128 where its padded rank (the next power of two, at least 16) is at most
+    64, else 64 (``kernels.lora_act``); the default plan's split keeps at least two such steps a split and is the
+    largest power of two up to ``LORA_ACT_CONFIG``'s split that does. At rank 64 a plan that assumed 64-wide steps
+    split 512 columns four ways: one 128-wide step a split."""
+    from svdq_linear.backends.sm90 import tuning
+
+    split_max = tuning.LORA_ACT_CONFIG[1]
+    for r in (1, 8, 16, 17, 32, 48, 63, 64, 65, 96, 128):
+        step = 128 if max(16, 1 << (r - 1).bit_length()) <= 64 else 64
+        for k in (256, 384, 512, 768, 1024, 3072):
+            want = max([s for s in (1, 2, 4, 8, 16) if s <= split_max and (s == 1 or k // s >= 2 * step)])
+            got = tuning.lora_act_plan(4096, k, r).split
+            assert got == want, f"rank {r}, K {k}: split {got}, expected {want} ({step}-column k-steps)"
+
+
+def test_sm_count_asks_the_device_of_the_call(monkeypatch):
+    """``tuning.sm_count`` sizes grids by the SMs of the tensor's own GPU (``cuda:1`` in a pipeline spread over two
+    unequal GPUs), not those of GPU 0; ``SM_COUNT`` off CUDA. The driver is stubbed (no GPU here)."""
+    from types import SimpleNamespace
+
+    from svdq_linear.backends.sm90 import tuning
+
+    sms = {0: 132, 1: 114, 2: 78}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(multi_processor_count=sms[i]))
+    tuning._sm_count.cache_clear()
+    try:
+        for i, n in sms.items():
+            assert tuning.sm_count(torch.device("cuda", i)) == n, i
+        assert tuning.sm_count(torch.device("cpu")) == tuning.SM_COUNT
+    finally:
+        tuning._sm_count.cache_clear()
+
+
 def test_exact_state_stands_in_and_the_triton_gemm_rebuilds_per_call():
     """quack's blob and strip stand in for the canonical qweight and wscales (bit for bit); a call the
     Triton GEMM serves (fewer than QUACK_MIN_M tokens) rebuilds them and gives the same bytes as with
@@ -211,6 +305,7 @@ def test_lora_act_plan_rule_and_environment():
 
     lo = tuning.LORA_ACT_MIN_M
     assert tuning.lora_act_plan(lo - 1, 3072, 32) is None and tuning.lora_act_plan(4096, 3072, 0) is None
+    assert tuning.lora_act_plan(lo, 3072, 32) is not None  # from LORA_ACT_MIN_M tokens on
     bm, s, w, st = tuning.LORA_ACT_CONFIG
     assert tuning.lora_act_plan(4096, 3072, 96) == tuning.LoraActPlan(bm, s, w, st)
     assert tuning.lora_act_plan(4096, 256, 32).split == 1  # 256 columns: two 128-column steps in all
@@ -233,7 +328,7 @@ def test_triton_gemm_stays_at_two_stages_above_64_tokens():
     for m in (65, 128, 512, 1000, 4096, 8192):
         for n, k in ((3072, 3072), (12288, 3072), (3072, 12288)):
             assert tuning.pick(m, n, k).num_stages <= tuning.MAX_STAGES_ABOVE_64 == 2
-    assert tuning.pick(16, 3072, 3072).num_stages == 4
+    assert tuning.pick(16, 3072, 3072).num_stages == tuning.pick(64, 3072, 3072).num_stages == 4  # 64: not above
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the mis-compile is the GPU compiler's)")

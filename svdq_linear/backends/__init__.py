@@ -391,19 +391,24 @@ def _moved_since(old_key: tuple, new_key: tuple) -> bool:
     return old_key[0] == new_key[0] and len(old_key) == len(new_key) and bool(pairs) and all(a != b for a, b in pairs)
 
 
-_NATIVE_FAST: dict[tuple, bool] = {}
+# (device type, index, preferred) -> (registry snapshot, answer)
+_NATIVE_FAST: dict[tuple, tuple[tuple, bool]] = {}
 
 
 def fast_mode_is_native(device: torch.device, preferred: str | None = None) -> bool:
     """Whether a GPU kernel (not the reference) would serve fast-mode layers on ``device``: what the
-    ``"auto"`` mode resolves to fast on. With a preferred backend, only that backend counts."""
+    ``"auto"`` mode resolves to fast on. With a preferred backend, only that backend counts. Cached until
+    the registry changes (a backend registered later is seen, as by ``candidates``)."""
     if device.type == "meta":
         return False
     key = (device.type, device.index, preferred)
-    if key not in _NATIVE_FAST:
+    snap = _registry_snapshot()
+    hit = _NATIVE_FAST.get(key)
+    if hit is None or hit[0] != snap:
         native = [b.name for b in candidates(device, "w4a4_fast") if b.name != "reference"]
-        _NATIVE_FAST[key] = bool(native) and (preferred is None or preferred in native)
-    return _NATIVE_FAST[key]
+        hit = (_registry_snapshot(), bool(native) and (preferred is None or preferred in native))  # after loads
+        _NATIVE_FAST[key] = hit
+    return hit[1]
 
 
 def choose(module, x: torch.Tensor, kind: str | None = None) -> Backend:
