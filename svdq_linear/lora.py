@@ -171,7 +171,7 @@ def _adapters(state: dict[str, torch.Tensor], prefix: str) -> dict[str, tuple]:
 
 
 def _balanced(down: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``down * 2^e``, ``up * 2^-e`` (same product, fp32) with the two maxima within a factor 2 of each other, so
+    """``down * 2^e``, ``up * 2^-e`` (same product, fp32) with the two maxima within a factor 4 of each other, so
     neither falls out of fp16's range when stored: ``smooth`` can be far from 1 (its activation factor is a power of
     two chosen from the calibrated inputs)."""
     md, mu = float(down.abs().max()), float(up.abs().max())

@@ -561,3 +561,219 @@ def test_a_context_stream_kept_in_16_bits_fuses_as_diffusers_does():
     with pytest.raises(RuntimeError, match="partly quantized.*add_k_proj: Linear"):
         mixed.attn.fuse_projections()
     assert not hasattr(mixed.attn, "to_qkv") and not mixed.attn.fused_projections
+
+
+def _parts(outs, biases, seed):
+    """W4A4 layers of one input (64 wide) with the given output widths and biases, sharing one smoothing factor."""
+    torch.manual_seed(seed)
+    layers = [SVDQW4A4Linear.from_linear(torch.nn.Linear(DIM, n, bias=b), rank=4, act_max=torch.rand(DIM) + 0.5)
+              for n, b in zip(outs, biases)]
+    for layer in layers[1:]:
+        layer.smooth.copy_(layers[0].smooth)  # one input, one smoothing factor (as the converter groups them)
+    return layers
+
+
+def test_stacked_layer_keeps_the_bias_of_parts_after_one_without():
+    """``concat_w4a4`` of layers where only some have a bias, the first one without: the stacked layer has a bias,
+    zeros on the rows of the layers without one, and its output is the parts' outputs side by side."""
+    from svdq_linear.fuse import concat_w4a4
+
+    layers = _parts((32, 48, 16), (False, True, False), seed=12)
+    x = torch.randn(5, DIM, generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        want = torch.cat([layer(x) for layer in layers], dim=-1)
+        fused = concat_w4a4(layers)
+        got = fused(x)
+    assert fused.bias is not None, "the stacked layer dropped the bias of layer 1"
+    assert not fused.bias[:32].any() and not fused.bias[80:].any(), "the parts without a bias got a nonzero one"
+    err = (got - want).abs().max().item()
+    assert err <= 1e-5, f"stacked output differs from the parts' outputs by {err} (largest |y| {want.abs().max():.3f})"
+
+
+def test_stacked_layer_keeps_the_backend_preference_of_its_parts():
+    """``set_backend`` on the parts before fusing holds for the stacked layer too (as ``set_mode`` does)."""
+    from svdq_linear.fuse import concat_w4a4
+
+    layers = _parts((32, 32), (True, True), seed=14)
+    for layer in layers:
+        layer.set_backend("reference")
+    assert concat_w4a4(layers)._backend_pref == "reference"
+
+
+def test_layers_of_other_dtypes_do_not_stack():
+    """A part cast to another dtype (the 16-bit branch of one layer in bf16, the rest fp32) is refused: the stacked
+    layer would run every part in the first one's dtype."""
+    from svdq_linear.fuse import concat_w4a4
+
+    layers = _parts((32, 32), (True, True), seed=15)
+    layers[1].bfloat16()
+    with pytest.raises(ValueError, match="layer 1 differs from layer 0 in dtype or device"):
+        concat_w4a4(layers)
+
+
+def test_blocks_whose_gelu_is_not_the_tanh_form_keep_their_forward():
+    """``fuse_gelu_inputs`` switches only blocks whose quantized linear reads a tanh GELU (what
+    ``forward_cat_gelu`` applies): a single block with the exact GELU, and a feed-forward built with
+    ``activation_fn="gelu"``, are left as they are, with their outputs."""
+    from diffusers.models.attention import FeedForward
+
+    block = _block(16)
+    block.act_mlp = torch.nn.GELU()  # approximate="none"
+    torch.manual_seed(17)
+    ff = FeedForward(DIM, activation_fn="gelu").eval()
+    ff.net[2] = SVDQW4A4Linear.from_linear(ff.net[2], rank=4)
+    model = torch.nn.ModuleDict({"b": block, "ff": ff})
+    inputs = _inputs(18)
+    with torch.no_grad():
+        before = _run(block, inputs), ff(inputs[0])
+        assert fuse_gelu_inputs(model) == 0
+        after = _run(block, inputs), ff(inputs[0])
+    assert type(block) is flux.FluxSingleTransformerBlock and type(ff) is FeedForward
+    for name, a, b in zip(("single block", "feed-forward"), after, before):
+        assert torch.equal(a, b), f"{name}: output changed by {(a - b).abs().max().item()}"
+
+
+def _random_qk_norms(attn, seed):
+    """Distinct weights for the attention's RMS q/k norms (they start at ones, which hides a swapped norm)."""
+    g = torch.Generator().manual_seed(seed)
+    for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+        norm = getattr(attn, name, None)
+        if getattr(norm, "weight", None) is not None:
+            with torch.no_grad():
+                norm.weight.copy_(torch.rand(norm.weight.shape, generator=g) * 1.5 + 0.25)
+
+
+def test_fused_flux_blocks_apply_each_qk_norm_to_its_own_projection():
+    """The fused single and double blocks compute the attention themselves from the stacked projections: each of
+    q, k (and the context stream's) goes through its own trained RMS norm, as in diffusers' processor (the
+    oracle: the block's output before fusing, with the same norms)."""
+    single, double = _block(19), _double_block(19)
+    _random_qk_norms(single.attn, 20)
+    _random_qk_norms(double.attn, 21)
+    fuse_attention_projections(torch.nn.ModuleDict({"s": single, "d": double}))
+    inputs = _inputs(22)
+    for name, block in (("single", single), ("double", double)):
+        before = _run(block, inputs)
+        block.attn.fuse_projections()
+        assert type(block).__module__ == "svdq_linear._diffusers_blocks"
+        err = (_run(block, inputs) - before).abs().max().item()
+        assert err <= 1e-5, f"fused {name} block differs from its separate layers by {err}"
+
+
+def test_fused_sd35_attention_applies_each_qk_norm_to_its_own_projection():
+    """SD3.5's attention with fused q/k/v runs ``FusedJointAttnProcessor`` (what SD3's ``fuse_qkv_projections``
+    leaves, once ``replace_fused_joint_processors`` ran): q, k and the context stream's go through their own
+    trained RMS norms, as before fusing."""
+    from diffusers.models.attention import JointTransformerBlock
+    from diffusers.models.attention_processor import FusedJointAttnProcessor2_0
+
+    from svdq_linear._diffusers_blocks import FusedJointAttnProcessor, replace_fused_joint_processors
+
+    torch.manual_seed(23)
+    block = JointTransformerBlock(DIM, HEADS, DIM // HEADS, qk_norm="rms_norm").eval()
+    attn = block.attn
+    for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+        setattr(attn, name, SVDQW4A4Linear.from_linear(getattr(attn, name), rank=4))
+    _random_qk_norms(attn, 24)
+    fuse_attention_projections(block)
+    hs, enc, temb, _ = _inputs(25)
+    with torch.no_grad():
+        before = torch.cat(block(hs, enc, temb), dim=1)
+        attn.fuse_projections()
+        attn.set_processor(FusedJointAttnProcessor2_0())  # what SD3's fuse_qkv_projections sets
+        replace_fused_joint_processors(block)
+        assert type(attn.processor) is FusedJointAttnProcessor
+        after = torch.cat(block(hs, enc, temb), dim=1)
+    err = (after - before).abs().max().item()
+    assert err <= 1e-5, f"fused SD3.5 attention differs from its separate layers by {err}"
+
+
+def test_switched_blocks_keep_their_dropout_in_training_mode():
+    """In training mode with a dropout probability the feed-forwards' dropout runs as in diffusers' forward (the
+    same masks from the same seed): in a feed-forward switched by ``fuse_gelu_inputs`` and in a fused double
+    block, whose feed-forwards read their norm's input."""
+    from diffusers.models.attention import FeedForward
+
+    torch.manual_seed(26)
+    ff = FeedForward(DIM, dropout=0.5, activation_fn="gelu-approximate")
+    ff.net[2] = SVDQW4A4Linear.from_linear(ff.net[2], rank=4)
+    double = _double_block(27)
+    fuse_attention_projections(double)
+    double.attn.fuse_projections()
+    assert fuse_gelu_inputs(torch.nn.ModuleDict({"ff": ff, "d": double})) == 3
+    for m in (double.ff.net[1], double.ff_context.net[1]):
+        m.p = 0.5
+    ff.train()
+    double.train()
+    hs, enc, temb, rope = _inputs(28)
+    with torch.no_grad():
+        torch.manual_seed(29)
+        got = ff(hs)
+        torch.manual_seed(29)
+        want = FeedForward.forward(ff, hs)  # diffusers' own
+        assert torch.equal(got, want), "the switched feed-forward skipped or moved its dropout"
+        torch.manual_seed(30)
+        got = torch.cat(double(hs, enc, temb, image_rotary_emb=rope), dim=1)
+        torch.manual_seed(30)
+        want = _base_forward(double, hs, enc, temb, image_rotary_emb=rope)
+    err = (got - want).abs().max().item()
+    assert err <= 1e-5, f"fused double block in training mode differs from diffusers' forward by {err}"
+
+
+def test_fused_blocks_with_affine_norms_take_diffusers_steps():
+    """The fused layers normalize their inputs as they load with a plain layer norm (no weight, no bias): a block
+    whose norms carry affine parameters runs them as diffusers does, with the outputs from before fusing."""
+    single, double = _block(31), _double_block(31)
+    g = torch.Generator().manual_seed(32)
+    for owner, name in ((single.norm, "norm"), (double.norm1, "norm"), (double.norm1_context, "norm"),
+                        (double, "norm2"), (double, "norm2_context")):
+        norm = torch.nn.LayerNorm(DIM, eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(DIM, generator=g) + 0.5)
+            norm.bias.copy_(torch.randn(DIM, generator=g))
+        setattr(owner, name, norm)
+    fuse_attention_projections(torch.nn.ModuleDict({"s": single, "d": double}))
+    inputs = _inputs(33)
+    for name, block in (("single", single), ("double", double)):
+        before = _run(block, inputs)
+        block.attn.fuse_projections()
+        err = (_run(block, inputs) - before).abs().max().item()
+        assert err <= 1e-5, f"fused {name} block with affine norms differs from its separate layers by {err}"
+
+
+def test_fused_blocks_clip_fp16_outputs_as_diffusers_does():
+    """In fp16 diffusers' Flux blocks clip the residual stream to +-65504 (a single block's output, a double block's
+    context stream) instead of letting it overflow to inf: the fused blocks do too."""
+    single, double = _block(34).half(), _double_block(34).half()
+    fuse_attention_projections(torch.nn.ModuleDict({"s": single, "d": double}))
+    with torch.no_grad():  # large gates: the residual sums pass fp16's largest value
+        single.norm.linear.bias[2 * DIM:] += 1000  # gate
+        double.norm1_context.linear.bias[5 * DIM:] += 1000  # the context stream's MLP gate
+    g = torch.Generator().manual_seed(35)
+    hs, enc, temb, rope = _inputs(36)
+    hs, enc = (65000 + 100 * torch.randn(t.shape, generator=g) for t in (hs, enc))
+    args = (hs.half(), enc.half(), temb.half())
+    for name, block in (("single", single), ("double", double)):
+        block.attn.fuse_projections()
+        want = _base_forward(block, *args, image_rotary_emb=rope)
+        assert want.abs().max() == 65504, "the inputs do not reach the clipping"
+        got = _run(block, (*args, rope))
+        assert torch.isfinite(got).all(), f"fused {name} block overflowed: {(~torch.isfinite(got)).sum()} inf"
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=1e-2)
+
+
+def test_fused_single_block_under_chained_offload_hooks_runs_its_separate_layers():
+    """accelerate chains the hook it adds to a module that holds one already into a ``SequentialHook``; the
+    offloading hook inside one holds the weights all the same, so the fused layer (whose keys the offloader does not
+    have) is not called."""
+    from accelerate import cpu_offload
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    block = _fused_block()
+    block.attn.fuse_projections()
+    inputs = _inputs(37)
+    want = _run(block, inputs)
+    add_hook_to_module(block.attn.to_qkv_mlp, ModelHook())  # a hook there before the offloader's
+    cpu_offload(block, execution_device=torch.device("cpu"))
+    assert type(block.attn.to_qkv_mlp._hf_hook).__name__ == "SequentialHook"
+    torch.testing.assert_close(_run(block, inputs), want, rtol=0, atol=0)

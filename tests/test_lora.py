@@ -207,6 +207,7 @@ def test_refused_loras_change_nothing():
         ({**sd, f"{name}.lora_magnitude_vector": torch.ones(32)}, ValueError, "DoRA"),
         ({k: v for k, v in sd.items() if k != f"{name}.lora_B.weight"}, ValueError, "lacks its lora_B"),
         ({**sd, f"{name}.lora_A.weight": torch.zeros(4, 48)}, ValueError, r"lora_A \[r, 32\]"),
+        ({**sd, f"{name}.lora_B.weight": torch.zeros(32, 3)}, ValueError, r"lora_A \[r, K\] and lora_B \[N, r\]"),
         ({**sd, "transformer.transformer_blocks.0.attn.to_z.lora_A.weight": torch.zeros(4, 32),
           "transformer.transformer_blocks.0.attn.to_z.lora_B.weight": torch.zeros(32, 4)}, ValueError, "to_z"),
         ({**sd, f"{name}.lora_A.weight": torch.full((4, 32), float("nan"))}, ValueError, "NaN"),
@@ -550,3 +551,137 @@ def test_the_load_lora_weights_guard_reads_the_lora_as_diffusers_would(tmp_path)
             fuse_lora(pipe, str(tmp_path), weight_name="kohya.bin")
         assert fuse_lora(pipe, str(tmp_path), weight_name="kohya.safetensors") == 1
         torch.testing.assert_close(layer(x), base + (x @ down.T) @ up.T, rtol=1e-4, atol=1e-5)
+
+
+def _changed_keys(after, before):
+    """The keys whose tensors differ, bit for bit (float8 compared as bytes)."""
+    def bits(t):
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    return sorted(k for k in before if k not in after or after[k].shape != before[k].shape
+                  or not torch.equal(bits(after[k]), bits(before[k])))
+
+
+def test_loras_applied_one_after_another_add_up_and_unfuse_removes_them_all():
+    """Several adapters stack on every kind of layer (W4A4 branch, W4A16 side branch, 16-bit weight): each layer
+    moves by the sum of their terms, and ``unfuse_lora`` gives back every tensor as before the first, bit for bit."""
+    torch.manual_seed(50)
+    w4 = _calibrated(k=64, n=48, rank=8, seed=50)
+    model = torch.nn.ModuleDict({"w4": w4, "w16": NVFP4W4A16Linear.from_linear(torch.nn.Linear(64, 32)),
+                                 "plain": torch.nn.Linear(64, 16)})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = {"w4": torch.randn(5, 64) * 1e-3, "w16": torch.randn(5, 64), "plain": torch.randn(5, 64)}
+    loras, scales = [{}, {}], (0.5, -1.5)
+    for i, lora in enumerate(loras):
+        for j, (name, layer) in enumerate(model.items()):
+            lora[f"{name}.lora_A.weight"], lora[f"{name}.lora_B.weight"] = _adapter(
+                layer.out_features, 64, 4, seed=51 + 10 * i + j)
+    with torch.no_grad():
+        base = {name: layer(x[name]).double() for name, layer in model.items()}
+        for lora, scale in zip(loras, scales):
+            assert fuse_lora(model, lora, scale=scale, prefix="") == 3
+        for name, layer in model.items():
+            want = base[name] + sum(s * (x[name].double() @ lo[f"{name}.lora_A.weight"].double().T)
+                                    @ lo[f"{name}.lora_B.weight"].double().T for lo, s in zip(loras, scales))
+            err = (layer(x[name]).double() - want).abs().max().item()
+            assert err <= 1e-5 * want.abs().max().item(), f"{name}: off the two adapters' sum by {err}"
+    assert unfuse_lora(model) == 3
+    changed = _changed_keys(model.state_dict(), before)
+    assert w4.rank == 8 and not changed, f"not restored bit for bit: {changed} (W4A4 rank {w4.rank}, was 8)"
+
+
+def _saved_lora(tmp_path, pipe, names, metadata, seed):
+    """Adapters on ``names`` of the tiny Flux pipeline's first double block, written by diffusers'
+    ``save_lora_weights`` with ``metadata`` as the adapter config in the header; the file and the adapters."""
+    from diffusers import FluxPipeline
+
+    attn = pipe.transformer.transformer_blocks[0].attn
+    ab = {n: _adapter(getattr(attn, n).out_features, getattr(attn, n).in_features, 4, seed=seed + i)
+          for i, n in enumerate(names)}
+    layers = {f"transformer_blocks.0.attn.{n}.lora_{p}.weight": t for n, (a, b) in ab.items()
+              for p, t in zip("AB", (a, b))}
+    FluxPipeline.save_lora_weights(tmp_path, transformer_lora_layers=layers,
+                                   transformer_lora_adapter_metadata={"r": 4, "target_modules": names, **metadata})
+    return tmp_path / "pytorch_lora_weights.safetensors", ab
+
+
+def test_alpha_pattern_keys_match_whole_module_names(tmp_path):
+    """An ``alpha_pattern`` key matches a module whose name ends with it at a ``.`` (peft's rule): ``q_proj`` is not
+    ``add_q_proj``, which takes ``lora_alpha``; ``attn.to_q`` is ``...attn.to_q``."""
+    from svdq_linear.convert.tiny import build_tiny_pipeline
+
+    pipe = build_tiny_pipeline("flux", seed=0)
+    attn = pipe.transformer.transformer_blocks[0].attn
+    names = ["add_q_proj", "to_q"]
+    for n in names:
+        setattr(attn, n, SVDQW4A4Linear.from_linear(getattr(attn, n), rank=8))
+    path, ab = _saved_lora(tmp_path, pipe, names, {"lora_alpha": 4, "alpha_pattern": {"q_proj": 16, "attn.to_q": 8}},
+                           seed=60)
+    x = torch.randn(5, attn.to_q.in_features)
+    base = {n: getattr(attn, n)(x).detach() for n in names}
+    fuse_lora(pipe, path)
+    got = {n: _delta_ratio(getattr(attn, n), base[n], x, *ab[n]) for n in names}
+    assert got == pytest.approx({"add_q_proj": 4 / 4, "to_q": 8 / 4}, rel=1e-4), got
+
+
+def test_a_lora_whose_saved_config_sets_dora_or_adapter_biases_is_refused(tmp_path):
+    """A file whose adapter config says DoRA (``use_dora``) or adapter biases (``lora_bias``) would be applied as
+    a plain LoRA, a different result: it is refused by name, and nothing changes."""
+    from svdq_linear.convert.tiny import build_tiny_pipeline
+
+    pipe = build_tiny_pipeline("flux", seed=0)
+    attn = pipe.transformer.transformer_blocks[0].attn
+    attn.to_q = SVDQW4A4Linear.from_linear(attn.to_q, rank=8)
+    before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    for key in ("use_dora", "lora_bias"):
+        (tmp_path / key).mkdir()
+        path, _ = _saved_lora(tmp_path / key, pipe, ["to_q"], {"lora_alpha": 4, key: True}, seed=70)
+        with pytest.raises(ValueError, match=f"saved config sets {key}: DoRA and adapter biases are not supported"):
+            fuse_lora(pipe, path)
+    changed = _changed_keys(pipe.transformer.state_dict(), before)
+    assert not changed and unfuse_lora(pipe) == 0, f"a refused LoRA changed {changed}"
+
+
+def test_unfuse_lora_refuses_offloaded_layers_and_removes_the_adapters_once_the_hooks_are_gone():
+    """Under accelerate's sequential offload the hook holds the weights (with the adapters) and loads them every
+    call: an edit of the placeholders would not remove anything, so ``unfuse_lora`` refuses by name. With the hooks
+    removed it restores the layers."""
+    from accelerate import cpu_offload
+    from accelerate.hooks import remove_hook_from_module
+
+    model = torch.nn.ModuleDict({"w4": _calibrated(k=64, n=32, rank=8, seed=80), "plain": torch.nn.Linear(64, 16)})
+    lora = {}
+    for i, (name, layer) in enumerate(model.items()):
+        lora[f"{name}.lora_A.weight"], lora[f"{name}.lora_B.weight"] = _adapter(layer.out_features, 64, 4, seed=81 + i)
+    x = torch.randn(3, 64) * 1e-3
+    with torch.no_grad():
+        base = {name: layer(x) for name, layer in model.items()}
+        fuse_lora(model, lora, prefix="")
+        adapted = {name: layer(x) for name, layer in model.items()}
+        cpu_offload(model, execution_device=torch.device("cpu"))
+        with pytest.raises(ValueError, match="has its weights offloaded"):
+            unfuse_lora(model)
+        for name, layer in model.items():
+            assert torch.equal(layer(x), adapted[name]), f"{name}: the refused call changed the layer"
+        remove_hook_from_module(model, recurse=True)
+        assert unfuse_lora(model) == 2
+        for name, layer in model.items():
+            assert torch.equal(layer(x), base[name]), f"{name}: not the layer from before the LoRA"
+
+
+def test_unfuse_lora_on_fused_qkv_removes_the_adapters_outside_the_stacked_layers():
+    """Adapters on layers that no fused q/k/v layer stacks (output projections, feed-forwards, adaLN, embedders)
+    are applied and removed while q/k/v stay fused: only adapters on the stacked layers need unfusing first."""
+    model = _quantize(_tiny_flux())
+    stacked = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "proj_mlp")
+    sd = {k: v for k, v in _flux_lora(model).items() if k.split(".")[-3] not in stacked}
+    model.fuse_qkv_projections()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    inputs = _flux_inputs()
+    with torch.no_grad():
+        base = model(**inputs)[0]
+        assert fuse_lora(model, sd) == len(sd) // 2
+        assert _rel(model(**inputs)[0], base) > 0.01, "the LoRA did not move the output"
+        assert unfuse_lora(model) == len(sd) // 2
+        assert torch.equal(model(**inputs)[0], base)
+    changed = _changed_keys(model.state_dict(), before)
+    assert not changed, f"not restored bit for bit: {changed}"
