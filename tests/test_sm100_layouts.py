@@ -14,6 +14,36 @@ from svdq_linear.backends.sm100.layouts import BARRIER_BYTES, NUM_C_STAGE, smem_
 M, K, N, R = 4352, 3840, 3072, 128
 
 
+@pytest.fixture(autouse=True)
+def _tcgen05_target():
+    """The tests' own traces build tcgen05 layouts: for sm_100a whatever GPU runs the suite (an H100 gave sm_90a)."""
+    from svdq_linear.backends.sm100.layouts import tcgen05_target
+
+    with tcgen05_target():
+        yield
+
+
+def test_the_budget_is_traced_for_a_tcgen05_target_on_any_machine():
+    """On a Hopper machine CuTe's DSL targets sm_90a, where tcgen05's atoms refuse to build (the suite failed there):
+    ``smem_budget`` traces for sm_100a and puts the machine's target back; a tcgen05 target is kept as it is."""
+    from cutlass.base_dsl.dsl import BaseDSL
+
+    from svdq_linear.backends.sm100.layouts import tcgen05_target
+
+    envar = BaseDSL._get_dsl().envar
+    before = envar.arch
+    try:
+        for machine in ("sm_90a", "sm_103a"):
+            envar.arch = machine
+            assert smem_budget(LIBRARY_CONFIGS[0])["num_ab_stage"] >= 2
+            assert envar.arch == machine, f"the target was left at {envar.arch}, not {machine}"
+            with tcgen05_target() as arch:
+                assert arch == ("sm_103a" if machine == "sm_103a" else "sm_100a") == envar.arch
+            assert envar.arch == machine
+    finally:
+        envar.arch = before
+
+
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
 def test_flux_size_layer_keeps_four_ab_stages_on_two_ctas(out_dtype):
     cfg = host.choose_config(M, N, R, out_dtype)

@@ -2,11 +2,13 @@
 
 Every byte the kernel budgets comes from ``cute.cosize`` of a staged layout built here, sliced to one
 stage; nothing is a hand-written byte formula. ``build_layouts`` must run while a CuTe DSL trace is
-active (inside ``@cute.jit``); ``smem_budget`` wraps it for host code and tests.
+active (inside ``@cute.jit``) for a tcgen05 target (``tcgen05_target``); ``smem_budget`` wraps both for host code
+and tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import cutlass
@@ -170,8 +172,31 @@ def build_layouts(cfg: KernelConfig, smem_capacity: int = SMEM_CAPACITY_SM100, n
     )
 
 
+TCGEN05_ARCHS = ("sm_100a", "sm_100f", "sm_103a", "sm_107a", "sm_110a")  # the targets tcgen05's MMA atoms take
+
+
+@contextlib.contextmanager
+def tcgen05_target(arch: str = "sm_100a"):
+    """Trace for a tcgen05 target. CuTe's DSL takes its target from ``CUTE_DSL_ARCH`` or, unset, the local GPU, and
+    tcgen05's MMA atoms refuse any other: on an H100 (sm_90a) these layouts could not be built, for host-side budgets
+    or tests. A target that already is a tcgen05 one (a B300's sm_103a) is kept."""
+    from cutlass.base_dsl.dsl import BaseDSL
+
+    envar = BaseDSL._get_dsl().envar
+    current = envar.arch
+    if current in TCGEN05_ARCHS:
+        yield current
+        return
+    envar.arch = arch
+    try:
+        yield arch
+    finally:
+        envar.arch = current
+
+
 def smem_budget(cfg: KernelConfig, smem_capacity: int = SMEM_CAPACITY_SM100) -> dict:
-    """Host view of the budget: ``{"num_ab_stage", "stage_bytes", "total_bytes", "epi_tile_n"}``."""
+    """Host view of the budget: ``{"num_ab_stage", "stage_bytes", "total_bytes", "epi_tile_n"}`` (traced for a
+    tcgen05 target whatever GPU this machine has)."""
     out = {}
 
     @cute.jit
@@ -183,5 +208,6 @@ def smem_budget(cfg: KernelConfig, smem_capacity: int = SMEM_CAPACITY_SM100) -> 
         out["epi_tile_n"] = cute.size(lay.epi_tile[1])
         out["epi_tile_m"] = cute.size(lay.epi_tile[0])
 
-    trace()
+    with tcgen05_target():
+        trace()
     return out
