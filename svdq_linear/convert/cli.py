@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         resume=args.resume, overwrite=args.overwrite, progress=not args.quiet,
     )
     with _quiet_libraries(args.quiet), warnings.catch_warnings():
+        # ours are the CLI's own output, as its errors: said at every run, whatever filters the process has (-W
+        # ignore, or a second run in one process, whose registry had swallowed them)
+        warnings.simplefilter("always", ConvertWarning)
         plain = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):
