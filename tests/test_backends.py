@@ -926,6 +926,30 @@ def test_auto_mode_is_exact_where_no_gpu_kernel_serves_the_fast_mode(monkeypatch
     assert m.set_backend(None).kind == "w4a4"
 
 
+def test_a_compiled_auto_mode_layer_is_not_retraced_by_a_load_for_another_device(monkeypatch):
+    """The auto mode's answer is read inside compiled graphs; its cache's registry snapshot must not become a guard
+    there: a lazy backend for another device loading (or failing to) retraced every compiled layer twice."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.delenv("SVDQ_LINEAR_MODE", raising=False)
+    torch._dynamo.reset()
+    backends.register_lazy("elsewhere", 5, "svdq_linear_no_such_module", lambda d: d.type == "cuda")
+    try:
+        m = _module()
+        x = torch.randn(2, 64)
+        f = torch.compile(lambda t: m(t), backend="eager", fullgraph=True)
+        want = f(x)
+        graphs = counters["stats"]["unique_graphs"]
+        with pytest.warns(UserWarning):
+            backends._load(backends._ENTRIES["elsewhere"])  # fails: its module does not exist
+        for _ in range(2):
+            assert torch.equal(f(x), want)
+        assert counters["stats"]["unique_graphs"] == graphs, "a load for another device retraced the graph"
+    finally:
+        backends._ENTRIES.pop("elsewhere")
+        torch._dynamo.reset()
+
+
 def test_prepare_before_trace_prepares_only_the_traced_device(standing):
     """A trace on one device prepares that device's layers only (a pipeline spread over devices compiles a block
     per device): a trace of the meta device leaves a CPU layer unprepared, a trace of the CPU prepares it."""

@@ -26,11 +26,11 @@ def _tcgen05_target():
 def test_the_budget_is_traced_for_a_tcgen05_target_on_any_machine():
     """On a Hopper machine CuTe's DSL targets sm_90a, where tcgen05's atoms refuse to build (the suite failed there):
     ``smem_budget`` traces for sm_100a and puts the machine's target back; a tcgen05 target is kept as it is."""
-    from cutlass.base_dsl.dsl import BaseDSL
+    from cutlass.cutlass_dsl import CuTeDSL
 
     from svdq_linear.backends.sm100.layouts import tcgen05_target
 
-    envar = BaseDSL._get_dsl().envar
+    envar = CuTeDSL._get_dsl().envar
     before = envar.arch
     try:
         for machine in ("sm_90a", "sm_103a"):

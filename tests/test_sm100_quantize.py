@@ -51,7 +51,7 @@ CHECK = textwrap.dedent(
 
 
 @pytest.mark.parametrize("m,k,dtype,block_m,block_k", [(140, 160, "bfloat16", 8, 64), (7, 96, "float16", 4, 256),
-                                                       (130, 64, "float32", 32, 128), (33, 544, "bfloat16", 1, 256)])
+                                                       (130, 64, "float32", 32, 128), (33, 544, "bfloat16", 2, 256)])
 def test_quantize_act_is_bit_exact_to_the_contract(m, k, dtype, block_m, block_k, tmp_path):
     """Tiles (``block_m`` x ``block_k``) that do not divide M or K: the last programs' rows and columns past the
     tensor write no codes, and zero scales into the atoms' padding (the outputs start poisoned)."""
@@ -113,3 +113,17 @@ def test_e2m1_code_by_arithmetic_matches_the_oracle_on_a_dense_sweep(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, (r.stdout + r.stderr)[-3000:]
+
+
+@pytest.mark.parametrize("block_m, block_k, needle", [(16, 32, "block_k a power of two >= 64"),
+                                                      (16, 192, "block_k a power of two >= 64"),
+                                                      (12, 256, "block_m a power of two")])
+def test_tiles_the_kernel_cannot_take_are_refused_by_name(block_m, block_k, needle):
+    """Tiles whose scale words or ranges Triton cannot build are refused before a launch, naming the argument (192
+    columns passed the old multiple-of-64 check and failed inside Triton's ``arange``)."""
+    import torch
+
+    from svdq_linear.backends.sm100.quantize import quantize_act
+
+    with pytest.raises(ValueError, match=needle):
+        quantize_act(torch.randn(4, 256, dtype=torch.bfloat16), torch.ones(256), block_m=block_m, block_k=block_k)

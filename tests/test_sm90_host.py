@@ -73,7 +73,7 @@ def test_pick_reads_the_row_of_the_smallest_bucket_that_holds_the_tokens():
 
     raw = json.loads(tuning._TABLE.read_text())["configs"]
     buckets = sorted(map(int, raw))
-    ms = set(buckets) | {b + 1 for b in buckets} | set(torch.randint(1, 9000, (40,)).tolist())  # fresh each run
+    ms = set(buckets) | {b + 1 for b in buckets} | set(torch.randint(1, 9000, (40,)).tolist())  # and 40 others
     for m in sorted(ms):
         want = next((b for b in buckets if b >= m), buckets[-1])
         assert tuning.m_bucket(m) == want, (m, tuning.m_bucket(m), want)

@@ -401,14 +401,22 @@ def fast_mode_is_native(device: torch.device, preferred: str | None = None) -> b
     the registry changes (a backend registered later is seen, as by ``candidates``)."""
     if device.type == "meta":
         return False
+    if tracing():
+        # no cache in a trace: its snapshot would be guarded on (a load for another device would retrace the graph
+        # twice); candidates' traced path guards on the registry generation only
+        return _native_fast(device, preferred)
     key = (device.type, device.index, preferred)
-    snap = _registry_snapshot()
+    snap = _registry_snapshot()  # before the loads below: a registration racing them is seen at the next call
     hit = _NATIVE_FAST.get(key)
     if hit is None or hit[0] != snap:
-        native = [b.name for b in candidates(device, "w4a4_fast") if b.name != "reference"]
-        hit = (_registry_snapshot(), bool(native) and (preferred is None or preferred in native))  # after loads
+        hit = (snap, _native_fast(device, preferred))
         _NATIVE_FAST[key] = hit
     return hit[1]
+
+
+def _native_fast(device: torch.device, preferred: str | None) -> bool:
+    native = [b.name for b in candidates(device, "w4a4_fast") if b.name != "reference"]
+    return bool(native) and (preferred is None or preferred in native)
 
 
 def choose(module, x: torch.Tensor, kind: str | None = None) -> Backend:

@@ -179,10 +179,11 @@ TCGEN05_ARCHS = ("sm_100a", "sm_100f", "sm_103a", "sm_107a", "sm_110a")  # the t
 def tcgen05_target(arch: str = "sm_100a"):
     """Trace for a tcgen05 target. CuTe's DSL takes its target from ``CUTE_DSL_ARCH`` or, unset, the local GPU, and
     tcgen05's MMA atoms refuse any other: on an H100 (sm_90a) these layouts could not be built, for host-side budgets
-    or tests. A target that already is a tcgen05 one (a B300's sm_103a) is kept."""
-    from cutlass.base_dsl.dsl import BaseDSL
+    or tests. A target that already is a tcgen05 one (a B300's sm_103a) is kept; else ``arch`` is set for the block
+    and the machine's put back. The target is process-wide: not for use beside a compile in another thread."""
+    from cutlass.cutlass_dsl import CuTeDSL  # the DSL whose target the tcgen05 atoms read (not the experimental one)
 
-    envar = BaseDSL._get_dsl().envar
+    envar = CuTeDSL._get_dsl().envar
     current = envar.arch
     if current in TCGEN05_ARCHS:
         yield current

@@ -27,8 +27,9 @@ def _e2m1_code_by_rounding(q):
     contract's alternating midpoints 0.25 down, 0.75 up, 1.25 down, ... 5 down). The rounded value ``v`` times
     ``2**-126`` is then E2M1's code in float32's bits: 0.5 lands on the first subnormal bit (2**22), 1 on the least
     normal exponent, and each grid step on the next exponent or mantissa bit, so ``bits >> 22`` is the code (exact:
-    ``v`` has one mantissa bit; IEEE multiply keeps subnormals). Needs no FMA contraction (the kernel compiles
-    without it)."""
+    ``v`` has one mantissa bit). Needs subnormals kept: the GPU's ``mul.rn.f32`` keeps them (no ``.ftz``); in Triton's
+    CPU interpreter a process that flushes them (``torch.set_flush_denormal(True)``) gets 0.5 wrong. Needs no FMA
+    contraction (the kernel compiles without it)."""
     a = tl.minimum(tl.abs(q), 6.0)
     step = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000
     c = (step + 0x0B400000).to(tl.float32, bitcast=True)  # 1.5 * 2**22 * 2**floor(log2 max(a, 1))
@@ -125,8 +126,10 @@ def quantize_act(x: torch.Tensor, smooth_recip: torch.Tensor, want_xs: bool = Fa
     if x.stride(1) != 1:
         x = x.contiguous()
     block_m, block_k = block_m or BLOCK_M, block_k or BLOCK_K
-    if block_k % 64:
-        raise ValueError(f"expected block_k % 64 == 0 (whole scale-atom words), got {block_k}")
+    if block_k < 64 or block_k & (block_k - 1):
+        raise ValueError(f"expected block_k a power of two >= 64 (whole scale-atom words), got {block_k}")
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"expected block_m a power of two, got {block_m}")
     rows_pad, kb_pad = host.sf_atom_shape(m, k)
     codes = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
     # every byte written by the kernel, the atom's padding (rows past M, blocks past K/16) as scale 0
