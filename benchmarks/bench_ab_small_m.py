@@ -15,7 +15,6 @@ Needs no quack-kernels.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _baseline import load_beside  # noqa: E402
 from _table import emit  # noqa: E402
 from bench_small_m import graph_time  # noqa: E402
 from bench_small_m_fast import fast_layers  # noqa: E402
@@ -51,11 +51,7 @@ def load_base(folder: str) -> dict[str, object]:
         src = (Path(folder) / f"{name}.py").read_text().replace("from .small_m import", "from ._base_small_m import")
         path = Path(folder) / f"_base_{name}.py"
         path.write_text(src)  # (Triton reads a kernel's source from its file)
-        spec = importlib.util.spec_from_file_location(f"{PKG}._base_{name}", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-        mods[name] = mod
+        mods[name] = load_beside(path, PKG, f"_base_{name}")
     return mods
 
 

@@ -30,6 +30,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _baseline import load_beside  # noqa: E402
 from _cuda import graphed  # noqa: E402
 from _table import emit  # noqa: E402
 
@@ -70,13 +71,7 @@ def lora_close(got: torch.Tensor, x: torch.Tensor, pds: torch.Tensor) -> bool:
 
 def load_baseline(path: str):
     """An older ``kernels.py`` (``--baseline``) loaded beside the current one, as a module of the same package."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("svdq_linear.backends.sm90._baseline_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_beside(path, "svdq_linear.backends.sm90", "_baseline_kernels")
 
 
 def exact_lora(lines: list[str], base=None) -> None:

@@ -13,10 +13,10 @@ in the same run, e.g. ``git show REV:svdq_linear/backends/sm100/quantize.py > .d
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 
 import torch
+from _baseline import load_beside
 from _cuda import graph_call_ms
 from _table import emit
 
@@ -42,10 +42,7 @@ def main() -> None:
         configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
     base = None
     if args.baseline:
-        # a module of the same package, so its relative imports (host) resolve
-        spec = importlib.util.spec_from_file_location("svdq_linear.backends.sm100._baseline_quantize", args.baseline)
-        base = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(base)
+        base = load_beside(args.baseline, "svdq_linear.backends.sm100", "_baseline_quantize")
     rows = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}; graphs of 20 calls, median of 30 replays",
             "", "| M x K | copy us (GB/s) | rows x cols x warps | us | GB/s | of copy | same bits |",
             "|---|---|---|---|---|---|---|"]

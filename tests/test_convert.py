@@ -151,6 +151,20 @@ def test_folders_written_before_the_hint_still_load(converted, tmp_path):
     assert isinstance(model.transformer_blocks[0].attn.to_q, SVDQW4A4Linear)
 
 
+def _transformer_inputs(model, g=None):
+    """Random inputs of a tiny transformer's forward from its config (16 image and 8 text tokens; ``g`` or the global
+    generator)."""
+    cfg = model.config
+    text = dict(encoder_hidden_states=torch.randn(1, 8, cfg.joint_attention_dim, generator=g),
+                pooled_projections=torch.randn(1, cfg.pooled_projection_dim, generator=g))
+    if "guidance_embeds" in cfg:  # Flux
+        return dict(hidden_states=torch.randn(1, 16, cfg.in_channels, generator=g), **text,
+                    timestep=torch.rand(1, generator=g), img_ids=torch.randint(0, 4, (16, 3), generator=g).float(),
+                    txt_ids=torch.zeros(8, 3), guidance=torch.full((1,), 3.5) if cfg.guidance_embeds else None)
+    return dict(hidden_states=torch.randn(1, cfg.in_channels, cfg.sample_size, cfg.sample_size, generator=g), **text,
+                timestep=torch.rand(1, generator=g) * 1000)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_fuse_qkv_projections_is_exact_and_keeps_the_checkpoint(converted, kind):
     """Fusing q/k/v is exact (SD3.5 too: diffusers' fused SD3 processor skipped its q/k norms and failed on its
@@ -163,17 +177,8 @@ def test_fuse_qkv_projections_is_exact_and_keeps_the_checkpoint(converted, kind)
     model = pipe.transformer
     keys = set(model.state_dict())
     attn = model.transformer_blocks[0].attn
-    cfg = model.config
     torch.manual_seed(1)
-    if kind == "flux":
-        inputs = dict(hidden_states=torch.randn(1, 16, cfg.in_channels), encoder_hidden_states=torch.randn(
-            1, 8, cfg.joint_attention_dim), pooled_projections=torch.randn(1, cfg.pooled_projection_dim),
-            timestep=torch.tensor([0.5]), img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3),
-            guidance=torch.tensor([3.5]) if cfg.guidance_embeds else None)
-    else:
-        inputs = dict(hidden_states=torch.randn(1, cfg.in_channels, cfg.sample_size, cfg.sample_size),
-                      encoder_hidden_states=torch.randn(1, 8, cfg.joint_attention_dim),
-                      pooled_projections=torch.randn(1, cfg.pooled_projection_dim), timestep=torch.tensor([500]))
+    inputs = _transformer_inputs(model)
     with torch.no_grad():
         before = model(**inputs).sample
         model.fuse_qkv_projections()
@@ -217,11 +222,8 @@ def test_fused_sd3_attention_runs_its_separate_layers_under_sequential_offload(c
 
     model = load_svdq_pipeline(converted["sd3"], dtype=torch.float32).transformer
     model.fuse_qkv_projections()
-    cfg = model.config
     torch.manual_seed(1)
-    inputs = dict(hidden_states=torch.randn(1, cfg.in_channels, cfg.sample_size, cfg.sample_size),
-                  encoder_hidden_states=torch.randn(1, 8, cfg.joint_attention_dim),
-                  pooled_projections=torch.randn(1, cfg.pooled_projection_dim), timestep=torch.tensor([500]))
+    inputs = _transformer_inputs(model)
     with torch.no_grad():
         want = model(**inputs).sample
         cpu_offload(model, execution_device=torch.device("cpu"))
@@ -1158,22 +1160,6 @@ def test_collect_act_max_is_the_max_abs_input_over_every_call_and_leaves_no_hook
         assert torch.equal(got[n], x.abs().amax(0).float())
 
 
-def _transformer_inputs(kind, g):
-    """Random inputs of the tiny transformers' forward (16 image and 8 text tokens)."""
-    from svdq_linear.convert import tiny
-
-    if kind == "flux":
-        return dict(hidden_states=torch.randn(1, 16, 4 * tiny.VAE_LATENT_CHANNELS, generator=g),
-                    encoder_hidden_states=torch.randn(1, 8, tiny.T5_DIM, generator=g),
-                    pooled_projections=torch.randn(1, tiny.CLIP_DIM, generator=g), timestep=torch.rand(1, generator=g),
-                    img_ids=torch.randint(0, 4, (16, 3), generator=g).float(), txt_ids=torch.zeros(8, 3),
-                    guidance=torch.full((1,), 3.5))
-    return dict(hidden_states=torch.randn(1, tiny.VAE_LATENT_CHANNELS, 8, 8, generator=g),
-                encoder_hidden_states=torch.randn(1, 8, tiny.T5_DIM, generator=g),
-                pooled_projections=torch.randn(1, 2 * tiny.CLIP_DIM, generator=g),
-                timestep=torch.rand(1, generator=g) * 1000)
-
-
 @pytest.mark.parametrize("kind", ["flux", "sd35"])
 def test_smoothing_groups_are_exactly_the_linears_that_read_one_input(kind):
     """One smoothing factor serves a group, so a group's members must read the very same tensor, and every two W4A4
@@ -1190,7 +1176,7 @@ def test_smoothing_groups_are_exactly_the_linears_that_read_one_input(kind):
     hooks = [transformer.get_submodule(n).register_forward_pre_hook(
         lambda m, a, n=n: seen.setdefault(n, a[0].detach().clone())) for n in recipe.w4a4]
     with torch.no_grad():
-        transformer(**_transformer_inputs(kind, torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))))
+        transformer(**_transformer_inputs(transformer, torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))))
     for h in hooks:
         h.remove()
     assert set(seen) == set(recipe.w4a4)

@@ -125,6 +125,14 @@ def _merged(model, sd):
     return model
 
 
+def _changed_keys(after, before):
+    """The keys whose tensors differ, bit for bit (float8 compared as bytes)."""
+    def bits(t):
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    return sorted(k for k in before if k not in after or after[k].shape != before[k].shape
+                  or not torch.equal(bits(after[k]), bits(before[k])))
+
+
 def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
@@ -149,9 +157,7 @@ def test_a_quantized_flux_transformer_takes_a_lora_as_the_merged_model_does():
     assert unfuse_lora(model) == len(sd) // 2
     after = model.state_dict()
     assert set(after) == set(before)
-    for k, v in before.items():
-        assert torch.equal(after[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else after[k],
-                           v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v), k
+    assert not _changed_keys(after, before), _changed_keys(after, before)
     with torch.no_grad():
         assert torch.equal(model(**inputs)[0], q)
 
@@ -218,8 +224,7 @@ def test_refused_loras_change_nothing():
     with pytest.raises(ValueError, match="finite scale"):
         fuse_lora(model, sd, scale=float("inf"))
     after = model.state_dict()
-    assert all(torch.equal(after[k].view(torch.uint8), v.view(torch.uint8)) if v.dtype == torch.float8_e4m3fn
-               else torch.equal(after[k], v) for k, v in before.items())
+    assert not _changed_keys(after, before), _changed_keys(after, before)
     assert unfuse_lora(model) == 0
 
 
@@ -387,8 +392,7 @@ def test_a_failure_part_way_puts_the_changed_layers_back(monkeypatch):
         fuse_lora(model, sd)
     after = model.state_dict()
     assert set(after) == set(before)
-    assert all(torch.equal(after[k].view(torch.uint8), v.view(torch.uint8)) if v.dtype == torch.float8_e4m3fn
-               else torch.equal(after[k], v) for k, v in before.items())
+    assert not _changed_keys(after, before), _changed_keys(after, before)
     assert unfuse_lora(model) == 0, "a layer kept an adapter from the failed call"
 
 
@@ -551,14 +555,6 @@ def test_the_load_lora_weights_guard_reads_the_lora_as_diffusers_would(tmp_path)
             fuse_lora(pipe, str(tmp_path), weight_name="kohya.bin")
         assert fuse_lora(pipe, str(tmp_path), weight_name="kohya.safetensors") == 1
         torch.testing.assert_close(layer(x), base + (x @ down.T) @ up.T, rtol=1e-4, atol=1e-5)
-
-
-def _changed_keys(after, before):
-    """The keys whose tensors differ, bit for bit (float8 compared as bytes)."""
-    def bits(t):
-        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-    return sorted(k for k in before if k not in after or after[k].shape != before[k].shape
-                  or not torch.equal(bits(after[k]), bits(before[k])))
 
 
 def test_loras_applied_one_after_another_add_up_and_unfuse_removes_them_all():

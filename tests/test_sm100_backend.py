@@ -215,3 +215,83 @@ def test_lora_act_is_one_bf16_product_of_x_within_the_contract(monkeypatch):
     b.run_w4a4(x, t["qweight"], t["wscales"], mod.smooth, t["proj_down"], t["proj_up"], t["wcscale"], t["bias"],
                b.extra_tensors(p))
     assert asked == {"want_xs": False}
+
+
+@pytest.mark.parametrize("cap, arch", [((10, 0), "sm_100a"), ((10, 3), "sm_103a"), ((9, 0), None), ((12, 0), None),
+                                       ((11, 0), None), ((8, 9), None)])
+def test_arch_of_is_compute_capability_10_only(cap, arch, monkeypatch):
+    """Only datacenter Blackwell (10.0: B200, 10.3: B300) takes the tcgen05 kernel: consumer Blackwell (12.x) and
+    Hopper have no tcgen05, and a check for ``major >= 10`` would have launched it there."""
+    from svdq_linear.backends import sm100
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    assert sm100.arch_of(torch.device("cuda", 0)) == arch, cap
+    assert sm100.Sm100Backend().supports(torch.device("cuda", 0), "w4a4") == (arch is not None)
+    assert sm100.arch_of(torch.device("cpu")) is None
+
+
+def test_on_a_blackwell_device_calls_decline_only_what_the_kernel_cannot_read(monkeypatch):
+    """With the device check passed (``arch_of`` stubbed: no GPU here), a call is declined for an fp32 input or one
+    whose rows are not contiguous along K (TMA reads unit-stride rows), and taken in bf16 and fp16, the kernel's two
+    output dtypes."""
+    from svdq_linear.backends import sm100
+
+    monkeypatch.setattr(sm100, "arch_of", lambda device: "sm_100a")
+    b, m = sm100.Sm100Backend(), _module()
+    for dtype in (torch.bfloat16, torch.float16):
+        assert b.declines_call(m, torch.randn(5, 256).to(dtype)) is None, dtype
+        strided = torch.randn(256, 5).to(dtype).t()  # [5, 256], stride 1 along M
+        assert "unit stride" in (b.declines_call(m, strided) or ""), dtype
+    assert "float32" in (b.declines_call(m, torch.randn(5, 256)) or "")
+
+
+def test_a_fold_beyond_float16_but_within_bfloat16_is_taken():
+    """``proj_up / wcscale`` is held in bf16 for both output dtypes, so a fold beyond float16's 65504 (here 1e5,
+    common where wcscale is small) runs on the kernel; only one beyond bf16's range is declined."""
+    from svdq_linear.backends.sm100 import Sm100Backend
+
+    for dtype in (torch.bfloat16, torch.float16):
+        m = _module(dtype=dtype)
+        m.wcscale[3] = 1e-3
+        m.proj_up.data[3, 0] = 100.0
+        assert Sm100Backend().declines(m) is None, dtype
+        m.wcscale[3] = 1e-37
+        assert "overflows" in Sm100Backend().declines(m), dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_prepare_keeps_the_bias_in_float32_exactly(dtype):
+    """The epilogue adds ``bias_pad`` in float32: the layer's bias bit for bit (an fp16 or fp32 bias through bf16
+    would lose mantissa bits), zeros past N."""
+    from svdq_linear.backends.sm100 import Sm100Backend
+
+    m = _module(n=200, dtype=dtype)
+    m.bias.data.copy_((torch.randn(200) * 3).to(dtype))
+    p = Sm100Backend().prepare(m)
+    assert torch.equal(p.bias_pad[:200], m.bias.float()), (p.bias_pad[:200] - m.bias.float()).abs().max()
+    assert not p.bias_pad[200:].any()
+
+
+@pytest.mark.parametrize("m_rows, dtype", [(8, torch.bfloat16), (128, torch.float16), (300, torch.bfloat16),
+                                           (129, torch.float16)])
+def test_a_call_launches_the_tile_of_its_token_count_and_dtype(m_rows, dtype, monkeypatch):
+    """``run_w4a4`` hands the launch the config of its own call (the launch itself is stubbed: no GPU): one 1-CTA
+    tile up to 128 tokens, 2-CTA above (the design's rule, by hand; N = 192 is 128 wide), the input's dtype as the
+    output's, the layer's rank, and M, N, K in that order."""
+    from svdq_linear.backends.sm100 import Sm100Backend, quantize
+
+    mod = _module(k=256, n=192, rank=32, dtype=dtype)
+    b = Sm100Backend()
+    seen = {}
+    monkeypatch.setattr(quantize, "quantize_act", lambda x, recip, want_xs=False: (None, None, None))
+    monkeypatch.setattr(b, "_launch", lambda cfg, arch, *args: seen.update(cfg=cfg, mnk=args[-3:], out=args[6]))
+    t = mod._parameters
+    x = torch.randn(m_rows, 256).to(dtype)
+    y = b.run_w4a4(x, t["qweight"], t["wscales"], t["smooth"], t["proj_down"], t["proj_up"], t["wcscale"], t["bias"],
+                   b.extra_tensors(b.prepare(mod)))
+    cfg = seen["cfg"]
+    want_tile = (128, 128) if m_rows <= 128 else (256, 128)
+    assert (cfg.mma_tile_m, cfg.mma_tile_n) == want_tile, (m_rows, cfg.name)
+    assert cfg.out_dtype == str(dtype).removeprefix("torch.") and cfg.rank == 32, cfg.name
+    assert seen["mnk"] == (m_rows, 192, 256) and seen["out"] is y and y.shape == (m_rows, 192) and y.dtype == dtype
