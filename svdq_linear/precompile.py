@@ -66,6 +66,9 @@ def _sass_stats(cubin: bytes, work: Path, name: str, keep_sass: bool) -> dict:
         "grid_waits": len(re.findall(r"\bACQBULK\b", sass)),  # griddepcontrol.wait (programmatic dependent launch)
         # of those, the ones laid out before the first cp.async (LDGSTS): what a kernel waits for before it copies
         "grid_waits_before_cp_async": len(re.findall(r"\bACQBULK\b", sass.split("LDGSTS")[0])),
+        "global_loads": len(re.findall(r"\bLDG\.", sass)),
+        # cp.async copies laid out after the last tensor-core MMA: the epilogue's own (quack's vector loads)
+        "cp_async_after_mma": len(re.findall(r"\bLDGSTS\b", re.split(r"\b[HQ]GMMA\.", sass)[-1])),
     }
     if keep_sass:
         (work / f"{name}.sass").write_text(sass)

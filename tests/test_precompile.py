@@ -96,7 +96,7 @@ def test_quack_variants_compile_each_shape_with_its_own_weight(monkeypatch):
     weight of its own shape (N x K), not the last shape's (a late-bound closure compiled the full list's
     K != 3072 shapes against a 3072-wide weight and failed on them)."""
     pytest.importorskip("quack")
-    from svdq_linear.backends.sm90 import quack_fast, quack_gemm
+    from svdq_linear.backends.sm90 import quack_fast, quack_gemm, quack_lowrank
     from svdq_linear.backends.sm90 import quack_precompile as qp
 
     seen = []
@@ -104,9 +104,12 @@ def test_quack_variants_compile_each_shape_with_its_own_weight(monkeypatch):
     def prepare(qweight, wscales, ones, bias):
         return (qweight.shape[0], qweight.shape[1] * 2, wscales.shape, ones.shape)
 
+    words = []
+
     def gemm(a, *args, **kwargs):
         w = args[-1] if len(args) == 2 else args[0]
         seen.append((tuple(a.shape), w))
+        words.append(quack_lowrank.runs_for(kwargs["lr_acc"][2]))
 
     for mod in (quack_gemm, quack_fast):
         monkeypatch.setattr(mod, "prepare", prepare)
@@ -119,6 +122,9 @@ def test_quack_variants_compile_each_shape_with_its_own_weight(monkeypatch):
         assert (m, k) in {(s[0], s[1]) for s in shapes}
         assert wk == k and sc == (n, k // 16) and cs == (n,), (m, k, n, wk)
     assert {(a[1], w[0]) for a, w in seen} == {(k, n) for _, k, n in shapes}
+    # the segment table registered as the backend's preparation registers it: the kernel a layer launches takes
+    # the table's runs as two words, so that is the one to compile
+    assert words == [quack_lowrank.pack_runs([0])] * len(seen)
 
 
 def test_precompile_refuses_a_malformed_python_version(capsys):

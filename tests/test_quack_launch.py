@@ -23,7 +23,7 @@ from svdq_linear.backends.sm90 import quack_precompile as qp
 qp._setup(Path(sys.argv[1]), Path(sys.argv[2]), 132)
 import torch
 import quack.epilogue.frontend as fe
-from svdq_linear.backends.sm90 import quack_fast, quack_gemm, quack_launch
+from svdq_linear.backends.sm90 import quack_fast, quack_gemm, quack_launch, quack_lowrank
 
 calls = []
 def recorder(where):
@@ -50,6 +50,7 @@ for mode in ("fast", "exact"):
         run = lambda m, a, la: quack_gemm.gemm(a, w, lr_acc=(up, la, seg))
         act = lambda m: torch.zeros(m, k, dtype=torch.bfloat16)
     up, seg = torch.zeros(n, r, dtype=torch.bfloat16), torch.zeros(n // 64, dtype=torch.int32)
+    words = quack_lowrank.register_runs(seg)  # as the preparation does: two int kernel parameters, no table
     calls.clear()
     a1, la1 = act(4096), torch.zeros(4096, r, dtype=torch.bfloat16)
     run(4096, a1, la1)
@@ -75,6 +76,7 @@ for mode in ("fast", "exact"):
         "d_is_out": D2 is y2 and C2 is None,
         "epi_keys": sorted(e1) == sorted(e2),
         "la_is_call": e2["la"] is la2,
+        "words": [e2.get("lb"), e2.get("lw")] == list(words) and "ls" not in e2,
         "tiles": sorted(w.warm),
         "new_plans": new_plans,
         "unregistered": unregistered,
@@ -93,7 +95,7 @@ def test_warm_launch_hands_quack_what_the_frontend_does(tmp_path):
         got = res[mode]
         assert got["where"] == ["frontend", "warm", "frontend", "frontend", "warm", "frontend", "frontend"], (mode, got)
         assert got["same_plan"] and got["same_views"] and got["b_is_call"] and got["d_is_out"], (mode, got)
-        assert got["epi_keys"] and got["la_is_call"], (mode, got)
+        assert got["epi_keys"] and got["la_is_call"] and got["words"], (mode, got)
         assert got["new_plans"] == 1 and got["unregistered"], (mode, got)
         assert got["tiles"] and all(isinstance(t, int) for t in got["tiles"]), (mode, got)  # views per tile
 

@@ -28,6 +28,61 @@ def test_copy_split_covers_every_tile_exactly():
         lr.copy_split(100, 32, 256)  # not a multiple of 8
 
 
+def test_packed_runs_give_every_group_its_window():
+    """``pack_runs``' two words read back (``run_window``, the kernel's arithmetic) each 64-row group's window
+    for any table of at most four runs; longer tables, windows past 15 and 1023 groups are refused."""
+    lr = pytest.importorskip("svdq_linear.backends.sm90.quack_lowrank")
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        runs = rng.randint(1, lr.MAX_RUNS)
+        lengths = [rng.randint(1, 40) for _ in range(runs)]
+        windows = [rng.randint(0, 15) for _ in range(runs)]
+        for i in range(1, runs):  # neighbouring runs differ (else they are one run)
+            while windows[i] == windows[i - 1]:
+                windows[i] = rng.randint(0, 15)
+        table = [w for w, n in zip(windows, lengths) for _ in range(n)][:1022]
+        lb, lw = lr.pack_runs(table)
+        assert 0 <= lb < 2**31 and 0 <= lw < 2**31  # Int32 kernel parameters
+        assert [lr.run_window(lb, lw, g) for g in range(len(table))] == table, (lengths, windows)
+    assert lr.pack_runs([0, 1, 2, 3, 0]) is None  # five runs
+    assert lr.pack_runs([0, 16]) is None and lr.pack_runs([-1]) is None  # windows outside 0..15
+    assert lr.pack_runs([0] * 1023) is None and lr.pack_runs([0] * 1022) is not None
+    assert lr.pack_runs([]) is None
+    # fused q/k/v of 3072 rows a part, and a single block's q, k, v and mlp (3072 x 3 + 12288)
+    qkv = [0] * 48 + [1] * 48 + [2] * 48
+    single = [0] * 48 + [1] * 48 + [2] * 48 + [3] * 192
+    for t in (qkv, single):
+        words = lr.pack_runs(t)
+        assert [lr.run_window(*words, g) for g in range(len(t))] == t
+
+
+def test_launch_takes_a_registered_tables_words_and_any_other_table_as_it_is(monkeypatch):
+    lr = pytest.importorskip("svdq_linear.backends.sm90.quack_lowrank")
+    import gc
+
+    import torch
+
+    up, la = torch.zeros(256, 32, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16)
+    seg = torch.tensor([0, 0, 1, 1], dtype=torch.int32)
+    assert lr.lowrank_args((up, la, seg)) == {"lu": up, "la": la, "ls": seg}  # not registered: the table
+    words = lr.register_runs(seg)
+    assert words == lr.pack_runs([0, 0, 1, 1])
+    args = lr.lowrank_args((up, la, seg))
+    assert "ls" not in args and (args["lb"], args["lw"]) == words and args["lu"] is up and args["la"] is la
+    assert "ls" in lr.lowrank_args((up, la, seg.clone()))  # the registry knows the very tensor only
+    assert lr.lowrank_args((up, la)) == {"lu": up, "la": la}  # one window: nothing to pass
+    monkeypatch.setenv(lr.ENV_RUNS, "0")
+    assert lr.lowrank_args((up, la, seg))["ls"] is seg
+    monkeypatch.delenv(lr.ENV_RUNS)
+    assert lr.register_runs(torch.arange(8, dtype=torch.int32)) is None  # eight runs: not registered
+    key = id(seg)
+    del seg, args
+    gc.collect()
+    assert key not in lr._RUNS  # the entry goes with its table
+
+
 def _block_diagonal(rows_ranks, seed=0):
     """A fused linear's proj_up: segment i has rows_ranks[i][0] rows using its own rows_ranks[i][1] columns."""
     import torch
@@ -129,6 +184,10 @@ def test_fused_linears_take_the_accumulator_path_one_window_a_part(widths):
     want = [i for i, n in enumerate(widths) for _ in range(n // 64)]
     assert prep.proj_up_bf16.shape[1] == 32 and prep.lowrank_segments.tolist() == want
     assert prep.proj_down_smoothed.shape == (256, 32 * len(widths))
+    # the preparation registers the table's runs: the quack launch passes them as two words
+    from svdq_linear.backends.sm90 import quack_lowrank
+
+    assert quack_lowrank.runs_for(prep.lowrank_segments) == quack_lowrank.pack_runs(want)
 
 
 _COMPILE = r"""
@@ -144,20 +203,28 @@ from svdq_linear.precompile import _sass_stats
 n, k = 256, 512
 q = torch.zeros(n, k // 2, dtype=torch.uint8)
 s = torch.ones(n, k // 16).to(torch.float8_e4m3fn)
-for mode, m, r in [("fast", 4096, 48), ("fast", 1, 48), ("exact", 300, 48), ("exact", 4096, 16)]:
-    before = set(dump.glob("*.cubin"))
+import os
+from svdq_linear.backends.sm90 import quack_lowrank
+cases = [("fast", 4096, 48, "table"), ("fast", 1, 48, "table"), ("exact", 300, 48, "table"),
+         ("exact", 4096, 16, "table"), ("exact", 4096, 16, "words"), ("fast", 4096, 48, "words"),
+         ("exact", 4096, 16, "at_epilogue")]
+for mode, m, r, form in cases:
+    before = {p: p.stat().st_mtime_ns for p in dump.glob("*.cubin")}  # (a variant may rewrite a name)
     # three windows of r (a fused q/k/v): la is 3 r wide, the MMA r
     lr = (torch.zeros(n, r, dtype=torch.bfloat16), torch.zeros(m, 3 * r, dtype=torch.bfloat16),
           torch.tensor([0, 1, 2, 2], dtype=torch.int32))
+    if form == "words":
+        quack_lowrank.register_runs(lr[2])
+    os.environ[quack_lowrank.ENV_PREFETCH] = "0" if form == "at_epilogue" else "1"
     if mode == "fast":
         w = quack_fast.prepare(q, s, torch.ones(n), None)
         quack_fast.gemm(torch.zeros(m, k).to(torch.float8_e4m3fn), torch.ones(m), w, launch=False, lr_acc=lr)
     else:
         w = quack_gemm.prepare(q, s, torch.ones(n), None)
         quack_gemm.gemm(torch.zeros(m, k, dtype=torch.bfloat16), w, launch=False, lr_acc=lr)
-    new = sorted(set(dump.glob("*.cubin")) - before)
-    stats = _sass_stats(new[0].read_bytes(), dump, f"{mode}_{m}_{r}", False) if new else None
-    print(json.dumps({"mode": mode, "m": m, "r": r, "stats": stats}), flush=True)
+    new = sorted(p for p in dump.glob("*.cubin") if before.get(p) != p.stat().st_mtime_ns)
+    stats = _sass_stats(new[0].read_bytes(), dump, f"{mode}_{m}_{r}_{form}", False) if new else None
+    print(json.dumps({"mode": mode, "m": m, "r": r, "form": form, "stats": stats}), flush=True)
 """
 
 
@@ -167,7 +234,14 @@ def test_lowrank_gemms_compile_for_sm90_with_bf16_wgmma(tmp_path):
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     recs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert len(recs) == 4
+    assert len(recs) == 7
+    by = {(rec["mode"], rec["m"], rec["form"]): rec["stats"] for rec in recs}
+    for mode in ("exact", "fast"):
+        # the segment table's window: one global load at every tile's start, none from the packed words
+        assert by[(mode, 4096, "words")]["global_loads"] < by[(mode, 4096, "table")]["global_loads"], by
+    # the per-row vectors: copied at the tile's start (beside the low-rank operands), not after the last MMA
+    assert by[("exact", 4096, "table")]["cp_async_after_mma"] == 0, by
+    assert by[("exact", 4096, "at_epilogue")]["cp_async_after_mma"] > 0, by
     for rec in recs:
         st = rec["stats"]
         assert st is not None, f"{rec}: no cubin"

@@ -371,6 +371,9 @@ class Sm90Backend(Backend):
             plan = plan_lowrank(module.proj_up)
             if plan is not None:
                 w, seg = plan
+                from . import quack_lowrank  # (quack_up: quack is there)
+
+                quack_lowrank.register_runs(seg)  # the launch passes the table's runs as two words
                 pds = _pad_cols(pds, w).contiguous()
                 up_scaled = _pad_cols(module.proj_up.float() / colscale, w)
                 window = (seg.repeat_interleave(64).long() * w)[:, None] + torch.arange(w, device=device)

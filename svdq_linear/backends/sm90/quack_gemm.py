@@ -23,6 +23,7 @@ from quack.gemm_runtime.identity import TORCH_OP_TRANSFORM_MODS
 from quack.operand_transform.frontend import PackedFormatMod
 from quack.operand_transform.transform import TransformAW4
 
+from ..._env import getenv
 from . import quack_launch, quack_lowrank, tuning
 from .quack_layout import repack_scales, repack_weight, unpack_scales, unpack_weight  # noqa: F401 (this API)
 
@@ -34,9 +35,14 @@ def _epi_bias_lowrank(acc, lr, wc, bias):
     return {"D": acc * wc + bias + lr}
 
 
-@quack_lowrank.lowrank_epilogue(ops={"wc": RowVecLoad("wc"), "bias": RowVecLoad("bias")})
-def _epi_bias(acc, wc, bias):
+def _bias_fn(acc, wc, bias):
     return {"D": acc * wc + bias}
+
+
+_BIAS_OPS = {"wc": RowVecLoad("wc"), "bias": RowVecLoad("bias")}
+_epi_bias = quack_lowrank.lowrank_epilogue(ops=_BIAS_OPS)(_bias_fn)
+# the vectors loaded at the epilogue's start, as quack does (ENV_PREFETCH = "0": for measuring the prefetch)
+_epi_bias_at_epilogue = quack_lowrank.lowrank_epilogue(ops=_BIAS_OPS, prefetch_vecs=False)(_bias_fn)
 
 
 class _ExactTransform(quack_lowrank.LowRankTransformHook, TransformAW4):
@@ -109,10 +115,10 @@ def gemm(xq: torch.Tensor, w: QuackWeight, lowrank: torch.Tensor | None = None, 
     out = torch.empty(m, n, device=xq.device, dtype=torch.bfloat16)
     tm, tn = tile or tiles(m, n, tuning.sm_count(xq.device))
     args = {"wc": w.wc, "bias": w.bias}
-    mod = _epi_bias
+    mod = _epi_bias if getenv(quack_lowrank.ENV_PREFETCH) != "0" else _epi_bias_at_epilogue
     if lowrank is not None:
         args["lr"], mod = lowrank, _epi_bias_lowrank
     elif lr_acc is not None:
-        args.update(zip(("lu", "la", "ls"), lr_acc))
+        args.update(quack_lowrank.lowrank_args(lr_acc))
     quack_launch.launch(mod, w, w.sf, xq, out, args, EXACT_MOD, tile_m=tm, tile_n=tn, tile_k=TILE_K, launch=launch)
     return out

@@ -64,9 +64,13 @@ def launch(mod, w, sf, a, out, epi_args: dict, transform, *, tile_m: int, tile_n
     if launch and w.warm is not None and getenv(ENV_WARM) != "0":
         own = {id(t) for t in w.tensors()}
         per_call = [(name, t) for name, t in epi_args.items() if id(t) not in own]
-        if a.is_contiguous() and out.is_contiguous() and all(t.is_contiguous() for _, t in per_call):
+        tensors = [t for _, t in per_call if isinstance(t, torch.Tensor)]
+        if a.is_contiguous() and out.is_contiguous() and all(t.is_contiguous() for t in tensors):
+            # an int (a scalar the kernel takes as an immediate parameter) keys by its type: the plan passes
+            # the value at each call
             key = (id(mod), tuple(w.blob.shape), tuple(a.shape), a.dtype, out.dtype, tile_m, tile_n, a.device,
-                   tuple((name, tuple(t.shape), t.dtype) for name, t in per_call))
+                   tuple((name, tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (name, type(t))
+                         for name, t in per_call))
             plan, views = _PLANS.get(key), w.warm.get(tile_m)
             if plan is not None and views is not None:
                 run_gemm_epi_plan(plan, views, a, out, None, epi_args)

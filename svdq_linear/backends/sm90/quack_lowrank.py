@@ -18,18 +18,31 @@ seam of the operand transform, which runs before the K-loop), so the loads fly u
 after it, ``epi_visit_acc`` waits for them, joins the math threads on the epilogue barrier and issues
 the wgmmas. The buffers are unstaged epilogue shared memory, ``(tile_M + tile_N) * W * 2`` bytes that
 quack counts before it picks the number of K-stages (one stage fewer at ``W = 32``: docs/perf.md).
+
+The segment table's window is a global load at every work tile's start, and the ``la`` copies' addresses
+wait on it. Where a table has at most ``MAX_RUNS`` runs (every fused Flux / SD3.5 linear), the prepared
+table is registered with its runs packed into two 32-bit words (``register_runs``), which the launch passes
+as kernel parameters (``lb``, ``lw``): the window is then a few integer compares, no load. Other tables
+(and tensors the registry does not know, e.g. a graph capture's copies) keep the load.
+
+``prefetch_vecs`` epilogues also move the per-row vectors (``wcscale``, ``bias``; the fast mode's ``sa``
+and ``cs``) from the epilogue's start, where quack's ``VecLoad`` issues their ``cp.async`` copies and waits
+for them at once, to the work tile's start beside the low-rank copies: their latency then falls under the
+K-loop too. The epilogue builds the same shared-memory views without the copies and waits for them only
+where the low-rank MMA has not already waited.
 """
 
 from __future__ import annotations
 
 import hashlib
+import weakref
 from pathlib import Path
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 import torch
-from cutlass import BFloat16, Float32, const_expr
+from cutlass import BFloat16, Boolean, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.experimental import primitives as prims
 from cutlass.utils import LayoutEnum
@@ -38,10 +51,15 @@ from quack import sm90_utils as quack_sm90_utils
 from quack.compile_utils import make_fake_tensor
 from quack.cute_dsl_utils import torch2cute_dtype_map
 from quack.epilogue.frontend import EpiMod
-from quack.epilogue.ops import EpiOp, EpiSmemBytes
+from quack.epilogue.ops import EpiContext, EpiOp, EpiSmemBytes, Scalar, VecLoad
 from quack.gemm_runtime.identity import TORCH_OP_EPI_MODS
 
+from ..._env import getenv
+
 _SMEM_ALIGN = 1024  # a 128-byte swizzle atom repeats every 1024 bytes
+MAX_RUNS = 4  # runs of one window a packed segment table holds (q, k, v and a single block's mlp)
+_BOUND_BITS, _WINDOW_BITS = 10, 4  # a run's first 64-row group (< 1023), its window (< 16)
+_NO_BOUND = (1 << _BOUND_BITS) - 1  # an unused run starts past every group
 
 
 def source_digest() -> str:
@@ -68,6 +86,64 @@ def copy_split(rows: int, r: int, nthreads: int) -> tuple[int, int]:
         raise ValueError(f"cannot split a [{rows}, {r}] tile over {nthreads} threads")
     per_row = r // _VEC
     return per_row, min(rows & -rows, 1 << ((nthreads // per_row).bit_length() - 1))
+
+
+def pack_runs(segments) -> tuple[int, int] | None:
+    """A segment table (``[N / 64]`` windows, a sequence of ints) as two words ``(lb, lw)``: the first 64-row
+    group of runs 1..3 in ``lb``'s 10-bit fields (``_NO_BOUND`` where there is no such run) and the windows of
+    runs 0..3 in ``lw``'s 4-bit fields; ``run_window`` reads a group's window back. None where the table has
+    more than ``MAX_RUNS`` runs, 1023 groups or more, or a window outside 0..15 (the table is used then)."""
+    segments = [int(v) for v in segments]
+    if not segments or len(segments) >= _NO_BOUND:
+        return None
+    starts, windows = [], []
+    for g, v in enumerate(segments):
+        if not windows or v != windows[-1]:
+            starts.append(g)
+            windows.append(v)
+    if len(windows) > MAX_RUNS or not all(0 <= v < 1 << _WINDOW_BITS for v in windows):
+        return None
+    bounds = starts[1:] + [_NO_BOUND] * (MAX_RUNS - len(starts))
+    windows += [0] * (MAX_RUNS - len(windows))
+    lb = sum(b << (_BOUND_BITS * i) for i, b in enumerate(bounds))
+    lw = sum(v << (_WINDOW_BITS * i) for i, v in enumerate(windows))
+    return lb, lw
+
+
+def run_window(lb: int, lw: int, g: int) -> int:
+    """The window of 64-row group ``g`` under ``pack_runs``' words: what the kernel computes."""
+    mask = (1 << _BOUND_BITS) - 1
+    run = sum(g >= (lb >> (_BOUND_BITS * i)) & mask for i in range(MAX_RUNS - 1))
+    return (lw >> (_WINDOW_BITS * run)) & ((1 << _WINDOW_BITS) - 1)
+
+
+_RUNS: dict[int, tuple] = {}  # id(segment table) -> (weakref to it, (lb, lw))
+
+
+def register_runs(segments: torch.Tensor) -> tuple[int, int] | None:
+    """Pack a prepared segment table (``pack_runs``; reads it to the host once) and remember the words for
+    ``runs_for``. Call where the table is made, not inside a graph capture."""
+    packed = pack_runs(segments.tolist())
+    if packed is not None:
+        key = id(segments)
+        _RUNS[key] = (weakref.ref(segments, lambda _r, key=key: _RUNS.pop(key, None)), packed)
+    return packed
+
+
+def runs_for(segments: torch.Tensor | None) -> tuple[int, int] | None:
+    """The packed words ``register_runs`` made for this very tensor, or None."""
+    entry = None if segments is None else _RUNS.get(id(segments))
+    return entry[1] if entry is not None and entry[0]() is segments else None
+
+
+class LowRankRunWord(Scalar):
+    """``lb`` / ``lw``: a packed segment table's words (``pack_runs``), kernel parameters the low-rank
+    prefetch reads; the fn frontend never sees them."""
+
+    fn_port = None
+
+    def __init__(self, name: str):
+        super().__init__(name, Int32)
 
 
 class LowRankOperand(EpiOp):
@@ -163,13 +239,76 @@ class LowRankAccMixin:
     into the accumulator after the K-loop."""
 
     _lr = None
+    _pf = None
+    _prefetch_vecs = False  # set on the classes a ``prefetch_vecs`` epilogue mints
 
     def epi_get_smem_tensors(self, params, storage):
         tensors = super().epi_get_smem_tensors(params, storage)
         # trace time: the kernel's prologue runs this for every warp, so the values dominate the
         # work-tile loop where lowrank_prefetch and epi_visit_acc read them
         self._lr = (params, tensors) if tensors.get("lu") is not None and tensors.get("la") is not None else None
+        vecs = tuple(op for op in self._epi_ops if isinstance(op, VecLoad)) if self._prefetch_vecs else ()
+        self._pf = (params, tensors, vecs) if vecs else None
         return tensors
+
+    @cute.jit
+    def _prefetch_vec(self, op, param, smem, tile_coord_mnkl, tidx, nthreads):
+        """``op``'s slice for this work tile into its shared memory: the copies ``VecLoad.begin`` issues (a
+        dense vector, no varlen), each math thread its share."""
+        dtype = param.element_type
+        thr_copy = copy_utils.tiled_copy_1d(dtype, nthreads, max(32, dtype.width) // dtype.width,
+                                            is_async=True).get_slice(tidx)
+        vec = param
+        if const_expr(cute.rank(param) == 2):
+            vec = param[tile_coord_mnkl[3], None]
+        tile_dim = self.cta_tile_shape_mnk[op.dim]
+        coord = tile_coord_mnkl[op.dim]
+        tVgV = thr_copy.partition_S(cute.local_tile(vec, (tile_dim,), (coord,)))
+        tVsV = thr_copy.partition_D(smem)
+        tVcV = thr_copy.partition_S(cute.make_identity_tensor(tile_dim))
+        limit = min(cute.size(vec, mode=[0]) - coord * tile_dim, tile_dim)
+        for m in cutlass.range(cute.size(tVsV.shape[1]), unroll_full=True):
+            if tVcV[0, m] < tile_dim:
+                pred = cute.make_rmem_tensor(1, Boolean)
+                pred[0] = tVcV[0, m] < limit
+                cute.copy(thr_copy, tVgV[None, m], tVsV[None, m], pred=pred)
+
+    def epi_begin(self, params, epi_smem_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s, tile_coord_mnkl,
+                  varlen_manager, epilogue_barrier, tidx, tRS_rD_layout=None):
+        """quack's ``epi_begin``, except for the prefetched vectors: their views without the copies, and one
+        wait for them where the low-rank MMA did not wait already (``epi_visit_acc``)."""
+        if const_expr(self._pf is None):
+            return super().epi_begin(params, epi_smem_tensors, epi_tile, tiled_copy_t2r, tiled_copy_r2s,
+                                     tile_coord_mnkl, varlen_manager, epilogue_barrier, tidx, tRS_rD_layout)
+        ctx = EpiContext(self, epi_tile, tiled_copy_t2r, tiled_copy_r2s, tile_coord_mnkl, varlen_manager,
+                         epilogue_barrier, tidx, tRS_rD_layout)
+        names = {op.name for op in self._pf[2]}
+        results = {op.name: (_vec_views(op, self, epi_smem_tensors.get(op.name), ctx) if op.name in names
+                             else op.begin(self, getattr(params, op.name), epi_smem_tensors.get(op.name), ctx))
+                   for op in self._epi_ops}
+        others = any(op.needs_async_fence() for op in self._epi_ops if op.name not in names)
+        if const_expr(others):
+            cute.arch.cp_async_commit_group()
+        if const_expr(others or self._lr is None):
+            cute.arch.cp_async_wait_group(0)
+            epilogue_barrier.arrive_and_wait()
+        return results
+
+    @cute.jit
+    def _window(self, params, tile_coord_mnkl):
+        """The ``la`` window of this work tile's weight rows: from the packed words (no load), the table, or 0."""
+        window = Int32(0)
+        g = tile_coord_mnkl[0] * (self.cta_tile_shape_mnk[0] // 64)
+        if const_expr(params.lb is not None):
+            lb, lw = Int32(params.lb), Int32(params.lw)
+            mask = (1 << _BOUND_BITS) - 1
+            window = lw & ((1 << _WINDOW_BITS) - 1)
+            for i in cutlass.range_constexpr(MAX_RUNS - 1):  # the bounds increase: the last run passed wins
+                if g >= (lb >> (_BOUND_BITS * i)) & mask:
+                    window = (lw >> (_WINDOW_BITS * (i + 1))) & ((1 << _WINDOW_BITS) - 1)
+        elif const_expr(params.ls is not None):  # the weight tile's segment (tiles never straddle two)
+            window = params.ls[g]
+        return window
 
     def _lr_tiled_mma(self):
         """bf16 SS wgmma with the main MMA's warpgroup layout and N permutation: the same accumulator."""
@@ -184,21 +323,31 @@ class LowRankAccMixin:
 
     @cute.jit
     def lowrank_prefetch(self, tile_coord_mnkl):
-        """Math warps, at a work tile's start: cp.async the tile's ``lu`` and ``la`` rows (rows past the
-        tensor are left as they are: they only feed outputs that are never stored)."""
-        if const_expr(self._lr is not None):
-            params, tensors = self._lr
+        """Math warps, at a work tile's start: cp.async the tile's prefetched vectors and its ``lu`` and
+        ``la`` rows (rows past the tensor are left as they are: they only feed outputs that are never
+        stored)."""
+        if const_expr(self._lr is not None or self._pf is not None):
             if const_expr(self.use_pdl):
-                # la is the grid before's output (the activation pass, which may let this grid start before it
-                # ends: kernels.quantize_act_after_lora). Quack's producer waits for that grid before its first
-                # load; these copies run before the K-loop, so they wait too (at once after the first tile).
+                # la (and the fast mode's sa) is the grid before's output (the activation pass, which may let
+                # this grid start before it ends: kernels.quantize_act_after_lora). Quack's producer waits for
+                # that grid before its first load; these copies run before the K-loop, so they wait too (at
+                # once after the first tile).
                 prims.griddepcontrol(prims.GridDepAction.WAIT)
             tidx, _, _ = cute.arch.thread_idx()
             nthreads = self.mma_warp_groups * self.num_threads_per_warp_group
+            if const_expr(self._pf is not None):
+                # the vectors' copies split over the epilogue's threads
+                assert nthreads == self.num_epi_warps * cute.arch.WARP_SIZE
+                pf_params, pf_tensors, vecs = self._pf
+                for op in vecs:
+                    self._prefetch_vec(op, getattr(pf_params, op.name), pf_tensors[op.name], tile_coord_mnkl, tidx,
+                                       nthreads)
+        if const_expr(self._lr is not None):
+            params, tensors = self._lr
+            tidx, _, _ = cute.arch.thread_idx()
+            nthreads = self.mma_warp_groups * self.num_threads_per_warp_group
             w = cute.size(params.lu, mode=[1])
-            window = 0
-            if const_expr(params.ls is not None):  # the weight tile's segment (tiles never straddle two)
-                window = params.ls[tile_coord_mnkl[0] * (self.cta_tile_shape_mnk[0] // 64)]
+            window = self._window(params, tile_coord_mnkl)
             for name, dim in (("lu", 0), ("la", 1)):
                 mX = getattr(params, name)
                 sX = tensors[name]
@@ -217,6 +366,7 @@ class LowRankAccMixin:
                     for i in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
                         if tXcX[0, i, 0][0] < limit:
                             cute.copy(thr_copy, tXgX[None, i, None], tXsX[None, i, None])
+        if const_expr(self._lr is not None or self._pf is not None):
             cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -237,6 +387,17 @@ class LowRankAccMixin:
             quack_sm90_utils.gemm(lr_mma, acc, tCrA, tCrB, zero_init=False, wg_wait=0)
 
 
+def _vec_views(op, gemm, smem, ctx):
+    """What ``VecLoad.begin`` returns for ``op`` (its shared-memory slice seen by the epilogue, and the
+    register fragment ``begin_loop`` fills), without its copies: they were issued at the work tile's start."""
+    tDsV = ctx.partition_for_epilogue_fn(
+        cute.make_tensor(smem.iterator, cute.make_layout((ctx.tile_M, ctx.tile_N), stride=op._broadcast_stride())))
+    if const_expr(ctx.tiled_copy_t2r is not None):
+        tDsV = ctx.tiled_copy_r2s.retile(tDsV)
+    tDsV_sub = cute.group_modes(tDsV, 3, cute.rank(tDsV))[None, None, None, 0]
+    return [tDsV, cute.make_rmem_tensor(tDsV_sub.layout, gemm.acc_dtype)]
+
+
 class LowRankTransformHook:
     """Mixed into an operand transform: the mainloop's per-work-tile seam starts the low-rank prefetch."""
 
@@ -252,13 +413,16 @@ class LowRankEpiMod(EpiMod):
     """quack's fn-frontend epilogue mod whose minted GEMM classes carry ``LowRankAccMixin`` (active when
     the call passes ``lu`` and ``la``)."""
 
-    def __init__(self, fn, **kwargs):
+    def __init__(self, fn, prefetch_vecs: bool = True, **kwargs):
         extra = tuple(kwargs.pop("extra_ops", ())) + (LowRankOperand("lu", 0), LowRankOperand("la", 1),
-                                                      LowRankSegments("ls"))
+                                                      LowRankSegments("ls"), LowRankRunWord("lb"),
+                                                      LowRankRunWord("lw"))
         super().__init__(fn, extra_ops=extra, **kwargs)
+        self.prefetch_vecs = prefetch_vecs
         TORCH_OP_EPI_MODS.pop(self.semantic_digest, None)
-        # the mixin's code is part of what the compiled kernels mean
-        self.semantic_digest = hashlib.sha256((self.semantic_digest + source_digest()).encode()).hexdigest()
+        # the mixin's code, and whether it prefetches the vectors, are part of what the compiled kernels mean
+        self.semantic_digest = hashlib.sha256(
+            (self.semantic_digest + source_digest() + f"prefetch_vecs={prefetch_vecs}").encode()).hexdigest()
         self._ident = f"{fn.__name__}_{self.semantic_digest[:16]}"
         TORCH_OP_EPI_MODS[self.semantic_digest] = self
         self._lr_minted = {}
@@ -274,15 +438,32 @@ class LowRankEpiMod(EpiMod):
             base = super()._mint(*key)
             name = base.__name__ + "_lracc"
             cls = type(name, (LowRankAccMixin, base),
-                       {"EpilogueParams": base.EpilogueParams, "__module__": __name__, "__qualname__": name})
+                       {"EpilogueParams": base.EpilogueParams, "__module__": __name__, "__qualname__": name,
+                        "_prefetch_vecs": self.prefetch_vecs})
             self._lr_minted[key] = cls
         return cls
 
 
 def lowrank_epilogue(**kwargs):
-    """``quack.epilogue.frontend.gemm_epilogue`` with the low-rank MMA in the accumulator."""
+    """``quack.epilogue.frontend.gemm_epilogue`` with the low-rank MMA in the accumulator (and, unless
+    ``prefetch_vecs=False``, the per-row vectors prefetched at the work tile's start)."""
 
     def wrap(fn):
         return LowRankEpiMod(fn, **kwargs)
 
     return wrap
+
+
+def lowrank_args(lr_acc) -> dict:
+    """The epilogue arguments of ``lr_acc = (lu, la[, segments])``: the segment table as its registered
+    words (``register_runs``) where it has them and ``ENV_RUNS`` is not "0", else the table itself."""
+    args = dict(zip(("lu", "la", "ls"), lr_acc))
+    words = runs_for(args.get("ls")) if getenv(ENV_RUNS) != "0" else None
+    if words is not None:
+        del args["ls"]
+        args["lb"], args["lw"] = words
+    return args
+
+
+ENV_RUNS = "SVDQ_SM90_LR_RUNS"  # "0": the segment table's load at every tile (for measuring the words)
+ENV_PREFETCH = "SVDQ_SM90_EPI_PREFETCH"  # "0": the per-row vectors loaded at the epilogue's start (measuring)

@@ -93,7 +93,7 @@ def variants(shapes, quick: bool, rank: int = 32):
     ``quick``)."""
     import torch
 
-    from . import LOWRANK_MAX_WINDOW, QUACK_MIN_M, fast_layout, quack_fast, quack_gemm
+    from . import LOWRANK_MAX_WINDOW, QUACK_MIN_M, fast_layout, quack_fast, quack_gemm, quack_lowrank
 
     assert rank % 16 == 0 and rank <= LOWRANK_MAX_WINDOW
     out = []
@@ -103,6 +103,7 @@ def variants(shapes, quick: bool, rank: int = 32):
         ones = torch.ones(n)
         lr = (torch.zeros(n, rank, dtype=torch.bfloat16), torch.zeros(m, rank, dtype=torch.bfloat16),
               torch.zeros(n // 64, dtype=torch.int32))  # what prepare passes for a dense branch
+        quack_lowrank.register_runs(lr[2])  # and registers: the launch passes the table's runs as two words
         for with_lowrank in ((True,) if quick else (True, False)):
             lr_acc = lr if with_lowrank else None
             tag = f"{m}x{k}x{n}{f'_r{rank}' if with_lowrank else ''}"
