@@ -106,31 +106,32 @@ def lowrank_operands(m: int, n: int, widths, col, to_la, dev):
     return up, la
 
 
-def rounds_table(log, rows, rounds: int, names):
-    """``rows``: (label, mode, ref graph, {name: graph}); logs the median over rounds of ms and of the ratio to
-    the first name's time in the same round, and cuBLAS / each."""
+def rounds_table(log, rows, rounds: int, names, base_of):
+    """``rows``: (label, mode, ref graph, {name: graph}); logs the median over rounds of ms, of cuBLAS / each, and
+    of each one's gain over its old form (``base_of[name]``) timed in the same round. The order within a round
+    turns by one each round (no variant always first after cuBLAS)."""
     log("| shape | mode | cuBLAS bf16 | " + " | ".join(names) + " |")
     log("|---|---|---|" + "---|" * len(names))
     for label, mode, ref, graphs in rows:
         t = {name: [] for name in ["ref", *names]}
-        for _ in range(rounds):
-            t["ref"].append(replay_ms(ref))
-            for name in names:
-                t[name].append(replay_ms(graphs[name]))
-        base = names[0]
+        order = ["ref", *names]
+        for r in range(rounds):
+            for name in order[r % len(order):] + order[:r % len(order)]:
+                t[name].append(replay_ms(ref if name == "ref" else graphs[name]))
         cells = []
         for name in names:
             ms = statistics.median(t[name])
-            gain = statistics.median(b / a for a, b in zip(t[name], t[base]))
             vs = statistics.median(r / a for a, r in zip(t[name], t["ref"]))
-            cells.append(f"{ms:.4f} ({vs:.3f}x{'' if name == base else f'; {gain:.3f}x old'})")
+            base = base_of[name]
+            gain = "" if base == name else f"; {statistics.median(b / a for a, b in zip(t[name], t[base])):.3f}x old"
+            cells.append(f"{ms:.4f} ({vs:.3f}x{gain})")
         log(f"| {label} | {mode} | {statistics.median(t['ref']):.4f} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench_out/bench_epi_prefetch.md")
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--quick", action="store_true", help="fused q/k/v and attn out only")
     args = p.parse_args()
     lines: list[str] = []
@@ -142,11 +143,12 @@ def main() -> None:
     dev = torch.device("cuda")
     log(f"# quack GEMMs' work-tile edges, old against new — {torch.cuda.get_device_name()} — "
         f"{time.strftime('%Y-%m-%d %H:%M')}\n")
-    log(f"ms a call (graphs of {CALLS} calls, median of {args.rounds} rounds); (x) = cuBLAS bf16 / variant; "
-        "'x old' = the first variant / this one, same round\n")
+    log(f"ms a call (graphs of {CALLS} calls, median of {args.rounds} rounds, the order turning); "
+        "(x) = cuBLAS bf16 / variant; 'x old' = its old form / it, same round\n")
     shapes = SHAPES[:1] + SHAPES[2:3] if args.quick else SHAPES
     names = list(GEMM_VARIANTS)
     rows = []
+    keep = []  # what the graphs read but do not own (inputs, weights): alive until they are timed
     for label, m, k, n, widths in shapes:
         torch.manual_seed(0)
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -164,11 +166,14 @@ def main() -> None:
                 if not torch.equal(outs[name], want):
                     raise AssertionError(f"{label} {mode} {name}: not the old variant's bits")
             rows.append((label, mode, ref, graphs))
+            keep.append((run, lr))
+        keep.append((x, w16, base))
         torch.cuda.synchronize()
     log("## The GEMM alone\n")
-    rounds_table(log, rows, args.rounds, names)
-    del rows
+    rounds_table(log, rows, args.rounds, names, {n: ("LR old" if GEMM_VARIANTS[n][0] else "R=0 old") for n in names})
+    del rows, keep
     torch.cuda.empty_cache()
+    keep = []
 
     log("\n## The whole fused linears (module forward, quantization included; R = 32 a part)\n")
     rows = []
@@ -184,7 +189,9 @@ def main() -> None:
             if not torch.equal(o_old, o_new):
                 raise AssertionError(f"{label} {mode}: the whole linear's bits changed")
             rows.append((label, mode, ref, {"old": g_old, "new": g_new}))
-    rounds_table(log, rows, args.rounds, ["old", "new"])
+            keep.append(mod)
+        keep.append((x, w16))
+    rounds_table(log, rows, args.rounds, ["old", "new"], {"old": "old", "new": "old"})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
