@@ -20,7 +20,8 @@ the wgmmas. The buffers are unstaged epilogue shared memory, ``(tile_M + tile_N)
 quack counts before it picks the number of K-stages (one stage fewer at ``W = 32``: docs/perf.md).
 
 The segment table's window is a global load at every work tile's start, and the ``la`` copies' addresses
-wait on it. Where a table has at most ``MAX_RUNS`` runs (every fused Flux / SD3.5 linear), the prepared
+wait on it. Where a table has at most ``MAX_RUNS`` runs (every table the Flux and SD3.5 layers get: one run
+for a dense branch, three or four for fused q/k/v and a single block's fused input), the prepared
 table is registered with its runs packed into two 32-bit words (``register_runs``), which the launch passes
 as kernel parameters (``lb``, ``lw``): the window is then a few integer compares, no load. Other tables
 (and tensors the registry does not know, e.g. a graph capture's copies) keep the load.
