@@ -28,9 +28,8 @@ def graphed(fn):
     return graph_of(fn).replay
 
 
-def graph_call_ms(fn, calls: int, replays: int = 30) -> float:
-    """Median ms of one call of ``fn``, from ``replays`` event-timed replays of a graph of ``calls`` calls."""
-    g = graph_of(fn, calls)
+def replay_call_ms(g: torch.cuda.CUDAGraph, calls: int, replays: int = 30) -> float:
+    """Median ms of one call, from ``replays`` event-timed replays of ``g``, a graph of ``calls`` calls."""
     times = []
     for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -40,6 +39,11 @@ def graph_call_ms(fn, calls: int, replays: int = 30) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) / calls)
     return sorted(times)[len(times) // 2]
+
+
+def graph_call_ms(fn, calls: int, replays: int = 30) -> float:
+    """Median ms of one call of ``fn``, from ``replays`` event-timed replays of a graph of ``calls`` calls."""
+    return replay_call_ms(graph_of(fn, calls), calls, replays)
 
 
 def host_profile(fn, calls: int = 1, top: int = 30, warmup: int = 1) -> tuple[str, float, float]:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _cuda import graph_of  # noqa: E402
+from _cuda import graph_of, replay_call_ms  # noqa: E402
 from bench_lowrank import FUSED, mode_gemm, whole_module  # noqa: E402
 from test_conformance import random_w4a4  # noqa: E402
 
@@ -73,18 +73,6 @@ class env:
                 os.environ[k] = v
 
 
-def replay_ms(g: torch.cuda.CUDAGraph, replays: int = 10) -> float:
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / CALLS)
-    return statistics.median(times)
-
-
 def captured(fn, values: dict):
     """``fn``'s output under ``values`` (checked later) and a graph of ``CALLS`` calls captured under them."""
     with env(values):
@@ -117,7 +105,7 @@ def rounds_table(log, rows, rounds: int, names, base_of):
         order = ["ref", *names]
         for r in range(rounds):
             for name in order[r % len(order):] + order[:r % len(order)]:
-                t[name].append(replay_ms(ref if name == "ref" else graphs[name]))
+                t[name].append(replay_call_ms(ref if name == "ref" else graphs[name], CALLS, 10))
         cells = []
         for name in names:
             ms = statistics.median(t[name])
