@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_conformance import _expected_and_bound, random_w4a4  # noqa: E402
 
 from _cuda import graphed  # noqa: E402
+from _table import Log  # noqa: E402
 
 from svdq_linear.backends.sm90 import kernels, quack_gemm  # noqa: E402
 
@@ -122,11 +123,7 @@ def main() -> None:
     p.add_argument("--out", default="bench_decode_dense.md")
     p.add_argument("--quick", action="store_true", help="the two K = 15360 shapes only")
     args = p.parse_args()
-    lines: list[str] = []
-
-    def log(s=""):
-        print(s, flush=True)
-        lines.append(s)
+    log = Log()
 
     dev = torch.device("cuda")
     epi = _epi()
@@ -138,7 +135,7 @@ def main() -> None:
     for label, m_tok, k, n in SHAPES[:2] if args.quick else SHAPES:
         log(shape_row(label, m_tok, k, n, dev, epi))
         torch.cuda.empty_cache()
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    log.write(args.out)
 
 
 def shape_row(label: str, m_tok: int, k: int, n: int, dev, epi) -> str:

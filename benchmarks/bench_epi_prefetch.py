@@ -32,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _cuda import graph_of, replay_call_ms  # noqa: E402
+from _table import Log  # noqa: E402
 from bench_lowrank import FUSED, mode_gemm, whole_module  # noqa: E402
 from test_conformance import random_w4a4  # noqa: E402
 
@@ -122,11 +123,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--quick", action="store_true", help="fused q/k/v and attn out only")
     args = p.parse_args()
-    lines: list[str] = []
-
-    def log(s=""):
-        print(s, flush=True)
-        lines.append(s)
+    log = Log()
 
     dev = torch.device("cuda")
     log(f"# quack GEMMs' work-tile edges, old against new — {torch.cuda.get_device_name()} — "
@@ -180,9 +177,7 @@ def main() -> None:
             keep.append(mod)
         keep.append((x, w16))
     rounds_table(log, rows, args.rounds, ["old", "new"], {"old": "old", "new": "old"})
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
+    log.write(args.out)
 
 
 if __name__ == "__main__":
