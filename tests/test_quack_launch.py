@@ -117,3 +117,58 @@ def test_preparation_traced_into_a_graph_compiles():
     assert f(q, s, torch.ones(128)) == want.blob.float().sum()
     assert quack_launch._WEIGHTS.get(id(want.blob)) is want  # eager preparations still register
     torch._dynamo.reset()
+
+
+_WORDS = r"""
+import json, sys
+from pathlib import Path
+from svdq_linear.backends.sm90 import quack_precompile as qp
+qp._setup(Path(sys.argv[1]), Path(sys.argv[2]), 132)
+import torch
+import quack.gemm_runtime.host as host
+from svdq_linear.backends.sm90 import quack_fast, quack_gemm, quack_lowrank
+
+got = []
+def launch(plan, A, B, D, C, epi_args, *a, **k):  # quack's runtime launch: what the kernel would receive
+    fields = epi_args._asdict()
+    got.append({"plan": id(plan), "words": [int(fields[f]) for f in ("lb", "lw")],
+                "table": fields.get("ls") is not None})
+host.launch_gemm = launch
+n, k, r, m = 256, 512, 32, 4096
+q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+s = torch.ones(n, k // 16).to(torch.float8_e4m3fn)
+tables = [torch.tensor(t, dtype=torch.int32) for t in ([0, 0, 0, 0], [0, 1, 2, 2], [0, 0, 1, 1])]
+words = [list(quack_lowrank.register_runs(t)) for t in tables]
+up, la = torch.zeros(n, r, dtype=torch.bfloat16), torch.zeros(m, 3 * r, dtype=torch.bfloat16)
+out = {}
+for mode in ("exact", "fast"):
+    got.clear()
+    if mode == "exact":
+        ws = [quack_gemm.prepare(q, s, torch.ones(n), None) for _ in tables]
+        run = lambda w, t: quack_gemm.gemm(torch.zeros(m, k, dtype=torch.bfloat16), w, lr_acc=(up, la, t))
+    else:
+        ws = [quack_fast.prepare(q, s, torch.ones(n), None) for _ in tables]
+        run = lambda w, t: quack_fast.gemm(torch.zeros(m, k).to(torch.float8_e4m3fn), torch.ones(m), w,
+                                           lr_acc=(up, la, t))
+    for _ in range(2):  # the frontend's path, then the warm one
+        for w, t in zip(ws, tables):
+            run(w, t)
+    out[mode] = list(got)
+print(json.dumps({"words": words, "launches": out}))
+"""
+
+
+def test_layers_of_one_shape_share_a_plan_and_each_passes_its_own_words(tmp_path):
+    """Three layers of one shape with different segment tables: every launch (quack's runtime call, frontend and
+    warm paths) shares the one plan and hands the kernel that layer's own words, not the first layer's; the
+    table is not passed."""
+    pytest.importorskip("quack")
+    r = subprocess.run([sys.executable, "-c", _WORDS, str(tmp_path / "cache"), str(tmp_path / "dump")],
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len({tuple(w) for w in res["words"]}) == 3
+    for mode, launches in res["launches"].items():
+        assert len(launches) == 6 and len({g["plan"] for g in launches}) == 1, (mode, launches)
+        assert [g["words"] for g in launches] == res["words"] * 2, (mode, launches)
+        assert not any(g["table"] for g in launches), (mode, launches)

@@ -207,7 +207,17 @@ import os
 from svdq_linear.backends.sm90 import quack_lowrank
 cases = [("fast", 4096, 48, "table"), ("fast", 1, 48, "table"), ("exact", 300, 48, "table"),
          ("exact", 4096, 16, "table"), ("exact", 4096, 16, "words"), ("fast", 4096, 48, "words"),
-         ("exact", 4096, 16, "at_epilogue")]
+         ("exact", 4096, 16, "at_epilogue"), ("exact", 4096, 16, "no_lowrank"), ("fast", 4096, 16, "no_lowrank")]
+import re
+
+def waits_before_reads(sass):
+    # after the last tensor-core MMA (the epilogue): the cp.async wait and a barrier come before the first
+    # shared-memory load that executes (the never-taken "@!PT LDS" lines are padding)
+    tail = re.split(r"\b[HQ]GMMA\.", sass)[-1]
+    lds = [m.start() for m in re.finditer(r"^(?!.*@!PT).*\bLDS\b", tail, re.M)]
+    dep, bar = tail.find("DEPBAR.LE SB0"), tail.find("BAR.SYNC")
+    return bool(lds) and 0 <= dep < lds[0] and 0 <= bar < lds[0]
+
 for mode, m, r, form in cases:
     before = {p: p.stat().st_mtime_ns for p in dump.glob("*.cubin")}  # (a variant may rewrite a name)
     # three windows of r (a fused q/k/v): la is 3 r wide, the MMA r
@@ -216,6 +226,8 @@ for mode, m, r, form in cases:
     if form == "words":
         quack_lowrank.register_runs(lr[2])
     os.environ[quack_lowrank.ENV_PREFETCH] = "0" if form == "at_epilogue" else "1"
+    if form == "no_lowrank":
+        lr = None
     if mode == "fast":
         w = quack_fast.prepare(q, s, torch.ones(n), None)
         quack_fast.gemm(torch.zeros(m, k).to(torch.float8_e4m3fn), torch.ones(m), w, launch=False, lr_acc=lr)
@@ -223,7 +235,9 @@ for mode, m, r, form in cases:
         w = quack_gemm.prepare(q, s, torch.ones(n), None)
         quack_gemm.gemm(torch.zeros(m, k, dtype=torch.bfloat16), w, launch=False, lr_acc=lr)
     new = sorted(p for p in dump.glob("*.cubin") if before.get(p) != p.stat().st_mtime_ns)
-    stats = _sass_stats(new[0].read_bytes(), dump, f"{mode}_{m}_{r}_{form}", False) if new else None
+    stats = _sass_stats(new[0].read_bytes(), dump, f"{mode}_{m}_{r}_{form}", True) if new else None
+    if stats is not None and stats.get("sass"):
+        stats["waits_before_reads"] = waits_before_reads(Path(stats.pop("sass")).read_text())
     print(json.dumps({"mode": mode, "m": m, "r": r, "form": form, "stats": stats}), flush=True)
 """
 
@@ -234,8 +248,13 @@ def test_lowrank_gemms_compile_for_sm90_with_bf16_wgmma(tmp_path):
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     recs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert len(recs) == 7
+    assert len(recs) == 9
     by = {(rec["mode"], rec["m"], rec["form"]): rec["stats"] for rec in recs}
+    for mode in ("exact", "fast"):
+        # no low-rank MMA (whose wait covered the vectors' copies): the epilogue waits for them itself, and the
+        # copies still lie at the tile's start
+        st = by[(mode, 4096, "no_lowrank")]
+        assert st["waits_before_reads"] and st["cp_async_after_mma"] == 0, (mode, st)
     for mode in ("exact", "fast"):
         # the segment table's window: one global load at every tile's start, none from the packed words
         assert by[(mode, 4096, "words")]["global_loads"] < by[(mode, 4096, "table")]["global_loads"], by
@@ -245,6 +264,8 @@ def test_lowrank_gemms_compile_for_sm90_with_bf16_wgmma(tmp_path):
     for rec in recs:
         st = rec["stats"]
         assert st is not None, f"{rec}: no cubin"
+        if rec["form"] == "no_lowrank":
+            continue
         assert st["local_memory"] == 0 and st["stack_bytes"] == 0, rec
         # quack's producer waits for the grid before (PDL) before its first load, and so do the math warps before
         # they prefetch la (the activation pass's output) with cp.async at each tile's start: two waits are laid
@@ -271,3 +292,46 @@ def test_plan_lowrank_plans_in_the_eager_preparation_that_runs_at_trace_time(mon
     assert sm90.plan_lowrank(up) is None
     monkeypatch.setattr(backends, "_EAGER_IN_TRACE", True)
     assert sm90.plan_lowrank(up) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_gpu_low_rank_window_from_words_and_vectors_at_the_tile_start_give_the_old_bits(mode, monkeypatch):
+    """On an sm90 GPU: a single block's fused input (four parts, four runs of the segment table, 4 x 32 low-rank
+    columns) through the kernel's window arithmetic on the packed words and the prefetched epilogue vectors gives
+    the bits of the table's load and the vectors loaded at the epilogue (``SVDQ_SM90_LR_RUNS=0``,
+    ``SVDQ_SM90_EPI_PREFETCH=0``), at a token count of whole tiles and one that is not."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm90 GPU")
+    lr = pytest.importorskip("svdq_linear.backends.sm90.quack_lowrank")
+    from svdq_linear import SVDQW4A4Linear
+    from svdq_linear.backends.sm90 import Sm90Backend
+    from svdq_linear.fuse import concat_w4a4
+
+    torch.manual_seed(11)
+    k, widths = 512, (256, 256, 256, 1024)
+    smooth = torch.rand(k) + 0.5
+    parts = []
+    for n in widths:
+        p = SVDQW4A4Linear(k, n, rank=32)
+        with torch.no_grad():
+            p.proj_up.normal_()
+            p.proj_down.normal_()
+            p.bias = torch.nn.Parameter(torch.randn(n))
+            p.smooth.copy_(smooth)
+        parts.append(p)
+    fused = concat_w4a4(parts).set_mode(mode).cuda().bfloat16()
+    prep = Sm90Backend().prepare(fused, torch.device("cuda"))
+    assert lr.runs_for(prep.lowrank_segments) is not None  # the words path is the one taken
+    for tokens in (4096, 1000):
+        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+        new = fused(x)
+        monkeypatch.setenv(lr.ENV_RUNS, "0")
+        monkeypatch.setenv(lr.ENV_PREFETCH, "0")
+        old = fused(x)
+        monkeypatch.delenv(lr.ENV_RUNS)
+        monkeypatch.delenv(lr.ENV_PREFETCH)
+        assert torch.equal(new, old), (tokens, (new.float() - old.float()).abs().max().item())
+        assert new.abs().amax() > 0

@@ -52,7 +52,7 @@ from quack import sm90_utils as quack_sm90_utils
 from quack.compile_utils import make_fake_tensor
 from quack.cute_dsl_utils import torch2cute_dtype_map
 from quack.epilogue.frontend import EpiMod
-from quack.epilogue.ops import EpiContext, EpiOp, EpiSmemBytes, Scalar, VecLoad
+from quack.epilogue.ops import ColVecLoad, EpiContext, EpiOp, EpiSmemBytes, RowVecLoad, Scalar
 from quack.gemm_runtime.identity import TORCH_OP_EPI_MODS
 
 from ..._env import getenv
@@ -248,7 +248,13 @@ class LowRankAccMixin:
         # trace time: the kernel's prologue runs this for every warp, so the values dominate the
         # work-tile loop where lowrank_prefetch and epi_visit_acc read them
         self._lr = (params, tensors) if tensors.get("lu") is not None and tensors.get("la") is not None else None
-        vecs = tuple(op for op in self._epi_ops if isinstance(op, VecLoad)) if self._prefetch_vecs else ()
+        # quack's own row / column vector loads only (a subclass may load otherwise), dense (no varlen)
+        vecs = tuple(op for op in self._epi_ops if type(op) in (RowVecLoad, ColVecLoad)) if self._prefetch_vecs else ()
+        if vecs:
+            # the epilogue will read what the work tile's start copied: the seam that copies must be there
+            assert self.mma_is_rs and isinstance(self.transform_a, LowRankTransformHook), \
+                "prefetched epilogue vectors need the LowRankTransformHook operand transform"
+            assert not getattr(self, "varlen_m", False), "prefetched epilogue vectors are dense vectors"
         self._pf = (params, tensors, vecs) if vecs else None
         return tensors
 
