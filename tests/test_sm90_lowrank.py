@@ -83,6 +83,28 @@ def test_launch_takes_a_registered_tables_words_and_any_other_table_as_it_is(mon
     assert key not in lr._RUNS  # the entry goes with its table
 
 
+def _fused(k, widths, full=False):
+    """``fuse.concat_w4a4`` of rank-32 parts ``k -> n`` for ``n`` in ``widths`` that share one smoothing factor (as
+    the parts of a fused linear do), each with a random ``proj_up`` (``full``: also ``proj_down`` and a bias)."""
+    import torch
+
+    from svdq_linear import SVDQW4A4Linear
+    from svdq_linear.fuse import concat_w4a4
+
+    smooth = torch.rand(k) + 0.5
+    parts = []
+    for n in widths:
+        p = SVDQW4A4Linear(k, n, rank=32)
+        with torch.no_grad():
+            p.proj_up.normal_()
+            p.smooth.copy_(smooth)
+            if full:
+                p.proj_down.normal_()
+                p.bias = torch.nn.Parameter(torch.randn(n))
+        parts.append(p)
+    return concat_w4a4(parts)
+
+
 def _block_diagonal(rows_ranks, seed=0):
     """A fused linear's proj_up: segment i has rows_ranks[i][0] rows using its own rows_ranks[i][1] columns."""
     import torch
@@ -166,19 +188,9 @@ def test_fused_linears_take_the_accumulator_path_one_window_a_part(widths):
     pytest.importorskip("svdq_linear.backends.sm90.quack_fast")
     import torch
 
-    from svdq_linear import SVDQW4A4Linear
     from svdq_linear.backends.sm90 import Sm90Backend
-    from svdq_linear.fuse import concat_w4a4
 
-    smooth = torch.rand(256) + 0.5
-    parts = []
-    for n in widths:
-        p = SVDQW4A4Linear(256, n, rank=32)
-        with torch.no_grad():
-            p.proj_up.normal_()
-            p.smooth.copy_(smooth)
-        parts.append(p)
-    fused = concat_w4a4(parts).set_mode("fast")
+    fused = _fused(256, widths).set_mode("fast")
     assert fused.rank == 32 * len(widths)
     prep = Sm90Backend().prepare(fused, torch.device("cpu"))
     want = [i for i, n in enumerate(widths) for _ in range(n // 64)]
@@ -306,23 +318,11 @@ def test_gpu_low_rank_window_from_words_and_vectors_at_the_tile_start_give_the_o
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm90 GPU")
     lr = pytest.importorskip("svdq_linear.backends.sm90.quack_lowrank")
-    from svdq_linear import SVDQW4A4Linear
     from svdq_linear.backends.sm90 import Sm90Backend
-    from svdq_linear.fuse import concat_w4a4
 
     torch.manual_seed(11)
-    k, widths = 512, (256, 256, 256, 1024)
-    smooth = torch.rand(k) + 0.5
-    parts = []
-    for n in widths:
-        p = SVDQW4A4Linear(k, n, rank=32)
-        with torch.no_grad():
-            p.proj_up.normal_()
-            p.proj_down.normal_()
-            p.bias = torch.nn.Parameter(torch.randn(n))
-            p.smooth.copy_(smooth)
-        parts.append(p)
-    fused = concat_w4a4(parts).set_mode(mode).cuda().bfloat16()
+    k = 512
+    fused = _fused(k, (256, 256, 256, 1024), full=True).set_mode(mode).cuda().bfloat16()
     prep = Sm90Backend().prepare(fused, torch.device("cuda"))
     assert lr.runs_for(prep.lowrank_segments) is not None  # the words path is the one taken
     for tokens in (4096, 1000):
