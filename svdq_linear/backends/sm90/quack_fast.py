@@ -43,7 +43,6 @@ from quack.operand_transform.formats import DecodeFormat
 from quack.operand_transform.frontend import PackedFormatMod
 from quack.operand_transform.transform import AuxOperandA, TransformAW4
 
-from ..._env import getenv
 from . import fast_layout, quack_launch, quack_lowrank, tuning
 from .fast_layout import STRIP_BYTES, TILE_K
 
@@ -208,14 +207,9 @@ def _epi_fast_lowrank(acc, lr, sa, cs, bias):
     return {"D": acc * sa * cs + bias + lr}
 
 
-def _fast_fn(acc, sa, cs, bias):
+@quack_lowrank.lowrank_epilogue(ops={"sa": ColVecLoad("sa"), "cs": RowVecLoad("cs"), "bias": RowVecLoad("bias")})
+def _epi_fast(acc, sa, cs, bias):
     return {"D": acc * sa * cs + bias}
-
-
-_FAST_OPS = {"sa": ColVecLoad("sa"), "cs": RowVecLoad("cs"), "bias": RowVecLoad("bias")}
-_epi_fast = quack_lowrank.lowrank_epilogue(ops=_FAST_OPS)(_fast_fn)
-# the vectors loaded at the epilogue's start, as quack does (ENV_PREFETCH = "0": for measuring the prefetch)
-_epi_fast_at_epilogue = quack_lowrank.lowrank_epilogue(ops=_FAST_OPS, prefetch_vecs=False)(_fast_fn)
 
 
 @dataclass
@@ -276,7 +270,7 @@ def gemm(a8: torch.Tensor, sa: torch.Tensor, w: FastWeight, lowrank: torch.Tenso
     if n % tm:
         tm = 64  # n % 64 == 0 always (fast_layout.check_shape)
     args = {"sa": sa.reshape(1, m), "cs": w.cs, "bias": w.bias}
-    mod = _epi_fast if getenv(quack_lowrank.ENV_PREFETCH) != "0" else _epi_fast_at_epilogue
+    mod = _epi_fast.chosen()
     if lowrank is not None:
         args["lr"], mod = lowrank, _epi_fast_lowrank
     elif lr_acc is not None:

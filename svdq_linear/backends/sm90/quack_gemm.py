@@ -23,7 +23,6 @@ from quack.gemm_runtime.identity import TORCH_OP_TRANSFORM_MODS
 from quack.operand_transform.frontend import PackedFormatMod
 from quack.operand_transform.transform import TransformAW4
 
-from ..._env import getenv
 from . import quack_launch, quack_lowrank, tuning
 from .quack_layout import repack_scales, repack_weight, unpack_scales, unpack_weight  # noqa: F401 (this API)
 
@@ -35,14 +34,9 @@ def _epi_bias_lowrank(acc, lr, wc, bias):
     return {"D": acc * wc + bias + lr}
 
 
-def _bias_fn(acc, wc, bias):
+@quack_lowrank.lowrank_epilogue(ops={"wc": RowVecLoad("wc"), "bias": RowVecLoad("bias")})
+def _epi_bias(acc, wc, bias):
     return {"D": acc * wc + bias}
-
-
-_BIAS_OPS = {"wc": RowVecLoad("wc"), "bias": RowVecLoad("bias")}
-_epi_bias = quack_lowrank.lowrank_epilogue(ops=_BIAS_OPS)(_bias_fn)
-# the vectors loaded at the epilogue's start, as quack does (ENV_PREFETCH = "0": for measuring the prefetch)
-_epi_bias_at_epilogue = quack_lowrank.lowrank_epilogue(ops=_BIAS_OPS, prefetch_vecs=False)(_bias_fn)
 
 
 class _ExactTransform(quack_lowrank.LowRankTransformHook, TransformAW4):
@@ -115,7 +109,7 @@ def gemm(xq: torch.Tensor, w: QuackWeight, lowrank: torch.Tensor | None = None, 
     out = torch.empty(m, n, device=xq.device, dtype=torch.bfloat16)
     tm, tn = tile or tiles(m, n, tuning.sm_count(xq.device))
     args = {"wc": w.wc, "bias": w.bias}
-    mod = _epi_bias if getenv(quack_lowrank.ENV_PREFETCH) != "0" else _epi_bias_at_epilogue
+    mod = _epi_bias.chosen()
     if lowrank is not None:
         args["lr"], mod = lowrank, _epi_bias_lowrank
     elif lr_acc is not None:

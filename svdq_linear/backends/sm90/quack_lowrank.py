@@ -332,7 +332,7 @@ class LowRankAccMixin:
     def lowrank_prefetch(self, tile_coord_mnkl):
         """Math warps, at a work tile's start: cp.async the tile's prefetched vectors and its ``lu`` and
         ``la`` rows (rows past the tensor are left as they are: they only feed outputs that are never
-        stored)."""
+        stored), in one group."""
         if const_expr(self._lr is not None or self._pf is not None):
             if const_expr(self.use_pdl):
                 # la (and the fast mode's sa) is the grid before's output (the activation pass, which may let
@@ -349,31 +349,29 @@ class LowRankAccMixin:
                 for op in vecs:
                     self._prefetch_vec(op, getattr(pf_params, op.name), pf_tensors[op.name], tile_coord_mnkl, tidx,
                                        nthreads)
-        if const_expr(self._lr is not None):
-            params, tensors = self._lr
-            tidx, _, _ = cute.arch.thread_idx()
-            nthreads = self.mma_warp_groups * self.num_threads_per_warp_group
-            w = cute.size(params.lu, mode=[1])
-            window = self._window(params, tile_coord_mnkl)
-            for name, dim in (("lu", 0), ("la", 1)):
-                mX = getattr(params, name)
-                sX = tensors[name]
-                rows = self.cta_tile_shape_mnk[dim]
-                per_row, rows_per_pass = copy_split(rows, w, nthreads)
-                nthr = rows_per_pass * per_row
-                thr_copy = copy_utils.tiled_copy_2d(BFloat16, per_row, nthr, _VEC, is_async=True).get_slice(tidx % nthr)
-                col = 0 if dim == 0 else window
-                gX = cute.local_tile(mX, (rows, w), (tile_coord_mnkl[dim], col))
-                cX = cute.local_tile(cute.make_identity_tensor(mX.shape), (rows, w), (tile_coord_mnkl[dim], col))
-                tXgX = thr_copy.partition_S(gX)
-                tXsX = thr_copy.partition_D(sX)
-                tXcX = thr_copy.partition_S(cX)
-                limit = cute.size(mX, mode=[0])
-                if tidx < nthr:
-                    for i in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
-                        if tXcX[0, i, 0][0] < limit:
-                            cute.copy(thr_copy, tXgX[None, i, None], tXsX[None, i, None])
-        if const_expr(self._lr is not None or self._pf is not None):
+            if const_expr(self._lr is not None):
+                params, tensors = self._lr
+                w = cute.size(params.lu, mode=[1])
+                window = self._window(params, tile_coord_mnkl)
+                for name, dim in (("lu", 0), ("la", 1)):
+                    mX = getattr(params, name)
+                    sX = tensors[name]
+                    rows = self.cta_tile_shape_mnk[dim]
+                    per_row, rows_per_pass = copy_split(rows, w, nthreads)
+                    nthr = rows_per_pass * per_row
+                    thr_copy = copy_utils.tiled_copy_2d(BFloat16, per_row, nthr, _VEC,
+                                                        is_async=True).get_slice(tidx % nthr)
+                    col = 0 if dim == 0 else window
+                    gX = cute.local_tile(mX, (rows, w), (tile_coord_mnkl[dim], col))
+                    cX = cute.local_tile(cute.make_identity_tensor(mX.shape), (rows, w), (tile_coord_mnkl[dim], col))
+                    tXgX = thr_copy.partition_S(gX)
+                    tXsX = thr_copy.partition_D(sX)
+                    tXcX = thr_copy.partition_S(cX)
+                    limit = cute.size(mX, mode=[0])
+                    if tidx < nthr:
+                        for i in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+                            if tXcX[0, i, 0][0] < limit:
+                                cute.copy(thr_copy, tXgX[None, i, None], tXsX[None, i, None])
             cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -421,6 +419,8 @@ class LowRankEpiMod(EpiMod):
     the call passes ``lu`` and ``la``)."""
 
     def __init__(self, fn, prefetch_vecs: bool = True, **kwargs):
+        # the same epilogue with the vectors loaded at its start, as quack does (``ENV_PREFETCH`` = "0": measuring)
+        self.at_epilogue = LowRankEpiMod(fn, prefetch_vecs=False, **kwargs) if prefetch_vecs else self
         extra = tuple(kwargs.pop("extra_ops", ())) + (LowRankOperand("lu", 0), LowRankOperand("la", 1),
                                                       LowRankSegments("ls"), LowRankRunWord("lb"),
                                                       LowRankRunWord("lw"))
@@ -433,6 +433,10 @@ class LowRankEpiMod(EpiMod):
         self._ident = f"{fn.__name__}_{self.semantic_digest[:16]}"
         TORCH_OP_EPI_MODS[self.semantic_digest] = self
         self._lr_minted = {}
+
+    def chosen(self) -> "LowRankEpiMod":
+        """This mod, or its ``at_epilogue`` form where ``ENV_PREFETCH`` is "0" (read per call)."""
+        return self.at_epilogue if getenv(ENV_PREFETCH) == "0" else self
 
     def __getstate__(self):
         state = super().__getstate__()
