@@ -10,10 +10,13 @@ Per layer (``bench_lowrank``'s whole-linear rows: what fuse_qkv_projections buil
 
 - ``bf16``: the norm and modulation compiled (inductor's one kernel, ``nvfp4.ada_norm``) then ``F.linear``;
 - ``written``: the same norm, then the layer on its output (the default path of every other layer);
-- ``fused``: ``forward_ada_norm`` (the pass reads the norm's input and normalizes as it loads);
+- ``fused``: ``forward_ada_norm`` (the pass reads the norm's input and normalizes as it loads), in the split form
+  (``SVDQ_SM90_ADA_NORM_FORM=split``: split-K apply tiles that add ``lora_act``'s partials) and the pair form
+  (``pair``: ``lora_act`` and the pass in small tiles as a PDL pair after the statistics);
 - ``norm alone`` / ``norm pass alone``: the compiled norm, and the fused pass without its GEMM (its two launches at
   ``norm_pass.auto_split``, and at ``--splits``; and at the apply tiles ``--tiles``, rows x warps). The fused rows
-  take ``SVDQ_SM90_ADA_NORM_TILE``'s tile (32 x 4 by default).
+  take ``SVDQ_SM90_ADA_NORM_TILE``'s tile (32 x 4 by default); ``pair pass alone``: the pair form's three
+  launches alone.
 
 Ratios: bf16 / path, each round's to the bf16 of that round, median over the rounds. The fused output is
 checked against the written one first (the inputs differ by a rounding in a few elements).
@@ -61,9 +64,20 @@ def main() -> None:
     os.environ["SVDQ_SM90_ADA_NORM"] = "1"  # forward_ada_norm's pass (opt-in)
     dev = torch.device("cuda")
     norm_c = torch.compile(nvfp4.ada_norm, dynamic=False)
-    log("| layer | M x K -> N | mode | bf16 | written | fused | fused / written | norm alone | norm pass alone | "
-        "max err / max | bf16 / written | bf16 / fused |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    log("| layer | M x K -> N | mode | bf16 | written | fused split | fused pair | split / written | pair / written | "
+        "norm alone | split pass alone | pair pass alone | max err / max (split, pair) | bf16 / written | "
+        "bf16 / split | bf16 / pair |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def fused_in(mod, x, shift, scale, form):
+        def fn():
+            os.environ["SVDQ_SM90_ADA_NORM_FORM"] = form  # read per call, so per capture
+            try:
+                return mod.forward_ada_norm(x, shift, scale, 1e-6)
+            finally:
+                os.environ.pop("SVDQ_SM90_ADA_NORM_FORM")
+        return fn
+
     with torch.no_grad():
         for label, m, k, n in [s for s in FLUX if s[0] in want]:
             g = torch.Generator(device=dev).manual_seed(0)
@@ -75,16 +89,19 @@ def main() -> None:
                 torch.manual_seed(0)
                 mod = whole_module(label, k, n, dev).set_mode(mode)
                 written = mod(norm_c(x, shift, scale, 1e-6))
-                fused = mod.forward_ada_norm(x, shift, scale, 1e-6)
-                err = ((fused.float() - written.float()).abs().max() / written.float().abs().max()).item()
+                errs = []
+                for form in ("split", "pair"):
+                    fused = fused_in(mod, x, shift, scale, form)()
+                    errs.append(((fused.float() - written.float()).abs().max() / written.float().abs().max()).item())
                 be, prep = backends.resolve(mod, x[0])
                 ex = be.extra_tensors(prep)
                 inv = ex[-1]
                 pds = ex[0]
 
-                def npass(split=None, block_k=64, tile=tuning.ada_norm_tile()):
+                def npass(split=None, block_k=64, tile=tuning.ada_norm_tile(), form="split"):
                     def fn():
-                        kw = dict(split=split, block_k=block_k, block_m=tile[0], num_warps=tile[1])
+                        kw = dict(split=split, block_k=block_k, block_m=tile[0], num_warps=tile[1], form=form,
+                                  pdl=form == "pair")
                         if mode == "fast":
                             return norm_pass.ada_norm_fast(x[0], shift, scale, 1e-6, inv, pds, **kw)
                         return norm_pass.ada_norm_exact(x[0], shift, scale, 1e-6, inv, pds, out_dtype=torch.bfloat16,
@@ -94,9 +111,11 @@ def main() -> None:
                 graphs = {
                     "bf16": graph_of(lambda: F.linear(norm_c(x, shift, scale, 1e-6), w), args.reps),
                     "written": graph_of(lambda: mod(norm_c(x, shift, scale, 1e-6)), args.reps),
-                    "fused": graph_of(lambda: mod.forward_ada_norm(x, shift, scale, 1e-6), args.reps),
+                    "fused": graph_of(fused_in(mod, x, shift, scale, "split"), args.reps),
+                    "fused pair": graph_of(fused_in(mod, x, shift, scale, "pair"), args.reps),
                     "norm": graph_of(lambda: norm_c(x, shift, scale, 1e-6), args.reps),
                     "npass": graph_of(npass(), args.reps),
+                    "pair pass": graph_of(npass(form="pair"), args.reps),
                 }
                 for sp in args.splits.split(","):  # the pass alone at other splits
                     sp = int(sp)
@@ -120,16 +139,19 @@ def main() -> None:
                 def ratio(what: str) -> float:
                     return statistics.median(b / q for b, q in zip(periods["bf16"], periods[what]))
 
-                gain = statistics.median(w_ / f for w_, f in zip(periods["written"], periods["fused"]))
+                def gain(what: str) -> float:
+                    return statistics.median(w_ / f for w_, f in zip(periods["written"], periods[what]))
+
                 log(f"| {label} | {m}x{k}->{n} | {mode} | {med['bf16']:.1f} | {med['written']:.1f} | "
-                    f"{med['fused']:.1f} | {gain:.3f}x | "
-                    f"{med['norm']:.1f} | {med['npass']:.1f} | {err:.2e} | {ratio('written'):.3f}x | "
-                    f"{ratio('fused'):.3f}x |")
+                    f"{med['fused']:.1f} | {med['fused pair']:.1f} | {gain('fused'):.3f}x | "
+                    f"{gain('fused pair'):.3f}x | "
+                    f"{med['norm']:.1f} | {med['npass']:.1f} | {med['pair pass']:.1f} | {errs[0]:.2e}, {errs[1]:.2e} | "
+                    f"{ratio('written'):.3f}x | {ratio('fused'):.3f}x | {ratio('fused pair'):.3f}x |")
                 others = [w_ for w_ in med if w_.startswith("npass split")]
                 if others:
                     log(f"|  | norm pass alone: split {auto} (auto) {med['npass']:.1f}; " + "; ".join(
                         f"{w_.removeprefix('npass ')} {med[w_]:.1f}" for w_ in others) + " |||||||||")
-                for what in ("written", "fused"):
+                for what in ("written", "fused", "fused pair"):
                     log("|  | kernels: " + what + " | " + "; ".join(
                         f"`{name[:40]}` {dur:.1f} (gap {gap:.1f})" for name, _, dur, gap in kernels_of[what])
                         + " |||||||||")

@@ -37,15 +37,19 @@ def _blocks_agree(got: torch.Tensor, want: torch.Tensor, k: int) -> float:
     return same.all(-1).float().mean().item()
 
 
-@pytest.mark.parametrize("split", [1, 3, None])
+# the split form at three splits (None: auto_split), and the pair form (its lora_act's split is its own)
+FORMS = [("split", 1), ("split", 3), ("split", None), ("pair", None)]
+
+
+@pytest.mark.parametrize("form,split", FORMS)
 @pytest.mark.parametrize("m_per,batch,k,r,dtype,mean", [(40, 1, 256, 16, torch.bfloat16, 0.0),
                                                         (17, 2, 384, 32, torch.bfloat16, 50.0),
                                                         (24, 2, 128, 0, torch.float16, 0.0)])
-def test_exact_pass_on_the_norm_is_the_pass_on_the_written_input(m_per, batch, k, r, dtype, mean, split):
+def test_exact_pass_on_the_norm_is_the_pass_on_the_written_input(m_per, batch, k, r, dtype, mean, form, split):
     x, shift, scale, smooth, pds = _case(m_per, batch, k, r, dtype, device=DEV, mean=mean)
     inp = nvfp4.ada_norm(x, shift, scale, 1e-6).reshape(-1, k)
     xq, lora = norm_pass.ada_norm_exact(x.reshape(-1, k), shift, scale, 1e-6, 1.0 / smooth, pds, tokens=m_per,
-                                        out_dtype=torch.float32, split=split)
+                                        out_dtype=torch.float32, split=split, form=form)
     packed, sc = nvfp4.quantize_nvfp4(nvfp4.smooth_input(inp, smooth))
     want = nvfp4.dequantize_nvfp4(packed, sc)
     # an element of the kernel's input may be the neighbour of PyTorch's (another order of the row sums)
@@ -59,13 +63,13 @@ def test_exact_pass_on_the_norm_is_the_pass_on_the_written_input(m_per, batch, k
         assert lora is None
 
 
-@pytest.mark.parametrize("split", [1, 3, None])
+@pytest.mark.parametrize("form,split", FORMS)
 @pytest.mark.parametrize("m_per,batch,k,r,gemm_order", [(40, 1, 256, 16, True), (9, 3, 384, 32, False)])
-def test_fast_pass_on_the_norm_is_the_pass_on_the_written_input(m_per, batch, k, r, gemm_order, split):
+def test_fast_pass_on_the_norm_is_the_pass_on_the_written_input(m_per, batch, k, r, gemm_order, form, split):
     x, shift, scale, smooth, pds = _case(m_per, batch, k, r, torch.bfloat16, device=DEV, seed=1)
     inp = nvfp4.ada_norm(x, shift, scale, 1e-6).reshape(-1, k)
     a8, sa, la = norm_pass.ada_norm_fast(x.reshape(-1, k), shift, scale, 1e-6, 1.0 / smooth, pds, tokens=m_per,
-                                         gemm_order=gemm_order, split=split)
+                                         gemm_order=gemm_order, split=split, form=form)
     a8_ref, sa_ref = nvfp4.fast_act(nvfp4.smooth_input(inp, smooth))
     if gemm_order:  # position p of each 128-column tile holds logical column _logical_k(p)
         perm = torch.tensor([t * 128 + _logical_k(p) for t in range(k // 128) for p in range(128)], device=DEV)
@@ -114,6 +118,52 @@ def test_apply_tiles_give_the_same_bits(monkeypatch):
             tuning.ada_norm_tile()
 
 
+@pytest.mark.parametrize("r", [96, 0])
+def test_pair_form_writes_the_split_forms_bits(monkeypatch, r):
+    """``form="pair"`` (the statistics, then ``lora_act`` and the pass in small tiles: ``_ada_lora_kernel``,
+    ``_ada_pass_kernel``) writes the split form's ``xq``, ``a8`` (both k orders) and ``sa`` bits; its ``lora_act``
+    sums in another order (64-row blocks over four K ranges, 64-column steps at this R), and its pass tiles
+    straddle the batch elements (70 tokens in 8-row tiles). ``SVDQ_SM90_ADA_NORM_FORM`` names the form the backend
+    takes (``tuning.ada_norm_form``), a value outside the list refused by name; ``pdl`` asks for the pair's PDL
+    launch, refused with the split form and off a GPU of capability 9.0 or later."""
+    from svdq_linear.backends.sm90 import tuning
+
+    x, shift, scale, smooth, pds = _case(70, 2, 512, r, torch.bfloat16, device=DEV, seed=6, mean=3.0)
+    x2, inv = x.reshape(-1, 512), 1.0 / smooth
+    pds = pds if r else None
+    for order in (True, False):
+        want = norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, tokens=70, split=3, gemm_order=order)
+        got = norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, tokens=70, form="pair", gemm_order=order)
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+        if r:
+            torch.testing.assert_close(got[2].float(), want[2].float(), rtol=2 ** -7, atol=1e-3)
+            assert not torch.equal(got[2], torch.zeros_like(got[2]))
+        else:
+            assert got[2] is None
+    want = norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, tokens=70, split=3)
+    got = norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, tokens=70, form="pair")
+    assert torch.equal(got[0], want[0])
+    if r:
+        torch.testing.assert_close(got[1].float(), want[1].float(), rtol=2 ** -7, atol=1e-3)
+        # against an oracle of its own: lora_act of the written input (float64)
+        ref = nvfp4.ada_norm(x, shift, scale, 1e-6).reshape(-1, 512).double() @ pds.double()
+        torch.testing.assert_close(got[1].double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    with pytest.raises(ValueError, match="form must be one of"):
+        norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, tokens=70, form="pairs")
+    with pytest.raises(ValueError, match="form='pair'"):
+        norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, tokens=70, pdl=True)
+    if DEV == "cpu":
+        with pytest.raises(ValueError, match="programmatic dependent launch"):
+            norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, tokens=70, form="pair", pdl=True)
+    monkeypatch.delenv(tuning.ENV_ADA_NORM_FORM, raising=False)
+    assert tuning.ada_norm_form() == "split"
+    monkeypatch.setenv(tuning.ENV_ADA_NORM_FORM, "Pair")
+    assert tuning.ada_norm_form() == "pair"
+    monkeypatch.setenv(tuning.ENV_ADA_NORM_FORM, "tiles")
+    with pytest.raises(ValueError, match=tuning.ENV_ADA_NORM_FORM):
+        tuning.ada_norm_form()
+
+
 def test_norm_pass_refuses_bad_operands():
     x, shift, scale, smooth, pds = _case(8, 2, 128, 16, torch.bfloat16, device=DEV)
     x2 = x.reshape(-1, 128)
@@ -159,10 +209,12 @@ def test_gpu_norm_pass_at_a_flux_width(fast):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", ["split", "pair"])
 @pytest.mark.parametrize("mode", ["exact", "fast"])
-def test_gpu_forward_ada_norm_normalizes_as_it_loads(mode, monkeypatch):
+def test_gpu_forward_ada_norm_normalizes_as_it_loads(mode, form, monkeypatch):
     """``SVDQW4A4Linear.forward_ada_norm`` on an sm90 GPU from ``tuning.ADA_NORM_MIN_M`` tokens takes the norm pass
-    (counted) and gives the layer's output on the written input within bf16 roundings; under
+    (counted) in the form ``SVDQ_SM90_ADA_NORM_FORM`` names and gives the layer's output on the written input within
+    bf16 roundings, eager and replayed from a CUDA graph (the pair form's PDL launch); under
     ``SVDQ_SM90_ADA_NORM=0`` (and unset: opt-in) it writes the input (the same bits as the plain call)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm90 GPU")
@@ -174,19 +226,31 @@ def test_gpu_forward_ada_norm_normalizes_as_it_loads(mode, monkeypatch):
     layer = SVDQW4A4Linear.from_linear(torch.nn.Linear(k, n).cuda(), rank=32).bfloat16().set_mode(mode)
     x, shift, scale, _, _ = _case(1152, 2, k, 0, torch.bfloat16, device="cuda", seed=5)
     monkeypatch.setenv("SVDQ_SM90_ADA_NORM", "1")
+    monkeypatch.setenv("SVDQ_SM90_ADA_NORM_FORM", form)
     calls = []
     real = {f: getattr(norm_pass, f) for f in ("ada_norm_exact", "ada_norm_fast")}
     for f, fn in real.items():
-        monkeypatch.setattr(norm_pass, f, lambda *a, _fn=fn, _f=f, **kw: calls.append(_f) or _fn(*a, **kw))
+        monkeypatch.setattr(norm_pass, f, lambda *a, _fn=fn, _f=f, **kw: calls.append((_f, kw["form"], kw["pdl"]))
+                            or _fn(*a, **kw))
+    name = "ada_norm_fast" if mode == "fast" else "ada_norm_exact"
     with torch.no_grad():
         want = layer(nvfp4.ada_norm(x, shift, scale, 1e-6))
         got = layer.forward_ada_norm(x, shift, scale, 1e-6)
-        assert calls == ["ada_norm_fast" if mode == "fast" else "ada_norm_exact"]
+        assert calls == [(name, form, False)]
+        layer.forward_ada_norm(x, shift, scale, 1e-6)  # warm, then captured: the pair form's PDL launch
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = layer.forward_ada_norm(x, shift, scale, 1e-6)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert calls[-1] == (name, form, form == "pair")
+        assert torch.equal(replayed, got)
         err = (got.float() - want.float()).abs()
         assert err.max().item() <= 0.05 * want.float().abs().max().item()
         assert err.mean().item() <= 1e-3 * want.float().abs().mean().item() + 1e-6
         monkeypatch.setenv("SVDQ_SM90_ADA_NORM", "0")
-        assert torch.equal(layer.forward_ada_norm(x, shift, scale, 1e-6), want) and len(calls) == 1
+        n_calls = len(calls)
+        assert torch.equal(layer.forward_ada_norm(x, shift, scale, 1e-6), want) and len(calls) == n_calls
         with pytest.raises(ValueError, match="shift must be"):
             layer.forward_ada_norm(x, shift[:1], scale, 1e-6)
 

@@ -15,6 +15,12 @@ instead and write what the pass writes, so the normed tensor is never stored. Tw
    (``ada_norm_exact``), or the fast mode's E4M3 ``a8`` in the fast GEMM's k order and ``la = lora_act / sa``
    (``ada_norm_fast``); ``lora_act``'s partial sums on tensor cores, added in split order.
 
+The pair form (``form="pair"``; ``SVDQ_SM90_ADA_NORM_FORM=pair`` through the backend) keeps the statistics launch and
+splits the second in two, as the written input's path runs its pass: ``_ada_lora_kernel`` (``lora_act``'s partial
+sums in 64-row blocks, wgmma) and ``_ada_pass_kernel`` (one 8 x 256 tile a program, the grid filling the GPU), a PDL
+pair that reads x at once where the backend takes PDL (captured graphs by default), the pass's last k-tile adding
+the partials. The same ``xq`` / ``a8`` / ``sa`` bits as the split form; ``lora_act`` summed in another order.
+
 The row statistics are summed in another order than PyTorch's layer norm (and the compiler's), so a normalized
 value may differ from the tensor's by one unit of its last place: the contract's "Inputs made by an adaLN norm".
 A first form (one launch, a 16-32-row block a program walking K) measured 2x slower than the compiled norm plus
@@ -30,8 +36,8 @@ import triton
 import triton.language as tl
 
 from ... import nvfp4
-from .kernels import (_INTERPRET, _block_r, _e4m3_bits, _gemm_k, _lora_dot, _nvfp4_dequant, _nvfp4_tile, _round_to,
-                      _split_total, cdiv, next_pow2)
+from .kernels import (_INTERPRET, _block_r, _check_pdl, _e4m3_bits, _gemm_k, _lora_dot, _nvfp4_dequant, _nvfp4_tile,
+                      _pdl_opts, _round_to, _split_total, cdiv, gdc_launch_dependents, gdc_wait, next_pow2)
 
 
 @triton.jit
@@ -158,14 +164,7 @@ def _ada_apply_kernel(
         lk = _gemm_k(rk, GEMM_ORDER)
         v, mask = _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, lk, K, S, stride_xm, stride_mod, DOT_F32)
         if FAST:
-            inv = tl.load(inv_ptr + lk, mask=k_ok, other=1.0)
-            q = (v * inv[None, :]) * r[:, None]
-            ptrs = out_ptr + rm[:, None] * K + rk[None, :]
-            if HW_CVT:  # nearest even, saturating at 448; +-Inf -> NaN, every NaN the positive one (round_e4m3)
-                q = q + q * 0.0
-                tl.store(ptrs, tl.where(q == q, q, float("nan")).to(tl.float8e4nv), mask=mask)
-            else:
-                tl.store(ptrs.to(tl.pointer_type(tl.uint8), bitcast=True), _e4m3_bits(q), mask=mask)
+            _fast_store(v, inv_ptr, lk, k_ok, r, out_ptr + rm[:, None] * K + rk[None, :], mask, HW_CVT)
         else:
             finite, sf, q = _nvfp4_tile(v, inv_ptr, rk, k_ok, BLOCK_M, BLOCK_K, True)
             xq = _nvfp4_dequant(q, finite, sf)
@@ -197,6 +196,98 @@ def _store_lora(acc, sa, lora_ptr, rm, rr, out_mask, R, BLOCK_M: tl.constexpr, B
     tl.store(lora_ptr + rm[:, None] * R + rr[None, :], val, mask=out_mask)
 
 
+@triton.jit
+def _ada_lora_kernel(x_ptr, shift_ptr, scale_ptr, mean_ptr, rstd_ptr, pd_ptr, part_ptr, M, K, R, S, stride_xm,
+                     stride_mod, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                     NUM_STAGES: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr):
+    # The pair form's second launch: lora_act's fp32 partial sums [SPLIT, M, R] of the normalized, modulated rows,
+    # program (i, s) over rows [i BLOCK_M, (i + 1) BLOCK_M) and the columns [s K_SPLIT, (s + 1) K_SPLIT) (whole
+    # BLOCK_K steps; an empty range writes zeros), as kernels._lora_act_kernel on the written input. PDL: launched as
+    # the statistics' programmatic dependent; it waits for them, then lets the pass (_ada_pass_kernel) start
+    # beside it.
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rr = tl.arange(0, BLOCK_R)
+    m_ok = rm < M
+    mean = tl.load(mean_ptr + rm, mask=m_ok, other=0.0)
+    rstd = tl.load(rstd_ptr + rm, mask=m_ok, other=0.0)
+    kb = tl.program_id(1) * K_SPLIT
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    for k0 in tl.range(kb, tl.minimum(kb + K_SPLIT, K), BLOCK_K, num_stages=NUM_STAGES):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        v, _ = _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, rk, K, S, stride_xm, stride_mod, DOT_F32)
+        w = tl.load(pd_ptr + rk[:, None] * R + rr[None, :], mask=k_ok[:, None] & (rr < R)[None, :], other=0.0)
+        acc = _lora_dot(v, w, acc, DOT_F32)
+    tl.store(part_ptr + tl.program_id(1).to(tl.int64) * M * R + rm[:, None] * R + rr[None, :], acc,
+             mask=m_ok[:, None] & (rr < R)[None, :])
+
+
+@triton.jit
+def _ada_pass_kernel(
+    x_ptr, shift_ptr, scale_ptr, inv_ptr, mean_ptr, rstd_ptr, sa_ptr, out_ptr, part_ptr, lora_ptr,
+    M, K, R, S, stride_xm, stride_mod, NSPLIT,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
+    FAST: tl.constexpr, GEMM_ORDER: tl.constexpr, HW_CVT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    # The pair form's third launch: one [BLOCK_M, BLOCK_K] tile a program (every byte of x read once, the grid
+    # filling the GPU, as kernels._quantize_act_kernel), normalized and modulated with its rows' statistics, then
+    # the mode's pass arithmetic (_ada_apply_kernel's: xq, or a8 in the fast GEMM's k order with GEMM_ORDER).
+    # HAS_LORA: the programs of the last k-tile (the grid's last to start) add _ada_lora_kernel's NSPLIT partials of
+    # their rows in split order and write lora (exact) or la = lora / sa (fast), bf16, one rounding. PDL: launched as
+    # that grid's programmatic dependent (which waited for the statistics before it let this grid start): the tiles
+    # are read without a wait and only those programs wait for the partials; it lets the GEMM after it start.
+    if PDL:
+        gdc_launch_dependents()
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    mean = tl.load(mean_ptr + rm, mask=m_ok, other=0.0)
+    rstd = tl.load(rstd_ptr + rm, mask=m_ok, other=0.0)
+    if FAST:
+        sa = tl.load(sa_ptr + rm, mask=m_ok, other=1.0)
+    else:
+        sa = mean  # not read in the exact mode (_store_lora)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = rk < K  # K % 16 == 0 (K % 128 in the GEMM's order): whole blocks are in or out
+    lk = _gemm_k(rk, GEMM_ORDER)
+    v, mask = _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, lk, K, S, stride_xm, stride_mod, DOT_F32)
+    if FAST:
+        r = tl.minimum(tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sa), 3.4028234663852886e38)
+        _fast_store(v, inv_ptr, lk, k_ok, r, out_ptr + rm[:, None] * K + rk[None, :], mask, HW_CVT)
+    else:
+        finite, sf, q = _nvfp4_tile(v, inv_ptr, rk, k_ok, BLOCK_M, BLOCK_K, True)
+        xq = _nvfp4_dequant(q, finite, sf)
+        tl.store(out_ptr + rm[:, None] * K + rk[None, :],
+                 tl.reshape(xq, (BLOCK_M, BLOCK_K)).to(out_ptr.dtype.element_ty), mask=mask)
+    if HAS_LORA:
+        if tl.program_id(1) == tl.num_programs(1) - 1:
+            if PDL:
+                gdc_wait()
+            rr = tl.arange(0, BLOCK_R)
+            out_mask = m_ok[:, None] & (rr < R)[None, :]
+            part = part_ptr + rm[:, None] * R + rr[None, :]
+            total = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+            for _ in range(NSPLIT):
+                total += tl.load(part, mask=out_mask, other=0.0)
+                part += M * R  # (pointer arithmetic: 64-bit)
+            _store_lora(total, sa, lora_ptr, rm, rr, out_mask, R, BLOCK_M, BLOCK_R, FAST, DOT_F32)
+
+
+@triton.jit
+def _fast_store(v, inv_ptr, lk, k_ok, r, ptrs, mask, HW_CVT: tl.constexpr):
+    # the fast mode's E4M3 codes of v [rows, cols] (the normalized, modulated values at columns lk) over smooth
+    # (inv_ptr: 1 / smooth) and the rows' sa (r = 1 / sa), nvfp4.fast_act's rounding, stored at ptrs
+    inv = tl.load(inv_ptr + lk, mask=k_ok, other=1.0)
+    q = (v * inv[None, :]) * r[:, None]
+    if HW_CVT:  # nearest even, saturating at 448; +-Inf -> NaN, every NaN the positive one (round_e4m3)
+        q = q + q * 0.0
+        tl.store(ptrs, tl.where(q == q, q, float("nan")).to(tl.float8e4nv), mask=mask)
+    else:
+        tl.store(ptrs.to(tl.pointer_type(tl.uint8), bitcast=True), _e4m3_bits(q), mask=mask)
+
+
 def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast, gemm_order, split, block_m, block_k,
                   num_warps, stats_rows=4):
     """The split form: ``_ada_stats_kernel`` then ``_ada_apply_kernel`` over ``split`` ranges of K."""
@@ -224,6 +315,62 @@ def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r), HAS_LORA=r > 0, IS_SPLIT=split > 1, FAST=fast,
         GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, DOT_F32=_INTERPRET, num_warps=num_warps)
     return sa
+
+
+# The pair form's launches: lora_act in 64-row blocks (wgmma) over about four K ranges, 128-column steps up to R = 64
+# (64 above), kernels.lora_act's default plan (tuning.LORA_ACT_CONFIG); the pass in kernels.quantize_act's 8 x 256
+# tiles on 4 warps.
+PAIR_LORA = (64, 4, 4, 3)  # block_m, split, warps, stages
+PAIR_PASS = (8, 256, 4)  # block_m, block_k, warps
+
+
+def _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast, gemm_order, pdl):
+    """The pair form: ``_ada_stats_kernel``, then ``_ada_lora_kernel`` and ``_ada_pass_kernel``, the last two a PDL
+    pair with ``pdl`` (the pass beside ``lora_act``, as the written input's path runs them), else one after the
+    other."""
+    m, k = x.shape
+    r = 0 if pds is None else pds.shape[1]
+    mean = torch.empty(m, device=x.device, dtype=torch.float32)
+    rstd = torch.empty_like(mean)
+    sa = torch.empty_like(mean) if fast else mean
+    _ada_stats_kernel[(cdiv(m, 4),)](x, shift, scale, inv_smooth, mean, rstd, sa, m, k, tokens, x.stride(0),
+                                     shift.stride(0), float(eps), ROWS=4, CHUNK=min(1024, next_pow2(k)), FAST=fast,
+                                     DOT_F32=_INTERPRET)
+    part, nsplit, pdl = mean, 1, pdl and r > 0
+    if r:
+        bm, s, warps, stages = PAIR_LORA
+        block_k = 128 if _block_r(r) <= 64 else 64
+        k_split = cdiv(cdiv(k, s), block_k) * block_k
+        nsplit = cdiv(k, k_split)
+        part = torch.empty(nsplit, m, r, device=x.device, dtype=torch.float32)
+        _ada_lora_kernel[(cdiv(m, bm), nsplit)](
+            x, shift, scale, mean, rstd, pds, part, m, k, r, tokens, x.stride(0), shift.stride(0), k_split,
+            BLOCK_M=bm, BLOCK_K=block_k, BLOCK_R=_block_r(r), NUM_STAGES=stages, PDL=pdl, DOT_F32=_INTERPRET,
+            num_warps=warps, **_pdl_opts(pdl))
+    bm, block_k, warps = PAIR_PASS
+    block_k = min(block_k, next_pow2(k))
+    _ada_pass_kernel[(cdiv(m, bm), cdiv(k, block_k))](
+        x, shift, scale, inv_smooth, mean, rstd, sa, out, part, mean if lora is None else lora, m, k, r, tokens,
+        x.stride(0), shift.stride(0), nsplit, BLOCK_M=bm, BLOCK_K=block_k, BLOCK_R=_block_r(r), HAS_LORA=r > 0,
+        FAST=fast, GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, PDL=pdl, DOT_F32=_INTERPRET, num_warps=warps,
+        **_pdl_opts(pdl))
+    return sa
+
+
+FORMS = ("split", "pair")
+
+
+def _check_form(form: str, pdl: bool, device: torch.device, m: int, k: int, block_m: int, block_k: int,
+                split: int | None) -> int:
+    """``_check_blocks`` after checking ``form`` (one of ``FORMS``) and ``pdl`` (the pair form on a device that
+    launches PDL pairs)."""
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    if pdl:
+        if form != "pair":
+            raise ValueError("pdl=True launches the pair form's lora_act and pass as a PDL pair: pass form='pair'")
+        _check_pdl(device, "the norm pass's pair form")
+    return _check_blocks(m, k, device, block_m, block_k, split)
 
 
 def _check_blocks(m: int, k: int, device: torch.device, block_m: int, block_k: int, split: int | None) -> int:
@@ -270,7 +417,8 @@ def _check(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, tokens: in
 
 def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, inv_smooth: torch.Tensor,
                    pds: torch.Tensor | None = None, *, tokens: int | None = None, out_dtype: torch.dtype | None = None,
-                   block_m: int = 32, block_k: int = 64, num_warps: int = 4, split: int | None = None):
+                   block_m: int = 32, block_k: int = 64, num_warps: int = 4, split: int | None = None,
+                   form: str = "split", pdl: bool = False):
     """``(xq, lora)`` of the exact mode for the input ``nvfp4.ada_norm(x, shift, scale, eps)`` read from ``x [M, K]``
     (bf16 / fp16, unit stride along K): ``xq`` the dequantized NVFP4 values of ``input / smooth``
     (``inv_smooth = 1 / smooth``, fp32), ``lora = input.to(bf16) @ pds`` in bf16 (None without ``pds``). ``shift``
@@ -280,15 +428,22 @@ def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
     ``block_k``-column steps (64 by default: at R = 128 the apply kernel holds 60 KB of shared memory and 142-152
     registers a program against 120 KB and 198-250 at 128 columns, svdq-precompile's counts), their
     ``lora_act`` partial sums added in split order by the last of a row block (the same bits for any ``split`` but
-    lora_act's fp32 summation order; None: ``auto_split``)."""
+    lora_act's fp32 summation order; None: ``auto_split``).
+
+    ``form="pair"``: the statistics, then ``lora_act`` alone (``PAIR_LORA``) and the pass alone in small tiles
+    that fill the GPU (``PAIR_PASS``), with ``pdl`` as a PDL pair that reads x at once (CUDA, capability 9.0 or
+    later), else one after the other; the tile arguments do not apply. The same ``xq`` bits as ``"split"``;
+    ``lora_act`` summed in another order."""
     tokens = tokens or x.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k, r = _check(x, shift, scale, tokens, inv_smooth, pds)
-    split = _check_blocks(m, k, x.device, block_m, block_k, split)
+    split = _check_form(form, pdl, x.device, m, k, block_m, block_k, split)
     xq = torch.empty(m, k, device=x.device, dtype=out_dtype or x.dtype)
     lora = torch.empty(m, r, device=x.device, dtype=torch.bfloat16) if r else None
-    if m:
+    if m and form == "pair":
+        _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, xq, lora, False, False, pdl)
+    elif m:
         _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, xq, lora, False, False, split, block_m, block_k,
                       num_warps)
     return xq, lora
@@ -296,22 +451,25 @@ def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
 
 def ada_norm_fast(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, inv_smooth: torch.Tensor,
                   pds: torch.Tensor | None = None, *, tokens: int | None = None, gemm_order: bool = True,
-                  block_m: int = 32, block_k: int = 64, num_warps: int = 4, split: int | None = None):
+                  block_m: int = 32, block_k: int = 64, num_warps: int = 4, split: int | None = None,
+                  form: str = "split", pdl: bool = False):
     """``(a8, sa, la)`` of the fast mode for the input ``nvfp4.ada_norm(x, shift, scale, eps)`` read from
     ``x [M, K]``: ``nvfp4.fast_act`` of ``input / smooth`` (``a8`` in the fast GEMM's k order with
     ``gemm_order``, K % 128 == 0) and ``la = (input.to(bf16) @ pds) / sa`` in bf16 (None without ``pds``).
-    Arguments as ``ada_norm_exact``'s."""
+    Arguments as ``ada_norm_exact``'s (``form="pair"``: the same ``a8`` and ``sa`` bits as ``"split"``)."""
     tokens = tokens or x.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k, r = _check(x, shift, scale, tokens, inv_smooth, pds)
     if gemm_order and k % 128:
         raise ValueError(f"the fast GEMM's k order needs K % 128 == 0, got {k}")
-    split = _check_blocks(m, k, x.device, block_m, block_k, split)
+    split = _check_form(form, pdl, x.device, m, k, block_m, block_k, split)
     a8 = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
     sa = torch.empty(0, device=x.device, dtype=torch.float32)
     la = torch.empty(m, r, device=x.device, dtype=torch.bfloat16) if r else None
-    if m:
+    if m and form == "pair":
+        sa = _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, a8, la, True, gemm_order, pdl)
+    elif m:
         sa = _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, a8, la, True, gemm_order, split, block_m,
                            block_k, num_warps)
     return a8, sa, la

@@ -255,6 +255,23 @@ def _ada_norm_tile(v: str) -> tuple[int, int]:
     return tile
 
 
+# the norm pass's form (SVDQ_SM90_ADA_NORM_FORM, read per call): "split" (by default: the statistics, then split-K
+# apply tiles that add lora_act's partial sums; measured above) or "pair" (the statistics, then lora_act and the pass
+# in small tiles as the written input's PDL pair runs them, the pair's PDL taken where SVDQ_SM90_PDL says: by default
+# in captured graphs); the same xq / a8 / sa bits (norm_pass.FORMS).
+ENV_ADA_NORM_FORM = "SVDQ_SM90_ADA_NORM_FORM"
+ADA_NORM_FORMS = ("split", "pair")
+
+
+def ada_norm_form() -> str:
+    """``SVDQ_SM90_ADA_NORM_FORM`` (one of ``ADA_NORM_FORMS``), else "split"; a value outside the list is an
+    error, not a silent default."""
+    v = (getenv(ENV_ADA_NORM_FORM) or "split").strip().lower()
+    if v not in ADA_NORM_FORMS:
+        raise ValueError(f"{ENV_ADA_NORM_FORM}={v!r}: expected one of {', '.join(ADA_NORM_FORMS)}")
+    return v
+
+
 LORA_ACT_MIN_M = 128
 LORA_ACT_CONFIG = (64, 4, 4, 3)
 
