@@ -14,9 +14,9 @@ Per layer (``bench_lowrank``'s whole-linear rows: what fuse_qkv_projections buil
   (``SVDQ_SM90_ADA_NORM_FORM=split``: split-K apply tiles that add ``lora_act``'s partials) and the pair form
   (``pair``: ``lora_act`` and the pass in small tiles as a PDL pair after the statistics);
 - ``norm alone`` / ``norm pass alone``: the compiled norm, and the fused pass without its GEMM (its two launches at
-  ``norm_pass.auto_split``, and at ``--splits``; and at the apply tiles ``--tiles``, rows x warps). The fused rows
-  take ``SVDQ_SM90_ADA_NORM_TILE``'s tile (32 x 4 by default); ``pair pass alone``: the pair form's three
-  launches alone.
+  ``norm_pass.auto_split``, and at ``--splits``; and at the apply tiles ``--tiles``, rows x warps [x stages]).
+  The fused rows take ``SVDQ_SM90_ADA_NORM_TILE``'s tile (32 x 4 by default); ``pair pass alone``: the pair
+  form's three launches alone.
 
 Ratios: bf16 / path, each round's to the bf16 of that round, median over the rounds. The fused output is
 checked against the written one first (the inputs differ by a rounding in a few elements).
@@ -50,7 +50,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--splits", default="2,8", help="the norm pass alone at these splits too")
-    ap.add_argument("--tiles", default="32x4,64x4,64x8", help="and at these apply tiles (rows x warps)")
+    ap.add_argument("--tiles", default="64x4,64x4x3,32x4x3",
+                    help="and at these apply tiles (rows x warps [x stages], tuning.ADA_NORM_TILES)")
     args = ap.parse_args()
     want = [s.strip().replace("_", " ") for s in args.shapes.split(",")]
     modes = [s.strip() for s in args.modes.split(",")]
@@ -100,8 +101,8 @@ def main() -> None:
 
                 def npass(split=None, block_k=64, tile=tuning.ada_norm_tile(), form="split"):
                     def fn():
-                        kw = dict(split=split, block_k=block_k, block_m=tile[0], num_warps=tile[1], form=form,
-                                  pdl=form == "pair")
+                        kw = dict(split=split, block_k=block_k, block_m=tile[0], num_warps=tile[1],
+                                  num_stages=tile[2], form=form, pdl=form == "pair")
                         if mode == "fast":
                             return norm_pass.ada_norm_fast(x[0], shift, scale, 1e-6, inv, pds, **kw)
                         return norm_pass.ada_norm_exact(x[0], shift, scale, 1e-6, inv, pds, out_dtype=torch.bfloat16,
@@ -124,7 +125,7 @@ def main() -> None:
                 # other apply tiles (rows x warps; the fused row takes SVDQ_SM90_ADA_NORM_TILE's): 64 rows run
                 # lora_act on wgmma with half the proj_down reloads (128-column steps measured 5-30 % slower: y-2)
                 for t in args.tiles.split(",") if args.tiles else ():
-                    tile = tuple(int(v) for v in t.split("x"))
+                    tile = tuning.parse_ada_norm_tile(t)
                     if tile != tuning.ada_norm_tile():
                         graphs[f"npass split auto, tile {t}"] = graph_of(npass(tile=tile), args.reps)
                 periods: dict[str, list[float]] = {}

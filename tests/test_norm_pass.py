@@ -89,20 +89,21 @@ def test_fast_pass_on_the_norm_is_the_pass_on_the_written_input(m_per, batch, k,
 
 
 def test_apply_tiles_give_the_same_bits(monkeypatch):
-    """``SVDQ_SM90_ADA_NORM_TILE`` picks the apply launch's rows x warps (``tuning.ada_norm_tile``); every tile it
-    accepts writes the same ``xq`` / ``a8`` / ``sa`` bits (``lora_act``: its fp32 sums in another order), and a tile
-    outside the list is refused by name rather than replaced by the default."""
+    """``SVDQ_SM90_ADA_NORM_TILE`` picks the apply launch's rows x warps x stages (``tuning.ada_norm_tile``); every
+    tile it accepts writes the same ``xq`` / ``a8`` / ``sa`` bits (``lora_act``: its fp32 sums in another order), and
+    a tile outside the list is refused by name rather than replaced by the default."""
     from svdq_linear.backends.sm90 import tuning
 
     x, shift, scale, smooth, pds = _case(70, 2, 512, 96, torch.bfloat16, device=DEV, seed=4)
     x2, inv = x.reshape(-1, 512), 1.0 / smooth
     got = {}
     for tile in tuning.ADA_NORM_TILES:
-        monkeypatch.setenv(tuning.ENV_ADA_NORM_TILE, f"{tile[0]}x{tile[1]}")
-        block_m, warps = tuning.ada_norm_tile()
-        assert (block_m, warps) == tile
-        ex = norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, tokens=70, block_m=block_m, num_warps=warps)
-        fa = norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, tokens=70, block_m=block_m, num_warps=warps)
+        monkeypatch.setenv(tuning.ENV_ADA_NORM_TILE, tuning.ada_norm_tile_name(tile))
+        block_m, warps, stages = tuning.ada_norm_tile()
+        assert (block_m, warps, stages) == tile
+        kw = dict(tokens=70, block_m=block_m, num_warps=warps, num_stages=stages)
+        ex = norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, **kw)
+        fa = norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, **kw)
         got[tile] = ex + fa
     first = got[tuning.ADA_NORM_TILES[0]]
     for tile, (xq, lora, a8, sa, la) in got.items():
@@ -111,8 +112,10 @@ def test_apply_tiles_give_the_same_bits(monkeypatch):
         torch.testing.assert_close(lora.float(), first[1].float(), rtol=2 ** -7, atol=1e-3)
         torch.testing.assert_close(la.float(), first[4].float(), rtol=2 ** -7, atol=1e-3)
     monkeypatch.delenv(tuning.ENV_ADA_NORM_TILE)
-    assert tuning.ada_norm_tile() == (32, 4)
-    for bad in ("64", "128x4", "32xfour"):
+    assert tuning.ada_norm_tile() == (32, 4, 1)
+    monkeypatch.setenv(tuning.ENV_ADA_NORM_TILE, "64x4")  # two numbers: one stage
+    assert tuning.ada_norm_tile() == (64, 4, 1)
+    for bad in ("64", "128x4", "32xfour", "64x4x5", "64x4x3x1"):
         monkeypatch.setenv(tuning.ENV_ADA_NORM_TILE, bad)
         with pytest.raises(ValueError, match=tuning.ENV_ADA_NORM_TILE):
             tuning.ada_norm_tile()
@@ -180,17 +183,21 @@ def test_norm_pass_refuses_bad_operands():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", ["split", "pair"])
 @pytest.mark.parametrize("fast", [False, True])
-def test_gpu_norm_pass_at_a_flux_width(fast):
+def test_gpu_norm_pass_at_a_flux_width(fast, form):
+    """Both forms at Flux's width against PyTorch's norm and the contract's quantizers; the pair form launched as its
+    PDL pair, eagerly (the forward test below captures it)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm90 GPU")
+    kw = dict(form=form, pdl=form == "pair")
     k = 3072
     x, shift, scale, smooth, pds = _case(1000, 2, k, 32, torch.bfloat16, device="cuda", seed=3, mean=5.0)
     inp = nvfp4.ada_norm(x, shift, scale, 1e-6).reshape(-1, k)
     xs = nvfp4.smooth_input(inp, smooth)
     if fast:
         a8, sa, la = norm_pass.ada_norm_fast(x.reshape(-1, k), shift, scale, 1e-6, 1.0 / smooth, pds, tokens=1000,
-                                             gemm_order=False)
+                                             gemm_order=False, **kw)
         a8_ref, sa_ref = nvfp4.fast_act(xs)
         assert (sa == sa_ref).float().mean().item() >= 0.95
         assert (a8.view(torch.uint8) == a8_ref.view(torch.uint8)).float().mean().item() >= 0.95
@@ -199,7 +206,8 @@ def test_gpu_norm_pass_at_a_flux_width(fast):
         ref = (inp.double() @ pds.double()) / sa_ref[:, None].double()
         torch.testing.assert_close(la.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
     else:
-        xq, lora = norm_pass.ada_norm_exact(x.reshape(-1, k), shift, scale, 1e-6, 1.0 / smooth, pds, tokens=1000)
+        xq, lora = norm_pass.ada_norm_exact(x.reshape(-1, k), shift, scale, 1e-6, 1.0 / smooth, pds, tokens=1000,
+                                            **kw)
         packed, sc = nvfp4.quantize_nvfp4(xs)
         want = nvfp4.dequantize_nvfp4(packed, sc, torch.bfloat16)
         assert _blocks_agree(xq, want, k) >= 0.97 and (xq == want).float().mean().item() >= 0.99

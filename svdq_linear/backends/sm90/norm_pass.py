@@ -135,7 +135,7 @@ def _ada_apply_kernel(
     M, K, R, S, stride_xm, stride_mod, K_SPLIT, SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
     IS_SPLIT: tl.constexpr, FAST: tl.constexpr, GEMM_ORDER: tl.constexpr, HW_CVT: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr = 1,
 ):
     # The split form's second launch: program (i, s) takes rows [i BLOCK_M, (i + 1) BLOCK_M) and the columns [s K_SPLIT,
     # (s + 1) K_SPLIT) in BLOCK_K steps, normalizes and modulates each tile with its rows' statistics, and writes the
@@ -158,7 +158,7 @@ def _ada_apply_kernel(
     r_ok = rr < R
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     kb = pid_s * K_SPLIT
-    for k0 in range(kb, tl.minimum(kb + K_SPLIT, K), BLOCK_K):
+    for k0 in tl.range(kb, tl.minimum(kb + K_SPLIT, K), BLOCK_K, num_stages=NUM_STAGES):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         lk = _gemm_k(rk, GEMM_ORDER)
@@ -289,7 +289,7 @@ def _fast_store(v, inv_ptr, lk, k_ok, r, ptrs, mask, HW_CVT: tl.constexpr):
 
 
 def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast, gemm_order, split, block_m, block_k,
-                  num_warps, stats_rows=4):
+                  num_warps, num_stages=1, stats_rows=4):
     """The split form: ``_ada_stats_kernel`` then ``_ada_apply_kernel`` over ``split`` ranges of K."""
     m, k = x.shape
     r = 0 if pds is None else pds.shape[1]
@@ -313,7 +313,8 @@ def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast
         x, shift, scale, inv_smooth, mean, rstd, sa, out, mean if pds is None else pds, mean if lora is None else lora,
         part, cnt, m, k, r, tokens, x.stride(0), shift.stride(0), k_split, split,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r), HAS_LORA=r > 0, IS_SPLIT=split > 1, FAST=fast,
-        GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, DOT_F32=_INTERPRET, num_warps=num_warps)
+        GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, DOT_F32=_INTERPRET, NUM_STAGES=num_stages,
+        num_warps=num_warps)
     return sa
 
 
@@ -418,7 +419,7 @@ def _check(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, tokens: in
 def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, inv_smooth: torch.Tensor,
                    pds: torch.Tensor | None = None, *, tokens: int | None = None, out_dtype: torch.dtype | None = None,
                    block_m: int = 32, block_k: int = 64, num_warps: int = 4, split: int | None = None,
-                   form: str = "split", pdl: bool = False):
+                   num_stages: int = 1, form: str = "split", pdl: bool = False):
     """``(xq, lora)`` of the exact mode for the input ``nvfp4.ada_norm(x, shift, scale, eps)`` read from ``x [M, K]``
     (bf16 / fp16, unit stride along K): ``xq`` the dequantized NVFP4 values of ``input / smooth``
     (``inv_smooth = 1 / smooth``, fp32), ``lora = input.to(bf16) @ pds`` in bf16 (None without ``pds``). ``shift``
@@ -428,7 +429,8 @@ def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
     ``block_k``-column steps (64 by default: at R = 128 the apply kernel holds 60 KB of shared memory and 142-152
     registers a program against 120 KB and 198-250 at 128 columns, svdq-precompile's counts), their
     ``lora_act`` partial sums added in split order by the last of a row block (the same bits for any ``split`` but
-    lora_act's fp32 summation order; None: ``auto_split``).
+    lora_act's fp32 summation order; None: ``auto_split``); ``num_stages`` > 1 pipelines the loop's loads (the same
+    bits).
 
     ``form="pair"``: the statistics, then ``lora_act`` alone (``PAIR_LORA``) and the pass alone in small tiles
     that fill the GPU (``PAIR_PASS``), with ``pdl`` as a PDL pair that reads x at once (CUDA, capability 9.0 or
@@ -445,14 +447,14 @@ def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
         _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, xq, lora, False, False, pdl)
     elif m:
         _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, xq, lora, False, False, split, block_m, block_k,
-                      num_warps)
+                      num_warps, num_stages)
     return xq, lora
 
 
 def ada_norm_fast(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, inv_smooth: torch.Tensor,
                   pds: torch.Tensor | None = None, *, tokens: int | None = None, gemm_order: bool = True,
                   block_m: int = 32, block_k: int = 64, num_warps: int = 4, split: int | None = None,
-                  form: str = "split", pdl: bool = False):
+                  num_stages: int = 1, form: str = "split", pdl: bool = False):
     """``(a8, sa, la)`` of the fast mode for the input ``nvfp4.ada_norm(x, shift, scale, eps)`` read from
     ``x [M, K]``: ``nvfp4.fast_act`` of ``input / smooth`` (``a8`` in the fast GEMM's k order with
     ``gemm_order``, K % 128 == 0) and ``la = (input.to(bf16) @ pds) / sa`` in bf16 (None without ``pds``).
@@ -471,6 +473,6 @@ def ada_norm_fast(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps
         sa = _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, a8, la, True, gemm_order, pdl)
     elif m:
         sa = _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, a8, la, True, gemm_order, split, block_m,
-                           block_k, num_warps)
+                           block_k, num_warps, num_stages)
     return a8, sa, la
 
