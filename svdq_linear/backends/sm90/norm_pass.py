@@ -154,6 +154,7 @@ def _ada_apply_kernel(
         r = tl.minimum(tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sa), 3.4028234663852886e38)
     else:
         sa = mean  # not read in the exact mode (_store_lora)
+        r = mean  # (_ada_pass_tile)
     rr = tl.arange(0, BLOCK_R)
     r_ok = rr < R
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
@@ -161,15 +162,8 @@ def _ada_apply_kernel(
     for k0 in tl.range(kb, tl.minimum(kb + K_SPLIT, K), BLOCK_K, num_stages=NUM_STAGES):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
-        lk = _gemm_k(rk, GEMM_ORDER)
-        v, mask = _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, lk, K, S, stride_xm, stride_mod, DOT_F32)
-        if FAST:
-            _fast_store(v, inv_ptr, lk, k_ok, r, out_ptr + rm[:, None] * K + rk[None, :], mask, HW_CVT)
-        else:
-            finite, sf, q = _nvfp4_tile(v, inv_ptr, rk, k_ok, BLOCK_M, BLOCK_K, True)
-            xq = _nvfp4_dequant(q, finite, sf)
-            tl.store(out_ptr + rm[:, None] * K + rk[None, :],
-                     tl.reshape(xq, (BLOCK_M, BLOCK_K)).to(out_ptr.dtype.element_ty), mask=mask)
+        v, lk = _ada_pass_tile(x_ptr, shift_ptr, scale_ptr, inv_ptr, out_ptr, mean, rstd, r, rm, m_ok, rk, k_ok, K, S,
+                               stride_xm, stride_mod, BLOCK_M, BLOCK_K, FAST, GEMM_ORDER, HW_CVT, DOT_F32)
         if HAS_LORA:
             w = tl.load(pd_ptr + lk[:, None] * R + rr[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
             acc = _lora_dot(v, w, acc, DOT_F32)
@@ -247,20 +241,14 @@ def _ada_pass_kernel(
     rstd = tl.load(rstd_ptr + rm, mask=m_ok, other=0.0)
     if FAST:
         sa = tl.load(sa_ptr + rm, mask=m_ok, other=1.0)
+        r = tl.minimum(tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sa), 3.4028234663852886e38)
     else:
         sa = mean  # not read in the exact mode (_store_lora)
+        r = mean  # (_ada_pass_tile)
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = rk < K  # K % 16 == 0 (K % 128 in the GEMM's order): whole blocks are in or out
-    lk = _gemm_k(rk, GEMM_ORDER)
-    v, mask = _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, lk, K, S, stride_xm, stride_mod, DOT_F32)
-    if FAST:
-        r = tl.minimum(tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sa), 3.4028234663852886e38)
-        _fast_store(v, inv_ptr, lk, k_ok, r, out_ptr + rm[:, None] * K + rk[None, :], mask, HW_CVT)
-    else:
-        finite, sf, q = _nvfp4_tile(v, inv_ptr, rk, k_ok, BLOCK_M, BLOCK_K, True)
-        xq = _nvfp4_dequant(q, finite, sf)
-        tl.store(out_ptr + rm[:, None] * K + rk[None, :],
-                 tl.reshape(xq, (BLOCK_M, BLOCK_K)).to(out_ptr.dtype.element_ty), mask=mask)
+    _ada_pass_tile(x_ptr, shift_ptr, scale_ptr, inv_ptr, out_ptr, mean, rstd, r, rm, m_ok, rk, k_ok, K, S, stride_xm,
+                   stride_mod, BLOCK_M, BLOCK_K, FAST, GEMM_ORDER, HW_CVT, DOT_F32)
     if HAS_LORA:
         if tl.program_id(1) == tl.num_programs(1) - 1:
             if PDL:
@@ -273,6 +261,25 @@ def _ada_pass_kernel(
                 total += tl.load(part, mask=out_mask, other=0.0)
                 part += M * R  # (pointer arithmetic: 64-bit)
             _store_lora(total, sa, lora_ptr, rm, rr, out_mask, R, BLOCK_M, BLOCK_R, FAST, DOT_F32)
+
+
+@triton.jit
+def _ada_pass_tile(x_ptr, shift_ptr, scale_ptr, inv_ptr, out_ptr, mean, rstd, r, rm, m_ok, rk, k_ok, K, S, stride_xm,
+                   stride_mod, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr,
+                   GEMM_ORDER: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr):
+    # positions rk of rows rm: the columns they hold (lk: the fast GEMM's k order with GEMM_ORDER) normalized and
+    # modulated (_ada_tile), then written as the mode's pass writes them: xq (exact) or the E4M3 codes over the
+    # rows' sa (FAST: r = 1 / sa). Returns (the normalized, modulated values, lk).
+    lk = _gemm_k(rk, GEMM_ORDER)
+    v, mask = _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, lk, K, S, stride_xm, stride_mod, DOT_F32)
+    if FAST:
+        _fast_store(v, inv_ptr, lk, k_ok, r, out_ptr + rm[:, None] * K + rk[None, :], mask, HW_CVT)
+    else:
+        finite, sf, q = _nvfp4_tile(v, inv_ptr, rk, k_ok, BLOCK_M, BLOCK_K, True)
+        xq = _nvfp4_dequant(q, finite, sf)
+        tl.store(out_ptr + rm[:, None] * K + rk[None, :],
+                 tl.reshape(xq, (BLOCK_M, BLOCK_K)).to(out_ptr.dtype.element_ty), mask=mask)
+    return v, lk
 
 
 @triton.jit
