@@ -130,6 +130,21 @@ def _ada_stats_kernel(x_ptr, shift_ptr, scale_ptr, inv_ptr, mean_ptr, rstd_ptr, 
 
 
 @triton.jit
+def _rows_of(mean_ptr, rstd_ptr, sa_ptr, rm, m_ok, BLOCK_M: tl.constexpr, FAST: tl.constexpr):
+    # rows rm's statistics from the first launch: (mean, rstd, sa, 1 / sa); FAST: sa, and 1 / sa kept finite (a
+    # zero sa's row is zeros); the exact mode reads neither (mean stands in for both)
+    mean = tl.load(mean_ptr + rm, mask=m_ok, other=0.0)
+    rstd = tl.load(rstd_ptr + rm, mask=m_ok, other=0.0)
+    if FAST:
+        sa = tl.load(sa_ptr + rm, mask=m_ok, other=1.0)
+        r = tl.minimum(tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sa), 3.4028234663852886e38)
+    else:
+        sa = mean
+        r = mean
+    return mean, rstd, sa, r
+
+
+@triton.jit
 def _ada_apply_kernel(
     x_ptr, shift_ptr, scale_ptr, inv_ptr, mean_ptr, rstd_ptr, sa_ptr, out_ptr, pd_ptr, lora_ptr, part_ptr, cnt_ptr,
     M, K, R, S, stride_xm, stride_mod, K_SPLIT, SPLIT,
@@ -147,14 +162,7 @@ def _ada_apply_kernel(
     pid_s = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = rm < M
-    mean = tl.load(mean_ptr + rm, mask=m_ok, other=0.0)
-    rstd = tl.load(rstd_ptr + rm, mask=m_ok, other=0.0)
-    if FAST:
-        sa = tl.load(sa_ptr + rm, mask=m_ok, other=1.0)
-        r = tl.minimum(tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sa), 3.4028234663852886e38)
-    else:
-        sa = mean  # not read in the exact mode (_store_lora)
-        r = mean  # (_ada_pass_tile)
+    mean, rstd, sa, r = _rows_of(mean_ptr, rstd_ptr, sa_ptr, rm, m_ok, BLOCK_M, FAST)
     rr = tl.arange(0, BLOCK_R)
     r_ok = rr < R
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
@@ -237,14 +245,7 @@ def _ada_pass_kernel(
         gdc_launch_dependents()
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = rm < M
-    mean = tl.load(mean_ptr + rm, mask=m_ok, other=0.0)
-    rstd = tl.load(rstd_ptr + rm, mask=m_ok, other=0.0)
-    if FAST:
-        sa = tl.load(sa_ptr + rm, mask=m_ok, other=1.0)
-        r = tl.minimum(tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sa), 3.4028234663852886e38)
-    else:
-        sa = mean  # not read in the exact mode (_store_lora)
-        r = mean  # (_ada_pass_tile)
+    mean, rstd, sa, r = _rows_of(mean_ptr, rstd_ptr, sa_ptr, rm, m_ok, BLOCK_M, FAST)
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = rk < K  # K % 16 == 0 (K % 128 in the GEMM's order): whole blocks are in or out
     _ada_pass_tile(x_ptr, shift_ptr, scale_ptr, inv_ptr, out_ptr, mean, rstd, r, rm, m_ok, rk, k_ok, K, S, stride_xm,
