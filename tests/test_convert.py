@@ -228,7 +228,9 @@ def test_fused_sd3_attention_runs_its_separate_layers_under_sequential_offload(c
         want = model(**inputs).sample
         cpu_offload(model, execution_device=torch.device("cpu"))
         assert model.transformer_blocks[0].attn.to_qkv.qweight.is_meta
-        torch.testing.assert_close(model(**inputs).sample, want, rtol=0, atol=0)
+        # the separate layers' float32 products, summed by the CPU's BLAS in other blocks than the stacked layer's
+        # (one float32 unit in a third of the values on an AMD EPYC; bit for bit on Intel)
+        torch.testing.assert_close(model(**inputs).sample, want, rtol=1e-5, atol=1e-6)
 
 
 def test_concat_refuses_layers_that_do_not_share_an_input():

@@ -496,6 +496,12 @@ def test_a_fused_model_loads_a_state_dict_of_its_keys():
     assert set(dst.state_dict()) == set(sd)
 
 
+# The separate layers against the stacked one in float32 on the reference backend: the same products, summed by the
+# CPU's BLAS in blocks that may differ between a [3N, K] and an [N, K] weight (bit for bit on the Intel machines
+# these tests were written on; one float32 unit in ~9 % of the values on an AMD EPYC)
+SEPARATE_FP32 = dict(rtol=1e-5, atol=1e-6)
+
+
 def test_fused_blocks_run_their_separate_layers_under_sequential_offload():
     """accelerate's sequential offload (``enable_sequential_cpu_offload``) loads each module's tensors from the
     model's ``state_dict`` as it is called, and a fused layer's keys are not there (checkpoints keep the separate
@@ -509,7 +515,7 @@ def test_fused_blocks_run_their_separate_layers_under_sequential_offload():
     cpu_offload(torch.nn.ModuleDict({"s": single, "d": double}), execution_device=torch.device("cpu"))
     for name, block in (("s", single), ("d", double)):
         assert block.attn.to_q.qweight.is_meta  # the offloader holds the weights
-        torch.testing.assert_close(_run(block, inputs), want[name], rtol=0, atol=0)
+        torch.testing.assert_close(_run(block, inputs), want[name], **SEPARATE_FP32)
         assert block.attn.to_q.qweight.is_meta
     assert double.attn.fused_projections  # put back after the call
 
@@ -776,4 +782,4 @@ def test_fused_single_block_under_chained_offload_hooks_runs_its_separate_layers
     add_hook_to_module(block.attn.to_qkv_mlp, ModelHook())  # a hook there before the offloader's
     cpu_offload(block, execution_device=torch.device("cpu"))
     assert type(block.attn.to_qkv_mlp._hf_hook).__name__ == "SequentialHook"
-    torch.testing.assert_close(_run(block, inputs), want, rtol=0, atol=0)
+    torch.testing.assert_close(_run(block, inputs), want, **SEPARATE_FP32)
