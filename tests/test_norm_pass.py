@@ -167,6 +167,122 @@ def test_pair_form_writes_the_split_forms_bits(monkeypatch, r):
         tuning.ada_norm_form()
 
 
+@pytest.mark.parametrize("form", ["split", "pair"])
+def test_lora_partials_add_in_split_order(form):
+    """``lora_act``'s K ranges add in split order, a fixed order for any timing: with the modulated input exactly
+    ``shift`` (``1 + scale = 0``) and one nonzero product in each of four 128-column ranges, 2**24, 1, -2**24 and 0,
+    float32 gives (2**24 + 1) - 2**24 = 0 in that order and 1 in the reverse one. Both modes (``la = 0 / sa``)."""
+    k, r = 512, 16
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(0)).bfloat16().to(DEV)
+    scale = torch.full((1, k), -1.0, dtype=torch.bfloat16, device=DEV)
+    shift = torch.zeros(1, k, dtype=torch.bfloat16, device=DEV)
+    shift[0, [0, 128, 256]] = 1.0
+    pds = torch.zeros(k, r, dtype=torch.bfloat16, device=DEV)
+    pds[0], pds[128], pds[256] = 2.0 ** 24, 1.0, -2.0 ** 24
+    kw = dict(form=form, split=4 if form == "split" else None)  # the pair form's own split: four ranges here
+    inv = torch.ones(k, device=DEV)
+    _, lora = norm_pass.ada_norm_exact(x, shift, scale, 1e-6, inv, pds, **kw)
+    _, sa, la = norm_pass.ada_norm_fast(x, shift, scale, 1e-6, inv, pds, gemm_order=False, **kw)
+    assert torch.equal(sa, torch.full_like(sa, 1 / 448))
+    assert torch.equal(lora, torch.zeros_like(lora)) and torch.equal(la, torch.zeros_like(la))
+
+
+@pytest.mark.parametrize("form", ["split", "pair"])
+def test_partial_k_ranges_read_no_row_of_proj_down_past_k(form):
+    """K = 400 (whole NVFP4 blocks, not whole 64- or 128-column steps): the last step of the last K range runs past
+    K, and ``pds`` is a view whose next rows hold Inf; a read of them would make ``lora_act`` NaN (0 * Inf), and x
+    is a view whose next values are NaN. Against float64 ``lora_act`` of PyTorch's norm."""
+    k, r = 400, 32
+    x, shift, scale, smooth, pds = _case(20, 2, k, r, torch.bfloat16, device=DEV, seed=7)
+    big = torch.full((k + 128, r), float("inf"), dtype=torch.bfloat16, device=DEV)
+    big[:k] = pds
+    xbig = torch.full((40, k + 16), float("nan"), dtype=torch.bfloat16, device=DEV)
+    xbig[:, :k] = x.reshape(-1, k)
+    ref = nvfp4.ada_norm(x, shift, scale, 1e-6).reshape(-1, k).double() @ pds.double()
+    kw = dict(tokens=20, form=form, split=3 if form == "split" else None)
+    _, lora = norm_pass.ada_norm_exact(xbig[:, :k], shift, scale, 1e-6, 1.0 / smooth, big[:k], **kw)
+    _, sa, la = norm_pass.ada_norm_fast(xbig[:, :k], shift, scale, 1e-6, 1.0 / smooth, big[:k], gemm_order=False,
+                                        **kw)
+    for got in (lora.double(), la.double() * sa[:, None].double()):
+        assert got.isfinite().all()
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+class _Launches:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` records the launch's keyword arguments."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.log.append((self.name, kw))
+
+
+def test_launch_options_reach_the_kernels(monkeypatch):
+    """What the forms launch, kernel by kernel (stand-ins record it): ``pdl=True`` launches the pair form's
+    ``lora_act`` and pass with PDL (its compiled wait and trigger, and the launch option), never the statistics, and
+    neither without a ``lora_act`` (R = 0: the pass has no grid before it to wait for); ``num_stages`` reaches the
+    split form's apply launch in both modes."""
+    log = []
+    for name in ("_ada_stats_kernel", "_ada_apply_kernel", "_ada_lora_kernel", "_ada_pass_kernel"):
+        monkeypatch.setattr(norm_pass, name, _Launches(name, log))
+    monkeypatch.setattr(norm_pass, "_check_pdl", lambda device, what: None)  # (a GPU's check)
+    x, shift, scale, smooth, pds = _case(16, 1, 256, 16, torch.bfloat16)
+    for fn in (norm_pass.ada_norm_exact, norm_pass.ada_norm_fast):
+        for r_pds, pdl in ((pds, True), (pds, False), (None, True)):
+            log.clear()
+            fn(x.reshape(-1, 256), shift, scale, 1e-6, 1.0 / smooth, r_pds, form="pair", pdl=pdl)
+            want = [("_ada_stats_kernel", False)] + ([("_ada_lora_kernel", pdl)] if r_pds is not None else [])
+            want.append(("_ada_pass_kernel", pdl and r_pds is not None))
+            assert [(n, kw.get("PDL", False)) for n, kw in log] == want, (fn.__name__, pdl, log)
+            assert [kw.get("launch_pdl", False) for _, kw in log] == [p for _, p in want]
+        log.clear()
+        fn(x.reshape(-1, 256), shift, scale, 1e-6, 1.0 / smooth, pds, num_stages=3, block_m=64)
+        assert [(n, kw["NUM_STAGES"], kw["BLOCK_M"]) for n, kw in log if n == "_ada_apply_kernel"] == [
+            ("_ada_apply_kernel", 3, 64)]
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_backend_takes_the_form_tile_and_pdl_the_settings_name(monkeypatch, fast):
+    """``Sm90Backend.run_w4a4_ada_norm`` hands the norm pass ``SVDQ_SM90_ADA_NORM_TILE``'s rows, warps and stages,
+    ``SVDQ_SM90_ADA_NORM_FORM``'s form, and PDL where the pair form meets a call that takes PDL pairs (``_pdl``);
+    the pass and the GEMMs are stand-ins recording what they receive."""
+    from svdq_linear.backends import sm90
+
+    got = []
+
+    def fake_pass(*a, **kw):
+        got.append(kw)
+        m, r = a[0].shape[0], a[5].shape[1]
+        z = torch.zeros(m, r, dtype=torch.bfloat16)
+        return (a[0], torch.ones(m), z) if fast else (a[0], z)
+
+    monkeypatch.setattr(norm_pass, "ada_norm_fast" if fast else "ada_norm_exact", fake_pass)
+
+    class FakeQuackFast:
+        weight = staticmethod(lambda ex: ex)
+        gemm = staticmethod(lambda a8, sa, fw, out_dtype, lr_acc: torch.zeros(a8.shape[0], 8, dtype=out_dtype))
+
+    monkeypatch.setattr(sm90, "_quack_fast_module", lambda: FakeQuackFast)
+    monkeypatch.setattr(sm90.Sm90Backend, "_exact_gemm", lambda self, xq, lora, *a: torch.zeros(xq.shape[0], 8))
+    be = sm90.Sm90Backend()
+    m, k, r = 32, 128, 16
+    x, shift, scale = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(1, k, dtype=torch.bfloat16), None
+    scale = torch.zeros(1, k, dtype=torch.bfloat16)
+    pd = torch.zeros(k, r)
+    ex = [torch.zeros(k, r, dtype=torch.bfloat16)] + [torch.zeros(1, 8)] * 6 + [torch.ones(k)]  # 7 + inv_smooth
+    for tile, form, pdl_ok in (("64x4x3", "pair", True), ("32x8", "split", True), ("16x4", "pair", False)):
+        monkeypatch.setenv("SVDQ_SM90_ADA_NORM_TILE", tile)
+        monkeypatch.setenv("SVDQ_SM90_ADA_NORM_FORM", form)
+        monkeypatch.setattr(sm90, "_pdl", lambda x, kernels, auto=True, _ok=pdl_ok: _ok)
+        got.clear()
+        be.run_w4a4_ada_norm(x, shift, scale, 1e-6, m, None, None, None, pd, None, None, None, ex, fast)
+        rows, warps, *stages = (int(v) for v in tile.split("x"))
+        want = dict(block_m=rows, num_warps=warps, num_stages=stages[0] if stages else 1, form=form,
+                    pdl=form == "pair" and pdl_ok)
+        assert len(got) == 1 and {key: got[0][key] for key in want} == want, (tile, form, got)
+
+
 def test_norm_pass_refuses_bad_operands():
     x, shift, scale, smooth, pds = _case(8, 2, 128, 16, torch.bfloat16, device=DEV)
     x2 = x.reshape(-1, 128)

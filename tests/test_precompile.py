@@ -319,25 +319,21 @@ os.environ["TRITON_CACHE_DIR"] = sys.argv[1]
 import torch
 from triton.backends.compiler import GPUTarget
 from svdq_linear.backends.sm90 import kernels, norm_pass
-from svdq_linear.precompile import compile_launches
+from svdq_linear.precompile import _norm_pair, compile_launches
 
 out = {}
-real = kernels.pdl_supported
 with compile_launches(GPUTarget("cuda", 90, 32)) as compiled:
     for dt in (torch.bfloat16, torch.float16):
         x, mod, inv = torch.zeros(256, 512, dtype=dt), torch.zeros(3, 512, dtype=dt), torch.ones(512)
         pds = torch.zeros(512, 32, dtype=torch.bfloat16)
         norm_pass.ada_norm_exact(x, mod[:1], mod[1:2], 1e-6, inv, pds, tokens=256, out_dtype=dt, split=2)
         norm_pass.ada_norm_fast(x, mod[:1], mod[1:2], 1e-6, inv, pds, tokens=256, split=2)
-        kernels.pdl_supported = lambda device=None: True  # the pair form as a captured graph launches it (sm_90a)
-        norm_pass.ada_norm_exact(x, mod[:1], mod[1:2], 1e-6, inv, pds, tokens=256, out_dtype=dt, form="pair",
-                                 pdl=True)
-        norm_pass.ada_norm_fast(x, mod[:1], mod[1:2], 1e-6, inv, pds, tokens=256, form="pair", pdl=True)
-        kernels.pdl_supported = real
+        _norm_pair(kernels, norm_pass, x, mod, inv, pds)  # the pair form as svdq-precompile compiles it
 for i, (name, ck) in enumerate(compiled):
     ptx = ck.asm["ptx"]
-    out[f"{name}_{i}"] = [op for op in ("fma.rn.bf16", "fma.rn.f16", "fma.rn.ftz.f16", "griddepcontrol.wait",
-                                        "griddepcontrol.launch_dependents") if op in ptx]
+    out[f"{name}_{i}"] = {op: ptx.find(op) for op in ("fma.rn.bf16", "fma.rn.f16", "fma.rn.ftz.f16",
+                                                      "griddepcontrol.wait", "griddepcontrol.launch_dependents",
+                                                      "st.global") if op in ptx}
 print(json.dumps(out))
 """
 
@@ -360,9 +356,16 @@ def test_norm_pass_modulation_keeps_both_roundings_when_compiled(tmp_path):
     assert names == {"_ada_stats_kernel", "_ada_apply_kernel", "_ada_lora_kernel", "_ada_pass_kernel"}, res
     assert len(res) == 20, res
     assert not [op for ops in res.values() for op in ops if op.startswith("fma")], res
-    # the pair form's PDL: lora_act waits for the statistics and lets the pass start; the pass lets the GEMM start,
-    # and its lora programs wait for lora_act's partials; the split form and the statistics launch plainly
+    # the pair form's PDL (svdq-precompile's _norm_pair compiles both modes with it): lora_act waits for the
+    # statistics before it lets the pass start; the pass lets the GEMM start first, stores its tile, and only then
+    # waits for lora_act's partials (its last k-tile); the split form and the statistics launch plainly
     gdc = {"_ada_lora_kernel": ["griddepcontrol.wait", "griddepcontrol.launch_dependents"],
-           "_ada_pass_kernel": ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]}
+           "_ada_pass_kernel": ["griddepcontrol.launch_dependents", "st.global", "griddepcontrol.wait"]}
+    pair = [0, 0]
     for k, ops in res.items():
-        assert [op for op in ops if op.startswith("griddep")] == gdc.get(k.rsplit("_", 1)[0], []), (k, ops)
+        name = k.rsplit("_", 1)[0]
+        keep = [op for op in ops if op.startswith("griddep") or (name == "_ada_pass_kernel" and op == "st.global")]
+        assert sorted(keep, key=ops.get) == gdc.get(name, []), (k, ops)
+        if name in gdc:
+            pair[name == "_ada_pass_kernel"] += 1
+    assert pair == [4, 4], res  # both modes at both dtypes
