@@ -14,7 +14,7 @@ Per layer (``bench_lowrank``'s whole-linear rows: what fuse_qkv_projections buil
   (``SVDQ_SM90_ADA_NORM_FORM=split``: split-K apply tiles that add ``lora_act``'s partials) and the pair form
   (``pair``: ``lora_act`` and the pass in small tiles as a PDL pair after the statistics);
 - ``norm alone`` / ``norm pass alone``: the compiled norm, and the fused pass without its GEMM (its two launches at
-  ``norm_pass.auto_split``, and at ``--splits``; and at the apply tiles ``--tiles``, rows x warps [x stages]).
+  ``norm_pass.auto_split``, and at ``--splits``; and at the apply tiles ``--tiles``, rows x warps).
   The fused rows take ``SVDQ_SM90_ADA_NORM_TILE``'s tile (32 x 4 by default); ``pair pass alone``: the pair
   form's three launches alone.
 
@@ -50,8 +50,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--splits", default="2,8", help="the norm pass alone at these splits too")
-    ap.add_argument("--tiles", default="64x4,64x4x3,32x4x3",
-                    help="and at these apply tiles (rows x warps [x stages], tuning.ADA_NORM_TILES)")
+    ap.add_argument("--tiles", default="32x4,64x4,64x8",
+                    help="and at these apply tiles (rows x warps, tuning.ADA_NORM_TILES)")
     args = ap.parse_args()
     want = [s.strip().replace("_", " ") for s in args.shapes.split(",")]
     modes = [s.strip() for s in args.modes.split(",")]
@@ -72,11 +72,15 @@ def main() -> None:
 
     def fused_in(mod, x, shift, scale, form):
         def fn():
-            os.environ["SVDQ_SM90_ADA_NORM_FORM"] = form  # read per call, so per capture
+            was = os.environ.get(tuning.ENV_ADA_NORM_FORM)
+            os.environ[tuning.ENV_ADA_NORM_FORM] = form  # read per call, so per capture
             try:
                 return mod.forward_ada_norm(x, shift, scale, 1e-6)
             finally:
-                os.environ.pop("SVDQ_SM90_ADA_NORM_FORM")
+                if was is None:
+                    os.environ.pop(tuning.ENV_ADA_NORM_FORM)
+                else:
+                    os.environ[tuning.ENV_ADA_NORM_FORM] = was
         return fn
 
     with torch.no_grad():
@@ -101,8 +105,8 @@ def main() -> None:
 
                 def npass(split=None, block_k=64, tile=tuning.ada_norm_tile(), form="split"):
                     def fn():
-                        kw = dict(split=split, block_k=block_k, block_m=tile[0], num_warps=tile[1],
-                                  num_stages=tile[2], form=form, pdl=form == "pair")
+                        kw = dict(split=split, block_k=block_k, block_m=tile[0], num_warps=tile[1], form=form,
+                                  pdl=form == "pair")
                         if mode == "fast":
                             return norm_pass.ada_norm_fast(x[0], shift, scale, 1e-6, inv, pds, **kw)
                         return norm_pass.ada_norm_exact(x[0], shift, scale, 1e-6, inv, pds, out_dtype=torch.bfloat16,
@@ -151,11 +155,11 @@ def main() -> None:
                 others = [w_ for w_ in med if w_.startswith("npass split")]
                 if others:
                     log(f"|  | norm pass alone: split {auto} (auto) {med['npass']:.1f}; " + "; ".join(
-                        f"{w_.removeprefix('npass ')} {med[w_]:.1f}" for w_ in others) + " |||||||||")
+                        f"{w_.removeprefix('npass ')} {med[w_]:.1f}" for w_ in others) + " |" * 15)
                 for what in ("written", "fused", "fused pair"):
                     log("|  | kernels: " + what + " | " + "; ".join(
                         f"`{name[:40]}` {dur:.1f} (gap {gap:.1f})" for name, _, dur, gap in kernels_of[what])
-                        + " |||||||||")
+                        + " |" * 15)
     log("")
     log(f"tuning.ADA_NORM_MIN_M = {tuning.ADA_NORM_MIN_M}; apply tile {tuning.ada_norm_tile()}; "
         f"{os.environ.get('SVDQ_SM90_PDL', 'PDL: default')}")

@@ -89,19 +89,19 @@ def test_fast_pass_on_the_norm_is_the_pass_on_the_written_input(m_per, batch, k,
 
 
 def test_apply_tiles_give_the_same_bits(monkeypatch):
-    """``SVDQ_SM90_ADA_NORM_TILE`` picks the apply launch's rows x warps x stages (``tuning.ada_norm_tile``); every
-    tile it accepts writes the same ``xq`` / ``a8`` / ``sa`` bits (``lora_act``: its fp32 sums in another order), and
-    a tile outside the list is refused by name rather than replaced by the default."""
+    """``SVDQ_SM90_ADA_NORM_TILE`` picks the apply launch's rows x warps (``tuning.ada_norm_tile``); every tile it
+    accepts writes the same ``xq`` / ``a8`` / ``sa`` bits (``lora_act``: its fp32 sums in another order), and a tile
+    outside the list is refused by name rather than replaced by the default."""
     from svdq_linear.backends.sm90 import tuning
 
     x, shift, scale, smooth, pds = _case(70, 2, 512, 96, torch.bfloat16, device=DEV, seed=4)
     x2, inv = x.reshape(-1, 512), 1.0 / smooth
     got = {}
     for tile in tuning.ADA_NORM_TILES:
-        monkeypatch.setenv(tuning.ENV_ADA_NORM_TILE, tuning.ada_norm_tile_name(tile))
-        block_m, warps, stages = tuning.ada_norm_tile()
-        assert (block_m, warps, stages) == tile
-        kw = dict(tokens=70, block_m=block_m, num_warps=warps, num_stages=stages)
+        monkeypatch.setenv(tuning.ENV_ADA_NORM_TILE, f"{tile[0]}x{tile[1]}")
+        block_m, warps = tuning.ada_norm_tile()
+        assert (block_m, warps) == tile
+        kw = dict(tokens=70, block_m=block_m, num_warps=warps)
         ex = norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, **kw)
         fa = norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, **kw)
         got[tile] = ex + fa
@@ -112,10 +112,8 @@ def test_apply_tiles_give_the_same_bits(monkeypatch):
         torch.testing.assert_close(lora.float(), first[1].float(), rtol=2 ** -7, atol=1e-3)
         torch.testing.assert_close(la.float(), first[4].float(), rtol=2 ** -7, atol=1e-3)
     monkeypatch.delenv(tuning.ENV_ADA_NORM_TILE)
-    assert tuning.ada_norm_tile() == (32, 4, 1)
-    monkeypatch.setenv(tuning.ENV_ADA_NORM_TILE, "64x4")  # two numbers: one stage
-    assert tuning.ada_norm_tile() == (64, 4, 1)
-    for bad in ("64", "128x4", "32xfour", "64x4x5", "64x4x3x1"):
+    assert tuning.ada_norm_tile() == (32, 4)
+    for bad in ("64", "128x4", "32xfour", "64x4x3"):
         monkeypatch.setenv(tuning.ENV_ADA_NORM_TILE, bad)
         with pytest.raises(ValueError, match=tuning.ENV_ADA_NORM_TILE):
             tuning.ada_norm_tile()
@@ -158,6 +156,13 @@ def test_pair_form_writes_the_split_forms_bits(monkeypatch, r):
     if DEV == "cpu":
         with pytest.raises(ValueError, match="programmatic dependent launch"):
             norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, tokens=70, form="pair", pdl=True)
+    elif torch.cuda.get_device_capability()[0] >= 9:  # the PDL pair, eager: the same bits as one after the other
+        pair = dict(tokens=70, form="pair", pdl=True)
+        for a, b in zip(norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, **pair), got):
+            assert (a is None and b is None) or torch.equal(a, b)
+        want = norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, tokens=70, form="pair")
+        for a, b in zip(norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, **pair), want):
+            assert (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     monkeypatch.delenv(tuning.ENV_ADA_NORM_FORM, raising=False)
     assert tuning.ada_norm_form() == "split"
     monkeypatch.setenv(tuning.ENV_ADA_NORM_FORM, "Pair")
@@ -221,8 +226,8 @@ class _Launches:
 def test_launch_options_reach_the_kernels(monkeypatch):
     """What the forms launch, kernel by kernel (stand-ins record it): ``pdl=True`` launches the pair form's
     ``lora_act`` and pass with PDL (its compiled wait and trigger, and the launch option), never the statistics, and
-    neither without a ``lora_act`` (R = 0: the pass has no grid before it to wait for); ``num_stages`` reaches the
-    split form's apply launch in both modes."""
+    neither without a ``lora_act`` (R = 0: the pass has no grid before it to wait for); the tile reaches the split
+    form's apply launch in both modes."""
     log = []
     for name in ("_ada_stats_kernel", "_ada_apply_kernel", "_ada_lora_kernel", "_ada_pass_kernel"):
         monkeypatch.setattr(norm_pass, name, _Launches(name, log))
@@ -237,14 +242,14 @@ def test_launch_options_reach_the_kernels(monkeypatch):
             assert [(n, kw.get("PDL", False)) for n, kw in log] == want, (fn.__name__, pdl, log)
             assert [kw.get("launch_pdl", False) for _, kw in log] == [p for _, p in want]
         log.clear()
-        fn(x.reshape(-1, 256), shift, scale, 1e-6, 1.0 / smooth, pds, num_stages=3, block_m=64)
-        assert [(n, kw["NUM_STAGES"], kw["BLOCK_M"]) for n, kw in log if n == "_ada_apply_kernel"] == [
-            ("_ada_apply_kernel", 3, 64)]
+        fn(x.reshape(-1, 256), shift, scale, 1e-6, 1.0 / smooth, pds, num_warps=8, block_m=64)
+        assert [(n, kw["num_warps"], kw["BLOCK_M"]) for n, kw in log if n == "_ada_apply_kernel"] == [
+            ("_ada_apply_kernel", 8, 64)]
 
 
 @pytest.mark.parametrize("fast", [False, True])
 def test_backend_takes_the_form_tile_and_pdl_the_settings_name(monkeypatch, fast):
-    """``Sm90Backend.run_w4a4_ada_norm`` hands the norm pass ``SVDQ_SM90_ADA_NORM_TILE``'s rows, warps and stages,
+    """``Sm90Backend.run_w4a4_ada_norm`` hands the norm pass ``SVDQ_SM90_ADA_NORM_TILE``'s rows and warps,
     ``SVDQ_SM90_ADA_NORM_FORM``'s form, and PDL where the pair form meets a call that takes PDL pairs (``_pdl``);
     the pass and the GEMMs are stand-ins recording what they receive."""
     from svdq_linear.backends import sm90
@@ -271,15 +276,14 @@ def test_backend_takes_the_form_tile_and_pdl_the_settings_name(monkeypatch, fast
     scale = torch.zeros(1, k, dtype=torch.bfloat16)
     pd = torch.zeros(k, r)
     ex = [torch.zeros(k, r, dtype=torch.bfloat16)] + [torch.zeros(1, 8)] * 6 + [torch.ones(k)]  # 7 + inv_smooth
-    for tile, form, pdl_ok in (("64x4x3", "pair", True), ("32x8", "split", True), ("16x4", "pair", False)):
+    for tile, form, pdl_ok in (("64x8", "pair", True), ("32x8", "split", True), ("16x4", "pair", False)):
         monkeypatch.setenv("SVDQ_SM90_ADA_NORM_TILE", tile)
         monkeypatch.setenv("SVDQ_SM90_ADA_NORM_FORM", form)
         monkeypatch.setattr(sm90, "_pdl", lambda x, kernels, auto=True, _ok=pdl_ok: _ok)
         got.clear()
         be.run_w4a4_ada_norm(x, shift, scale, 1e-6, m, None, None, None, pd, None, None, None, ex, fast)
-        rows, warps, *stages = (int(v) for v in tile.split("x"))
-        want = dict(block_m=rows, num_warps=warps, num_stages=stages[0] if stages else 1, form=form,
-                    pdl=form == "pair" and pdl_ok)
+        rows, warps = (int(v) for v in tile.split("x"))
+        want = dict(block_m=rows, num_warps=warps, form=form, pdl=form == "pair" and pdl_ok)
         assert len(got) == 1 and {key: got[0][key] for key in want} == want, (tile, form, got)
 
 

@@ -38,6 +38,7 @@ import triton.language as tl
 from ... import nvfp4
 from .kernels import (_INTERPRET, _block_r, _check_pdl, _e4m3_bits, _gemm_k, _lora_dot, _nvfp4_dequant, _nvfp4_tile,
                       _pdl_opts, _round_to, _split_total, cdiv, gdc_launch_dependents, gdc_wait, next_pow2)
+from .tuning import fit_split
 
 
 @triton.jit
@@ -107,7 +108,7 @@ def _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, lk, K, S, strid
 @triton.jit
 def _ada_stats_kernel(x_ptr, shift_ptr, scale_ptr, inv_ptr, mean_ptr, rstd_ptr, sa_ptr, M, K, S, stride_xm, stride_mod,
                       eps, ROWS: tl.constexpr, CHUNK: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr):
-    # The split form's first launch: ROWS rows a program (many programs, so the read of x runs at HBM speed), each
+    # Both forms' first launch: ROWS rows a program (many programs, so the read of x runs at HBM speed), each
     # row's mean and 1 / sqrt(var + eps); FAST: also the row scale sa of the normalized, modulated, smoothed row, as
     # nvfp4.fast_act sets it, from a second walk along the rows in chunks of CHUNK columns (from L1 / L2)
     rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -150,7 +151,7 @@ def _ada_apply_kernel(
     M, K, R, S, stride_xm, stride_mod, K_SPLIT, SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
     IS_SPLIT: tl.constexpr, FAST: tl.constexpr, GEMM_ORDER: tl.constexpr, HW_CVT: tl.constexpr,
-    DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr = 1,
+    DOT_F32: tl.constexpr,
 ):
     # The split form's second launch: program (i, s) takes rows [i BLOCK_M, (i + 1) BLOCK_M) and the columns [s K_SPLIT,
     # (s + 1) K_SPLIT) in BLOCK_K steps, normalizes and modulates each tile with its rows' statistics, and writes the
@@ -167,7 +168,7 @@ def _ada_apply_kernel(
     r_ok = rr < R
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     kb = pid_s * K_SPLIT
-    for k0 in tl.range(kb, tl.minimum(kb + K_SPLIT, K), BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in range(kb, tl.minimum(kb + K_SPLIT, K), BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         v, lk = _ada_pass_tile(x_ptr, shift_ptr, scale_ptr, inv_ptr, out_ptr, mean, rstd, r, rm, m_ok, rk, k_ok, K, S,
@@ -297,7 +298,7 @@ def _fast_store(v, inv_ptr, lk, k_ok, r, ptrs, mask, HW_CVT: tl.constexpr):
 
 
 def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast, gemm_order, split, block_m, block_k,
-                  num_warps, num_stages=1, stats_rows=4):
+                  num_warps, stats_rows=4):
     """The split form: ``_ada_stats_kernel`` then ``_ada_apply_kernel`` over ``split`` ranges of K."""
     m, k = x.shape
     r = 0 if pds is None else pds.shape[1]
@@ -321,14 +322,13 @@ def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast
         x, shift, scale, inv_smooth, mean, rstd, sa, out, mean if pds is None else pds, mean if lora is None else lora,
         part, cnt, m, k, r, tokens, x.stride(0), shift.stride(0), k_split, split,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r), HAS_LORA=r > 0, IS_SPLIT=split > 1, FAST=fast,
-        GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, DOT_F32=_INTERPRET, NUM_STAGES=num_stages,
-        num_warps=num_warps)
+        GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, DOT_F32=_INTERPRET, num_warps=num_warps)
     return sa
 
 
-# The pair form's launches: lora_act in 64-row blocks (wgmma) over about four K ranges, 128-column steps up to R = 64
-# (64 above), kernels.lora_act's default plan (tuning.LORA_ACT_CONFIG); the pass in kernels.quantize_act's 8 x 256
-# tiles on 4 warps.
+# The pair form's launches: lora_act in 64-row blocks (wgmma) over four K ranges (fewer where a range would hold fewer
+# than two steps), 128-column steps up to R = 64 (64 above), kernels.lora_act's default plan (tuning.LORA_ACT_CONFIG,
+# tuning.lora_act_plan); the pass in kernels.quantize_act's 8 x 256 tiles on 4 warps.
 PAIR_LORA = (64, 4, 4, 3)  # block_m, split, warps, stages
 PAIR_PASS = (8, 256, 4)  # block_m, block_k, warps
 
@@ -336,7 +336,9 @@ PAIR_PASS = (8, 256, 4)  # block_m, block_k, warps
 def _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast, gemm_order, pdl):
     """The pair form: ``_ada_stats_kernel``, then ``_ada_lora_kernel`` and ``_ada_pass_kernel``, the last two a PDL
     pair with ``pdl`` (the pass beside ``lora_act``, as the written input's path runs them), else one after the
-    other."""
+    other. ``mean``, ``rstd`` and the partials are freed on return while the grids may still run, as the written
+    path's pair frees its partials: the caching allocator hands their memory only to work queued after them on this
+    stream, and a PDL dependent of the pass (the GEMM) waits for it before its first access."""
     m, k = x.shape
     r = 0 if pds is None else pds.shape[1]
     mean = torch.empty(m, device=x.device, dtype=torch.float32)
@@ -349,6 +351,7 @@ def _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast,
     if r:
         bm, s, warps, stages = PAIR_LORA
         block_k = 128 if _block_r(r) <= 64 else 64
+        s = fit_split(s, k, block_k)
         k_split = cdiv(cdiv(k, s), block_k) * block_k
         nsplit = cdiv(k, k_split)
         part = torch.empty(nsplit, m, r, device=x.device, dtype=torch.float32)
@@ -371,15 +374,15 @@ FORMS = ("split", "pair")
 
 def _check_form(form: str, pdl: bool, device: torch.device, m: int, k: int, block_m: int, block_k: int,
                 split: int | None) -> int:
-    """``_check_blocks`` after checking ``form`` (one of ``FORMS``) and ``pdl`` (the pair form on a device that
-    launches PDL pairs)."""
+    """The split form's ``_check_blocks`` (0 for the pair form, whose tiles are its own) after checking ``form``
+    (one of ``FORMS``) and ``pdl`` (the pair form on a device that launches PDL pairs)."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     if pdl:
         if form != "pair":
             raise ValueError("pdl=True launches the pair form's lora_act and pass as a PDL pair: pass form='pair'")
         _check_pdl(device, "the norm pass's pair form")
-    return _check_blocks(m, k, device, block_m, block_k, split)
+    return 0 if form == "pair" else _check_blocks(m, k, device, block_m, block_k, split)
 
 
 def _check_blocks(m: int, k: int, device: torch.device, block_m: int, block_k: int, split: int | None) -> int:
@@ -427,7 +430,7 @@ def _check(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, tokens: in
 def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, inv_smooth: torch.Tensor,
                    pds: torch.Tensor | None = None, *, tokens: int | None = None, out_dtype: torch.dtype | None = None,
                    block_m: int = 32, block_k: int = 64, num_warps: int = 4, split: int | None = None,
-                   num_stages: int = 1, form: str = "split", pdl: bool = False):
+                   form: str = "split", pdl: bool = False):
     """``(xq, lora)`` of the exact mode for the input ``nvfp4.ada_norm(x, shift, scale, eps)`` read from ``x [M, K]``
     (bf16 / fp16, unit stride along K): ``xq`` the dequantized NVFP4 values of ``input / smooth``
     (``inv_smooth = 1 / smooth``, fp32), ``lora = input.to(bf16) @ pds`` in bf16 (None without ``pds``). ``shift``
@@ -437,8 +440,7 @@ def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
     ``block_k``-column steps (64 by default: at R = 128 the apply kernel holds 60 KB of shared memory and 142-152
     registers a program against 120 KB and 198-250 at 128 columns, svdq-precompile's counts), their
     ``lora_act`` partial sums added in split order by the last of a row block (the same bits for any ``split`` but
-    lora_act's fp32 summation order; None: ``auto_split``); ``num_stages`` > 1 pipelines the loop's loads (the same
-    bits).
+    lora_act's fp32 summation order; None: ``auto_split``).
 
     ``form="pair"``: the statistics, then ``lora_act`` alone (``PAIR_LORA``) and the pass alone in small tiles
     that fill the GPU (``PAIR_PASS``), with ``pdl`` as a PDL pair that reads x at once (CUDA, capability 9.0 or
@@ -455,14 +457,14 @@ def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
         _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, xq, lora, False, False, pdl)
     elif m:
         _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, xq, lora, False, False, split, block_m, block_k,
-                      num_warps, num_stages)
+                      num_warps)
     return xq, lora
 
 
 def ada_norm_fast(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, inv_smooth: torch.Tensor,
                   pds: torch.Tensor | None = None, *, tokens: int | None = None, gemm_order: bool = True,
                   block_m: int = 32, block_k: int = 64, num_warps: int = 4, split: int | None = None,
-                  num_stages: int = 1, form: str = "split", pdl: bool = False):
+                  form: str = "split", pdl: bool = False):
     """``(a8, sa, la)`` of the fast mode for the input ``nvfp4.ada_norm(x, shift, scale, eps)`` read from
     ``x [M, K]``: ``nvfp4.fast_act`` of ``input / smooth`` (``a8`` in the fast GEMM's k order with
     ``gemm_order``, K % 128 == 0) and ``la = (input.to(bf16) @ pds) / sa`` in bf16 (None without ``pds``).
@@ -481,6 +483,6 @@ def ada_norm_fast(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps
         sa = _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, a8, la, True, gemm_order, pdl)
     elif m:
         sa = _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, a8, la, True, gemm_order, split, block_m,
-                           block_k, num_warps, num_stages)
+                           block_k, num_warps)
     return a8, sa, la
 

@@ -226,41 +226,33 @@ CAT_GELU_MIN_M = 2048
 # twenty-seventh session).
 ADA_NORM_MIN_M = 2048
 ENV_ADA_NORM = "SVDQ_SM90_ADA_NORM"
-# the norm pass's apply tile, rows x warps x pipeline stages: 32 x 4 x 1 (mma.sync for lora_act; 142-152 registers
-# and 60 KB at R = 128) by default; SVDQ_SM90_ADA_NORM_TILE=64x4 / 64x8 takes wgmma and half the proj_down reloads,
-# which measured only 4-8 us faster at R = 96-128 and slower at R = 32 (docs/perf.md, twenty-ninth session, z-2),
-# all with a loop of one stage. "ROWSxWARPSxSTAGES" pipelines the loop's loads as the exact one read's best config
-# does (EXACT_LORA_CONFIG: 64 x 64 x 4 warps x 3 stages; not yet timed here). The same bits at any tile.
+# the norm pass's apply tile, rows x warps: 32 x 4 (mma.sync for lora_act; 142-152 registers and 60 KB at R = 128)
+# by default; SVDQ_SM90_ADA_NORM_TILE=64x4 / 64x8 takes wgmma and half the proj_down reloads, which measured only
+# 4-8 us faster at R = 96-128 and slower at R = 32 (docs/perf.md, twenty-ninth session, z-2). Each loop pipelines
+# its loads at Triton's default three stages. The same bits at any tile.
 ENV_ADA_NORM_TILE = "SVDQ_SM90_ADA_NORM_TILE"
-ADA_NORM_TILES = ((16, 4, 1), (32, 4, 1), (32, 8, 1), (64, 4, 1), (64, 8, 1), (32, 4, 3), (64, 4, 2), (64, 4, 3))
+ADA_NORM_TILES = ((16, 4), (32, 4), (32, 8), (64, 4), (64, 8))
 
 
-def ada_norm_tile() -> tuple[int, int, int]:
-    """``(block_m, num_warps, num_stages)`` of ``norm_pass``'s apply launch: ``SVDQ_SM90_ADA_NORM_TILE``
-    ("ROWSxWARPS" for one stage, or "ROWSxWARPSxSTAGES"; one of ``ADA_NORM_TILES``), else 32 x 4 x 1. A value
-    outside the list is an error, not a silent default. Read per call; the parse of each value is kept."""
+def ada_norm_tile() -> tuple[int, int]:
+    """``(block_m, num_warps)`` of ``norm_pass``'s apply launch: ``SVDQ_SM90_ADA_NORM_TILE`` ("ROWSxWARPS", one
+    of ``ADA_NORM_TILES``), else 32 x 4. A value outside the list is an error, not a silent default. Read per
+    call; the parse of each value is kept."""
     return parse_ada_norm_tile(getenv(ENV_ADA_NORM_TILE) or "")
 
 
-def ada_norm_tile_name(tile: tuple[int, int, int]) -> str:
-    """The ``SVDQ_SM90_ADA_NORM_TILE`` value of a tile (its stages left out at one)."""
-    return "x".join(str(v) for v in (tile if tile[2] != 1 else tile[:2]))
-
-
 @functools.lru_cache(maxsize=16)
-def parse_ada_norm_tile(v: str) -> tuple[int, int, int]:
+def parse_ada_norm_tile(v: str) -> tuple[int, int]:
     """A ``SVDQ_SM90_ADA_NORM_TILE`` value's tile (``ada_norm_tile``'s rules; "" the default)."""
     if not v:
-        return 32, 4, 1
+        return 32, 4
     try:
         tile = tuple(int(p) for p in v.lower().split("x"))
     except ValueError:
         tile = ()
-    if len(tile) == 2:
-        tile += (1,)
     if tile not in ADA_NORM_TILES:
         raise ValueError(f"{ENV_ADA_NORM_TILE}={v!r}: expected one of "
-                         + ", ".join(ada_norm_tile_name(t) for t in ADA_NORM_TILES))
+                         + ", ".join(f"{b}x{w}" for b, w in ADA_NORM_TILES))
     return tile
 
 
@@ -275,9 +267,10 @@ ADA_NORM_FORMS = ("split", "pair")
 def ada_norm_form() -> str:
     """``SVDQ_SM90_ADA_NORM_FORM`` (one of ``ADA_NORM_FORMS``), else "split"; a value outside the list is an
     error, not a silent default."""
-    v = (getenv(ENV_ADA_NORM_FORM) or "split").strip().lower()
+    raw = getenv(ENV_ADA_NORM_FORM) or "split"
+    v = raw.strip().lower()
     if v not in ADA_NORM_FORMS:
-        raise ValueError(f"{ENV_ADA_NORM_FORM}={v!r}: expected one of {', '.join(ADA_NORM_FORMS)}")
+        raise ValueError(f"{ENV_ADA_NORM_FORM}={raw!r}: expected one of {', '.join(ADA_NORM_FORMS)}")
     return v
 
 
@@ -303,7 +296,7 @@ def lora_split(m: int, k: int, block_m: int, block_k: int = 128, sms: int = SM_C
     return s
 
 
-def _fit_split(s: int, k: int, block_k: int) -> int:
+def fit_split(s: int, k: int, block_k: int) -> int:
     """``s`` halved until each split keeps at least two ``block_k`` steps (1 at the least)."""
     while s > 1 and k // s < 2 * block_k:
         s //= 2
@@ -328,7 +321,7 @@ def lora_act_plan(m: int, k: int, r: int, env: str | None = None) -> LoraActPlan
     if m < LORA_ACT_MIN_M or r == 0:
         return None
     bm, s, w, st = LORA_ACT_CONFIG
-    return LoraActPlan(bm, _fit_split(s, k, block_k), w, st)
+    return LoraActPlan(bm, fit_split(s, k, block_k), w, st)
 
 
 # The exact mode's activation pass and its lora_act above SMALL_M tokens: the pass, then cuBLAS (two reads of
