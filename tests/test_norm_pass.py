@@ -213,6 +213,27 @@ def test_partial_k_ranges_read_no_row_of_proj_down_past_k(form):
         torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("form", ["split", "pair"])
+def test_rows_of_one_batch_element_read_one_modulation_row(form):
+    """Where every program's rows lie in one batch element (the tokens a multiple of its rows) the kernels read one
+    row of ``shift`` / ``scale`` for the whole tile (``UNIFORM``); elsewhere a row each. 128 rows as two batch
+    elements of 64 tokens (every launch uniform) and as 64 elements of 2 tokens whose modulation rows repeat the two
+    (none uniform: 2 tokens against the statistics' 4 rows, the pass's 8, the split form's 32 and ``lora_act``'s
+    64) are the same input, so every output is the same bits."""
+    k, r = 256, 32
+    x, shift, scale, smooth, pds = _case(64, 2, k, r, torch.bfloat16, device=DEV, seed=8, mean=2.0)
+    x2, inv = x.reshape(-1, k), 1.0 / smooth
+    outs = []
+    for tokens in (64, 2):
+        kw = dict(tokens=tokens, form=form)
+        sh, sc = (t.repeat_interleave(64 // tokens, 0) for t in (shift, scale))
+        outs.append(norm_pass.ada_norm_exact(x2, sh, sc, 1e-6, inv, pds, **kw)
+                    + norm_pass.ada_norm_fast(x2, sh, sc, 1e-6, inv, pds, **kw))
+    for a, b in zip(*outs):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
 class _Launches:
     """Stands in for a Triton kernel: ``kernel[grid](...)`` records the launch's keyword arguments."""
 

@@ -84,30 +84,40 @@ def _round_kept(v, like_ptr, RNE_BITS: tl.constexpr):
 
 
 @triton.jit
-def _ada_apply(x, mean, rstd, rm, lk, mask, shift_ptr, scale_ptr, S, stride_mod, like_ptr, RNE_BITS: tl.constexpr):
+def _ada_apply(x, mean, rstd, rm, lk, mask, shift_ptr, scale_ptr, S, stride_mod, like_ptr, RNE_BITS: tl.constexpr,
+               UNIFORM: tl.constexpr = False, k_ok=None):
     # layer_norm(x) * (1 + scale) + shift of fp32 x [rows, cols] at columns lk, each step rounded to like_ptr's
-    # dtype as the eager diffusers code's tensors hold it; rows rm of batch element rm // S
+    # dtype as the eager diffusers code's tensors hold it; rows rm of batch element rm // S. UNIFORM: every row of
+    # rm lies in the first one's batch element (the launch's tokens a multiple of its rows), so scale and shift are
+    # one [cols] row each (columns k_ok), 1 + scale rounded once a column; else gathered a value at a time.
     v = _round_to((x - mean[:, None]) * rstd[:, None], like_ptr, RNE_BITS)
-    off = (rm // S)[:, None] * stride_mod + lk[None, :]
-    sc = tl.load(scale_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    sh = tl.load(shift_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    if UNIFORM:
+        off = (tl.min(rm, axis=0) // S) * stride_mod + lk
+        sc = tl.load(scale_ptr + off, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        sh = tl.load(shift_ptr + off, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    else:
+        off = (rm // S)[:, None] * stride_mod + lk[None, :]
+        sc = tl.load(scale_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        sh = tl.load(shift_ptr + off, mask=mask, other=0.0).to(tl.float32)
     v = _round_kept(v * _round_to(sc + 1.0, like_ptr, RNE_BITS), like_ptr, RNE_BITS)
     return _round_to(v + sh, like_ptr, RNE_BITS)
 
 
 @triton.jit
 def _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, lk, K, S, stride_xm, stride_mod,
-              RNE_BITS: tl.constexpr):
+              RNE_BITS: tl.constexpr, UNIFORM: tl.constexpr = False):
     # columns lk of rows rm, normalized and modulated (_ada_apply); 0 outside the tensor
-    mask = m_ok[:, None] & (lk < K)[None, :]
+    k_ok = lk < K
+    mask = m_ok[:, None] & k_ok[None, :]
     x = tl.load(x_ptr + rm[:, None] * stride_xm + lk[None, :], mask=mask, other=0.0).to(tl.float32)
     return tl.where(mask, _ada_apply(x, mean, rstd, rm, lk, mask, shift_ptr, scale_ptr, S, stride_mod, x_ptr,
-                                     RNE_BITS), 0.0), mask
+                                     RNE_BITS, UNIFORM, k_ok), 0.0), mask
 
 
 @triton.jit
 def _ada_stats_kernel(x_ptr, shift_ptr, scale_ptr, inv_ptr, mean_ptr, rstd_ptr, sa_ptr, M, K, S, stride_xm, stride_mod,
-                      eps, ROWS: tl.constexpr, CHUNK: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr):
+                      eps, ROWS: tl.constexpr, CHUNK: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr,
+                      UNIFORM: tl.constexpr = False):
     # Both forms' first launch: ROWS rows a program (many programs, so the read of x runs at HBM speed), each
     # row's mean and 1 / sqrt(var + eps); FAST: also the row scale sa of the normalized, modulated, smoothed row, as
     # nvfp4.fast_act sets it, from a second walk along the rows in chunks of CHUNK columns (from L1 / L2)
@@ -122,7 +132,7 @@ def _ada_stats_kernel(x_ptr, shift_ptr, scale_ptr, inv_ptr, mean_ptr, rstd_ptr, 
         for k0 in range(0, K, CHUNK):
             rk = k0 + tl.arange(0, CHUNK)
             v, _ = _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, rk, K, S, stride_xm, stride_mod,
-                             DOT_F32)
+                             DOT_F32, UNIFORM)
             inv = tl.load(inv_ptr + rk, mask=rk < K, other=1.0)
             mx = tl.maximum(mx, tl.max((v * inv[None, :]).to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
         ok = (mx > 0) & (mx <= 0x7F800000)
@@ -151,7 +161,7 @@ def _ada_apply_kernel(
     M, K, R, S, stride_xm, stride_mod, K_SPLIT, SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
     IS_SPLIT: tl.constexpr, FAST: tl.constexpr, GEMM_ORDER: tl.constexpr, HW_CVT: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, UNIFORM: tl.constexpr = False,
 ):
     # The split form's second launch: program (i, s) takes rows [i BLOCK_M, (i + 1) BLOCK_M) and the columns [s K_SPLIT,
     # (s + 1) K_SPLIT) in BLOCK_K steps, normalizes and modulates each tile with its rows' statistics, and writes the
@@ -172,7 +182,7 @@ def _ada_apply_kernel(
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         v, lk = _ada_pass_tile(x_ptr, shift_ptr, scale_ptr, inv_ptr, out_ptr, mean, rstd, r, rm, m_ok, rk, k_ok, K, S,
-                               stride_xm, stride_mod, BLOCK_M, BLOCK_K, FAST, GEMM_ORDER, HW_CVT, DOT_F32)
+                               stride_xm, stride_mod, BLOCK_M, BLOCK_K, FAST, GEMM_ORDER, HW_CVT, DOT_F32, UNIFORM)
         if HAS_LORA:
             w = tl.load(pd_ptr + lk[:, None] * R + rr[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
             acc = _lora_dot(v, w, acc, DOT_F32)
@@ -202,7 +212,7 @@ def _store_lora(acc, sa, lora_ptr, rm, rr, out_mask, R, BLOCK_M: tl.constexpr, B
 @triton.jit
 def _ada_lora_kernel(x_ptr, shift_ptr, scale_ptr, mean_ptr, rstd_ptr, pd_ptr, part_ptr, M, K, R, S, stride_xm,
                      stride_mod, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                     NUM_STAGES: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr):
+                     NUM_STAGES: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr, UNIFORM: tl.constexpr):
     # The pair form's second launch: lora_act's fp32 partial sums [SPLIT, M, R] of the normalized, modulated rows,
     # program (i, s) over rows [i BLOCK_M, (i + 1) BLOCK_M) and the columns [s K_SPLIT, (s + 1) K_SPLIT) (whole
     # BLOCK_K steps; an empty range writes zeros), as kernels._lora_act_kernel on the written input. PDL: launched as
@@ -221,7 +231,8 @@ def _ada_lora_kernel(x_ptr, shift_ptr, scale_ptr, mean_ptr, rstd_ptr, pd_ptr, pa
     for k0 in tl.range(kb, tl.minimum(kb + K_SPLIT, K), BLOCK_K, num_stages=NUM_STAGES):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
-        v, _ = _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, rk, K, S, stride_xm, stride_mod, DOT_F32)
+        v, _ = _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, rk, K, S, stride_xm, stride_mod, DOT_F32,
+                         UNIFORM)
         w = tl.load(pd_ptr + rk[:, None] * R + rr[None, :], mask=k_ok[:, None] & (rr < R)[None, :], other=0.0)
         acc = _lora_dot(v, w, acc, DOT_F32)
     tl.store(part_ptr + tl.program_id(1).to(tl.int64) * M * R + rm[:, None] * R + rr[None, :], acc,
@@ -234,6 +245,7 @@ def _ada_pass_kernel(
     M, K, R, S, stride_xm, stride_mod, NSPLIT,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
     FAST: tl.constexpr, GEMM_ORDER: tl.constexpr, HW_CVT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
+    UNIFORM: tl.constexpr,
 ):
     # The pair form's third launch: one [BLOCK_M, BLOCK_K] tile a program (every byte of x read once, the grid
     # filling the GPU, as kernels._quantize_act_kernel), normalized and modulated with its rows' statistics, then
@@ -250,7 +262,7 @@ def _ada_pass_kernel(
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = rk < K  # K % 16 == 0 (K % 128 in the GEMM's order): whole blocks are in or out
     _ada_pass_tile(x_ptr, shift_ptr, scale_ptr, inv_ptr, out_ptr, mean, rstd, r, rm, m_ok, rk, k_ok, K, S, stride_xm,
-                   stride_mod, BLOCK_M, BLOCK_K, FAST, GEMM_ORDER, HW_CVT, DOT_F32)
+                   stride_mod, BLOCK_M, BLOCK_K, FAST, GEMM_ORDER, HW_CVT, DOT_F32, UNIFORM)
     if HAS_LORA:
         if tl.program_id(1) == tl.num_programs(1) - 1:
             if PDL:
@@ -268,12 +280,13 @@ def _ada_pass_kernel(
 @triton.jit
 def _ada_pass_tile(x_ptr, shift_ptr, scale_ptr, inv_ptr, out_ptr, mean, rstd, r, rm, m_ok, rk, k_ok, K, S, stride_xm,
                    stride_mod, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr,
-                   GEMM_ORDER: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr):
+                   GEMM_ORDER: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr, UNIFORM: tl.constexpr):
     # positions rk of rows rm: the columns they hold (lk: the fast GEMM's k order with GEMM_ORDER) normalized and
     # modulated (_ada_tile), then written as the mode's pass writes them: xq (exact) or the E4M3 codes over the
     # rows' sa (FAST: r = 1 / sa). Returns (the normalized, modulated values, lk).
     lk = _gemm_k(rk, GEMM_ORDER)
-    v, mask = _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, lk, K, S, stride_xm, stride_mod, DOT_F32)
+    v, mask = _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, lk, K, S, stride_xm, stride_mod, DOT_F32,
+                        UNIFORM)
     if FAST:
         _fast_store(v, inv_ptr, lk, k_ok, r, out_ptr + rm[:, None] * K + rk[None, :], mask, HW_CVT)
     else:
@@ -307,7 +320,8 @@ def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast
     sa = torch.empty_like(mean) if fast else mean
     _ada_stats_kernel[(cdiv(m, stats_rows),)](x, shift, scale, inv_smooth, mean, rstd, sa, m, k, tokens, x.stride(0),
                                               shift.stride(0), float(eps), ROWS=stats_rows,
-                                              CHUNK=min(1024, next_pow2(k)), FAST=fast, DOT_F32=_INTERPRET)
+                                              CHUNK=min(1024, next_pow2(k)), FAST=fast, DOT_F32=_INTERPRET,
+                                              UNIFORM=tokens % stats_rows == 0)
     block_k = min(block_k, next_pow2(k))
     k_split = cdiv(cdiv(k, split), block_k) * block_k
     split = cdiv(k, k_split)
@@ -322,7 +336,8 @@ def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast
         x, shift, scale, inv_smooth, mean, rstd, sa, out, mean if pds is None else pds, mean if lora is None else lora,
         part, cnt, m, k, r, tokens, x.stride(0), shift.stride(0), k_split, split,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r), HAS_LORA=r > 0, IS_SPLIT=split > 1, FAST=fast,
-        GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, DOT_F32=_INTERPRET, num_warps=num_warps)
+        GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, DOT_F32=_INTERPRET, UNIFORM=tokens % block_m == 0,
+        num_warps=num_warps)
     return sa
 
 
@@ -346,7 +361,7 @@ def _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast,
     sa = torch.empty_like(mean) if fast else mean
     _ada_stats_kernel[(cdiv(m, 4),)](x, shift, scale, inv_smooth, mean, rstd, sa, m, k, tokens, x.stride(0),
                                      shift.stride(0), float(eps), ROWS=4, CHUNK=min(1024, next_pow2(k)), FAST=fast,
-                                     DOT_F32=_INTERPRET)
+                                     DOT_F32=_INTERPRET, UNIFORM=tokens % 4 == 0)
     part, nsplit, pdl = mean, 1, pdl and r > 0
     if r:
         bm, s, warps, stages = PAIR_LORA
@@ -358,13 +373,14 @@ def _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast,
         _ada_lora_kernel[(cdiv(m, bm), nsplit)](
             x, shift, scale, mean, rstd, pds, part, m, k, r, tokens, x.stride(0), shift.stride(0), k_split,
             BLOCK_M=bm, BLOCK_K=block_k, BLOCK_R=_block_r(r), NUM_STAGES=stages, PDL=pdl, DOT_F32=_INTERPRET,
-            num_warps=warps, **_pdl_opts(pdl))
+            UNIFORM=tokens % bm == 0, num_warps=warps, **_pdl_opts(pdl))
     bm, block_k, warps = PAIR_PASS
     block_k = min(block_k, next_pow2(k))
     _ada_pass_kernel[(cdiv(m, bm), cdiv(k, block_k))](
         x, shift, scale, inv_smooth, mean, rstd, sa, out, part, mean if lora is None else lora, m, k, r, tokens,
         x.stride(0), shift.stride(0), nsplit, BLOCK_M=bm, BLOCK_K=block_k, BLOCK_R=_block_r(r), HAS_LORA=r > 0,
-        FAST=fast, GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, PDL=pdl, DOT_F32=_INTERPRET, num_warps=warps,
+        FAST=fast, GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, PDL=pdl, DOT_F32=_INTERPRET,
+        UNIFORM=tokens % bm == 0, num_warps=warps,
         **_pdl_opts(pdl))
     return sa
 
