@@ -161,7 +161,7 @@ def _ada_apply_kernel(
     M, K, R, S, stride_xm, stride_mod, K_SPLIT, SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
     IS_SPLIT: tl.constexpr, FAST: tl.constexpr, GEMM_ORDER: tl.constexpr, HW_CVT: tl.constexpr,
-    DOT_F32: tl.constexpr, UNIFORM: tl.constexpr = False,
+    DOT_F32: tl.constexpr,
 ):
     # The split form's second launch: program (i, s) takes rows [i BLOCK_M, (i + 1) BLOCK_M) and the columns [s K_SPLIT,
     # (s + 1) K_SPLIT) in BLOCK_K steps, normalizes and modulates each tile with its rows' statistics, and writes the
@@ -182,7 +182,7 @@ def _ada_apply_kernel(
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         v, lk = _ada_pass_tile(x_ptr, shift_ptr, scale_ptr, inv_ptr, out_ptr, mean, rstd, r, rm, m_ok, rk, k_ok, K, S,
-                               stride_xm, stride_mod, BLOCK_M, BLOCK_K, FAST, GEMM_ORDER, HW_CVT, DOT_F32, UNIFORM)
+                               stride_xm, stride_mod, BLOCK_M, BLOCK_K, FAST, GEMM_ORDER, HW_CVT, DOT_F32)
         if HAS_LORA:
             w = tl.load(pd_ptr + lk[:, None] * R + rr[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
             acc = _lora_dot(v, w, acc, DOT_F32)
@@ -245,7 +245,6 @@ def _ada_pass_kernel(
     M, K, R, S, stride_xm, stride_mod, NSPLIT,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, HAS_LORA: tl.constexpr,
     FAST: tl.constexpr, GEMM_ORDER: tl.constexpr, HW_CVT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
-    UNIFORM: tl.constexpr,
 ):
     # The pair form's third launch: one [BLOCK_M, BLOCK_K] tile a program (every byte of x read once, the grid
     # filling the GPU, as kernels._quantize_act_kernel), normalized and modulated with its rows' statistics, then
@@ -262,7 +261,7 @@ def _ada_pass_kernel(
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = rk < K  # K % 16 == 0 (K % 128 in the GEMM's order): whole blocks are in or out
     _ada_pass_tile(x_ptr, shift_ptr, scale_ptr, inv_ptr, out_ptr, mean, rstd, r, rm, m_ok, rk, k_ok, K, S, stride_xm,
-                   stride_mod, BLOCK_M, BLOCK_K, FAST, GEMM_ORDER, HW_CVT, DOT_F32, UNIFORM)
+                   stride_mod, BLOCK_M, BLOCK_K, FAST, GEMM_ORDER, HW_CVT, DOT_F32)
     if HAS_LORA:
         if tl.program_id(1) == tl.num_programs(1) - 1:
             if PDL:
@@ -280,13 +279,14 @@ def _ada_pass_kernel(
 @triton.jit
 def _ada_pass_tile(x_ptr, shift_ptr, scale_ptr, inv_ptr, out_ptr, mean, rstd, r, rm, m_ok, rk, k_ok, K, S, stride_xm,
                    stride_mod, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr,
-                   GEMM_ORDER: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr, UNIFORM: tl.constexpr):
+                   GEMM_ORDER: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr):
     # positions rk of rows rm: the columns they hold (lk: the fast GEMM's k order with GEMM_ORDER) normalized and
     # modulated (_ada_tile), then written as the mode's pass writes them: xq (exact) or the E4M3 codes over the
     # rows' sa (FAST: r = 1 / sa). Returns (the normalized, modulated values, lk).
     lk = _gemm_k(rk, GEMM_ORDER)
-    v, mask = _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, lk, K, S, stride_xm, stride_mod, DOT_F32,
-                        UNIFORM)
+    # (the gathered modulation: one row of it for a uniform tile compiled to more instructions here, a layout
+    # conversion through shared memory among them, where the statistics' walk and lora_act's loop take fewer)
+    v, mask = _ada_tile(x_ptr, shift_ptr, scale_ptr, mean, rstd, rm, m_ok, lk, K, S, stride_xm, stride_mod, DOT_F32)
     if FAST:
         _fast_store(v, inv_ptr, lk, k_ok, r, out_ptr + rm[:, None] * K + rk[None, :], mask, HW_CVT)
     else:
@@ -336,8 +336,7 @@ def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast
         x, shift, scale, inv_smooth, mean, rstd, sa, out, mean if pds is None else pds, mean if lora is None else lora,
         part, cnt, m, k, r, tokens, x.stride(0), shift.stride(0), k_split, split,
         BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r), HAS_LORA=r > 0, IS_SPLIT=split > 1, FAST=fast,
-        GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, DOT_F32=_INTERPRET, UNIFORM=tokens % block_m == 0,
-        num_warps=num_warps)
+        GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, DOT_F32=_INTERPRET, num_warps=num_warps)
     return sa
 
 
@@ -379,8 +378,7 @@ def _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast,
     _ada_pass_kernel[(cdiv(m, bm), cdiv(k, block_k))](
         x, shift, scale, inv_smooth, mean, rstd, sa, out, part, mean if lora is None else lora, m, k, r, tokens,
         x.stride(0), shift.stride(0), nsplit, BLOCK_M=bm, BLOCK_K=block_k, BLOCK_R=_block_r(r), HAS_LORA=r > 0,
-        FAST=fast, GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, PDL=pdl, DOT_F32=_INTERPRET,
-        UNIFORM=tokens % bm == 0, num_warps=warps,
+        FAST=fast, GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, PDL=pdl, DOT_F32=_INTERPRET, num_warps=warps,
         **_pdl_opts(pdl))
     return sa
 
