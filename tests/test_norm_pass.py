@@ -215,11 +215,11 @@ def test_partial_k_ranges_read_no_row_of_proj_down_past_k(form):
 
 @pytest.mark.parametrize("form", ["split", "pair"])
 def test_rows_of_one_batch_element_read_one_modulation_row(form):
-    """Where every program's rows lie in one batch element (the tokens a multiple of its rows) the kernels read one
-    row of ``shift`` / ``scale`` for the whole tile (``UNIFORM``); elsewhere a row each. 128 rows as two batch
-    elements of 64 tokens (every launch uniform) and as 64 elements of 2 tokens whose modulation rows repeat the two
-    (none uniform: 2 tokens against the statistics' 4 rows, the pass's 8, the split form's 32 and ``lora_act``'s
-    64) are the same input, so every output is the same bits."""
+    """Where every program's rows lie in one batch element (the tokens a multiple of its rows) the statistics' walk
+    (fast mode) and the pair form's ``lora_act`` read one row of ``shift`` / ``scale`` for the whole tile
+    (``UNIFORM``); elsewhere, and in the pass tiles, a row each. 128 rows as two batch elements of 64 tokens (the
+    statistics' 4 rows and ``lora_act``'s 64 uniform) and as 64 elements of 2 tokens whose modulation rows repeat
+    the two (neither uniform) are the same input, so every output is the same bits."""
     k, r = 256, 32
     x, shift, scale, smooth, pds = _case(64, 2, k, r, torch.bfloat16, device=DEV, seed=8, mean=2.0)
     x2, inv = x.reshape(-1, k), 1.0 / smooth
