@@ -679,11 +679,8 @@ class Sm90Backend(Backend):
                                                  proj_up, wcscale, bias, extra, fast)
             quack_fast = _quack_fast_module()
             fw = quack_fast.weight(ex[-4:])
-            block_m, warps = tuning.ada_norm_tile()
-            form = tuning.ada_norm_form()
             a8, sa, la = norm_pass.ada_norm_fast(x, shift, scale, eps, inv, ex[0] if r else None, tokens=tokens,
-                                                 block_m=block_m, num_warps=warps, form=form,
-                                                 pdl=form == "pair" and _pdl(x, self.kernels))
+                                                 **self._ada_norm_launch(x))
             out = quack_fast.gemm(a8, sa, fw, out_dtype=torch.float16 if x.dtype == torch.float16 else torch.bfloat16,
                                   lr_acc=(ex[1], la, ex[2]) if r else None)
             return out if out.dtype == x.dtype else out.to(x.dtype)
@@ -691,12 +688,16 @@ class Sm90Backend(Backend):
         if inv is None or len(ex) != (7 if r else 4):
             return super().run_w4a4_ada_norm(x, shift, scale, eps, tokens, qweight, wscales, smooth, proj_down,
                                              proj_up, wcscale, bias, extra, fast)
+        xq, lora = norm_pass.ada_norm_exact(x, shift, scale, eps, inv, ex[0] if r else None, tokens=tokens,
+                                            out_dtype=torch.bfloat16, **self._ada_norm_launch(x))
+        return self._exact_gemm(xq, lora, True, x.dtype, qweight, wscales, proj_up, wcscale, bias, ex)
+
+    def _ada_norm_launch(self, x: torch.Tensor) -> dict:
+        """The norm pass's launch settings, read per call: ``SVDQ_SM90_ADA_NORM_TILE``'s tile,
+        ``SVDQ_SM90_ADA_NORM_FORM``'s form, and PDL for the pair form where the call takes PDL pairs (``_pdl``)."""
         block_m, warps = tuning.ada_norm_tile()
         form = tuning.ada_norm_form()
-        xq, lora = norm_pass.ada_norm_exact(x, shift, scale, eps, inv, ex[0] if r else None, tokens=tokens,
-                                            out_dtype=torch.bfloat16, block_m=block_m, num_warps=warps, form=form,
-                                            pdl=form == "pair" and _pdl(x, self.kernels))
-        return self._exact_gemm(xq, lora, True, x.dtype, qweight, wscales, proj_up, wcscale, bias, ex)
+        return dict(block_m=block_m, num_warps=warps, form=form, pdl=form == "pair" and _pdl(x, self.kernels))
 
     def _reads_cat_gelu(self, module, xa, xb, prepared) -> bool:
         """Whether the fast mode reads ``cat_gelu(xa, xb)`` from its two tensors (``kernels.quantize_act_fp8_cat``

@@ -38,7 +38,7 @@ import triton.language as tl
 from ... import nvfp4
 from .kernels import (_INTERPRET, _block_r, _check_pdl, _e4m3_bits, _gemm_k, _lora_dot, _nvfp4_dequant, _nvfp4_tile,
                       _pdl_opts, _round_to, _split_total, cdiv, gdc_launch_dependents, gdc_wait, next_pow2)
-from .tuning import fit_split
+from .tuning import ADA_NORM_FORMS, LORA_ACT_CONFIG, fit_split
 
 
 @triton.jit
@@ -224,8 +224,7 @@ def _ada_lora_kernel(x_ptr, shift_ptr, scale_ptr, mean_ptr, rstd_ptr, pd_ptr, pa
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rr = tl.arange(0, BLOCK_R)
     m_ok = rm < M
-    mean = tl.load(mean_ptr + rm, mask=m_ok, other=0.0)
-    rstd = tl.load(rstd_ptr + rm, mask=m_ok, other=0.0)
+    mean, rstd, no_sa, no_r = _rows_of(mean_ptr, rstd_ptr, mean_ptr, rm, m_ok, BLOCK_M, False)  # (exact: no sa)
     kb = tl.program_id(1) * K_SPLIT
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     for k0 in tl.range(kb, tl.minimum(kb + K_SPLIT, K), BLOCK_K, num_stages=NUM_STAGES):
@@ -310,18 +309,25 @@ def _fast_store(v, inv_ptr, lk, k_ok, r, ptrs, mask, HW_CVT: tl.constexpr):
         tl.store(ptrs.to(tl.pointer_type(tl.uint8), bitcast=True), _e4m3_bits(q), mask=mask)
 
 
-def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast, gemm_order, split, block_m, block_k,
-                  num_warps, stats_rows=4):
-    """The split form: ``_ada_stats_kernel`` then ``_ada_apply_kernel`` over ``split`` ranges of K."""
+def _stats_launch(x, shift, scale, eps, inv_smooth, tokens, fast, rows=4):
+    """Both forms' first launch, ``_ada_stats_kernel`` at ``rows`` rows a program: ``(mean, rstd, sa)`` [M] fp32
+    (``sa`` is ``mean`` in the exact mode, which has none)."""
     m, k = x.shape
-    r = 0 if pds is None else pds.shape[1]
     mean = torch.empty(m, device=x.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
     sa = torch.empty_like(mean) if fast else mean
-    _ada_stats_kernel[(cdiv(m, stats_rows),)](x, shift, scale, inv_smooth, mean, rstd, sa, m, k, tokens, x.stride(0),
-                                              shift.stride(0), float(eps), ROWS=stats_rows,
-                                              CHUNK=min(1024, next_pow2(k)), FAST=fast, DOT_F32=_INTERPRET,
-                                              UNIFORM=tokens % stats_rows == 0)
+    _ada_stats_kernel[(cdiv(m, rows),)](x, shift, scale, inv_smooth, mean, rstd, sa, m, k, tokens, x.stride(0),
+                                        shift.stride(0), float(eps), ROWS=rows, CHUNK=min(1024, next_pow2(k)),
+                                        FAST=fast, DOT_F32=_INTERPRET, UNIFORM=tokens % rows == 0)
+    return mean, rstd, sa
+
+
+def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast, gemm_order, split, block_m, block_k,
+                  num_warps):
+    """The split form: ``_ada_stats_kernel`` then ``_ada_apply_kernel`` over ``split`` ranges of K."""
+    m, k = x.shape
+    r = 0 if pds is None else pds.shape[1]
+    mean, rstd, sa = _stats_launch(x, shift, scale, eps, inv_smooth, tokens, fast)
     block_k = min(block_k, next_pow2(k))
     k_split = cdiv(cdiv(k, split), block_k) * block_k
     split = cdiv(k, k_split)
@@ -340,10 +346,10 @@ def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast
     return sa
 
 
-# The pair form's launches: lora_act in 64-row blocks (wgmma) over four K ranges (fewer where a range would hold fewer
-# than two steps), 128-column steps up to R = 64 (64 above), kernels.lora_act's default plan (tuning.LORA_ACT_CONFIG,
-# tuning.lora_act_plan); the pass in kernels.quantize_act's 8 x 256 tiles on 4 warps.
-PAIR_LORA = (64, 4, 4, 3)  # block_m, split, warps, stages
+# The pair form's launches: lora_act at kernels.lora_act's default plan (tuning.LORA_ACT_CONFIG: 64-row blocks on
+# wgmma over four K ranges, fewer where a range would hold fewer than two steps; 128-column steps up to R = 64, 64
+# above); the pass in kernels.quantize_act's 8 x 256 tiles on 4 warps.
+PAIR_LORA = LORA_ACT_CONFIG  # block_m, split, warps, stages
 PAIR_PASS = (8, 256, 4)  # block_m, block_k, warps
 
 
@@ -355,12 +361,7 @@ def _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast,
     stream, and a PDL dependent of the pass (the GEMM) waits for it before its first access."""
     m, k = x.shape
     r = 0 if pds is None else pds.shape[1]
-    mean = torch.empty(m, device=x.device, dtype=torch.float32)
-    rstd = torch.empty_like(mean)
-    sa = torch.empty_like(mean) if fast else mean
-    _ada_stats_kernel[(cdiv(m, 4),)](x, shift, scale, inv_smooth, mean, rstd, sa, m, k, tokens, x.stride(0),
-                                     shift.stride(0), float(eps), ROWS=4, CHUNK=min(1024, next_pow2(k)), FAST=fast,
-                                     DOT_F32=_INTERPRET, UNIFORM=tokens % 4 == 0)
+    mean, rstd, sa = _stats_launch(x, shift, scale, eps, inv_smooth, tokens, fast)
     part, nsplit, pdl = mean, 1, pdl and r > 0
     if r:
         bm, s, warps, stages = PAIR_LORA
@@ -383,7 +384,7 @@ def _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast,
     return sa
 
 
-FORMS = ("split", "pair")
+FORMS = ADA_NORM_FORMS  # ("split", "pair")
 
 
 def _check_form(form: str, pdl: bool, device: torch.device, m: int, k: int, block_m: int, block_k: int,

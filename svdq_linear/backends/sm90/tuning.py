@@ -259,7 +259,7 @@ def parse_ada_norm_tile(v: str) -> tuple[int, int]:
 # the norm pass's form (SVDQ_SM90_ADA_NORM_FORM, read per call): "split" (by default: the statistics, then split-K
 # apply tiles that add lora_act's partial sums; measured above) or "pair" (the statistics, then lora_act and the pass
 # in small tiles as the written input's PDL pair runs them, the pair's PDL taken where SVDQ_SM90_PDL says: by default
-# in captured graphs); the same xq / a8 / sa bits (norm_pass.FORMS).
+# in captured graphs); the same xq / a8 / sa bits (norm_pass's forms).
 ENV_ADA_NORM_FORM = "SVDQ_SM90_ADA_NORM_FORM"
 ADA_NORM_FORMS = ("split", "pair")
 
