@@ -233,8 +233,9 @@ def main():
                         "(fast-gelu, exact-gelu, ...) switches the blocks with fuse_gelu_inputs (the linears after a "
                         "GELU read its parts); a -pdl suffix before it (fast-pdl) sets SVDQ_SM90_PDL=1 for the "
                         "variant, -nopdl (fast-nopdl) SVDQ_SM90_PDL=0; with --fuse, -sep after those (fast-sep, "
-                        "fast-nopdl-sep-gelu) keeps single blocks' proj_mlp apart from their fused q/k/v; -norm "
-                        "before -sep (fast-norm) has the layers after an adaLN norm read the norm's input")
+                        "fast-nopdl-sep-gelu) keeps single blocks' proj_mlp apart from their fused q/k/v; -written "
+                        "before -sep (fast-written) has the layers after an adaLN norm read the norm's written "
+                        "output (by default they read its input), -norm that input explicitly")
     p.add_argument("--graph", action="store_true", help="also time the eager forward captured in a CUDA graph")
     p.add_argument("--fuse", action="store_true",
                    help="fuse q/k/v (diffusers' fuse_qkv_projections; one quantization pass for the svdq variants)")
@@ -293,11 +294,12 @@ def main():
         # "-sep" (fast-sep): with --fuse, single blocks keep proj_mlp apart from their fused q/k/v
         single_mlp = not v.endswith("-sep")
         v = v.removesuffix("-sep")
-        # "-norm" (fast-norm): with --fuse, the fused layers after an adaLN norm normalize as they load
-        # (SVDQ_SM90_ADA_NORM=1); without it they read the norm's written output
-        if v.endswith("-norm"):
-            os.environ["SVDQ_SM90_ADA_NORM"] = "1"
-            v = v.removesuffix("-norm")
+        # "-written" (fast-written): with --fuse, the fused layers after an adaLN norm read the norm's written
+        # output (SVDQ_SM90_ADA_NORM=0); "-norm": they normalize as they load (=1); without either, the library's
+        # default (they normalize as they load)
+        if v.endswith("-norm") or v.endswith("-written"):
+            os.environ["SVDQ_SM90_ADA_NORM"] = "1" if v.endswith("-norm") else "0"
+            v = v.removesuffix("-norm").removesuffix("-written")
         else:
             os.environ.pop("SVDQ_SM90_ADA_NORM", None)
         # "-pdl" (fast-pdl, exact-pdl): lora_act and the activation pass as a PDL pair (SVDQ_SM90_PDL=1)

@@ -598,7 +598,7 @@ class SVDQW4A4Linear(_PackedNVFP4Linear):
         [B, S, K]``, ``shift`` / ``scale [B, K]``, no affine weight in the norm), the input that diffusers'
         ``AdaLayerNormZero`` / ``AdaLayerNormZeroSingle`` hand a block's q/k/v (a Flux single block's fused
         ``to_qkv_mlp`` calls this). Where the backend normalizes as it loads (sm90, both modes, from
-        ``tuning.ADA_NORM_MIN_M`` tokens, with ``SVDQ_SM90_ADA_NORM=1``) that input is never written; elsewhere,
+        ``tuning.ADA_NORM_MIN_M`` tokens, unless ``SVDQ_SM90_ADA_NORM=0``) that input is never written; elsewhere,
         and whenever the module's call is wrapped (hooks, an offloader's forward), it is written and the layer is
         called on it.
         The contract: ``svdq_linear.nvfp4``, "Inputs made by an adaLN norm"."""

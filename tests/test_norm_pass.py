@@ -164,9 +164,9 @@ def test_pair_form_writes_the_split_forms_bits(monkeypatch, r):
         for a, b in zip(norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, **pair), want):
             assert (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     monkeypatch.delenv(tuning.ENV_ADA_NORM_FORM, raising=False)
-    assert tuning.ada_norm_form() == "split"
-    monkeypatch.setenv(tuning.ENV_ADA_NORM_FORM, "Pair")
     assert tuning.ada_norm_form() == "pair"
+    monkeypatch.setenv(tuning.ENV_ADA_NORM_FORM, "Split")
+    assert tuning.ada_norm_form() == "split"
     monkeypatch.setenv(tuning.ENV_ADA_NORM_FORM, "tiles")
     with pytest.raises(ValueError, match=tuning.ENV_ADA_NORM_FORM):
         tuning.ada_norm_form()
@@ -308,6 +308,43 @@ def test_backend_takes_the_form_tile_and_pdl_the_settings_name(monkeypatch, fast
         assert len(got) == 1 and {key: got[0][key] for key in want} == want, (tile, form, got)
 
 
+def test_norm_pass_is_on_unless_the_setting_says_0(monkeypatch):
+    """``SVDQ_SM90_ADA_NORM``: unset or "1" normalizes as it loads, "0" writes the norm's output, anything else is an
+    error naming the setting; ``Sm90Backend._reads_ada_norm`` follows it on a call that meets every other condition
+    (a prepared fast layer at ``ADA_NORM_MIN_M`` tokens; stand-in prepared state)."""
+    from types import SimpleNamespace
+
+    from svdq_linear.backends import sm90
+    from svdq_linear.backends.sm90 import tuning
+
+    monkeypatch.delenv(tuning.ENV_ADA_NORM, raising=False)
+    assert tuning.ada_norm_enabled()
+    monkeypatch.setenv(tuning.ENV_ADA_NORM, "1")
+    assert tuning.ada_norm_enabled()
+    monkeypatch.setenv(tuning.ENV_ADA_NORM, " 0 ")
+    assert not tuning.ada_norm_enabled()
+    monkeypatch.setenv(tuning.ENV_ADA_NORM, "on")
+    with pytest.raises(ValueError, match=tuning.ENV_ADA_NORM):
+        tuning.ada_norm_enabled()
+
+    FastWeight = type("FastWeight", (), {})
+    be = sm90.Sm90Backend()
+    be.interpret = False
+    m, k = tuning.ADA_NORM_MIN_M, 256
+    x = torch.zeros(m, k, dtype=torch.bfloat16)
+    row = torch.zeros(1, k, dtype=torch.bfloat16)
+    prepared = SimpleNamespace(quack=FastWeight(), lowrank_segments=None)
+    module = SimpleNamespace(rank=0)
+    for value, want in ((None, True), ("1", True), ("0", False)):
+        if value is None:
+            monkeypatch.delenv(tuning.ENV_ADA_NORM, raising=False)
+        else:
+            monkeypatch.setenv(tuning.ENV_ADA_NORM, value)
+        assert be._reads_ada_norm(module, x, row, row, prepared, True) is want, value
+    monkeypatch.delenv(tuning.ENV_ADA_NORM, raising=False)
+    assert not be._reads_ada_norm(module, x[: m - 1], row, row, prepared, True)  # below ADA_NORM_MIN_M
+
+
 def test_norm_pass_refuses_bad_operands():
     x, shift, scale, smooth, pds = _case(8, 2, 128, 16, torch.bfloat16, device=DEV)
     x2 = x.reshape(-1, 128)
@@ -364,7 +401,7 @@ def test_gpu_forward_ada_norm_normalizes_as_it_loads(mode, form, monkeypatch):
     """``SVDQW4A4Linear.forward_ada_norm`` on an sm90 GPU from ``tuning.ADA_NORM_MIN_M`` tokens takes the norm pass
     (counted) in the form ``SVDQ_SM90_ADA_NORM_FORM`` names and gives the layer's output on the written input within
     bf16 roundings, eager and replayed from a CUDA graph (the pair form's PDL launch); under
-    ``SVDQ_SM90_ADA_NORM=0`` (and unset: opt-in) it writes the input (the same bits as the plain call)."""
+    ``SVDQ_SM90_ADA_NORM=0`` it writes the input (the same bits as the plain call); unset is on."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm90 GPU")
     pytest.importorskip("quack")
@@ -374,7 +411,7 @@ def test_gpu_forward_ada_norm_normalizes_as_it_loads(mode, form, monkeypatch):
     torch.manual_seed(4)
     layer = SVDQW4A4Linear.from_linear(torch.nn.Linear(k, n).cuda(), rank=32).bfloat16().set_mode(mode)
     x, shift, scale, _, _ = _case(1152, 2, k, 0, torch.bfloat16, device="cuda", seed=5)
-    monkeypatch.setenv("SVDQ_SM90_ADA_NORM", "1")
+    monkeypatch.delenv("SVDQ_SM90_ADA_NORM", raising=False)  # on by default
     monkeypatch.setenv("SVDQ_SM90_ADA_NORM_FORM", form)
     calls = []
     real = {f: getattr(norm_pass, f) for f in ("ada_norm_exact", "ada_norm_fast")}

@@ -652,11 +652,11 @@ class Sm90Backend(Backend):
         """Whether this call normalizes as it loads (``norm_pass``): quack's GEMM (the fast one, or the exact one
         with bf16 input) with the low-rank branch in its accumulator (or none), at least ``tuning.ADA_NORM_MIN_M``
         tokens (a static count), K % 128 == 0, 16-bit x, shift and scale of unit stride along K sharing a row
-        stride, and ``SVDQ_SM90_ADA_NORM=1`` (opt-in: measured slower so far); else the input is written out and
+        stride, and ``SVDQ_SM90_ADA_NORM`` not "0" (``tuning.ada_norm_enabled``); else the input is written out and
         the layer runs on it."""
         m, k = x.shape
         if (self.interpret or not isinstance(m, int) or m < tuning.ADA_NORM_MIN_M or k % 128
-                or getenv(tuning.ENV_ADA_NORM) != "1" or x.dtype not in (torch.bfloat16, torch.float16)
+                or not tuning.ada_norm_enabled() or x.dtype not in (torch.bfloat16, torch.float16)
                 or shift.stride(1) != 1 or scale.stride(1) != 1 or shift.stride(0) != scale.stride(0)):
             return False
         want = "FastWeight" if fast else "QuackWeight"

@@ -25,8 +25,10 @@ The row statistics are summed in another order than PyTorch's layer norm (and th
 value may differ from the tensor's by one unit of its last place: the contract's "Inputs made by an adaLN norm".
 A first form (one launch, a 16-32-row block a program walking K) measured 2x slower than the compiled norm plus
 the pass on the H100 (docs/perf.md, twenty-seventh session); this one measured 0.92-1.02x of it (twenty-eighth:
-its ``lora_act`` on 32-row tiles reloads ``proj_down`` from L2 every step), so ``forward_ada_norm`` takes it only
-with ``SVDQ_SM90_ADA_NORM=1``. ``benchmarks/bench_norm_in.py`` measures it.
+its ``lora_act`` on 32-row tiles reloads ``proj_down`` from L2 every step). The pair form measured ahead of the
+written norm (thirty-ninth session, ah-2: 345 us against 361 at the exact fused q/k/v, in graphs), so
+``forward_ada_norm`` takes it by default (``SVDQ_SM90_ADA_NORM=0`` writes the norm's output instead).
+``benchmarks/bench_norm_in.py`` measures both forms.
 """
 
 from __future__ import annotations

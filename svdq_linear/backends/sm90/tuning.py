@@ -221,11 +221,21 @@ ENV_LORA_ACT = "SVDQ_SM90_LORA_ACT"
 # lora_act pass takes 51 us where the written input and cuBLAS's take 14 + 24).
 CAT_GELU_MIN_M = 2048
 # forward_ada_norm (Flux blocks' fused q/k/v and feed-forwards after fuse_qkv_projections) normalizes as it loads
-# with SVDQ_SM90_ADA_NORM=1, from this many tokens; by default it writes the norm's output and runs the plain
-# path: on the H100 the norm pass lost to the compiled norm + pass (bench_norm_in.py; docs/perf.md,
-# twenty-seventh session).
+# from this many tokens, unless SVDQ_SM90_ADA_NORM=0 (then it writes the norm's output and runs the plain path).
+# On by default since the pair form (below) measured ahead of the written norm on the H100 (bench_norm_in.py,
+# docs/perf.md thirty-ninth session, ah-2: whole fused q/k/v 1.04x exact, 1.09x fast in graphs); the split form
+# alone had lost to it (twenty-seventh session).
 ADA_NORM_MIN_M = 2048
 ENV_ADA_NORM = "SVDQ_SM90_ADA_NORM"
+
+
+def ada_norm_enabled() -> bool:
+    """``SVDQ_SM90_ADA_NORM``: unset or "1" reads the norm's input (the default), "0" writes the norm's output; any
+    other value is an error, not a silent default. Read per call."""
+    v = (getenv(ENV_ADA_NORM) or "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"{ENV_ADA_NORM}={v!r}: expected 0 or 1")
+    return v == "1"
 # the norm pass's apply tile, rows x warps: 32 x 4 (mma.sync for lora_act; 142-152 registers and 60 KB at R = 128)
 # by default; SVDQ_SM90_ADA_NORM_TILE=64x4 / 64x8 takes wgmma and half the proj_down reloads, which measured only
 # 4-8 us faster at R = 96-128 and slower at R = 32 (docs/perf.md, twenty-ninth session, z-2). Each loop pipelines
@@ -256,18 +266,19 @@ def parse_ada_norm_tile(v: str) -> tuple[int, int]:
     return tile
 
 
-# the norm pass's form (SVDQ_SM90_ADA_NORM_FORM, read per call): "split" (by default: the statistics, then split-K
-# apply tiles that add lora_act's partial sums; measured above) or "pair" (the statistics, then lora_act and the pass
-# in small tiles as the written input's PDL pair runs them, the pair's PDL taken where SVDQ_SM90_PDL says: by default
-# in captured graphs); the same xq / a8 / sa bits (norm_pass's forms).
+# the norm pass's form (SVDQ_SM90_ADA_NORM_FORM, read per call): "pair" (by default: the statistics, then lora_act
+# and the pass in small tiles as the written input's PDL pair runs them, the pair's PDL taken where SVDQ_SM90_PDL
+# says: by default in captured graphs; ah-2: 345 us against the split form's 380 at the exact fused q/k/v) or
+# "split" (the statistics, then split-K apply tiles that add lora_act's partial sums); the same xq / a8 / sa bits
+# (norm_pass's forms).
 ENV_ADA_NORM_FORM = "SVDQ_SM90_ADA_NORM_FORM"
 ADA_NORM_FORMS = ("split", "pair")
 
 
 def ada_norm_form() -> str:
-    """``SVDQ_SM90_ADA_NORM_FORM`` (one of ``ADA_NORM_FORMS``), else "split"; a value outside the list is an
+    """``SVDQ_SM90_ADA_NORM_FORM`` (one of ``ADA_NORM_FORMS``), else "pair"; a value outside the list is an
     error, not a silent default."""
-    raw = getenv(ENV_ADA_NORM_FORM) or "split"
+    raw = getenv(ENV_ADA_NORM_FORM) or "pair"
     v = raw.strip().lower()
     if v not in ADA_NORM_FORMS:
         raise ValueError(f"{ENV_ADA_NORM_FORM}={raw!r}: expected one of {', '.join(ADA_NORM_FORMS)}")
