@@ -2,7 +2,7 @@
 the norm written out, each whole: norm + linear, as a Flux single block (and a double block's q/k/v) run them.
 
     python benchmarks/bench_norm_in.py [--out FILE] [--shapes fused_qkv,single_fused_in] [--modes exact,fast]
-                                       [--reps 20] [--rounds 5] [--splits 2,8]
+                                       [--reps 20] [--rounds 5] [--splits 2,8] [--pair-nopdl]
 
 Per layer (``bench_lowrank``'s whole-linear rows: what fuse_qkv_projections builds, R = 32 a part) and mode, in
 ``--rounds`` alternating rounds, each a CUDA graph of ``--reps`` back-to-back calls timed by its kernels' span
@@ -16,7 +16,8 @@ Per layer (``bench_lowrank``'s whole-linear rows: what fuse_qkv_projections buil
 - ``norm alone`` / ``norm pass alone``: the compiled norm, and the fused pass without its GEMM (its two launches at
   ``norm_pass.auto_split``, and at ``--splits``; and at the apply tiles ``--tiles``, rows x warps).
   The fused rows take ``SVDQ_SM90_ADA_NORM_TILE``'s tile (32 x 4 by default); ``pair pass alone``: the pair
-  form's three launches alone.
+  form's three launches alone; with ``--pair-nopdl``, the pair form with ``SVDQ_SM90_PDL=0`` too (its launches and
+  the GEMM one after the other: whether the GEMM's time after the pair depends on the overlap).
 
 Ratios: bf16 / path, each round's to the bf16 of that round, median over the rounds. The fused output is
 checked against the written one first (the inputs differ by a rounding in a few elements).
@@ -52,6 +53,8 @@ def main() -> None:
     ap.add_argument("--splits", default="2,8", help="the norm pass alone at these splits too")
     ap.add_argument("--tiles", default="32x4,64x4,64x8",
                     help="and at these apply tiles (rows x warps, tuning.ADA_NORM_TILES)")
+    ap.add_argument("--pair-nopdl", action="store_true",
+                    help="also the pair form with SVDQ_SM90_PDL=0 (its launches and the GEMM one after the other)")
     args = ap.parse_args()
     want = [s.strip().replace("_", " ") for s in args.shapes.split(",")]
     modes = [s.strip() for s in args.modes.split(",")]
@@ -62,7 +65,7 @@ def main() -> None:
         lines.append(s)
         print(s, flush=True)
 
-    os.environ["SVDQ_SM90_ADA_NORM"] = "1"  # forward_ada_norm's pass (opt-in)
+    os.environ["SVDQ_SM90_ADA_NORM"] = "1"  # forward_ada_norm's pass (the default; a user's 0 would hide it)
     dev = torch.device("cuda")
     norm_c = torch.compile(nvfp4.ada_norm, dynamic=False)
     log("| layer | M x K -> N | mode | bf16 | written | fused split | fused pair | split / written | pair / written | "
@@ -70,17 +73,22 @@ def main() -> None:
         "bf16 / split | bf16 / pair |")
     log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
-    def fused_in(mod, x, shift, scale, form):
+    def fused_in(mod, x, shift, scale, form, pdl=None):
         def fn():
-            was = os.environ.get(tuning.ENV_ADA_NORM_FORM)
-            os.environ[tuning.ENV_ADA_NORM_FORM] = form  # read per call, so per capture
+            # read per call, so per capture; pdl "0": the pair's kernels one after the other, the GEMM too
+            env = {tuning.ENV_ADA_NORM_FORM: form, "SVDQ_SM90_PDL": pdl}
+            was = {key: os.environ.get(key) for key in env}
+            for key, v in env.items():
+                if v is not None:
+                    os.environ[key] = v
             try:
                 return mod.forward_ada_norm(x, shift, scale, 1e-6)
             finally:
-                if was is None:
-                    os.environ.pop(tuning.ENV_ADA_NORM_FORM)
-                else:
-                    os.environ[tuning.ENV_ADA_NORM_FORM] = was
+                for key, v in was.items():
+                    if v is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = v
         return fn
 
     with torch.no_grad():
@@ -122,6 +130,8 @@ def main() -> None:
                     "npass": graph_of(npass(), args.reps),
                     "pair pass": graph_of(npass(form="pair"), args.reps),
                 }
+                if args.pair_nopdl:  # whether the GEMM's time after the pair depends on the PDL overlap
+                    graphs["fused pair, no PDL"] = graph_of(fused_in(mod, x, shift, scale, "pair", "0"), args.reps)
                 for sp in args.splits.split(","):  # the pass alone at other splits
                     sp = int(sp)
                     if sp != auto:
@@ -156,7 +166,10 @@ def main() -> None:
                 if others:
                     log(f"|  | norm pass alone: split {auto} (auto) {med['npass']:.1f}; " + "; ".join(
                         f"{w_.removeprefix('npass ')} {med[w_]:.1f}" for w_ in others) + " |" * 15)
-                for what in ("written", "fused", "fused pair"):
+                if args.pair_nopdl:
+                    log(f"|  | fused pair, no PDL: {med['fused pair, no PDL']:.1f} (bf16 / it "
+                        f"{ratio('fused pair, no PDL'):.3f}x)" + " |" * 15)
+                for what in [w_ for w_ in ("written", "fused", "fused pair", "fused pair, no PDL") if w_ in graphs]:
                     log("|  | kernels: " + what + " | " + "; ".join(
                         f"`{name[:40]}` {dur:.1f} (gap {gap:.1f})" for name, _, dur, gap in kernels_of[what])
                         + " |" * 15)
