@@ -3,6 +3,7 @@ the norm written out, each whole: norm + linear, as a Flux single block (and a d
 
     python benchmarks/bench_norm_in.py [--out FILE] [--shapes fused_qkv,single_fused_in] [--modes exact,fast]
                                        [--reps 20] [--rounds 5] [--splits 2,8] [--pair-nopdl]
+                                       [--pair-lora "64,8,4,3;32,8,4,3"]
 
 Per layer (``bench_lowrank``'s whole-linear rows: what fuse_qkv_projections builds, R = 32 a part) and mode, in
 ``--rounds`` alternating rounds, each a CUDA graph of ``--reps`` back-to-back calls timed by its kernels' span
@@ -17,7 +18,8 @@ Per layer (``bench_lowrank``'s whole-linear rows: what fuse_qkv_projections buil
   ``norm_pass.auto_split``, and at ``--splits``; and at the apply tiles ``--tiles``, rows x warps).
   The fused rows take ``SVDQ_SM90_ADA_NORM_TILE``'s tile (32 x 4 by default); ``pair pass alone``: the pair
   form's three launches alone; with ``--pair-nopdl``, the pair form with ``SVDQ_SM90_PDL=0`` too (its launches and
-  the GEMM one after the other: whether the GEMM's time after the pair depends on the overlap).
+  the GEMM one after the other: whether the GEMM's time after the pair depends on the overlap); with ``--pair-lora``,
+  the pair form alone and whole at each ``lora_act`` launch named (``SVDQ_SM90_ADA_PAIR_LORA``).
 
 Ratios: bf16 / path, each round's to the bf16 of that round, median over the rounds. The fused output is
 checked against the written one first (the inputs differ by a rounding in a few elements).
@@ -53,6 +55,9 @@ def main() -> None:
     ap.add_argument("--splits", default="2,8", help="the norm pass alone at these splits too")
     ap.add_argument("--tiles", default="32x4,64x4,64x8",
                     help="and at these apply tiles (rows x warps, tuning.ADA_NORM_TILES)")
+    ap.add_argument("--pair-lora", default="",
+                    help="';'-separated SVDQ_SM90_ADA_PAIR_LORA values (bm,S,w,st): the pair form alone and whole at "
+                         "each")
     ap.add_argument("--pair-nopdl", action="store_true",
                     help="also the pair form with SVDQ_SM90_PDL=0 (its launches and the GEMM one after the other)")
     args = ap.parse_args()
@@ -130,6 +135,23 @@ def main() -> None:
                     "npass": graph_of(npass(), args.reps),
                     "pair pass": graph_of(npass(form="pair"), args.reps),
                 }
+                for cfg in args.pair_lora.split(";") if args.pair_lora else ():  # the pair's lora_act launch
+                    def with_cfg(fn, cfg=cfg):
+                        def run():
+                            was = os.environ.get(tuning.ENV_ADA_PAIR_LORA)
+                            os.environ[tuning.ENV_ADA_PAIR_LORA] = cfg  # read per call, so per capture
+                            try:
+                                return fn()
+                            finally:
+                                if was is None:
+                                    os.environ.pop(tuning.ENV_ADA_PAIR_LORA)
+                                else:
+                                    os.environ[tuning.ENV_ADA_PAIR_LORA] = was
+                        return run
+                    tuning.parse_ada_pair_lora(cfg)  # a malformed one fails here, before any capture
+                    graphs[f"pair lora {cfg}"] = graph_of(with_cfg(npass(form="pair")), args.reps)
+                    graphs[f"fused pair lora {cfg}"] = graph_of(with_cfg(fused_in(mod, x, shift, scale, "pair")),
+                                                                args.reps)
                 if args.pair_nopdl:  # whether the GEMM's time after the pair depends on the PDL overlap
                     graphs["fused pair, no PDL"] = graph_of(fused_in(mod, x, shift, scale, "pair", "0"), args.reps)
                 for sp in args.splits.split(","):  # the pass alone at other splits
@@ -169,6 +191,17 @@ def main() -> None:
                 if args.pair_nopdl:
                     log(f"|  | fused pair, no PDL: {med['fused pair, no PDL']:.1f} (bf16 / it "
                         f"{ratio('fused pair, no PDL'):.3f}x)" + " |" * 15)
+                cfgs = [w_.removeprefix("pair lora ") for w_ in med if w_.startswith("pair lora ")]
+                if cfgs:
+                    log("|  | pair form, lora_act (bm,S,w,st): pass alone / whole / bf16 over whole: " + "; ".join(
+                        f"{c} {med['pair lora ' + c]:.1f} / {med['fused pair lora ' + c]:.1f} / "
+                        f"{ratio('fused pair lora ' + c):.3f}x" for c in cfgs)
+                        + f" (default {tuning.ada_pair_lora()}: {med['pair pass']:.1f} / {med['fused pair']:.1f})"
+                        + " |" * 15)
+                    for c in cfgs:
+                        log(f"|  | kernels: pair pass, lora {c} | " + "; ".join(
+                            f"`{name[:40]}` {dur:.1f} (gap {gap:.1f})"
+                            for name, _, dur, gap in kernels_of["pair lora " + c]) + " |" * 15)
                 for what in [w_ for w_ in ("written", "fused", "fused pair", "fused pair, no PDL") if w_ in graphs]:
                     log("|  | kernels: " + what + " | " + "; ".join(
                         f"`{name[:40]}` {dur:.1f} (gap {gap:.1f})" for name, _, dur, gap in kernels_of[what])

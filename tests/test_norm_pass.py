@@ -308,6 +308,46 @@ def test_backend_takes_the_form_tile_and_pdl_the_settings_name(monkeypatch, fast
         assert len(got) == 1 and {key: got[0][key] for key in want} == want, (tile, form, got)
 
 
+@pytest.mark.parametrize("config, nsplit", [("32,2,4,1", 2), ("16,8,2,2", 4), ("128,1,8,3", 1)])
+def test_pair_form_lora_config_changes_only_the_summation_order(monkeypatch, config, nsplit):
+    """``SVDQ_SM90_ADA_PAIR_LORA`` (``tuning.ada_pair_lora``) sets the pair form's ``lora_act`` launch: other block
+    rows (tokens not a multiple of them: 70 in 32- and 128-row blocks, the gathered modulation), splits, warps and
+    stages write the same ``xq`` / ``a8`` / ``sa`` bits and ``lora_act`` within float32 summation order of the
+    default's, and the launch takes the rows and split the setting names (recorded grid: K = 1024 in 128-column
+    steps at R = 48 keeps at most four K ranges of two steps); malformed values are refused by name."""
+    from svdq_linear.backends.sm90 import tuning
+
+    x, shift, scale, smooth, pds = _case(70, 2, 1024, 48, torch.bfloat16, device=DEV, seed=8, mean=2.0)
+    x2, inv = x.reshape(-1, 1024), 1.0 / smooth
+    monkeypatch.delenv(tuning.ENV_ADA_PAIR_LORA, raising=False)
+    assert tuning.ada_pair_lora() == tuning.LORA_ACT_CONFIG
+    want_x = norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, tokens=70, form="pair")
+    want_f = norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, tokens=70, form="pair")
+    monkeypatch.setenv(tuning.ENV_ADA_PAIR_LORA, config)
+    bm, split, warps, stages = (int(v) for v in config.split(","))
+    assert tuning.ada_pair_lora() == (bm, split, warps, stages)
+    grids = []
+    real = norm_pass._ada_lora_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(norm_pass, "_ada_lora_kernel", Spy())
+    got_x = norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, tokens=70, form="pair")
+    got_f = norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, tokens=70, form="pair")
+    assert grids == [(-(-140 // bm), nsplit)] * 2, grids
+    assert torch.equal(got_x[0], want_x[0])
+    assert torch.equal(got_f[0].view(torch.uint8), want_f[0].view(torch.uint8)) and torch.equal(got_f[1], want_f[1])
+    for g, w in ((got_x[1], want_x[1]), (got_f[2], want_f[2])):
+        torch.testing.assert_close(g.float(), w.float(), rtol=2 ** -7, atol=1e-3)
+    for bad in ("64,4,4", "48,4,4,3", "64,0,4,3", "64,4,3,3", "a,b,c,d"):
+        monkeypatch.setenv(tuning.ENV_ADA_PAIR_LORA, bad)
+        with pytest.raises(ValueError, match=tuning.ENV_ADA_PAIR_LORA):
+            tuning.ada_pair_lora()
+
+
 def test_norm_pass_is_on_unless_the_setting_says_0(monkeypatch):
     """``SVDQ_SM90_ADA_NORM``: unset or "1" normalizes as it loads, "0" writes the norm's output, anything else is an
     error naming the setting; ``Sm90Backend._reads_ada_norm`` follows it on a call that meets every other condition

@@ -40,7 +40,7 @@ import triton.language as tl
 from ... import nvfp4
 from .kernels import (_INTERPRET, _block_r, _check_pdl, _e4m3_bits, _gemm_k, _lora_dot, _nvfp4_dequant, _nvfp4_tile,
                       _pdl_opts, _round_to, _split_total, cdiv, gdc_launch_dependents, gdc_wait, next_pow2)
-from .tuning import ADA_NORM_FORMS, LORA_ACT_CONFIG, fit_split
+from .tuning import ADA_NORM_FORMS, ada_pair_lora, fit_split
 
 
 @triton.jit
@@ -348,10 +348,9 @@ def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast
     return sa
 
 
-# The pair form's launches: lora_act at kernels.lora_act's default plan (tuning.LORA_ACT_CONFIG: 64-row blocks on
-# wgmma over four K ranges, fewer where a range would hold fewer than two steps; 128-column steps up to R = 64, 64
-# above); the pass in kernels.quantize_act's 8 x 256 tiles on 4 warps.
-PAIR_LORA = LORA_ACT_CONFIG  # block_m, split, warps, stages
+# The pair form's launches: lora_act at tuning.ada_pair_lora (by default kernels.lora_act's plan,
+# tuning.LORA_ACT_CONFIG: 64-row blocks on wgmma over four K ranges, fewer where a range would hold fewer than two
+# steps; 128-column steps up to R = 64, 64 above); the pass in kernels.quantize_act's 8 x 256 tiles on 4 warps.
 PAIR_PASS = (8, 256, 4)  # block_m, block_k, warps
 
 
@@ -366,7 +365,7 @@ def _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast,
     mean, rstd, sa = _stats_launch(x, shift, scale, eps, inv_smooth, tokens, fast)
     part, nsplit, pdl = mean, 1, pdl and r > 0
     if r:
-        bm, s, warps, stages = PAIR_LORA
+        bm, s, warps, stages = ada_pair_lora()  # LORA_ACT_CONFIG unless SVDQ_SM90_ADA_PAIR_LORA says
         block_k = 128 if _block_r(r) <= 64 else 64
         s = fit_split(s, k, block_k)
         k_split = cdiv(cdiv(k, s), block_k) * block_k
@@ -459,8 +458,8 @@ def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
     ``lora_act`` partial sums added in split order by the last of a row block (the same bits for any ``split`` but
     lora_act's fp32 summation order; None: ``auto_split``).
 
-    ``form="pair"``: the statistics, then ``lora_act`` alone (``PAIR_LORA``) and the pass alone in small tiles
-    that fill the GPU (``PAIR_PASS``), with ``pdl`` as a PDL pair that reads x at once (CUDA, capability 9.0 or
+    ``form="pair"``: the statistics, then ``lora_act`` alone (``tuning.ada_pair_lora``) and the pass alone in small
+    tiles that fill the GPU (``PAIR_PASS``), with ``pdl`` as a PDL pair that reads x at once (CUDA, capability 9.0 or
     later), else one after the other; the tile arguments do not apply. The same ``xq`` bits as ``"split"``;
     ``lora_act`` summed in another order."""
     tokens = tokens or x.shape[0]

@@ -287,6 +287,32 @@ def ada_norm_form() -> str:
 
 LORA_ACT_MIN_M = 128
 LORA_ACT_CONFIG = (64, 4, 4, 3)
+# The pair form's lora_act (norm_pass._ada_lora_kernel: block_m, split, warps, stages; the split halved by
+# fit_split): LORA_ACT_CONFIG by default, the plain lora_act's. That launch is the pair's critical path (ah-2: 29 us
+# at the exact fused q/k/v against the written norm's lora_act at 17, the pass ending ~12 us after it), so
+# SVDQ_SM90_ADA_PAIR_LORA="bm,S,w,st" sets it per call for measuring (bench_norm_in.py --pair-lora).
+ENV_ADA_PAIR_LORA = "SVDQ_SM90_ADA_PAIR_LORA"
+
+
+def ada_pair_lora() -> tuple[int, int, int, int]:
+    """``(block_m, split, warps, stages)`` of the pair form's ``lora_act``: ``SVDQ_SM90_ADA_PAIR_LORA``, else
+    ``LORA_ACT_CONFIG``; a malformed value is an error naming the setting. Read per call."""
+    return parse_ada_pair_lora(getenv(ENV_ADA_PAIR_LORA) or "")
+
+
+@functools.lru_cache(maxsize=16)
+def parse_ada_pair_lora(v: str) -> tuple[int, int, int, int]:
+    """A ``SVDQ_SM90_ADA_PAIR_LORA`` value's config (``ada_pair_lora``'s rules; "" the default)."""
+    if not v.strip():
+        return LORA_ACT_CONFIG
+    try:
+        bm, s, w, st = (int(p) for p in v.split(","))
+    except ValueError:
+        raise ValueError(f"{ENV_ADA_PAIR_LORA} must be 'block_m,split,warps,stages', got {v!r}") from None
+    if bm not in (16, 32, 64, 128) or s < 1 or w not in (1, 2, 4, 8) or st < 1:
+        raise ValueError(f"{ENV_ADA_PAIR_LORA}={v!r}: block_m in 16/32/64/128, split >= 1, warps a power of two up "
+                         "to 8, stages >= 1")
+    return bm, s, w, st
 
 
 @dataclass(frozen=True)
