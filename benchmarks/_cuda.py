@@ -1,7 +1,9 @@
-"""Shared GPU timing for the benchmarks: a callable captured in a CUDA graph, its replays timed; a host profile."""
+"""Shared GPU timing for the benchmarks: a callable captured in a CUDA graph, its replays timed; a host profile;
+a callable run under settings of its own."""
 
 import cProfile
 import io
+import os
 import pstats
 import time
 
@@ -21,6 +23,26 @@ def graph_of(fn, reps: int = 1) -> torch.cuda.CUDAGraph:
         for _ in range(reps):
             fn()
     return g
+
+
+def with_env(values: dict, fn):
+    """``fn`` as a callable that runs under the environment ``values`` (a None value leaves that setting as it is)
+    and puts the previous values back after it: the library reads its settings per call, so a capture of it
+    records the kernels those settings pick."""
+    def run():
+        was = {key: os.environ.get(key) for key in values}
+        for key, v in values.items():
+            if v is not None:
+                os.environ[key] = v
+        try:
+            return fn()
+        finally:
+            for key, v in was.items():
+                if v is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = v
+    return run
 
 
 def graphed(fn):

@@ -30,7 +30,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_conformance import random_w4a4  # noqa: E402
 
-from _cuda import graphed  # noqa: E402
+from _cuda import graphed, with_env  # noqa: E402
 
 from svdq_linear.backends.sm90 import kernels, quack_fast, quack_gemm  # noqa: E402
 
@@ -281,16 +281,6 @@ def main() -> None:
 
     from svdq_linear.backends.sm90 import tuning
 
-    def with_env(value, fn):
-        old = os.environ.get(tuning.ENV_LORA_ACT)
-        os.environ[tuning.ENV_LORA_ACT] = value
-        try:
-            return fn()
-        finally:
-            if old is None:
-                os.environ.pop(tuning.ENV_LORA_ACT)
-            else:
-                os.environ[tuning.ENV_LORA_ACT] = old
     from svdq_linear.backends.sm90 import Sm90Backend, _mm_f32
 
     for label, m_tok, k, n in shapes:
@@ -344,7 +334,7 @@ def main() -> None:
                 what = "cuBLAS" if plan is None else f"{plan.block_m} rows, S={plan.split}, w{plan.num_warps} s{plan.num_stages}"
                 cells.append(f"{timer(lambda: be._lora_act(x, pds_p)):.4f} ({what})")
                 mod(x)
-                cells.append(f"{with_env('cublas', lambda: timer(lambda: mod(x))):.4f}")
+                cells.append(f"{with_env({tuning.ENV_LORA_ACT: 'cublas'}, lambda: timer(lambda: mod(x)))():.4f}")
             del w
         log(f"| {label} | {m_tok} | {k} | {n} | {t_ref:.4f} | " + " | ".join(cells) + " |")
         del mod

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _cuda import graph_of  # noqa: E402
+from _cuda import graph_of, with_env  # noqa: E402
 from bench_lowrank import FLUX, whole_module  # noqa: E402
 from timeline_exact import kernel_spans, summarize  # noqa: E402
 
@@ -79,22 +79,9 @@ def main() -> None:
     log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def fused_in(mod, x, shift, scale, form, pdl=None):
-        def fn():
-            # read per call, so per capture; pdl "0": the pair's kernels one after the other, the GEMM too
-            env = {tuning.ENV_ADA_NORM_FORM: form, "SVDQ_SM90_PDL": pdl}
-            was = {key: os.environ.get(key) for key in env}
-            for key, v in env.items():
-                if v is not None:
-                    os.environ[key] = v
-            try:
-                return mod.forward_ada_norm(x, shift, scale, 1e-6)
-            finally:
-                for key, v in was.items():
-                    if v is None:
-                        os.environ.pop(key, None)
-                    else:
-                        os.environ[key] = v
-        return fn
+        # pdl "0": the pair's kernels one after the other, the GEMM too
+        return with_env({tuning.ENV_ADA_NORM_FORM: form, "SVDQ_SM90_PDL": pdl},
+                        lambda: mod.forward_ada_norm(x, shift, scale, 1e-6))
 
     with torch.no_grad():
         for label, m, k, n in [s for s in FLUX if s[0] in want]:
@@ -136,21 +123,10 @@ def main() -> None:
                     "pair pass": graph_of(npass(form="pair"), args.reps),
                 }
                 for cfg in args.pair_lora.split(";") if args.pair_lora else ():  # the pair's lora_act launch
-                    def with_cfg(fn, cfg=cfg):
-                        def run():
-                            was = os.environ.get(tuning.ENV_ADA_PAIR_LORA)
-                            os.environ[tuning.ENV_ADA_PAIR_LORA] = cfg  # read per call, so per capture
-                            try:
-                                return fn()
-                            finally:
-                                if was is None:
-                                    os.environ.pop(tuning.ENV_ADA_PAIR_LORA)
-                                else:
-                                    os.environ[tuning.ENV_ADA_PAIR_LORA] = was
-                        return run
                     tuning.parse_ada_pair_lora(cfg)  # a malformed one fails here, before any capture
-                    graphs[f"pair lora {cfg}"] = graph_of(with_cfg(npass(form="pair")), args.reps)
-                    graphs[f"fused pair lora {cfg}"] = graph_of(with_cfg(fused_in(mod, x, shift, scale, "pair")),
+                    at = {tuning.ENV_ADA_PAIR_LORA: cfg}
+                    graphs[f"pair lora {cfg}"] = graph_of(with_env(at, npass(form="pair")), args.reps)
+                    graphs[f"fused pair lora {cfg}"] = graph_of(with_env(at, fused_in(mod, x, shift, scale, "pair")),
                                                                 args.reps)
                 if args.pair_nopdl:  # whether the GEMM's time after the pair depends on the PDL overlap
                     graphs["fused pair, no PDL"] = graph_of(fused_in(mod, x, shift, scale, "pair", "0"), args.reps)
