@@ -286,6 +286,7 @@ def main():
     profiles: list[str] = []
     lora_env = os.environ.get("SVDQ_SM90_LORA_ACT")
     cp_env = os.environ.get("SVDQ_SM90_COMPILER_PASS", "0")
+    norm_env = os.environ.get("SVDQ_SM90_ADA_NORM")  # a variant without -norm / -written keeps the caller's
     for variant in args.variants.split(","):
         # "-gelu": Flux single blocks' proj_out and the feed-forwards' down projections read their GELU'd
         # input from its parts (svdq_linear.fuse.fuse_gelu_inputs)
@@ -295,13 +296,15 @@ def main():
         single_mlp = not v.endswith("-sep")
         v = v.removesuffix("-sep")
         # "-written" (fast-written): with --fuse, the fused layers after an adaLN norm read the norm's written
-        # output (SVDQ_SM90_ADA_NORM=0); "-norm": they normalize as they load (=1); without either, the library's
-        # default (they normalize as they load)
+        # output (SVDQ_SM90_ADA_NORM=0); "-norm": they normalize as they load (=1); without either, the caller's
+        # setting (unset: the library's default, they normalize as they load)
         if v.endswith("-norm") or v.endswith("-written"):
             os.environ["SVDQ_SM90_ADA_NORM"] = "1" if v.endswith("-norm") else "0"
             v = v.removesuffix("-norm").removesuffix("-written")
-        else:
+        elif norm_env is None:
             os.environ.pop("SVDQ_SM90_ADA_NORM", None)
+        else:
+            os.environ["SVDQ_SM90_ADA_NORM"] = norm_env
         # "-pdl" (fast-pdl, exact-pdl): lora_act and the activation pass as a PDL pair (SVDQ_SM90_PDL=1)
         # "-nopdl": never (SVDQ_SM90_PDL=0); without either, the default: the pair in captured graphs only
         if v.endswith("-pdl") or v.endswith("-nopdl"):

@@ -255,7 +255,7 @@ def _sm90_calls(quick: bool):
 
 
 def _norm_pair(kernels, norm_pass, x, mod, inv, pds) -> None:
-    """The norm pass's pair form (``SVDQ_SM90_ADA_NORM_FORM=pair``) in both modes: its ``lora_act`` and pass one
+    """The norm pass's pair form (the backend's default form) in both modes: its ``lora_act`` and pass one
     after the other (an eager call) and as the PDL pair a captured graph launches (the device check is the target's,
     as ``_pdl_pair``'s; not where this Triton has no grid dependency control)."""
     import torch

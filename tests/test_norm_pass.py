@@ -313,8 +313,8 @@ def test_pair_form_lora_config_changes_only_the_summation_order(monkeypatch, con
     """``SVDQ_SM90_ADA_PAIR_LORA`` (``tuning.ada_pair_lora``) sets the pair form's ``lora_act`` launch: other block
     rows (tokens not a multiple of them: 70 in 32- and 128-row blocks, the gathered modulation), splits, warps and
     stages write the same ``xq`` / ``a8`` / ``sa`` bits and ``lora_act`` within float32 summation order of the
-    default's, and the launch takes the rows and split the setting names (recorded grid: K = 1024 in 128-column
-    steps at R = 48 keeps at most four K ranges of two steps); malformed values are refused by name."""
+    default's, and the launch takes the rows, split, warps and stages the setting names (recorded: K = 1024 in
+    128-column steps at R = 48 keeps at most four K ranges of two steps); malformed values are refused by name."""
     from svdq_linear.backends.sm90 import tuning
 
     x, shift, scale, smooth, pds = _case(70, 2, 1024, 48, torch.bfloat16, device=DEV, seed=8, mean=2.0)
@@ -331,13 +331,15 @@ def test_pair_form_lora_config_changes_only_the_summation_order(monkeypatch, con
 
     class Spy:
         def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
+            def launch(*a, **kw):
+                grids.append((grid, kw["BLOCK_M"], kw["num_warps"], kw["NUM_STAGES"]))
+                return real[grid](*a, **kw)
+            return launch
 
     monkeypatch.setattr(norm_pass, "_ada_lora_kernel", Spy())
     got_x = norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, tokens=70, form="pair")
     got_f = norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, tokens=70, form="pair")
-    assert grids == [(-(-140 // bm), nsplit)] * 2, grids
+    assert grids == [((-(-140 // bm), nsplit), bm, warps, stages)] * 2, grids
     assert torch.equal(got_x[0], want_x[0])
     assert torch.equal(got_f[0].view(torch.uint8), want_f[0].view(torch.uint8)) and torch.equal(got_f[1], want_f[1])
     for g, w in ((got_x[1], want_x[1]), (got_f[2], want_f[2])):

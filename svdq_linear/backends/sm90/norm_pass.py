@@ -15,7 +15,7 @@ instead and write what the pass writes, so the normed tensor is never stored. Tw
    (``ada_norm_exact``), or the fast mode's E4M3 ``a8`` in the fast GEMM's k order and ``la = lora_act / sa``
    (``ada_norm_fast``); ``lora_act``'s partial sums on tensor cores, added in split order.
 
-The pair form (``form="pair"``; ``SVDQ_SM90_ADA_NORM_FORM=pair`` through the backend) keeps the statistics launch and
+The pair form (``form="pair"``; the backend's default, ``SVDQ_SM90_ADA_NORM_FORM``) keeps the statistics launch and
 splits the second in two, as the written input's path runs its pass: ``_ada_lora_kernel`` (``lora_act``'s partial
 sums in 64-row blocks, wgmma) and ``_ada_pass_kernel`` (one 8 x 256 tile a program, the grid filling the GPU), a PDL
 pair that reads x at once where the backend takes PDL (captured graphs by default), the pass's last k-tile adding
@@ -461,7 +461,8 @@ def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
     ``form="pair"``: the statistics, then ``lora_act`` alone (``tuning.ada_pair_lora``) and the pass alone in small
     tiles that fill the GPU (``PAIR_PASS``), with ``pdl`` as a PDL pair that reads x at once (CUDA, capability 9.0 or
     later), else one after the other; the tile arguments do not apply. The same ``xq`` bits as ``"split"``;
-    ``lora_act`` summed in another order."""
+    ``lora_act`` summed in another order. (``form`` defaults to "split" for direct callers such as
+    ``svdq-precompile``; the backend always passes ``tuning.ada_norm_form()``, "pair" unless set.)"""
     tokens = tokens or x.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
