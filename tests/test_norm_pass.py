@@ -350,6 +350,33 @@ def test_pair_form_lora_config_changes_only_the_summation_order(monkeypatch, con
             tuning.ada_pair_lora()
 
 
+def test_pair_lora_setting_past_shared_memory_is_named(monkeypatch):
+    """A ``SVDQ_SM90_ADA_PAIR_LORA`` launch that Triton refuses for want of resources (its ``OutOfResources``, as
+    ``128,1,8,3`` at R = 48 raised on the H100) is a ValueError naming the setting and the launch; other errors
+    pass through unchanged (stand-in launches)."""
+    from svdq_linear.backends.sm90 import tuning
+
+    x, shift, scale, smooth, pds = _case(8, 1, 256, 16, torch.bfloat16, device=DEV, seed=9)
+    x2, inv = x.reshape(-1, 256), 1.0 / smooth
+    monkeypatch.setenv(tuning.ENV_ADA_PAIR_LORA, "128,1,8,3")
+    OutOfResources = type("OutOfResources", (Exception,), {})
+
+    def refuse(exc):
+        class Launch:
+            def __getitem__(self, grid):
+                def launch(*a, **kw):
+                    raise exc
+                return launch
+        return Launch()
+
+    monkeypatch.setattr(norm_pass, "_ada_lora_kernel", refuse(OutOfResources("out of resource: shared memory")))
+    with pytest.raises(ValueError, match=f"{tuning.ENV_ADA_PAIR_LORA}.*block_m=128, stages=3.*R = 16"):
+        norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, tokens=8, form="pair")
+    monkeypatch.setattr(norm_pass, "_ada_lora_kernel", refuse(RuntimeError("something else")))
+    with pytest.raises(RuntimeError, match="something else"):
+        norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, tokens=8, form="pair")
+
+
 def test_norm_pass_is_on_unless_the_setting_says_0(monkeypatch):
     """``SVDQ_SM90_ADA_NORM``: unset or "1" normalizes as it loads, "0" writes the norm's output, anything else is an
     error naming the setting; ``Sm90Backend._reads_ada_norm`` follows it on a call that meets every other condition

@@ -40,7 +40,7 @@ import triton.language as tl
 from ... import nvfp4
 from .kernels import (_INTERPRET, _block_r, _check_pdl, _e4m3_bits, _gemm_k, _lora_dot, _nvfp4_dequant, _nvfp4_tile,
                       _pdl_opts, _round_to, _split_total, cdiv, gdc_launch_dependents, gdc_wait, next_pow2)
-from .tuning import ADA_NORM_FORMS, ada_pair_lora, fit_split
+from .tuning import ADA_NORM_FORMS, ENV_ADA_PAIR_LORA, ada_pair_lora, fit_split
 
 
 @triton.jit
@@ -371,10 +371,16 @@ def _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast,
         k_split = cdiv(cdiv(k, s), block_k) * block_k
         nsplit = cdiv(k, k_split)
         part = torch.empty(nsplit, m, r, device=x.device, dtype=torch.float32)
-        _ada_lora_kernel[(cdiv(m, bm), nsplit)](
-            x, shift, scale, mean, rstd, pds, part, m, k, r, tokens, x.stride(0), shift.stride(0), k_split,
-            BLOCK_M=bm, BLOCK_K=block_k, BLOCK_R=_block_r(r), NUM_STAGES=stages, PDL=pdl, DOT_F32=_INTERPRET,
-            UNIFORM=tokens % bm == 0, num_warps=warps, **_pdl_opts(pdl))
+        try:
+            _ada_lora_kernel[(cdiv(m, bm), nsplit)](
+                x, shift, scale, mean, rstd, pds, part, m, k, r, tokens, x.stride(0), shift.stride(0), k_split,
+                BLOCK_M=bm, BLOCK_K=block_k, BLOCK_R=_block_r(r), NUM_STAGES=stages, PDL=pdl, DOT_F32=_INTERPRET,
+                UNIFORM=tokens % bm == 0, num_warps=warps, **_pdl_opts(pdl))
+        except Exception as e:  # a setting past the GPU's shared memory (Triton's OutOfResources) named as such
+            if type(e).__name__ != "OutOfResources":
+                raise
+            raise ValueError(f"{ENV_ADA_PAIR_LORA}: the pair form's lora_act at block_m={bm}, stages={stages} and "
+                             f"R = {r} does not fit this GPU ({e}); take fewer rows or stages") from e
     bm, block_k, warps = PAIR_PASS
     block_k = min(block_k, next_pow2(k))
     _ada_pass_kernel[(cdiv(m, bm), cdiv(k, block_k))](
