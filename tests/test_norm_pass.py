@@ -358,8 +358,9 @@ def test_pair_lora_setting_past_shared_memory_is_named(monkeypatch):
 
     x, shift, scale, smooth, pds = _case(8, 1, 256, 16, torch.bfloat16, device=DEV, seed=9)
     x2, inv = x.reshape(-1, 256), 1.0 / smooth
+    from triton.runtime.errors import OutOfResources
+
     monkeypatch.setenv(tuning.ENV_ADA_PAIR_LORA, "128,1,8,3")
-    OutOfResources = type("OutOfResources", (Exception,), {})
 
     def refuse(exc):
         class Launch:
@@ -369,7 +370,7 @@ def test_pair_lora_setting_past_shared_memory_is_named(monkeypatch):
                 return launch
         return Launch()
 
-    monkeypatch.setattr(norm_pass, "_ada_lora_kernel", refuse(OutOfResources("out of resource: shared memory")))
+    monkeypatch.setattr(norm_pass, "_ada_lora_kernel", refuse(OutOfResources(294912, 232448, "shared memory")))
     with pytest.raises(ValueError, match=f"{tuning.ENV_ADA_PAIR_LORA}.*block_m=128, stages=3.*R = 16"):
         norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, tokens=8, form="pair")
     monkeypatch.setattr(norm_pass, "_ada_lora_kernel", refuse(RuntimeError("something else")))

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ... import nvfp4
 from .kernels import (_INTERPRET, _block_r, _check_pdl, _e4m3_bits, _gemm_k, _lora_dot, _nvfp4_dequant, _nvfp4_tile,
@@ -376,9 +377,7 @@ def _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast,
                 x, shift, scale, mean, rstd, pds, part, m, k, r, tokens, x.stride(0), shift.stride(0), k_split,
                 BLOCK_M=bm, BLOCK_K=block_k, BLOCK_R=_block_r(r), NUM_STAGES=stages, PDL=pdl, DOT_F32=_INTERPRET,
                 UNIFORM=tokens % bm == 0, num_warps=warps, **_pdl_opts(pdl))
-        except Exception as e:  # a setting past the GPU's shared memory (Triton's OutOfResources) named as such
-            if type(e).__name__ != "OutOfResources":
-                raise
+        except OutOfResources as e:  # a setting past the GPU's shared memory, named as such
             raise ValueError(f"{ENV_ADA_PAIR_LORA}: the pair form's lora_act at block_m={bm}, stages={stages} and "
                              f"R = {r} does not fit this GPU ({e}); take fewer rows or stages") from e
     bm, block_k, warps = PAIR_PASS

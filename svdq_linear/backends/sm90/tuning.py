@@ -236,6 +236,8 @@ def ada_norm_enabled() -> bool:
     if v not in ("0", "1"):
         raise ValueError(f"{ENV_ADA_NORM}={v!r}: expected 0 or 1")
     return v == "1"
+
+
 # the norm pass's apply tile, rows x warps: 32 x 4 (mma.sync for lora_act; 142-152 registers and 60 KB at R = 128)
 # by default; SVDQ_SM90_ADA_NORM_TILE=64x4 / 64x8 takes wgmma and half the proj_down reloads, which measured only
 # 4-8 us faster at R = 96-128 and slower at R = 32 (docs/perf.md, twenty-ninth session, z-2). Each loop pipelines
