@@ -12,6 +12,7 @@ rank-32 branch (the kernels' speed does not depend on the values). Times: CUDA-e
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import sys
@@ -173,7 +174,8 @@ def graph_replay_time(fn, iters=10):
 CATEGORIES = [
     ("compiler-fused elementwise / norms", re.compile(r"^triton_")),  # inductor's (names may say "attention")
     ("attention", re.compile(r"flash|fmha|sdpa|attention")),
-    ("activation passes (ours, Triton)", re.compile(r"^_quantize|^_lora_act")),
+    ("activation passes (ours, Triton)", re.compile(r"^_quantize|^_lora_act|^_lora_scale")),
+    ("adaLN norm passes (ours: statistics, lora_act, pass)", re.compile(r"^_ada_")),
     ("small-M kernels and split-K sums (ours)", re.compile(r"^_small_m|^_splitk|small_m_mma|smallmmma")),
     ("quack GEMM (CuTe DSL)", re.compile(r"quack|kernel_cutlass_kernel")),
     ("cuBLAS / cuBLASLt GEMM (lora_act in the svdq variants)", re.compile(r"nvjet|xmma|gemm|cublas|splitkreduce|cutlass")),
@@ -400,6 +402,7 @@ def main():
         else:
             del model
             torch._dynamo.reset()
+            gc.collect()  # else the next variant's held GB counts this one's weights freed after its mem0
             torch.cuda.empty_cache()
 
 
