@@ -32,3 +32,25 @@ def getenv(name: str, default: str | None = None) -> str | None:
         key = _KEYS[name] = _ENCODE(name)
     value = _DATA.get(key)
     return default if value is None else _DECODE(value)
+
+
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+_DEFAULT = ("", "auto")
+
+
+def switch(name: str) -> bool | None:
+    """An on/off setting, read with ``getenv``: True for 1/true/yes/on, False for 0/false/no/off (any case, spaces
+    around ignored), None where it is unset, empty or "auto" (the caller's default). Any other value is a
+    ``ValueError`` naming the setting: a typo must not leave a switch at its default unseen."""
+    value = getenv(name)
+    if value is None:
+        return None
+    v = value.strip().lower()
+    if v in _ON:
+        return True
+    if v in _OFF:
+        return False
+    if v in _DEFAULT:
+        return None
+    raise ValueError(f"{name}={value!r}: expected 1/true/yes/on, 0/false/no/off, or auto (the same as unset)")

@@ -7,7 +7,6 @@ Both hold the weight as packed NVFP4 (``qweight``/``wscales``) with a float32 pe
 from __future__ import annotations
 
 import math
-import os
 import warnings
 import weakref
 from typing import Callable, ClassVar
@@ -16,7 +15,7 @@ import torch
 from torch import nn
 
 from . import backends, nvfp4
-from ._env import getenv
+from ._env import getenv, switch
 from .svdquant import SVDQuantConfig, SVDQuantWeights, svdquant, weight_only
 
 
@@ -40,13 +39,9 @@ ENV_CHECK_RANGE = "SVDQ_LINEAR_CHECK_RANGE"
 
 
 def _flag(name: str) -> bool:
-    """An on/off environment variable: 1/true/yes/on or 0/false/no/off (any case; unset or empty: off)."""
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    raise ValueError(f"${name}={os.environ[name]!r}: expected 1/true/yes/on or 0/false/no/off")
+    """An on/off environment variable (``_env.switch``: 1/true/yes/on or 0/false/no/off, any case; unset, empty or
+    "auto": off)."""
+    return switch(name) is True
 
 
 _CHECK_RANGE = _flag(ENV_CHECK_RANGE)

@@ -737,6 +737,48 @@ def test_getenv_reads_what_os_environ_holds(monkeypatch):
         m.mode
 
 
+def test_switch_reads_on_off_and_refuses_the_rest(monkeypatch):
+    """``_env.switch``, every on/off setting's reader: the words for on and off in any case and spacing, the
+    caller's default where unset, empty or "auto", and an error naming the setting and its value otherwise."""
+    from svdq_linear._env import switch
+
+    name = "SVDQ_LINEAR_TEST_SWITCH"
+    monkeypatch.delenv(name, raising=False)
+    assert switch(name) is None
+    for value, want in [("1", True), (" TRUE ", True), ("yes", True), ("On", True), ("0", False), ("false", False),
+                        ("NO", False), (" off", False), ("", None), ("auto", None), (" Auto ", None)]:
+        monkeypatch.setenv(name, value)
+        assert switch(name) is want, value
+    for value in ("2", "enable", "o", "-1", "1,0"):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=f"{name}='{value}'"):
+            switch(name)
+
+
+def test_sm90_routing_switches_read_words_and_refuse_typos(monkeypatch):
+    """The sm90 backend's per-call on/off routes read their setting through ``_env.switch``: "true" routes as "1",
+    "off" as "0", and a typo is an error naming the setting (before, anything but "0" / "1" silently meant the
+    default)."""
+    from svdq_linear.backends import sm90
+
+    x1, x4 = torch.empty(1, 64), torch.empty(4, 64)
+    routes = [(sm90.ENV_SMALL_M_MMA, lambda: sm90._route_small_m_mma("exact", x4, 64)),
+              (sm90.ENV_EXACT_ONE_LAUNCH, lambda: sm90._route_exact_one_launch(x1, 64)),
+              (sm90.ENV_FAST_ONE_LAUNCH, lambda: sm90._route_fast_one_launch(x4, 64))]
+    for name, route in routes:
+        got = {}
+        for value in ("1", "true", "0", "off"):
+            monkeypatch.setenv(name, value)
+            got[value] = route()
+        assert got["true"] == got["1"] and got["off"] == got["0"], (name, got)
+        monkeypatch.setenv(name, "ture")
+        with pytest.raises(ValueError, match=f"{name}='ture'"):
+            route()
+        monkeypatch.delenv(name)
+    monkeypatch.setenv(sm90.ENV_FAST_ONE_LAUNCH, "yes")  # on: every call of 1-64 tokens, the CPU's included
+    assert sm90._route_fast_one_launch(x4, 64) is True
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_autocast_does_not_reach_the_backends_own_ops(dtype):
     """Under autocast the op's body ran the reference's fp32 matmuls in 16 bits: in fp16 the FP4 product overflows

@@ -350,37 +350,105 @@ def test_pair_form_lora_config_changes_only_the_summation_order(monkeypatch, con
             tuning.ada_pair_lora()
 
 
+def _refusing(exc: Exception):
+    """A stand-in for a Triton kernel: every launch (``kernel[grid](...)``) raises ``exc``."""
+    class Launch:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                raise exc
+            return launch
+    return Launch()
+
+
+def _out_of_resources():
+    """Triton's refusal of a launch past the GPU's shared memory (``128,1,8,3`` at R = 48 raised it on the H100)."""
+    from triton.runtime.errors import OutOfResources
+
+    return OutOfResources(294912, 232448, "shared memory")
+
+
 def test_pair_lora_setting_past_shared_memory_is_named(monkeypatch):
     """A ``SVDQ_SM90_ADA_PAIR_LORA`` launch that Triton refuses for want of resources (its ``OutOfResources``, as
-    ``128,1,8,3`` at R = 48 raised on the H100) is a ValueError naming the setting and the launch; other errors
-    pass through unchanged (stand-in launches)."""
+    ``128,1,8,3`` at R = 48 raised on the H100) is a ValueError naming the setting, its value and the launch, chained
+    from Triton's error (``kernels.setting_launch``); with the setting unset (the default config) Triton's error
+    passes unchanged, and other errors pass through unchanged (stand-in launches)."""
+    from triton.runtime.errors import OutOfResources
+
     from svdq_linear.backends.sm90 import tuning
 
     x, shift, scale, smooth, pds = _case(8, 1, 256, 16, torch.bfloat16, device=DEV, seed=9)
     x2, inv = x.reshape(-1, 256), 1.0 / smooth
-    from triton.runtime.errors import OutOfResources
-
     monkeypatch.setenv(tuning.ENV_ADA_PAIR_LORA, "128,1,8,3")
-
-    def refuse(exc):
-        class Launch:
-            def __getitem__(self, grid):
-                def launch(*a, **kw):
-                    raise exc
-                return launch
-        return Launch()
-
-    monkeypatch.setattr(norm_pass, "_ada_lora_kernel", refuse(OutOfResources(294912, 232448, "shared memory")))
-    with pytest.raises(ValueError, match=f"{tuning.ENV_ADA_PAIR_LORA}.*block_m=128, stages=3.*R = 16"):
+    oor = _out_of_resources()
+    monkeypatch.setattr(norm_pass, "_ada_lora_kernel", _refusing(oor))
+    with pytest.raises(ValueError, match=f"{tuning.ENV_ADA_PAIR_LORA}='128,1,8,3': .*block_m=128, stages=3.*R = 16"
+                       ) as info:
         norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, tokens=8, form="pair")
-    monkeypatch.setattr(norm_pass, "_ada_lora_kernel", refuse(RuntimeError("something else")))
+    assert info.value.__cause__ is oor
+    monkeypatch.delenv(tuning.ENV_ADA_PAIR_LORA)
+    with pytest.raises(OutOfResources) as info:
+        norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, tokens=8, form="pair")
+    assert info.value is oor, "unset: Triton's own error"
+    monkeypatch.setenv(tuning.ENV_ADA_PAIR_LORA, "128,1,8,3")
+    monkeypatch.setattr(norm_pass, "_ada_lora_kernel", _refusing(RuntimeError("something else")))
     with pytest.raises(RuntimeError, match="something else"):
         norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, tokens=8, form="pair")
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_apply_tile_setting_past_the_gpus_resources_is_named(monkeypatch, fast):
+    """A split-form apply launch at ``SVDQ_SM90_ADA_NORM_TILE``'s tile that Triton refuses for want of resources is a
+    ValueError naming the setting, its value and the tile, chained from Triton's error: through the backend
+    (``run_w4a4_ada_norm``, which hands the norm pass the setting's tile; the GEMMs stand-ins) and called directly at
+    that tile. With the setting unset, or a direct call at a tile of its own, Triton's error passes unchanged.
+    Stand-in apply launches; the statistics launch runs."""
+    from triton.runtime.errors import OutOfResources
+
+    from svdq_linear.backends import sm90
+    from svdq_linear.backends.sm90 import tuning
+
+    oor = _out_of_resources()
+    monkeypatch.setattr(norm_pass, "_ada_apply_kernel", _refusing(oor))
+
+    class FakeQuackFast:
+        weight = staticmethod(lambda ex: ex)
+        gemm = staticmethod(lambda a8, sa, fw, out_dtype, lr_acc: torch.zeros(a8.shape[0], 8, dtype=out_dtype))
+
+    monkeypatch.setattr(sm90, "_quack_fast_module", lambda: FakeQuackFast)
+    monkeypatch.setattr(sm90.Sm90Backend, "_exact_gemm", lambda self, xq, lora, *a: torch.zeros(xq.shape[0], 8))
+    be = sm90.Sm90Backend()
+    m, k, r = 32, 128, 16
+    x, shift, scale, smooth, pds = _case(m, 1, k, r, torch.bfloat16, seed=10)
+    x2, inv = x.reshape(-1, k), 1.0 / smooth
+    ex = [pds] + [torch.zeros(1, 8)] * 6 + [inv]  # the 7 tensors of the accumulator form + inv_smooth
+    monkeypatch.setenv(tuning.ENV_ADA_NORM_FORM, "split")
+    monkeypatch.setenv(tuning.ENV_ADA_NORM_TILE, "64x8")
+
+    def backend_call():
+        be.run_w4a4_ada_norm(x2, shift, scale, 1e-6, m, None, None, None, torch.zeros(k, r), None, None, None, ex, fast)
+
+    def direct_call(block_m, warps):
+        fn = norm_pass.ada_norm_fast if fast else norm_pass.ada_norm_exact
+        fn(x2, shift, scale, 1e-6, inv, pds, block_m=block_m, num_warps=warps)
+
+    for call in (backend_call, lambda: direct_call(64, 8)):
+        with pytest.raises(ValueError, match=f"{tuning.ENV_ADA_NORM_TILE}='64x8': .*apply launch at 64 x 8.*R = {r}"
+                           ) as info:
+            call()
+        assert info.value.__cause__ is oor
+    with pytest.raises(OutOfResources) as info:
+        direct_call(32, 4)
+    assert info.value is oor, "a direct call at its own tile: Triton's own error"
+    monkeypatch.delenv(tuning.ENV_ADA_NORM_TILE)
+    for call in (backend_call, lambda: direct_call(32, 4)):
+        with pytest.raises(OutOfResources) as info:
+            call()
+        assert info.value is oor, "unset: Triton's own error"
+
+
 def test_norm_pass_is_on_unless_the_setting_says_0(monkeypatch):
-    """``SVDQ_SM90_ADA_NORM``: unset or "1" normalizes as it loads, "0" writes the norm's output, anything else is an
-    error naming the setting; ``Sm90Backend._reads_ada_norm`` follows it on a call that meets every other condition
+    """``SVDQ_SM90_ADA_NORM``: unset or on ("1", "On") normalizes as it loads, off ("0", "off") writes the norm's
+    output, anything else is an error naming the setting; ``Sm90Backend._reads_ada_norm`` follows it on a call that meets every other condition
     (a prepared fast layer at ``ADA_NORM_MIN_M`` tokens; stand-in prepared state)."""
     from types import SimpleNamespace
 
@@ -393,7 +461,11 @@ def test_norm_pass_is_on_unless_the_setting_says_0(monkeypatch):
     assert tuning.ada_norm_enabled()
     monkeypatch.setenv(tuning.ENV_ADA_NORM, " 0 ")
     assert not tuning.ada_norm_enabled()
-    monkeypatch.setenv(tuning.ENV_ADA_NORM, "on")
+    monkeypatch.setenv(tuning.ENV_ADA_NORM, "off")
+    assert not tuning.ada_norm_enabled()
+    monkeypatch.setenv(tuning.ENV_ADA_NORM, "On")
+    assert tuning.ada_norm_enabled()
+    monkeypatch.setenv(tuning.ENV_ADA_NORM, "2")
     with pytest.raises(ValueError, match=tuning.ENV_ADA_NORM):
         tuning.ada_norm_enabled()
 

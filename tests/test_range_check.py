@@ -119,7 +119,7 @@ def test_environment_variable_reads_words_as_they_say(value, on, monkeypatch):
 
 def test_environment_variable_of_another_word_is_refused(monkeypatch):
     monkeypatch.setenv("SVDQ_LINEAR_CHECK_RANGE", "maybe")
-    with pytest.raises(ValueError, match=r"\$SVDQ_LINEAR_CHECK_RANGE='maybe': expected 1/true/yes/on or 0/false"):
+    with pytest.raises(ValueError, match=r"SVDQ_LINEAR_CHECK_RANGE='maybe': expected 1/true/yes/on, 0/false"):
         linear_mod._flag("SVDQ_LINEAR_CHECK_RANGE")
 
 

@@ -320,6 +320,116 @@ def test_lora_act_plan_rule_and_environment():
             tuning.lora_act_plan(4096, 3072, 32, bad)
 
 
+def _lora_inputs(m, k, r, seed):
+    """``x [m, k]`` bf16, ``smooth [k]``, ``pds = proj_down / smooth [k, r]`` bf16 and ``1 / smooth``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    smooth = torch.rand(k, generator=g) + 0.5
+    pds = (torch.randn(k, r, generator=g) / k ** 0.5).bfloat16()
+    return x, smooth, pds, 1.0 / smooth
+
+
+@pytest.mark.parametrize("site", ["fast", "cat", "exact_pdl"])
+def test_lora_act_setting_past_the_gpus_resources_is_named(site, monkeypatch):
+    """A ``kernels.lora_act`` launch on ``SVDQ_SM90_LORA_ACT``'s config that Triton refuses for want of resources
+    (its ``OutOfResources``) is a ValueError naming the setting, its value and the launch, chained from Triton's
+    error, at each launch the setting configures: the fast mode's (``run_w4a4_fast``, its quack GEMM a stand-in),
+    the two-source one of a ``cat_gelu`` input (``run_w4a4_cat_gelu``, 2048 tokens) and the exact mode's PDL pair
+    (``run_w4a4``, PDL stood in on the CPU). Unset (the default plan at ``LORA_ACT_MIN_M`` tokens), and for the
+    two-source launch also under "cublas" (which it cannot take: the default plan runs), Triton's error passes
+    unchanged. Stand-in ``_lora_act_kernel`` launches."""
+    from types import SimpleNamespace
+
+    from test_norm_pass import _out_of_resources, _refusing
+    from triton.runtime.errors import OutOfResources
+
+    from svdq_linear.backends import sm90
+    from svdq_linear.backends.sm90 import kernels, tuning
+
+    oor = _out_of_resources()
+    monkeypatch.setattr(kernels, "_lora_act_kernel", _refusing(oor))
+    for name in (tuning.ENV_LORA_ACT, tuning.ENV_EXACT_LORA, sm90.ENV_PDL, sm90.ENV_LORA_STREAM):
+        monkeypatch.delenv(name, raising=False)
+    be = sm90.Sm90Backend()
+    k, r = 256, 16
+    m = tuning.CAT_GELU_MIN_M if site == "cat" else tuning.LORA_ACT_MIN_M
+    x, smooth, pds, inv = _lora_inputs(m, k, r, seed=12)
+    pd = torch.zeros(k, r)  # (its width only: the prepared pds is extra[0])
+    if site == "fast":
+        class FakeQuackFast:
+            weight = staticmethod(lambda ex: SimpleNamespace(cs=torch.zeros(1, 64)))
+
+        monkeypatch.setattr(sm90, "_quack_fast_module", lambda: FakeQuackFast)
+        ex = [pds] + [torch.zeros(1, 8)] * 6 + [inv]  # the accumulator form's 7 tensors + inv_smooth
+
+        def call():
+            be.run_w4a4_fast(x, None, None, smooth, pd, None, None, None, ex)
+    elif site == "cat":
+        assert be._exact_reads_cat(x[:, :128], x[:, 128:])
+
+        def call():
+            be.run_w4a4_cat_gelu(x[:, :128], x[:, 128:], None, None, smooth, pd, None, None, None, [pds, inv])
+    else:
+        monkeypatch.setattr(sm90, "_pdl", lambda x, kernels, auto=True: True)
+        monkeypatch.setattr(kernels, "_check_pdl", lambda device, what: None)
+
+        def call():
+            be.run_w4a4(x, None, None, smooth, pd, None, None, None, [pds, inv])
+
+    monkeypatch.setenv(tuning.ENV_LORA_ACT, "32,2,4,2")
+    with pytest.raises(ValueError, match=f"{tuning.ENV_LORA_ACT}='32,2,4,2': lora_act at .*block_m=32, split=2, "
+                                         f"num_warps=4, num_stages=2.* R = {r}") as info:
+        call()
+    assert info.value.__cause__ is oor
+    unchanged = [None] + (["cublas"] if site == "cat" else [])
+    for value in unchanged:
+        if value is None:
+            monkeypatch.delenv(tuning.ENV_LORA_ACT)
+        else:
+            monkeypatch.setenv(tuning.ENV_LORA_ACT, value)
+        with pytest.raises(OutOfResources) as info:
+            call()
+        assert info.value is oor, f"{value}: Triton's own error"
+
+
+@pytest.mark.parametrize("value", ["one", "32,64,4,1,2"])
+def test_exact_lora_setting_past_the_gpus_resources_is_named(value, monkeypatch):
+    """A ``kernels.quantize_act_lora`` launch (the exact mode's one read of x, ``run_w4a4``) that Triton refuses for
+    want of resources is a ValueError naming ``SVDQ_SM90_EXACT_LORA``, its value and the launch, chained from
+    Triton's error, for "one" (the config ``EXACT_LORA_CONFIG``, the launch the setting asked for) and an explicit
+    config; unset, where ``tuning.exact_lora_by_default`` takes the one read (its token floor lowered here), Triton's
+    error passes unchanged. Stand-in ``_quantize_act_lora_kernel`` launches."""
+    from test_norm_pass import _out_of_resources, _refusing
+    from triton.runtime.errors import OutOfResources
+
+    from svdq_linear.backends import sm90
+    from svdq_linear.backends.sm90 import kernels, tuning
+
+    oor = _out_of_resources()
+    monkeypatch.setattr(kernels, "_quantize_act_lora_kernel", _refusing(oor))
+    monkeypatch.setattr(tuning, "EXACT_LORA_AUTO_MIN_M", 128)
+    for name in (tuning.ENV_LORA_ACT, sm90.ENV_PDL, sm90.ENV_LORA_STREAM):
+        monkeypatch.delenv(name, raising=False)
+    be = sm90.Sm90Backend()
+    k, r = 256, 16
+    x, smooth, pds, inv = _lora_inputs(128, k, r, seed=13)
+
+    def call():
+        be.run_w4a4(x, None, None, smooth, torch.zeros(k, r), None, None, None, [pds, inv])
+
+    monkeypatch.setenv(tuning.ENV_EXACT_LORA, value)
+    want = tuning.exact_lora_plan(128, k, r, value)
+    with pytest.raises(ValueError, match=f"{tuning.ENV_EXACT_LORA}='{value}': quantize_act_lora at .*"
+                                         f"block_m={want.block_m}, block_k={want.block_k}.* R = {r}") as info:
+        call()
+    assert info.value.__cause__ is oor
+    monkeypatch.delenv(tuning.ENV_EXACT_LORA)
+    assert tuning.exact_lora_by_default(128, r)
+    with pytest.raises(OutOfResources) as info:
+        call()
+    assert info.value is oor, "unset: Triton's own error"
+
+
 def test_triton_gemm_stays_at_two_stages_above_64_tokens():
     """Triton 3.6 on sm_90 mis-compiles the 3-stage loop of the table's 128 x 256 x 64 tile (garbage in
     some outputs at 1000 tokens, run to run: tuning.MAX_STAGES_ABOVE_64); the small-M configs keep theirs."""

@@ -156,8 +156,8 @@ def test_backend_switch_reads_the_environment_per_call(monkeypatch):
     for env in ("1", "auto"):
         monkeypatch.setenv(sm90.ENV_PDL, env)
         assert not sm90._pdl(gpu_x, kernels)
-    monkeypatch.setenv(sm90.ENV_PDL, "yes")
-    with pytest.raises(ValueError, match="SVDQ_SM90_PDL must be 1, 0 or auto"):
+    monkeypatch.setenv(sm90.ENV_PDL, "maybe")
+    with pytest.raises(ValueError, match="SVDQ_SM90_PDL=.maybe.: expected 1/true/yes/on, 0/false/no/off, or auto"):
         sm90._pdl(gpu_x, kernels)
     monkeypatch.undo()
 

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import nvfp4
-from ..._env import getenv
+from ..._env import getenv, switch
 
 from .. import (Backend, device_capability, plain_eager_call, tracing, w4a4_ada_norm_linear, w4a4_cat_gelu_linear,
                 w4a8_fast_gemm,
@@ -66,8 +66,16 @@ QUACK_MIN_M = 128  # tokens from which quack's W4 GEMM serves bf16 calls (docs/p
 # Up to this many tokens a layer kind runs small_m's kernel, from where it beat the GEMM it replaced
 # (docs/perf.md, "Small M"); SVDQ_SM90_SMALL_M=<int> sets one limit for every kind (0: never).
 SMALL_M = {"w4a4": 64, "w4a16": 32}
-if os.environ.get("SVDQ_SM90_SMALL_M"):
-    SMALL_M = dict.fromkeys(SMALL_M, int(os.environ["SVDQ_SM90_SMALL_M"]))
+if os.environ.get("SVDQ_SM90_SMALL_M", "").strip():
+    try:
+        SMALL_M = dict.fromkeys(SMALL_M, int(os.environ["SVDQ_SM90_SMALL_M"]))
+    except ValueError:
+        raise ValueError(f"SVDQ_SM90_SMALL_M={os.environ['SVDQ_SM90_SMALL_M']!r}: expected a whole number of "
+                         "tokens (0: never)") from None
+    if SMALL_M["w4a4"] < 0:
+        raise ValueError(f"SVDQ_SM90_SMALL_M={os.environ['SVDQ_SM90_SMALL_M']!r}: expected 0 or more tokens")
+# The on/off settings below are read with _env.switch: "1" stands for 1/true/yes/on, "0" for 0/false/no/off, and
+# any other value but "auto" or nothing is an error naming the setting.
 ENV_QUACK = "SVDQ_SM90_QUACK"  # "0": never use quack (the Triton GEMM for every exact call)
 # small_m_mma (warp-level tensor cores) serves the small-M calls where tuning.use_small_m_mma measured it
 # faster; "1": every call it can take (exact mode on quack's blob within SMALL_M["w4a4"], fast mode; up to
@@ -119,11 +127,9 @@ def _pdl(x: torch.Tensor, kernels, auto: bool = True) -> bool:
     the user asked for (``SVDQ_SM90_LORA_STREAM=1``), which unset / "auto" leaves in place."""
     if not x.is_cuda:
         return False
-    env = getenv(ENV_PDL)
-    if env in ("0", "1"):
-        return env == "1" and kernels.pdl_supported(x.device)
-    if env not in (None, "", "auto"):
-        raise ValueError(f"{ENV_PDL} must be 1, 0 or auto (the same as unset), got {env!r}")
+    on = switch(ENV_PDL)
+    if on is not None:
+        return on and kernels.pdl_supported(x.device)
     return auto and kernels.pdl_supported(x.device) and torch.cuda.is_current_stream_capturing()
 
 
@@ -131,7 +137,7 @@ def _lora_beside(x: torch.Tensor, pds: torch.Tensor, pass_fn):
     """``(x.to(bf16) @ pds, pass_fn())``: with ``SVDQ_SM90_LORA_STREAM=1`` while the current stream captures a
     CUDA graph, the product on a side stream forked from it and joined back (the output allocated on the
     current stream, so its lifetime is that stream's); otherwise one after the other."""
-    if not (x.is_cuda and getenv(ENV_LORA_STREAM) == "1" and torch.cuda.is_current_stream_capturing()):
+    if not (x.is_cuda and switch(ENV_LORA_STREAM) is True and torch.cuda.is_current_stream_capturing()):
         return x.to(torch.bfloat16) @ pds, pass_fn()
     cur = torch.cuda.current_stream(x.device)
     side = _SIDE_STREAMS.get(x.device.index)
@@ -150,19 +156,19 @@ def _lora_beside(x: torch.Tensor, pds: torch.Tensor, pass_fn):
 def _route_small_m_mma(mode: str, x: torch.Tensor, n: int) -> bool:
     """Whether this call of ``x [M, K]`` runs small_m_mma (a CUDA kernel: never under the Triton
     interpreter on the CPU)."""
-    env = getenv(ENV_SMALL_M_MMA)  # read per call (benchmarks toggle it)
+    on = switch(ENV_SMALL_M_MMA)  # read per call (benchmarks toggle it)
     m, k = x.shape
-    if env == "0" or not 1 <= m <= tuning.MMA_TOKENS or not x.is_cuda:  # no tokens: the other paths' empty output
+    if on is False or not 1 <= m <= tuning.MMA_TOKENS or not x.is_cuda:  # no tokens: the other paths' empty output
         return False
-    return env == "1" or tuning.use_small_m_mma(mode, m, n, k)
+    return on is True or tuning.use_small_m_mma(mode, m, n, k)
 
 
 def _route_exact_one_launch(x: torch.Tensor, n: int) -> int | None:
     """None where this exact call of ``x [M, K]`` (``n`` outputs, on quack's blob) does not run
     small_m_fast.linear_exact; else the CTAs an SM its split targets (0: what residency fits)."""
-    env = getenv(ENV_EXACT_ONE_LAUNCH)  # read per call (benchmarks toggle it)
+    on = switch(ENV_EXACT_ONE_LAUNCH)  # read per call (benchmarks toggle it)
     m, k = x.shape
-    if env == "0" or (env != "1" and not x.is_cuda):  # not under the interpreter by default: too slow there
+    if on is False or (on is None and not x.is_cuda):  # not under the interpreter by default: too slow there
         return None
     return tuning.exact_one_launch_ctas(m, n, k)  # None outside its 1-2 tokens
 
@@ -171,11 +177,11 @@ def _route_fast_one_launch(x: torch.Tensor, n: int) -> bool:
     """Whether this fast-mode call of ``x [M, K]`` (``n`` outputs) runs small_m_fast. By default only on a
     GPU (under the Triton interpreter on the CPU the routed path is the one that finishes in reasonable
     time); the setting "1" takes it anywhere, the tests' interpreter runs included."""
-    env = getenv(ENV_FAST_ONE_LAUNCH)  # read per call (benchmarks toggle it)
+    on = switch(ENV_FAST_ONE_LAUNCH)  # read per call (benchmarks toggle it)
     m, k = x.shape
-    if env == "0" or not 1 <= m <= 64:  # small_m_fast.MAX_M
+    if on is False or not 1 <= m <= 64:  # small_m_fast.MAX_M
         return False
-    return env == "1" or (x.is_cuda and tuning.use_fast_one_launch(m, n, k))
+    return on is True or (x.is_cuda and tuning.use_fast_one_launch(m, n, k))
 
 
 LOWRANK_MAX_WINDOW = 64  # widest low-rank window a weight tile reads in the accumulator path (docs/perf.md)
@@ -340,7 +346,7 @@ class Sm90Backend(Backend):
         # Under per-call offload the repacked copy would be rebuilt for every call: use the Triton GEMM.
         # quack serves bf16 activations, which follow the module's dtype in a pipeline: an fp16 module
         # would keep a repacked copy that no call reads.
-        return (not self.interpret and not weights_are_offloaded(module) and getenv(ENV_QUACK, "1") != "0"
+        return (not self.interpret and not weights_are_offloaded(module) and switch(ENV_QUACK) is not False
                 and n % 128 == 0 and k % 128 == 0 and module.proj_up.dtype == torch.bfloat16
                 and _quack_module() is not None)
 
@@ -397,7 +403,7 @@ class Sm90Backend(Backend):
         """Whether this traced fast-mode call leaves its activation pass to the compiler: the quack GEMM
         with the low-rank branch in its accumulator (or none), and more tokens than small_m_mma takes
         (a static count: a dynamic one keeps the whole op)."""
-        if not tracing() or getenv(ENV_COMPILER_PASS, "0") != "1" or self.interpret:
+        if not tracing() or switch(ENV_COMPILER_PASS) is not True or self.interpret:
             return False
         if type(getattr(prepared, "quack", None)).__name__ != "FastWeight":
             return False
@@ -467,18 +473,23 @@ class Sm90Backend(Backend):
         plan = self.tuning.exact_lora_plan(m, k, pds.shape[1], env, self.tuning.sm_count(x.device)) if env else None
         # the PDL pair (SVDQ_SM90_PDL; by default in captured graphs), then with SVDQ_SM90_EXACT_LORA unset the one
         # read where tuning says: unless SVDQ_SM90_LORA_STREAM=1 asks for the second stream (the two launches)
-        stream = getenv(ENV_LORA_STREAM) == "1"
+        stream = switch(ENV_LORA_STREAM) is True
         pdl = plan is None and r > 0 and x.stride(1) == 1 and _pdl(x, self.kernels, auto=not stream)
-        lora_plan = self.tuning.lora_act_plan(m, k, pds.shape[1], getenv(self.tuning.ENV_LORA_ACT)) if pdl else None
+        lora_env = getenv(self.tuning.ENV_LORA_ACT) if pdl else None
+        lora_plan = self.tuning.lora_act_plan(m, k, pds.shape[1], lora_env) if pdl else None
         if r and not env and lora_plan is None and not stream and self.tuning.exact_lora_by_default(m, pds.shape[1]):
             plan = self.tuning.exact_lora_plan(m, k, pds.shape[1], "one", self.tuning.sm_count(x.device))
         if plan is not None:  # the pass and lora_act [M, R] bf16 in one read of x
-            xq, lora = self.kernels.quantize_act_lora(
-                x, smooth, pds, out_dtype=xq_dtype, block_m=plan.block_m, block_k=plan.block_k, split=plan.split,
-                num_warps=plan.num_warps, num_stages=plan.num_stages, inv_smooth=inv)
+            with self.kernels.setting_launch(self.tuning.ENV_EXACT_LORA, env, "quantize_act_lora at {} and R = {}",
+                                             plan, pds.shape[1], hint="take fewer rows, a shorter k-step or fewer "
+                                             "stages, or 'two' (the pass, then cuBLAS)"):
+                xq, lora = self.kernels.quantize_act_lora(
+                    x, smooth, pds, out_dtype=xq_dtype, block_m=plan.block_m, block_k=plan.block_k, split=plan.split,
+                    num_warps=plan.num_warps, num_stages=plan.num_stages, inv_smooth=inv)
         elif lora_plan is not None:  # lora_act's partials (Triton), the pass beside it as its PDL dependent
-            part = self.kernels.lora_act(x, pds, torch.float32, block_m=lora_plan.block_m, split=lora_plan.split,
-                                         num_warps=lora_plan.num_warps, num_stages=lora_plan.num_stages, pdl=True)
+            with _lora_act_setting(self.kernels, lora_env, lora_plan, pds.shape[1]):
+                part = self.kernels.lora_act(x, pds, torch.float32, block_m=lora_plan.block_m, split=lora_plan.split,
+                                             num_warps=lora_plan.num_warps, num_stages=lora_plan.num_stages, pdl=True)
             xq, lora = self.kernels.quantize_act_after_lora(x, smooth, part, out_dtype=xq_dtype, inv_smooth=inv)
         elif r:  # lora_act [M, R] bf16: x read once more, at copy speed (beside the pass: _lora_beside)
             lora, xq = _lora_beside(x, pds, quantize)
@@ -554,7 +565,7 @@ class Sm90Backend(Backend):
                                              ctas_per_sm=ctas or None,
                                              num_stages=tuning.exact_one_launch_stages(x.shape[0], n, x.shape[1]))
         mma = layout == small_m.QUACK and x.dtype == torch.bfloat16 and _route_small_m_mma("exact", x, n)
-        if mma and getenv(ENV_MMA_FUSED) == "1" and len(extra) in (4, 7):  # no branch, or its accumulator form
+        if mma and switch(ENV_MMA_FUSED) is True and len(extra) in (4, 7):  # no branch, or its accumulator form
             from .quack_gemm import weight as quack_gemm_weight
 
             qw = quack_gemm_weight(extra[-4:])
@@ -591,11 +602,11 @@ class Sm90Backend(Backend):
                                        out_dtype=x.dtype)
         if _route_small_m_mma("fast", x, fw.cs.numel()):
             mma = _small_m_mma_module()
-            if getenv(ENV_MMA_FUSED) == "1" and len(extra) == 7:  # the accumulator form, in one launch
+            if switch(ENV_MMA_FUSED) is True and len(extra) == 7:  # the accumulator form, in one launch
                 a8, sa, la = self.kernels.quantize_act_fp8(x, smooth, lora=_mm_f32(x.to(torch.bfloat16), extra[0]),
                                                            inv_smooth=inv, gemm_order=True)
                 out = mma.linear_fast_fused(a8, sa, fw, extra[1], la, extra[2], out_dtype=out_dtype)
-            elif getenv(ENV_MMA_FUSED) == "1" and len(extra) == 4:  # no low-rank branch
+            elif switch(ENV_MMA_FUSED) is True and len(extra) == 4:  # no low-rank branch
                 a8, sa = self.kernels.quantize_act_fp8(x, smooth, inv_smooth=inv, gemm_order=True)
                 out = mma.linear_fast_fused(a8, sa, fw, out_dtype=out_dtype)
             else:
@@ -748,11 +759,14 @@ class Sm90Backend(Backend):
         ``_lora_act`` (cuBLAS would need the input written out, so its default plan serves below
         ``LORA_ACT_MIN_M`` tokens and under ``SVDQ_SM90_LORA_ACT=cublas``)."""
         m, k, r = xb.shape[0], pds.shape[0], pds.shape[1]
-        plan = (tuning.lora_act_plan(m, k, r, getenv(tuning.ENV_LORA_ACT))
-                or tuning.lora_act_plan(max(m, tuning.LORA_ACT_MIN_M), k, r))
-        return self.kernels.lora_act(xa, pds, torch.float32, block_m=plan.block_m, split=plan.split,
-                                     num_warps=plan.num_warps, num_stages=plan.num_stages, xb=xb, gelu_b=True,
-                                     pdl=pdl)
+        env = getenv(tuning.ENV_LORA_ACT)
+        plan = tuning.lora_act_plan(m, k, r, env)
+        if plan is None:  # "cublas" (or unset below LORA_ACT_MIN_M tokens): the default plan, not the setting's
+            plan, env = tuning.lora_act_plan(max(m, tuning.LORA_ACT_MIN_M), k, r), None
+        with _lora_act_setting(self.kernels, env, plan, r):
+            return self.kernels.lora_act(xa, pds, torch.float32, block_m=plan.block_m, split=plan.split,
+                                         num_warps=plan.num_warps, num_stages=plan.num_stages, xb=xb, gelu_b=True,
+                                         pdl=pdl)
 
     def _fast_lora_pdl(self, x: torch.Tensor, plan: tuning.LoraActPlan | None) -> bool:
         """Whether this fast call takes the PDL pair: the switch on, x of unit stride along K and within the
@@ -769,8 +783,9 @@ class Sm90Backend(Backend):
             plan = _lora_plan(x, pds)
         if plan is None:
             return _mm_f32(x.to(torch.bfloat16), pds)
-        return self.kernels.lora_act(x, pds, torch.float32, block_m=plan.block_m, split=plan.split,
-                                     num_warps=plan.num_warps, num_stages=plan.num_stages, pdl=pdl)
+        with _lora_act_setting(self.kernels, getenv(tuning.ENV_LORA_ACT), plan, pds.shape[1]):
+            return self.kernels.lora_act(x, pds, torch.float32, block_m=plan.block_m, split=plan.split,
+                                         num_warps=plan.num_warps, num_stages=plan.num_stages, pdl=pdl)
 
     def run_w4a16(self, x, qweight, wscales, wcscale, bias, extra):
         if x.stride(1) != 1:
@@ -782,6 +797,14 @@ class Sm90Backend(Backend):
                                   act=small_m.ACT_X, bias=bias, out_dtype=x.dtype)
         cfg = self.tuning.pick(x.shape[0], qweight.shape[0], x.shape[1])
         return self.kernels.w4_gemm(x, qweight, wscales, wcscale, bias, None, None, x.dtype, cfg)
+
+
+def _lora_act_setting(kernels, env: str | None, plan: tuning.LoraActPlan, r: int):
+    """``kernels.setting_launch`` around a ``kernels.lora_act`` launch on ``plan`` with ``r`` columns: a launch Triton
+    refuses for want of resources names ``SVDQ_SM90_LORA_ACT`` where ``env`` (its value) chose the plan, and is
+    Triton's error where the plan is the default one (``env`` None)."""
+    return kernels.setting_launch(tuning.ENV_LORA_ACT, env, "lora_act at {} and R = {}", plan, r,
+                                  hint="take fewer rows or stages, or 'cublas'")
 
 
 def _lora_plan(x: torch.Tensor, pds: torch.Tensor) -> tuning.LoraActPlan | None:

@@ -26,12 +26,17 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ... import nvfp4
+
+if TYPE_CHECKING:
+    from .tuning import GemmConfig
 
 try:  # programmatic dependent launch (sm_90+): Triton 3.4 and later
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -774,6 +779,33 @@ def _check_pdl(device: torch.device, what: str) -> None:
     if not pdl_supported(device):
         raise ValueError(f"{what}: programmatic dependent launch needs a CUDA device of capability 9.0 or later "
                          f"and a Triton with grid dependency control (not the interpreter); got {device}")
+
+
+class setting_launch:
+    """A context manager around a launch whose tile, warps or stages the environment setting ``setting`` chose
+    (``value``: what it holds, read per call by the caller). A launch Triton refuses for want of resources
+    (``OutOfResources``: more shared memory than this GPU has, or more threads than its registers allow) is a
+    ValueError naming the setting, its value and ``launch`` (what ran at which config: a ``str.format`` template of
+    ``config``, filled only on a refusal, so a launch that fits pays for no message), then ``hint`` (what to
+    change), chained from Triton's error. Where ``value`` is unset or blank the config is the library's own, and
+    Triton's error passes unchanged: naming a setting the user did not set would mislead. Any other error passes
+    unchanged.
+
+    ``with setting_launch(tuning.ENV_LORA_ACT, env, "lora_act at {} and R = {}", plan, r): lora_act(...)``"""
+
+    __slots__ = ("setting", "value", "launch", "config", "hint")
+
+    def __init__(self, setting: str, value: str | None, launch: str, *config,
+                 hint: str = "take fewer rows, warps or stages"):
+        self.setting, self.value, self.launch, self.config, self.hint = setting, value, launch, config, hint
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, e, tb) -> None:
+        if kind is not None and issubclass(kind, OutOfResources) and self.value and self.value.strip():
+            raise ValueError(f"{self.setting}={self.value!r}: {self.launch.format(*self.config)} does not fit this "
+                             f"GPU ({e}); {self.hint}") from e
 
 
 def quantize_act_after_lora(x: torch.Tensor, smooth: torch.Tensor, lora: torch.Tensor, *,

@@ -36,12 +36,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
 from ... import nvfp4
+from ..._env import getenv
 from .kernels import (_INTERPRET, _block_r, _check_pdl, _e4m3_bits, _gemm_k, _lora_dot, _nvfp4_dequant, _nvfp4_tile,
-                      _pdl_opts, _round_to, _split_total, cdiv, gdc_launch_dependents, gdc_wait, next_pow2)
-from .tuning import ADA_NORM_FORMS, ENV_ADA_PAIR_LORA, ada_pair_lora, fit_split
+                      _pdl_opts, _round_to, _split_total, cdiv, gdc_launch_dependents, gdc_wait, next_pow2,
+                      setting_launch)
+from .tuning import (ADA_NORM_FORMS, ENV_ADA_NORM_TILE, ENV_ADA_PAIR_LORA, ada_pair_lora, fit_split,
+                     parse_ada_norm_tile)
 
 
 @triton.jit
@@ -341,12 +343,28 @@ def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast
 
         part = torch.empty(split, m, r, device=x.device, dtype=torch.float32)
         cnt = sync_words(x.device, rows, "norm_pass")
-    _ada_apply_kernel[(rows, split)](
-        x, shift, scale, inv_smooth, mean, rstd, sa, out, mean if pds is None else pds, mean if lora is None else lora,
-        part, cnt, m, k, r, tokens, x.stride(0), shift.stride(0), k_split, split,
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r), HAS_LORA=r > 0, IS_SPLIT=split > 1, FAST=fast,
-        GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, DOT_F32=_INTERPRET, num_warps=num_warps)
+    with setting_launch(ENV_ADA_NORM_TILE, _tile_setting(block_m, num_warps),
+                        "the split form's apply launch at {} x {} (rows x warps), {}-column steps and R = {}",
+                        block_m, num_warps, block_k, r, hint="take a smaller tile"):
+        _ada_apply_kernel[(rows, split)](
+            x, shift, scale, inv_smooth, mean, rstd, sa, out, mean if pds is None else pds,
+            mean if lora is None else lora, part, cnt, m, k, r, tokens, x.stride(0), shift.stride(0), k_split, split,
+            BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_block_r(r), HAS_LORA=r > 0, IS_SPLIT=split > 1, FAST=fast,
+            GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, DOT_F32=_INTERPRET, num_warps=num_warps)
     return sa
+
+
+def _tile_setting(block_m: int, num_warps: int) -> str | None:
+    """``SVDQ_SM90_ADA_NORM_TILE``'s value where it names this apply tile (the backend hands the split form the
+    setting's tile, ``tuning.ada_norm_tile``), else None: a direct call at a tile of its own, or the setting unset or
+    malformed, did not take its tile from the setting."""
+    v = getenv(ENV_ADA_NORM_TILE)
+    if not v:
+        return None
+    try:
+        return v if parse_ada_norm_tile(v) == (block_m, num_warps) else None
+    except ValueError:
+        return None
 
 
 # The pair form's launches: lora_act at tuning.ada_pair_lora (by default kernels.lora_act's plan,
@@ -372,14 +390,13 @@ def _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast,
         k_split = cdiv(cdiv(k, s), block_k) * block_k
         nsplit = cdiv(k, k_split)
         part = torch.empty(nsplit, m, r, device=x.device, dtype=torch.float32)
-        try:
+        with setting_launch(ENV_ADA_PAIR_LORA, getenv(ENV_ADA_PAIR_LORA),
+                            "the pair form's lora_act at block_m={}, stages={} and R = {}", bm, stages, r,
+                            hint="take fewer rows or stages"):
             _ada_lora_kernel[(cdiv(m, bm), nsplit)](
                 x, shift, scale, mean, rstd, pds, part, m, k, r, tokens, x.stride(0), shift.stride(0), k_split,
                 BLOCK_M=bm, BLOCK_K=block_k, BLOCK_R=_block_r(r), NUM_STAGES=stages, PDL=pdl, DOT_F32=_INTERPRET,
                 UNIFORM=tokens % bm == 0, num_warps=warps, **_pdl_opts(pdl))
-        except OutOfResources as e:  # a setting past the GPU's shared memory, named as such
-            raise ValueError(f"{ENV_ADA_PAIR_LORA}: the pair form's lora_act at block_m={bm}, stages={stages} and "
-                             f"R = {r} does not fit this GPU ({e}); take fewer rows or stages") from e
     bm, block_k, warps = PAIR_PASS
     block_k = min(block_k, next_pow2(k))
     _ada_pass_kernel[(cdiv(m, bm), cdiv(k, block_k))](

@@ -24,10 +24,10 @@ import torch
 from quack.gemm_runtime.host import run_gemm_epi_plan
 from quack.operand_transform.host import as_transform_mod
 
-from ..._env import getenv
+from ..._env import switch
 
 _WEIGHTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(blob) -> prepared weight
-# "0": every call through the frontend (for measuring the difference; read per call)
+# off ("0"): every call through the frontend (for measuring the difference; read per call)
 ENV_WARM = "SVDQ_SM90_QUACK_WARM"
 
 
@@ -61,7 +61,7 @@ def launch(mod, w, sf, a, out, epi_args: dict, transform, *, tile_m: int, tile_n
     tensors (``a``, ``out`` and the epilogue operands that are not the weight's) are not contiguous,
     unregistered weights and compile-only calls take the frontend's path."""
     key = None
-    if launch and w.warm is not None and getenv(ENV_WARM) != "0":
+    if launch and w.warm is not None and switch(ENV_WARM) is not False:
         own = {id(t) for t in w.tensors()}
         per_call = [(name, t) for name, t in epi_args.items() if id(t) not in own]
         tensors = [t for _, t in per_call if isinstance(t, torch.Tensor)]

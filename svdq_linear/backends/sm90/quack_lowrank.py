@@ -55,7 +55,7 @@ from quack.epilogue.frontend import EpiMod
 from quack.epilogue.ops import ColVecLoad, EpiContext, EpiOp, EpiSmemBytes, RowVecLoad, Scalar
 from quack.gemm_runtime.identity import TORCH_OP_EPI_MODS
 
-from ..._env import getenv
+from ..._env import switch
 
 _SMEM_ALIGN = 1024  # a 128-byte swizzle atom repeats every 1024 bytes
 MAX_RUNS = 4  # runs of one window a packed segment table holds (q, k, v and a single block's mlp)
@@ -435,8 +435,8 @@ class LowRankEpiMod(EpiMod):
         self._lr_minted = {}
 
     def chosen(self) -> "LowRankEpiMod":
-        """This mod, or its ``at_epilogue`` form where ``ENV_PREFETCH`` is "0" (read per call)."""
-        return self.at_epilogue if getenv(ENV_PREFETCH) == "0" else self
+        """This mod, or its ``at_epilogue`` form where ``ENV_PREFETCH`` is off (read per call)."""
+        return self.at_epilogue if switch(ENV_PREFETCH) is False else self
 
     def __getstate__(self):
         state = super().__getstate__()
@@ -467,14 +467,14 @@ def lowrank_epilogue(**kwargs):
 
 def lowrank_args(lr_acc) -> dict:
     """The epilogue arguments of ``lr_acc = (lu, la[, segments])``: the segment table as its registered
-    words (``register_runs``) where it has them and ``ENV_RUNS`` is not "0", else the table itself."""
+    words (``register_runs``) where it has them and ``ENV_RUNS`` is not off, else the table itself."""
     args = dict(zip(("lu", "la", "ls"), lr_acc))
-    words = runs_for(args.get("ls")) if getenv(ENV_RUNS) != "0" else None
+    words = runs_for(args.get("ls")) if switch(ENV_RUNS) is not False else None
     if words is not None:
         del args["ls"]
         args["lb"], args["lw"] = words
     return args
 
 
-ENV_RUNS = "SVDQ_SM90_LR_RUNS"  # "0": the segment table's load at every tile (for measuring the words)
-ENV_PREFETCH = "SVDQ_SM90_EPI_PREFETCH"  # "0": the per-row vectors loaded at the epilogue's start (measuring)
+ENV_RUNS = "SVDQ_SM90_LR_RUNS"  # off ("0"): the segment table's load at every tile (for measuring the words)
+ENV_PREFETCH = "SVDQ_SM90_EPI_PREFETCH"  # off ("0"): the per-row vectors loaded at the epilogue's start (measuring)

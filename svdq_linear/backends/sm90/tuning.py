@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ..._env import getenv
+from ..._env import getenv, switch
 
 SM_COUNT = 132  # H100 SXM / H200
 _TABLE = Path(__file__).with_name("configs.json")
@@ -230,12 +230,9 @@ ENV_ADA_NORM = "SVDQ_SM90_ADA_NORM"
 
 
 def ada_norm_enabled() -> bool:
-    """``SVDQ_SM90_ADA_NORM``: unset or "1" reads the norm's input (the default), "0" writes the norm's output; any
-    other value is an error, not a silent default. Read per call."""
-    v = (getenv(ENV_ADA_NORM) or "1").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"{ENV_ADA_NORM}={v!r}: expected 0 or 1")
-    return v == "1"
+    """``SVDQ_SM90_ADA_NORM`` (an ``_env.switch``): unset or on reads the norm's input (the default), off writes the
+    norm's output; any other value is an error, not a silent default. Read per call."""
+    return switch(ENV_ADA_NORM) is not False
 
 
 # the norm pass's apply tile, rows x warps: 32 x 4 (mma.sync for lora_act; 142-152 registers and 60 KB at R = 128)
@@ -289,6 +286,25 @@ def ada_norm_form() -> str:
 
 LORA_ACT_MIN_M = 128
 LORA_ACT_CONFIG = (64, 4, 4, 3)
+
+
+def _parse_lora_config(setting: str, v: str, *, min_split: int, max_warps: int,
+                       other: str = "") -> tuple[int, int, int, int]:
+    """``(block_m, split, warps, stages)`` of a "block_m,split,warps,stages" value ``v`` of ``setting`` (a ``lora_act``
+    launch's: ``SVDQ_SM90_LORA_ACT``, ``SVDQ_SM90_ADA_PAIR_LORA``): block_m one of 16, 32, 64, 128, split at least
+    ``min_split``, warps a power of two up to ``max_warps``, stages at least 1. A value of another shape, or outside
+    those ranges, is an error naming the setting (``other``: the setting's other accepted values, as the message's
+    prefix to the format, e.g. "'cublas' or ")."""
+    try:
+        bm, s, w, st = (int(p) for p in v.split(","))
+    except ValueError:
+        raise ValueError(f"{setting} must be {other}'block_m,split,warps,stages', got {v!r}") from None
+    if bm not in (16, 32, 64, 128) or s < min_split or w < 1 or w > max_warps or w & (w - 1) or st < 1:
+        raise ValueError(f"{setting}={v!r}: block_m in 16/32/64/128, split >= {min_split}, warps a power of two up "
+                         f"to {max_warps}, stages >= 1")
+    return bm, s, w, st
+
+
 # The pair form's lora_act (norm_pass._ada_lora_kernel: block_m, split, warps, stages; the split halved by
 # fit_split): LORA_ACT_CONFIG by default, the plain lora_act's. That launch is the pair's critical path (ah-2: 29 us
 # at the exact fused q/k/v against the written norm's lora_act at 17, the pass ending ~12 us after it), so
@@ -307,14 +323,7 @@ def parse_ada_pair_lora(v: str) -> tuple[int, int, int, int]:
     """A ``SVDQ_SM90_ADA_PAIR_LORA`` value's config (``ada_pair_lora``'s rules; "" the default)."""
     if not v.strip():
         return LORA_ACT_CONFIG
-    try:
-        bm, s, w, st = (int(p) for p in v.split(","))
-    except ValueError:
-        raise ValueError(f"{ENV_ADA_PAIR_LORA} must be 'block_m,split,warps,stages', got {v!r}") from None
-    if bm not in (16, 32, 64, 128) or s < 1 or w not in (1, 2, 4, 8) or st < 1:
-        raise ValueError(f"{ENV_ADA_PAIR_LORA}={v!r}: block_m in 16/32/64/128, split >= 1, warps a power of two up "
-                         "to 8, stages >= 1")
-    return bm, s, w, st
+    return _parse_lora_config(ENV_ADA_PAIR_LORA, v, min_split=1, max_warps=8)
 
 
 @dataclass(frozen=True)
@@ -349,13 +358,7 @@ def lora_act_plan(m: int, k: int, r: int, env: str | None = None) -> LoraActPlan
         return None
     block_k = 128 if r <= 64 else 64  # kernels.lora_act's k-step
     if env:
-        try:
-            bm, s, w, st = (int(v) for v in env.split(","))
-        except ValueError:
-            raise ValueError(f"{ENV_LORA_ACT} must be 'cublas' or 'block_m,split,warps,stages', got {env!r}") from None
-        if bm not in (16, 32, 64, 128) or s < 0 or w not in (1, 2, 4, 8, 16) or st < 1:
-            raise ValueError(f"{ENV_LORA_ACT}={env!r}: block_m in 16/32/64/128, split >= 0, warps a power of "
-                             "two up to 16, stages >= 1")
+        bm, s, w, st = _parse_lora_config(ENV_LORA_ACT, env, min_split=0, max_warps=16, other="'cublas' or ")
         return LoraActPlan(bm, s or lora_split(m, k, bm, block_k), w, st)
     if m < LORA_ACT_MIN_M or r == 0:
         return None
