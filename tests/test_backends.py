@@ -779,6 +779,21 @@ def test_sm90_routing_switches_read_words_and_refuse_typos(monkeypatch):
     assert sm90._route_fast_one_launch(x4, 64) is True
 
 
+def test_a_malformed_small_m_limit_is_named_at_import():
+    """``SVDQ_SM90_SMALL_M`` (read when the sm90 backend is imported) takes a whole number of tokens; another value
+    was int()'s bare "invalid literal" error, naming no setting. A number sets every kind's limit."""
+    import os
+
+    code = "from svdq_linear.backends import sm90; print(sorted(sm90.SMALL_M.values()))"
+    for value, ok in (("abc", False), ("-3", False), ("16", True)):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "SVDQ_SM90_SMALL_M": value})
+        if ok:
+            assert r.returncode == 0 and r.stdout.split() == ["[16,", "16]"], r.stdout + r.stderr
+        else:
+            assert r.returncode != 0 and f"SVDQ_SM90_SMALL_M='{value}'" in r.stderr, r.stderr[-500:]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_autocast_does_not_reach_the_backends_own_ops(dtype):
     """Under autocast the op's body ran the reference's fp32 matmuls in 16 bits: in fp16 the FP4 product overflows
