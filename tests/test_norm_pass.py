@@ -268,6 +268,18 @@ def test_launch_options_reach_the_kernels(monkeypatch):
             ("_ada_apply_kernel", 8, 64)]
 
 
+def _stand_in_gemms(monkeypatch, sm90):
+    """Both modes' GEMMs after the norm pass stood in by zeros of 8 columns (the quack fast module's, the exact
+    ``Sm90Backend._exact_gemm``): what a backend test of the pass's launches needs of them."""
+
+    class FakeQuackFast:
+        weight = staticmethod(lambda ex: ex)
+        gemm = staticmethod(lambda a8, sa, fw, out_dtype, lr_acc: torch.zeros(a8.shape[0], 8, dtype=out_dtype))
+
+    monkeypatch.setattr(sm90, "_quack_fast_module", lambda: FakeQuackFast)
+    monkeypatch.setattr(sm90.Sm90Backend, "_exact_gemm", lambda self, xq, lora, *a: torch.zeros(xq.shape[0], 8))
+
+
 @pytest.mark.parametrize("fast", [False, True])
 def test_backend_takes_the_form_tile_and_pdl_the_settings_name(monkeypatch, fast):
     """``Sm90Backend.run_w4a4_ada_norm`` hands the norm pass ``SVDQ_SM90_ADA_NORM_TILE``'s rows and warps,
@@ -285,12 +297,7 @@ def test_backend_takes_the_form_tile_and_pdl_the_settings_name(monkeypatch, fast
 
     monkeypatch.setattr(norm_pass, "ada_norm_fast" if fast else "ada_norm_exact", fake_pass)
 
-    class FakeQuackFast:
-        weight = staticmethod(lambda ex: ex)
-        gemm = staticmethod(lambda a8, sa, fw, out_dtype, lr_acc: torch.zeros(a8.shape[0], 8, dtype=out_dtype))
-
-    monkeypatch.setattr(sm90, "_quack_fast_module", lambda: FakeQuackFast)
-    monkeypatch.setattr(sm90.Sm90Backend, "_exact_gemm", lambda self, xq, lora, *a: torch.zeros(xq.shape[0], 8))
+    _stand_in_gemms(monkeypatch, sm90)
     be = sm90.Sm90Backend()
     m, k, r = 32, 128, 16
     x, shift, scale = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(1, k, dtype=torch.bfloat16), None
@@ -410,12 +417,7 @@ def test_apply_tile_setting_past_the_gpus_resources_is_named(monkeypatch, fast):
     oor = _out_of_resources()
     monkeypatch.setattr(norm_pass, "_ada_apply_kernel", _refusing(oor))
 
-    class FakeQuackFast:
-        weight = staticmethod(lambda ex: ex)
-        gemm = staticmethod(lambda a8, sa, fw, out_dtype, lr_acc: torch.zeros(a8.shape[0], 8, dtype=out_dtype))
-
-    monkeypatch.setattr(sm90, "_quack_fast_module", lambda: FakeQuackFast)
-    monkeypatch.setattr(sm90.Sm90Backend, "_exact_gemm", lambda self, xq, lora, *a: torch.zeros(xq.shape[0], 8))
+    _stand_in_gemms(monkeypatch, sm90)
     be = sm90.Sm90Backend()
     m, k, r = 32, 128, 16
     x, shift, scale, smooth, pds = _case(m, 1, k, r, torch.bfloat16, seed=10)
@@ -448,8 +450,8 @@ def test_apply_tile_setting_past_the_gpus_resources_is_named(monkeypatch, fast):
 
 def test_norm_pass_is_on_unless_the_setting_says_0(monkeypatch):
     """``SVDQ_SM90_ADA_NORM``: unset or on ("1", "On") normalizes as it loads, off ("0", "off") writes the norm's
-    output, anything else is an error naming the setting; ``Sm90Backend._reads_ada_norm`` follows it on a call that meets every other condition
-    (a prepared fast layer at ``ADA_NORM_MIN_M`` tokens; stand-in prepared state)."""
+    output, anything else is an error naming the setting; ``Sm90Backend._reads_ada_norm`` follows it on a call that
+    meets every other condition (a prepared fast layer at ``ADA_NORM_MIN_M`` tokens; stand-in prepared state)."""
     from types import SimpleNamespace
 
     from svdq_linear.backends import sm90
