@@ -783,7 +783,7 @@ class Sm90Backend(Backend):
             plan = _lora_plan(x, pds)
         if plan is None:
             return _mm_f32(x.to(torch.bfloat16), pds)
-        with _lora_act_setting(self.kernels, getenv(tuning.ENV_LORA_ACT), plan, pds.shape[1]):
+        with _lora_act_setting(self.kernels, _lora_act_env, plan, pds.shape[1]):
             return self.kernels.lora_act(x, pds, torch.float32, block_m=plan.block_m, split=plan.split,
                                          num_warps=plan.num_warps, num_stages=plan.num_stages, pdl=pdl)
 
@@ -799,10 +799,15 @@ class Sm90Backend(Backend):
         return self.kernels.w4_gemm(x, qweight, wscales, wcscale, bias, None, None, x.dtype, cfg)
 
 
-def _lora_act_setting(kernels, env: str | None, plan: tuning.LoraActPlan, r: int):
+def _lora_act_env() -> str | None:
+    """``SVDQ_SM90_LORA_ACT``'s value, read where a launch on its plan was refused (``_lora_act_setting``)."""
+    return getenv(tuning.ENV_LORA_ACT)
+
+
+def _lora_act_setting(kernels, env, plan: tuning.LoraActPlan, r: int):
     """``kernels.setting_launch`` around a ``kernels.lora_act`` launch on ``plan`` with ``r`` columns: a launch Triton
-    refuses for want of resources names ``SVDQ_SM90_LORA_ACT`` where ``env`` (its value) chose the plan, and is
-    Triton's error where the plan is the default one (``env`` None)."""
+    refuses for want of resources names ``SVDQ_SM90_LORA_ACT`` where ``env`` (its value, or ``_lora_act_env`` to read
+    it only then) chose the plan, and is Triton's error where the plan is the default one (``env`` None)."""
     return kernels.setting_launch(tuning.ENV_LORA_ACT, env, "lora_act at {} and R = {}", plan, r,
                                   hint="take fewer rows or stages, or 'cublas'")
 

@@ -783,7 +783,8 @@ def _check_pdl(device: torch.device, what: str) -> None:
 
 class setting_launch:
     """A context manager around a launch whose tile, warps or stages the environment setting ``setting`` chose
-    (``value``: what it holds, read per call by the caller). A launch Triton refuses for want of resources
+    (``value``: what it holds, read per call by the caller, or a callable that reads it, called only on a refusal so
+    that a launch that fits reads nothing more). A launch Triton refuses for want of resources
     (``OutOfResources``: more shared memory than this GPU has, or more threads than its registers allow) is a
     ValueError naming the setting, its value and ``launch`` (what ran at which config: a ``str.format`` template of
     ``config``, filled only on a refusal, so a launch that fits pays for no message), then ``hint`` (what to
@@ -803,8 +804,11 @@ class setting_launch:
         return None
 
     def __exit__(self, kind, e, tb) -> None:
-        if kind is not None and issubclass(kind, OutOfResources) and self.value and self.value.strip():
-            raise ValueError(f"{self.setting}={self.value!r}: {self.launch.format(*self.config)} does not fit this "
+        if kind is None or not issubclass(kind, OutOfResources):
+            return
+        value = self.value() if callable(self.value) else self.value
+        if value and value.strip():
+            raise ValueError(f"{self.setting}={value!r}: {self.launch.format(*self.config)} does not fit this "
                              f"GPU ({e}); {self.hint}") from e
 
 

@@ -42,8 +42,8 @@ from ..._env import getenv
 from .kernels import (_INTERPRET, _block_r, _check_pdl, _e4m3_bits, _gemm_k, _lora_dot, _nvfp4_dequant, _nvfp4_tile,
                       _pdl_opts, _round_to, _split_total, cdiv, gdc_launch_dependents, gdc_wait, next_pow2,
                       setting_launch)
-from .tuning import (ADA_NORM_FORMS, ENV_ADA_NORM_TILE, ENV_ADA_PAIR_LORA, ada_pair_lora, fit_split,
-                     parse_ada_norm_tile)
+from .tuning import (ADA_NORM_FORMS, ENV_ADA_NORM_TILE, ENV_ADA_PAIR_LORA, fit_split, parse_ada_norm_tile,
+                     parse_ada_pair_lora)
 
 
 @triton.jit
@@ -343,7 +343,7 @@ def _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast
 
         part = torch.empty(split, m, r, device=x.device, dtype=torch.float32)
         cnt = sync_words(x.device, rows, "norm_pass")
-    with setting_launch(ENV_ADA_NORM_TILE, _tile_setting(block_m, num_warps),
+    with setting_launch(ENV_ADA_NORM_TILE, lambda: _tile_setting(block_m, num_warps),
                         "the split form's apply launch at {} x {} (rows x warps), {}-column steps and R = {}",
                         block_m, num_warps, block_k, r, hint="take a smaller tile"):
         _ada_apply_kernel[(rows, split)](
@@ -384,13 +384,14 @@ def _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast,
     mean, rstd, sa = _stats_launch(x, shift, scale, eps, inv_smooth, tokens, fast)
     part, nsplit, pdl = mean, 1, pdl and r > 0
     if r:
-        bm, s, warps, stages = ada_pair_lora()  # LORA_ACT_CONFIG unless SVDQ_SM90_ADA_PAIR_LORA says
+        env = getenv(ENV_ADA_PAIR_LORA)  # tuning.ada_pair_lora: LORA_ACT_CONFIG unless the setting says
+        bm, s, warps, stages = parse_ada_pair_lora(env or "")
         block_k = 128 if _block_r(r) <= 64 else 64
         s = fit_split(s, k, block_k)
         k_split = cdiv(cdiv(k, s), block_k) * block_k
         nsplit = cdiv(k, k_split)
         part = torch.empty(nsplit, m, r, device=x.device, dtype=torch.float32)
-        with setting_launch(ENV_ADA_PAIR_LORA, getenv(ENV_ADA_PAIR_LORA),
+        with setting_launch(ENV_ADA_PAIR_LORA, env,
                             "the pair form's lora_act at block_m={}, stages={} and R = {}", bm, stages, r,
                             hint="take fewer rows or stages"):
             _ada_lora_kernel[(cdiv(m, bm), nsplit)](
