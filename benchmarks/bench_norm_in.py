@@ -3,7 +3,7 @@ the norm written out, each whole: norm + linear, as a Flux single block (and a d
 
     python benchmarks/bench_norm_in.py [--out FILE] [--shapes fused_qkv,single_fused_in] [--modes exact,fast]
                                        [--reps 20] [--rounds 5] [--splits 2,8] [--pair-nopdl]
-                                       [--pair-lora "64,8,4,3;32,8,4,3"]
+                                       [--pair-lora "64,8,4,3;32,8,4,3"] [--rows]
 
 Per layer (``bench_lowrank``'s whole-linear rows: what fuse_qkv_projections builds, R = 32 a part) and mode, in
 ``--rounds`` alternating rounds, each a CUDA graph of ``--reps`` back-to-back calls timed by its kernels' span
@@ -19,7 +19,9 @@ Per layer (``bench_lowrank``'s whole-linear rows: what fuse_qkv_projections buil
   The fused rows take ``SVDQ_SM90_ADA_NORM_TILE``'s tile (32 x 4 by default); ``pair pass alone``: the pair
   form's three launches alone; with ``--pair-nopdl``, the pair form with ``SVDQ_SM90_PDL=0`` too (its launches and
   the GEMM one after the other: whether the GEMM's time after the pair depends on the overlap); with ``--pair-lora``,
-  the pair form alone and whole at each ``lora_act`` launch named (``SVDQ_SM90_ADA_PAIR_LORA``).
+  the pair form alone and whole at each ``lora_act`` launch named (``SVDQ_SM90_ADA_PAIR_LORA``); with ``--rows``,
+  the rows form (``rows``: whole rows a program, the statistics and the pass from one read, then ``lora_act``)
+  whole and alone, beside the pair form.
 
 Ratios: bf16 / path, each round's to the bf16 of that round, median over the rounds. The fused output is
 checked against the written one first (the inputs differ by a rounding in a few elements).
@@ -58,6 +60,9 @@ def main() -> None:
     ap.add_argument("--pair-lora", default="",
                     help="';'-separated SVDQ_SM90_ADA_PAIR_LORA values (bm,S,w,st): the pair form alone and whole at "
                          "each")
+    ap.add_argument("--rows", action="store_true",
+                    help="also the rows form (SVDQ_SM90_ADA_NORM_FORM=rows: whole rows a program, the statistics and "
+                         "the pass from one read of x, then lora_act), whole and its launches alone")
     ap.add_argument("--pair-nopdl", action="store_true",
                     help="also the pair form with SVDQ_SM90_PDL=0 (its launches and the GEMM one after the other)")
     args = ap.parse_args()
@@ -95,7 +100,7 @@ def main() -> None:
                 mod = whole_module(label, k, n, dev).set_mode(mode)
                 written = mod(norm_c(x, shift, scale, 1e-6))
                 errs = []
-                for form in ("split", "pair"):
+                for form in ("split", "pair") + (("rows",) if args.rows else ()):
                     fused = fused_in(mod, x, shift, scale, form)()
                     errs.append(((fused.float() - written.float()).abs().max() / written.float().abs().max()).item())
                 be, prep = backends.resolve(mod, x[0])
@@ -106,7 +111,7 @@ def main() -> None:
                 def npass(split=None, block_k=64, tile=tuning.ada_norm_tile(), form="split"):
                     def fn():
                         kw = dict(split=split, block_k=block_k, block_m=tile[0], num_warps=tile[1], form=form,
-                                  pdl=form == "pair")
+                                  pdl=form != "split")
                         if mode == "fast":
                             return norm_pass.ada_norm_fast(x[0], shift, scale, 1e-6, inv, pds, **kw)
                         return norm_pass.ada_norm_exact(x[0], shift, scale, 1e-6, inv, pds, out_dtype=torch.bfloat16,
@@ -128,6 +133,9 @@ def main() -> None:
                     graphs[f"pair lora {cfg}"] = graph_of(with_env(at, npass(form="pair")), args.reps)
                     graphs[f"fused pair lora {cfg}"] = graph_of(with_env(at, fused_in(mod, x, shift, scale, "pair")),
                                                                 args.reps)
+                if args.rows:
+                    graphs["fused rows"] = graph_of(fused_in(mod, x, shift, scale, "rows"), args.reps)
+                    graphs["rows pass"] = graph_of(npass(form="rows"), args.reps)
                 if args.pair_nopdl:  # whether the GEMM's time after the pair depends on the PDL overlap
                     graphs["fused pair, no PDL"] = graph_of(fused_in(mod, x, shift, scale, "pair", "0"), args.reps)
                 for sp in args.splits.split(","):  # the pass alone at other splits
@@ -164,6 +172,12 @@ def main() -> None:
                 if others:
                     log(f"|  | norm pass alone: split {auto} (auto) {med['npass']:.1f}; " + "; ".join(
                         f"{w_.removeprefix('npass ')} {med[w_]:.1f}" for w_ in others) + " |" * 15)
+                if args.rows:
+                    over_pair = statistics.median(a / b for a, b in zip(periods["fused pair"], periods["fused rows"]))
+                    log(f"|  | rows form: fused {med['fused rows']:.1f} (bf16 / it {ratio('fused rows'):.3f}x; "
+                        f"written / it {gain('fused rows'):.3f}x; pair / it {over_pair:.3f}x"
+                        + f"); pass alone {med['rows pass']:.1f} (pair's {med['pair pass']:.1f}); max err / max "
+                        f"{errs[2]:.2e}" + " |" * 15)
                 if args.pair_nopdl:
                     log(f"|  | fused pair, no PDL: {med['fused pair, no PDL']:.1f} (bf16 / it "
                         f"{ratio('fused pair, no PDL'):.3f}x)" + " |" * 15)
@@ -178,7 +192,8 @@ def main() -> None:
                         log(f"|  | kernels: pair pass, lora {c} | " + "; ".join(
                             f"`{name[:40]}` {dur:.1f} (gap {gap:.1f})"
                             for name, _, dur, gap in kernels_of["pair lora " + c]) + " |" * 15)
-                for what in [w_ for w_ in ("written", "fused", "fused pair", "fused pair, no PDL") if w_ in graphs]:
+                for what in [w_ for w_ in ("written", "fused", "fused pair", "fused pair, no PDL", "fused rows",
+                                           "rows pass", "pair pass") if w_ in graphs]:
                     log("|  | kernels: " + what + " | " + "; ".join(
                         f"`{name[:40]}` {dur:.1f} (gap {gap:.1f})" for name, _, dur, gap in kernels_of[what])
                         + " |" * 15)

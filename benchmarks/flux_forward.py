@@ -237,7 +237,8 @@ def main():
                         "variant, -nopdl (fast-nopdl) SVDQ_SM90_PDL=0; with --fuse, -sep after those (fast-sep, "
                         "fast-nopdl-sep-gelu) keeps single blocks' proj_mlp apart from their fused q/k/v; -written "
                         "before -sep (fast-written) has the layers after an adaLN norm read the norm's written "
-                        "output (by default they read its input), -norm that input explicitly")
+                        "output (by default they read its input), -norm that input explicitly; -rows after "
+                        "-gelu (fast-rows) takes the norm pass's rows form")
     p.add_argument("--graph", action="store_true", help="also time the eager forward captured in a CUDA graph")
     p.add_argument("--fuse", action="store_true",
                    help="fuse q/k/v (diffusers' fuse_qkv_projections; one quantization pass for the svdq variants)")
@@ -289,6 +290,7 @@ def main():
     lora_env = os.environ.get("SVDQ_SM90_LORA_ACT")
     cp_env = os.environ.get("SVDQ_SM90_COMPILER_PASS", "0")
     norm_env = os.environ.get("SVDQ_SM90_ADA_NORM")  # a variant without -norm / -written keeps the caller's
+    form_env = os.environ.get("SVDQ_SM90_ADA_NORM_FORM")
     for variant in args.variants.split(","):
         # "-gelu": Flux single blocks' proj_out and the feed-forwards' down projections read their GELU'd
         # input from its parts (svdq_linear.fuse.fuse_gelu_inputs)
@@ -300,6 +302,14 @@ def main():
         # "-written" (fast-written): with --fuse, the fused layers after an adaLN norm read the norm's written
         # output (SVDQ_SM90_ADA_NORM=0); "-norm": they normalize as they load (=1); without either, the caller's
         # setting (unset: the library's default, they normalize as they load)
+        # "-rows" (fast-rows): the norm pass in its rows form (SVDQ_SM90_ADA_NORM_FORM=rows); else the caller's form
+        if v.endswith("-rows"):
+            os.environ["SVDQ_SM90_ADA_NORM_FORM"] = "rows"
+            v = v.removesuffix("-rows")
+        elif form_env is None:
+            os.environ.pop("SVDQ_SM90_ADA_NORM_FORM", None)
+        else:
+            os.environ["SVDQ_SM90_ADA_NORM_FORM"] = form_env
         if v.endswith("-norm") or v.endswith("-written"):
             os.environ["SVDQ_SM90_ADA_NORM"] = "1" if v.endswith("-norm") else "0"
             v = v.removesuffix("-norm").removesuffix("-written")

@@ -255,18 +255,19 @@ def _sm90_calls(quick: bool):
 
 
 def _norm_pair(kernels, norm_pass, x, mod, inv, pds) -> None:
-    """The norm pass's pair form (the backend's default form) in both modes: its ``lora_act`` and pass one
-    after the other (an eager call) and as the PDL pair a captured graph launches (the device check is the target's,
-    as ``_pdl_pair``'s; not where this Triton has no grid dependency control)."""
+    """The norm pass's pair form (the backend's default form) and rows form in both modes: their launches one
+    after the other (an eager call) and as the PDL pairs a captured graph launches (the device check is the
+    target's, as ``_pdl_pair``'s; not where this Triton has no grid dependency control)."""
     import torch
 
     real = kernels.pdl_supported
     kernels.pdl_supported = lambda device=None: True  # compiling for sm_90a, which has it
     try:
-        for pdl in (False, True) if kernels.gdc_wait is not None else (False,):
-            norm_pass.ada_norm_exact(x, mod[:1], mod[1:2], 1e-6, inv, pds, out_dtype=torch.bfloat16, form="pair",
+        for form, pdl in itertools.product(("pair", "rows"), (False, True) if kernels.gdc_wait is not None
+                                           else (False,)):
+            norm_pass.ada_norm_exact(x, mod[:1], mod[1:2], 1e-6, inv, pds, out_dtype=torch.bfloat16, form=form,
                                      pdl=pdl)
-            norm_pass.ada_norm_fast(x, mod[:1], mod[1:2], 1e-6, inv, pds, form="pair", pdl=pdl)
+            norm_pass.ada_norm_fast(x, mod[:1], mod[1:2], 1e-6, inv, pds, form=form, pdl=pdl)
     finally:
         kernels.pdl_supported = real
 

@@ -38,7 +38,7 @@ def _blocks_agree(got: torch.Tensor, want: torch.Tensor, k: int) -> float:
 
 
 # the split form at three splits (None: auto_split), and the pair form (its lora_act's split is its own)
-FORMS = [("split", 1), ("split", 3), ("split", None), ("pair", None)]
+FORMS = [("split", 1), ("split", 3), ("split", None), ("pair", None), ("rows", None)]
 
 
 @pytest.mark.parametrize("form,split", FORMS)
@@ -172,7 +172,40 @@ def test_pair_form_writes_the_split_forms_bits(monkeypatch, r):
         tuning.ada_norm_form()
 
 
-@pytest.mark.parametrize("form", ["split", "pair"])
+@pytest.mark.parametrize("tokens,r", [(70, 96), (35, 32), (70, 0)])
+def test_rows_form_writes_the_pair_forms_bits_where_the_statistics_agree(tokens, r):
+    """``form="rows"`` (whole rows a program: the statistics and the pass from one read of x, then ``lora_act``
+    adding its own partials) sums a row's statistics in another order than the other forms. On rows whose sums are
+    exact in any order (small integers, 256 columns: one chunk of the statistics kernel, a power-of-two count) the
+    statistics agree, and so must every output: ``xq``, ``a8`` in both k orders, ``sa``, and ``lora`` / ``la``
+    (the same partial sums, added in the same split order). 35 tokens: two-row programs straddle the batch
+    elements (the modulation gathered a value at a time)."""
+    k = 256
+    g = torch.Generator().manual_seed(11)
+    x = torch.randint(-8, 9, (2, tokens, k), generator=g).to(torch.bfloat16).to(DEV)
+    x[..., 5] *= 40
+    _, shift, scale, smooth, pds = _case(tokens, 2, k, r, torch.bfloat16, device=DEV, seed=12)
+    x2, inv = x.reshape(-1, k), 1.0 / smooth
+    kw = dict(tokens=tokens)
+    for order in (True, False):
+        want = norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, form="pair", gemm_order=order, **kw)
+        got = norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, form="rows", gemm_order=order, **kw)
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+        assert (got[2] is None and want[2] is None and not r) or torch.equal(got[2], want[2])
+    want = norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, form="pair", **kw)
+    got = norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, form="rows", **kw)
+    assert torch.equal(got[0], want[0])
+    assert (got[1] is None and want[1] is None and not r) or torch.equal(got[1], want[1])
+    if r:  # and lora_act is there: against float64 of the written input
+        ref = nvfp4.ada_norm(x, shift, scale, 1e-6).reshape(-1, k).double() @ pds.double()
+        torch.testing.assert_close(got[1].double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    # rows past the registers' ROWS_MAX_K columns take the pair form (norm_pass._form_for)
+    assert norm_pass._form_for("rows", norm_pass.ROWS_MAX_K) == "rows"
+    assert norm_pass._form_for("rows", norm_pass.ROWS_MAX_K + 16) == "pair"
+    assert norm_pass._form_for("split", 10 ** 6) == "split"
+
+
+@pytest.mark.parametrize("form", ["split", "pair", "rows"])
 def test_lora_partials_add_in_split_order(form):
     """``lora_act``'s K ranges add in split order, a fixed order for any timing: with the modulated input exactly
     ``shift`` (``1 + scale = 0``) and one nonzero product in each of four 128-column ranges, 2**24, 1, -2**24 and 0,
@@ -192,7 +225,7 @@ def test_lora_partials_add_in_split_order(form):
     assert torch.equal(lora, torch.zeros_like(lora)) and torch.equal(la, torch.zeros_like(la))
 
 
-@pytest.mark.parametrize("form", ["split", "pair"])
+@pytest.mark.parametrize("form", ["split", "pair", "rows"])
 def test_partial_k_ranges_read_no_row_of_proj_down_past_k(form):
     """K = 400 (whole NVFP4 blocks, not whole 64- or 128-column steps): the last step of the last K range runs past
     K, and ``pds`` is a view whose next rows hold Inf; a read of them would make ``lora_act`` NaN (0 * Inf), and x
@@ -213,7 +246,7 @@ def test_partial_k_ranges_read_no_row_of_proj_down_past_k(form):
         torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("form", ["split", "pair"])
+@pytest.mark.parametrize("form", ["split", "pair", "rows"])
 def test_rows_of_one_batch_element_read_one_modulation_row(form):
     """Where every program's rows lie in one batch element (the tokens a multiple of its rows) the statistics' walk
     (fast mode) and the pair form's ``lora_act`` read one row of ``shift`` / ``scale`` for the whole tile
@@ -247,10 +280,10 @@ class _Launches:
 def test_launch_options_reach_the_kernels(monkeypatch):
     """What the forms launch, kernel by kernel (stand-ins record it): ``pdl=True`` launches the pair form's
     ``lora_act`` and pass with PDL (its compiled wait and trigger, and the launch option), never the statistics, and
-    neither without a ``lora_act`` (R = 0: the pass has no grid before it to wait for); the tile reaches the split
-    form's apply launch in both modes."""
+    neither without a ``lora_act`` (R = 0: the pass has no grid before it to wait for); the rows form's ``lora_act``
+    as the PDL dependent of its pass; the tile reaches the split form's apply launch in both modes."""
     log = []
-    for name in ("_ada_stats_kernel", "_ada_apply_kernel", "_ada_lora_kernel", "_ada_pass_kernel"):
+    for name in ("_ada_stats_kernel", "_ada_apply_kernel", "_ada_lora_kernel", "_ada_pass_kernel", "_ada_rows_kernel"):
         monkeypatch.setattr(norm_pass, name, _Launches(name, log))
     monkeypatch.setattr(norm_pass, "_check_pdl", lambda device, what: None)  # (a GPU's check)
     x, shift, scale, smooth, pds = _case(16, 1, 256, 16, torch.bfloat16)
@@ -262,6 +295,16 @@ def test_launch_options_reach_the_kernels(monkeypatch):
             want.append(("_ada_pass_kernel", pdl and r_pds is not None))
             assert [(n, kw.get("PDL", False)) for n, kw in log] == want, (fn.__name__, pdl, log)
             assert [kw.get("launch_pdl", False) for _, kw in log] == [p for _, p in want]
+            # the rows form: the pass from whole rows, releasing lora_act (a PDL dependent) with pdl; lora_act adds
+            # its own partials (FINISH) and waits for the pass's statistics
+            log.clear()
+            fn(x.reshape(-1, 256), shift, scale, 1e-6, 1.0 / smooth, r_pds, form="rows", pdl=pdl)
+            lora = r_pds is not None
+            assert [(n, kw.get("RELEASE", kw.get("PDL"))) for n, kw in log] == [("_ada_rows_kernel", pdl and lora)] + (
+                [("_ada_lora_kernel", pdl)] if lora else []), (fn.__name__, pdl, log)
+            assert [kw.get("launch_pdl", False) for _, kw in log] == [False] + ([pdl] if lora else [])
+            assert all(kw["FINISH"] and kw["FAST"] == (fn is norm_pass.ada_norm_fast) for n, kw in log
+                       if n == "_ada_lora_kernel")
         log.clear()
         fn(x.reshape(-1, 256), shift, scale, 1e-6, 1.0 / smooth, pds, num_warps=8, block_m=64)
         assert [(n, kw["num_warps"], kw["BLOCK_M"]) for n, kw in log if n == "_ada_apply_kernel"] == [
@@ -304,14 +347,15 @@ def test_backend_takes_the_form_tile_and_pdl_the_settings_name(monkeypatch, fast
     scale = torch.zeros(1, k, dtype=torch.bfloat16)
     pd = torch.zeros(k, r)
     ex = [torch.zeros(k, r, dtype=torch.bfloat16)] + [torch.zeros(1, 8)] * 6 + [torch.ones(k)]  # 7 + inv_smooth
-    for tile, form, pdl_ok in (("64x8", "pair", True), ("32x8", "split", True), ("16x4", "pair", False)):
+    for tile, form, pdl_ok in (("64x8", "pair", True), ("32x8", "split", True), ("16x4", "pair", False),
+                               ("32x4", "rows", True), ("32x4", "rows", False)):
         monkeypatch.setenv("SVDQ_SM90_ADA_NORM_TILE", tile)
         monkeypatch.setenv("SVDQ_SM90_ADA_NORM_FORM", form)
         monkeypatch.setattr(sm90, "_pdl", lambda x, kernels, auto=True, _ok=pdl_ok: _ok)
         got.clear()
         be.run_w4a4_ada_norm(x, shift, scale, 1e-6, m, None, None, None, pd, None, None, None, ex, fast)
         rows, warps = (int(v) for v in tile.split("x"))
-        want = dict(block_m=rows, num_warps=warps, form=form, pdl=form == "pair" and pdl_ok)
+        want = dict(block_m=rows, num_warps=warps, form=form, pdl=form != "split" and pdl_ok)
         assert len(got) == 1 and {key: got[0][key] for key in want} == want, (tile, form, got)
 
 
@@ -505,14 +549,14 @@ def test_norm_pass_refuses_bad_operands():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["split", "pair"])
+@pytest.mark.parametrize("form", ["split", "pair", "rows"])
 @pytest.mark.parametrize("fast", [False, True])
 def test_gpu_norm_pass_at_a_flux_width(fast, form):
-    """Both forms at Flux's width against PyTorch's norm and the contract's quantizers; the pair form launched as its
-    PDL pair, eagerly (the forward test below captures it)."""
+    """Every form at Flux's width against PyTorch's norm and the contract's quantizers; the pair and rows forms
+    launched with PDL, eagerly (the forward test below captures them)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm90 GPU")
-    kw = dict(form=form, pdl=form == "pair")
+    kw = dict(form=form, pdl=form != "split")
     k = 3072
     x, shift, scale, smooth, pds = _case(1000, 2, k, 32, torch.bfloat16, device="cuda", seed=3, mean=5.0)
     inp = nvfp4.ada_norm(x, shift, scale, 1e-6).reshape(-1, k)
@@ -539,12 +583,12 @@ def test_gpu_norm_pass_at_a_flux_width(fast, form):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["split", "pair"])
+@pytest.mark.parametrize("form", ["split", "pair", "rows"])
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_gpu_forward_ada_norm_normalizes_as_it_loads(mode, form, monkeypatch):
     """``SVDQW4A4Linear.forward_ada_norm`` on an sm90 GPU from ``tuning.ADA_NORM_MIN_M`` tokens takes the norm pass
     (counted) in the form ``SVDQ_SM90_ADA_NORM_FORM`` names and gives the layer's output on the written input within
-    bf16 roundings, eager and replayed from a CUDA graph (the pair form's PDL launch); under
+    bf16 roundings, eager and replayed from a CUDA graph (the pair and rows forms' PDL launch); under
     ``SVDQ_SM90_ADA_NORM=0`` it writes the input (the same bits as the plain call); unset is on."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm90 GPU")
@@ -573,7 +617,7 @@ def test_gpu_forward_ada_norm_normalizes_as_it_loads(mode, form, monkeypatch):
             replayed = layer.forward_ada_norm(x, shift, scale, 1e-6)
         graph.replay()
         torch.cuda.synchronize()
-        assert calls[-1] == (name, form, form == "pair")
+        assert calls[-1] == (name, form, form != "split")
         assert torch.equal(replayed, got)
         err = (got.float() - want.float()).abs()
         assert err.max().item() <= 0.05 * want.float().abs().max().item()

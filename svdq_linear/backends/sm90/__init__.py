@@ -705,10 +705,11 @@ class Sm90Backend(Backend):
 
     def _ada_norm_launch(self, x: torch.Tensor) -> dict:
         """The norm pass's launch settings, read per call: ``SVDQ_SM90_ADA_NORM_TILE``'s tile,
-        ``SVDQ_SM90_ADA_NORM_FORM``'s form, and PDL for the pair form where the call takes PDL pairs (``_pdl``)."""
+        ``SVDQ_SM90_ADA_NORM_FORM``'s form, and PDL for the pair and rows forms where the call takes PDL pairs
+        (``_pdl``)."""
         block_m, warps = tuning.ada_norm_tile()
         form = tuning.ada_norm_form()
-        return dict(block_m=block_m, num_warps=warps, form=form, pdl=form == "pair" and _pdl(x, self.kernels))
+        return dict(block_m=block_m, num_warps=warps, form=form, pdl=form != "split" and _pdl(x, self.kernels))
 
     def _reads_cat_gelu(self, module, xa, xb, prepared) -> bool:
         """Whether the fast mode reads ``cat_gelu(xa, xb)`` from its two tensors (``kernels.quantize_act_fp8_cat``

@@ -40,8 +40,8 @@ import triton.language as tl
 from ... import nvfp4
 from ..._env import getenv
 from .kernels import (_INTERPRET, _block_r, _check_pdl, _e4m3_bits, _gemm_k, _lora_dot, _nvfp4_dequant, _nvfp4_tile,
-                      _pdl_opts, _round_to, _split_total, cdiv, gdc_launch_dependents, gdc_wait, next_pow2,
-                      setting_launch)
+                      ROW_MAX_K, _pdl_opts, _round_to, _split_total, cdiv, fp8_rows_config, gdc_launch_dependents,
+                      gdc_wait, next_pow2, setting_launch)
 from .tuning import (ADA_NORM_FORMS, ENV_ADA_NORM_TILE, ENV_ADA_PAIR_LORA, fit_split, parse_ada_norm_tile,
                      parse_ada_pair_lora)
 
@@ -215,14 +215,17 @@ def _store_lora(acc, sa, lora_ptr, rm, rr, out_mask, R, BLOCK_M: tl.constexpr, B
 
 
 @triton.jit
-def _ada_lora_kernel(x_ptr, shift_ptr, scale_ptr, mean_ptr, rstd_ptr, pd_ptr, part_ptr, M, K, R, S, stride_xm,
-                     stride_mod, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                     NUM_STAGES: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr, UNIFORM: tl.constexpr):
+def _ada_lora_kernel(x_ptr, shift_ptr, scale_ptr, mean_ptr, rstd_ptr, pd_ptr, part_ptr, sa_ptr, lora_ptr, cnt_ptr, M,
+                     K, R, S, stride_xm, stride_mod, K_SPLIT, SPLIT, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
+                     UNIFORM: tl.constexpr, FINISH: tl.constexpr = False, FAST: tl.constexpr = False):
     # The pair form's second launch: lora_act's fp32 partial sums [SPLIT, M, R] of the normalized, modulated rows,
     # program (i, s) over rows [i BLOCK_M, (i + 1) BLOCK_M) and the columns [s K_SPLIT, (s + 1) K_SPLIT) (whole
     # BLOCK_K steps; an empty range writes zeros), as kernels._lora_act_kernel on the written input. PDL: launched as
     # the statistics' programmatic dependent; it waits for them, then lets the pass (_ada_pass_kernel) start
-    # beside it.
+    # beside it. FINISH (the rows form's second launch, after the pass): the last program of a row block adds the
+    # SPLIT partials in split order (kernels._split_total) and writes lora (exact) or la = lora / sa (FAST), as the
+    # pair form's pass does; PDL then lets the GEMM start.
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -239,8 +242,17 @@ def _ada_lora_kernel(x_ptr, shift_ptr, scale_ptr, mean_ptr, rstd_ptr, pd_ptr, pa
                          UNIFORM)
         w = tl.load(pd_ptr + rk[:, None] * R + rr[None, :], mask=k_ok[:, None] & (rr < R)[None, :], other=0.0)
         acc = _lora_dot(v, w, acc, DOT_F32)
-    tl.store(part_ptr + tl.program_id(1).to(tl.int64) * M * R + rm[:, None] * R + rr[None, :], acc,
-             mask=m_ok[:, None] & (rr < R)[None, :])
+    out_mask = m_ok[:, None] & (rr < R)[None, :]
+    if FINISH:
+        total, last = _split_total(acc, part_ptr, cnt_ptr, tl.program_id(0), tl.program_id(1), rm, rr, out_mask, M, R,
+                                   SPLIT, BLOCK_M, BLOCK_R)
+        if last:
+            sa = mean
+            if FAST:
+                sa = tl.load(sa_ptr + rm, mask=m_ok, other=1.0)
+            _store_lora(total, sa, lora_ptr, rm, rr, out_mask, R, BLOCK_M, BLOCK_R, FAST, DOT_F32)
+    else:
+        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * M * R + rm[:, None] * R + rr[None, :], acc, mask=out_mask)
 
 
 @triton.jit
@@ -314,6 +326,136 @@ def _fast_store(v, inv_ptr, lk, k_ok, r, ptrs, mask, HW_CVT: tl.constexpr):
         tl.store(ptrs.to(tl.pointer_type(tl.uint8), bitcast=True), _e4m3_bits(q), mask=mask)
 
 
+@triton.jit
+def _rows_load(x_ptr, rm, m_ok, K, stride_xm, J: tl.constexpr, C: tl.constexpr, GEMM_ORDER: tl.constexpr):
+    # positions [J C, (J + 1) C) of rows rm (the columns the fast GEMM's k order puts there with GEMM_ORDER), fp32,
+    # 0 outside the tensor
+    rk = J * C + tl.arange(0, C)
+    lk = _gemm_k(rk, GEMM_ORDER)
+    mask = m_ok[:, None] & (rk < K)[None, :]
+    return tl.load(x_ptr + rm[:, None] * stride_xm + lk[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rows_sq(x, mean, K, J: tl.constexpr, C: tl.constexpr):
+    # the sum of squared deviations from mean of chunk J's columns in the tensor
+    rk = J * C + tl.arange(0, C)
+    d = tl.where((rk < K)[None, :], x - mean[:, None], 0.0)
+    return tl.sum(d * d, axis=1)
+
+
+@triton.jit
+def _rows_apply(x, mean, rstd, rm, m_ok, K, S, stride_mod, shift_ptr, scale_ptr, like_ptr, J: tl.constexpr,
+                C: tl.constexpr, GEMM_ORDER: tl.constexpr, RNE_BITS: tl.constexpr, UNIFORM: tl.constexpr):
+    # chunk J of the rows normalized and modulated (_ada_apply), 0 outside the tensor
+    rk = J * C + tl.arange(0, C)
+    k_ok = rk < K
+    lk = _gemm_k(rk, GEMM_ORDER)
+    mask = m_ok[:, None] & k_ok[None, :]
+    return tl.where(mask, _ada_apply(x, mean, rstd, rm, lk, mask, shift_ptr, scale_ptr, S, stride_mod, like_ptr,
+                                     RNE_BITS, UNIFORM, k_ok), 0.0)
+
+
+@triton.jit
+def _rows_max(v, inv_ptr, K, J: tl.constexpr, C: tl.constexpr, GEMM_ORDER: tl.constexpr):
+    # the bits of each row's largest |v / smooth| over chunk J (the statistics kernel's FAST walk)
+    rk = J * C + tl.arange(0, C)
+    inv = tl.load(inv_ptr + _gemm_k(rk, GEMM_ORDER), mask=rk < K, other=1.0)
+    return tl.max((v * inv[None, :]).to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+
+
+@triton.jit
+def _rows_store(v, inv_ptr, out_ptr, r, rm, m_ok, K, J: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr,
+                FAST: tl.constexpr, GEMM_ORDER: tl.constexpr, HW_CVT: tl.constexpr):
+    # chunk J written as the pair form's pass writes a tile (_ada_pass_tile): the fast mode's E4M3 codes over the rows'
+    # sa (r = 1 / sa) at positions rk, else the exact mode's dequantized NVFP4 values
+    rk = J * C + tl.arange(0, C)
+    k_ok = rk < K
+    mask = m_ok[:, None] & k_ok[None, :]
+    if FAST:
+        _fast_store(v, inv_ptr, _gemm_k(rk, GEMM_ORDER), k_ok, r, out_ptr + rm[:, None] * K + rk[None, :], mask,
+                    HW_CVT)
+    else:
+        finite, sf, q = _nvfp4_tile(v, inv_ptr, rk, k_ok, ROWS, C, True)
+        xq = _nvfp4_dequant(q, finite, sf)
+        tl.store(out_ptr + rm[:, None] * K + rk[None, :], tl.reshape(xq, (ROWS, C)).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
+def _ada_rows_kernel(x_ptr, shift_ptr, scale_ptr, inv_ptr, mean_ptr, rstd_ptr, sa_ptr, out_ptr, M, K, S, stride_xm,
+                     stride_mod, eps, ROWS: tl.constexpr, C: tl.constexpr, NCH: tl.constexpr, FAST: tl.constexpr,
+                     GEMM_ORDER: tl.constexpr, HW_CVT: tl.constexpr, RELEASE: tl.constexpr, DOT_F32: tl.constexpr,
+                     UNIFORM: tl.constexpr):
+    # The rows form's first launch: ROWS whole rows a program, held in registers (NCH <= 4 chunks of C columns) and x
+    # read once for the statistics and the pass. The rows' mean and 1 / sqrt(var + eps) (two sweeps over the
+    # registers: the sum, then the squared deviations), stored for lora_act; each value normalized and modulated
+    # (_ada_apply); then the exact mode's xq a chunk at a time, or (FAST) the row scale sa from the rows' largest
+    # |v / smooth| and the E4M3 codes in the fast GEMM's k order (GEMM_ORDER). RELEASE: lets a programmatic dependent
+    # (_ada_lora_kernel, which waits for this grid) start.
+    if RELEASE:
+        gdc_launch_dependents()
+    rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    m_ok = rm < M
+    x0 = _rows_load(x_ptr, rm, m_ok, K, stride_xm, 0, C, GEMM_ORDER)
+    if NCH > 1:
+        x1 = _rows_load(x_ptr, rm, m_ok, K, stride_xm, 1, C, GEMM_ORDER)
+    if NCH > 2:
+        x2 = _rows_load(x_ptr, rm, m_ok, K, stride_xm, 2, C, GEMM_ORDER)
+    if NCH > 3:
+        x3 = _rows_load(x_ptr, rm, m_ok, K, stride_xm, 3, C, GEMM_ORDER)
+    s = tl.sum(x0, axis=1)
+    if NCH > 1:
+        s += tl.sum(x1, axis=1)
+    if NCH > 2:
+        s += tl.sum(x2, axis=1)
+    if NCH > 3:
+        s += tl.sum(x3, axis=1)
+    mean = s / K
+    q = _rows_sq(x0, mean, K, 0, C)
+    if NCH > 1:
+        q += _rows_sq(x1, mean, K, 1, C)
+    if NCH > 2:
+        q += _rows_sq(x2, mean, K, 2, C)
+    if NCH > 3:
+        q += _rows_sq(x3, mean, K, 3, C)
+    rstd = 1.0 / tl.sqrt_rn(q / K + eps)
+    tl.store(mean_ptr + rm, mean, mask=m_ok)
+    tl.store(rstd_ptr + rm, rstd, mask=m_ok)
+    v0 = _rows_apply(x0, mean, rstd, rm, m_ok, K, S, stride_mod, shift_ptr, scale_ptr, x_ptr, 0, C, GEMM_ORDER,
+                     DOT_F32, UNIFORM)
+    if NCH > 1:
+        v1 = _rows_apply(x1, mean, rstd, rm, m_ok, K, S, stride_mod, shift_ptr, scale_ptr, x_ptr, 1, C, GEMM_ORDER,
+                         DOT_F32, UNIFORM)
+    if NCH > 2:
+        v2 = _rows_apply(x2, mean, rstd, rm, m_ok, K, S, stride_mod, shift_ptr, scale_ptr, x_ptr, 2, C, GEMM_ORDER,
+                         DOT_F32, UNIFORM)
+    if NCH > 3:
+        v3 = _rows_apply(x3, mean, rstd, rm, m_ok, K, S, stride_mod, shift_ptr, scale_ptr, x_ptr, 3, C, GEMM_ORDER,
+                         DOT_F32, UNIFORM)
+    r = mean  # (the exact mode has no row scale)
+    if FAST:
+        mx = _rows_max(v0, inv_ptr, K, 0, C, GEMM_ORDER)
+        if NCH > 1:
+            mx = tl.maximum(mx, _rows_max(v1, inv_ptr, K, 1, C, GEMM_ORDER))
+        if NCH > 2:
+            mx = tl.maximum(mx, _rows_max(v2, inv_ptr, K, 2, C, GEMM_ORDER))
+        if NCH > 3:
+            mx = tl.maximum(mx, _rows_max(v3, inv_ptr, K, 3, C, GEMM_ORDER))
+        # sa and 1 / sa as the statistics kernel and _rows_of make them
+        ok = (mx > 0) & (mx <= 0x7F800000)
+        sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([ROWS], 448.0, tl.float32)), 1.0)
+        tl.store(sa_ptr + rm, sa, mask=m_ok)
+        r = tl.minimum(tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sa), 3.4028234663852886e38)
+    _rows_store(v0, inv_ptr, out_ptr, r, rm, m_ok, K, 0, C, ROWS, FAST, GEMM_ORDER, HW_CVT)
+    if NCH > 1:
+        _rows_store(v1, inv_ptr, out_ptr, r, rm, m_ok, K, 1, C, ROWS, FAST, GEMM_ORDER, HW_CVT)
+    if NCH > 2:
+        _rows_store(v2, inv_ptr, out_ptr, r, rm, m_ok, K, 2, C, ROWS, FAST, GEMM_ORDER, HW_CVT)
+    if NCH > 3:
+        _rows_store(v3, inv_ptr, out_ptr, r, rm, m_ok, K, 3, C, ROWS, FAST, GEMM_ORDER, HW_CVT)
+
+
 def _stats_launch(x, shift, scale, eps, inv_smooth, tokens, fast, rows=4):
     """Both forms' first launch, ``_ada_stats_kernel`` at ``rows`` rows a program: ``(mean, rstd, sa)`` [M] fp32
     (``sa`` is ``mean`` in the exact mode, which has none)."""
@@ -373,6 +515,36 @@ def _tile_setting(block_m: int, num_warps: int) -> str | None:
 PAIR_PASS = (8, 256, 4)  # block_m, block_k, warps
 
 
+def _lora_launch(x, shift, scale, mean, rstd, pds, tokens, pdl, finish=None):
+    """``_ada_lora_kernel`` at ``tuning.ada_pair_lora``'s launch (both forms' ``lora_act``), launched as a PDL
+    dependent with ``pdl``. Returns ``(part, nsplit)``, the fp32 partials the pair form's pass adds; ``finish``
+    (the rows form): ``(sa, lora, fast)``, the kernel writes ``lora`` itself (``sa``: the fast mode's row scales)."""
+    m, k = x.shape
+    r = pds.shape[1]
+    env = getenv(ENV_ADA_PAIR_LORA)  # tuning.ada_pair_lora: LORA_ACT_CONFIG unless the setting says
+    bm, s, warps, stages = parse_ada_pair_lora(env or "")
+    block_k = 128 if _block_r(r) <= 64 else 64
+    s = fit_split(s, k, block_k)
+    k_split = cdiv(cdiv(k, s), block_k) * block_k
+    nsplit = cdiv(k, k_split)
+    part = torch.empty(nsplit, m, r, device=x.device, dtype=torch.float32)
+    sa, lora, fast = finish or (mean, mean, False)
+    if finish is not None:
+        from .small_m import sync_words
+
+        cnt = sync_words(x.device, cdiv(m, bm), "norm_pass")
+    else:
+        cnt = mean
+    with setting_launch(ENV_ADA_PAIR_LORA, env, "the norm pass's lora_act at block_m={}, stages={} and R = {}", bm,
+                        stages, r, hint="take fewer rows or stages"):
+        _ada_lora_kernel[(cdiv(m, bm), nsplit)](
+            x, shift, scale, mean, rstd, pds, part, sa, lora, cnt, m, k, r, tokens, x.stride(0), shift.stride(0),
+            k_split, nsplit, BLOCK_M=bm, BLOCK_K=block_k, BLOCK_R=_block_r(r), NUM_STAGES=stages, PDL=pdl,
+            DOT_F32=_INTERPRET, UNIFORM=tokens % bm == 0, FINISH=finish is not None, FAST=fast, num_warps=warps,
+            **_pdl_opts(pdl))
+    return part, nsplit
+
+
 def _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast, gemm_order, pdl):
     """The pair form: ``_ada_stats_kernel``, then ``_ada_lora_kernel`` and ``_ada_pass_kernel``, the last two a PDL
     pair with ``pdl`` (the pass beside ``lora_act``, as the written input's path runs them), else one after the
@@ -384,20 +556,7 @@ def _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast,
     mean, rstd, sa = _stats_launch(x, shift, scale, eps, inv_smooth, tokens, fast)
     part, nsplit, pdl = mean, 1, pdl and r > 0
     if r:
-        env = getenv(ENV_ADA_PAIR_LORA)  # tuning.ada_pair_lora: LORA_ACT_CONFIG unless the setting says
-        bm, s, warps, stages = parse_ada_pair_lora(env or "")
-        block_k = 128 if _block_r(r) <= 64 else 64
-        s = fit_split(s, k, block_k)
-        k_split = cdiv(cdiv(k, s), block_k) * block_k
-        nsplit = cdiv(k, k_split)
-        part = torch.empty(nsplit, m, r, device=x.device, dtype=torch.float32)
-        with setting_launch(ENV_ADA_PAIR_LORA, env,
-                            "the pair form's lora_act at block_m={}, stages={} and R = {}", bm, stages, r,
-                            hint="take fewer rows or stages"):
-            _ada_lora_kernel[(cdiv(m, bm), nsplit)](
-                x, shift, scale, mean, rstd, pds, part, m, k, r, tokens, x.stride(0), shift.stride(0), k_split,
-                BLOCK_M=bm, BLOCK_K=block_k, BLOCK_R=_block_r(r), NUM_STAGES=stages, PDL=pdl, DOT_F32=_INTERPRET,
-                UNIFORM=tokens % bm == 0, num_warps=warps, **_pdl_opts(pdl))
+        part, nsplit = _lora_launch(x, shift, scale, mean, rstd, pds, tokens, pdl)
     bm, block_k, warps = PAIR_PASS
     block_k = min(block_k, next_pow2(k))
     _ada_pass_kernel[(cdiv(m, bm), cdiv(k, block_k))](
@@ -408,7 +567,47 @@ def _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast,
     return sa
 
 
-FORMS = ADA_NORM_FORMS  # ("split", "pair")
+ROWS_MAX_K = ROW_MAX_K  # the rows form holds whole rows in registers up to this many columns; the pair form above
+
+
+def rows_config(k: int) -> tuple[int, int, int, int]:
+    """``(rows, C, NCH, num_warps)`` of the rows form's first launch for rows of ``k`` columns: a row in at most 4
+    power-of-two chunks of at least 16 columns (whole NVFP4 blocks), and the one-pass FP8 kernel's block
+    (``kernels.fp8_rows_config``: 2 rows on 8 warps up to 3072 columns, 1 row on 4 warps up to 4096, on 8 above)."""
+    c = max(16, next_pow2(cdiv(k, 4)))
+    rows, _, _, warps = fp8_rows_config(k)
+    return rows, c, cdiv(k, c), warps
+
+
+def _rows_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast, gemm_order, pdl):
+    """The rows form: ``_ada_rows_kernel`` (whole rows a program: the statistics and the pass from one read of x),
+    then ``_ada_lora_kernel`` with the statistics it wrote, adding its own partials; with ``pdl`` the second is the
+    first's programmatic dependent (it waits for the statistics, then lets the GEMM start), else one after the
+    other. Temporaries are freed on return as in ``_pair_launch``."""
+    m, k = x.shape
+    r = 0 if pds is None else pds.shape[1]
+    rows, c, nch, warps = rows_config(k)
+    mean = torch.empty(m, device=x.device, dtype=torch.float32)
+    rstd = torch.empty_like(mean)
+    sa = torch.empty_like(mean) if fast else mean
+    pdl = pdl and r > 0
+    _ada_rows_kernel[(cdiv(m, rows),)](
+        x, shift, scale, inv_smooth, mean, rstd, sa, out, m, k, tokens, x.stride(0), shift.stride(0), float(eps),
+        ROWS=rows, C=c, NCH=nch, FAST=fast, GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, RELEASE=pdl,
+        DOT_F32=_INTERPRET, UNIFORM=tokens % rows == 0, num_warps=warps)
+    if r:
+        _lora_launch(x, shift, scale, mean, rstd, pds, tokens, pdl, finish=(sa, lora, fast))
+    return sa
+
+
+FORMS = ADA_NORM_FORMS  # ("split", "pair", "rows")
+_FORM_LAUNCH = {"pair": _pair_launch, "rows": _rows_launch}
+
+
+def _form_for(form: str, k: int) -> str:
+    """The form that launches ``form`` at rows of ``k`` columns: the rows form's rows past ``ROWS_MAX_K`` columns
+    (more than a program's registers hold) take the pair form, the same arithmetic."""
+    return "pair" if form == "rows" and k > ROWS_MAX_K else form
 
 
 def _check_form(form: str, pdl: bool, device: torch.device, m: int, k: int, block_m: int, block_k: int,
@@ -418,10 +617,11 @@ def _check_form(form: str, pdl: bool, device: torch.device, m: int, k: int, bloc
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     if pdl:
-        if form != "pair":
-            raise ValueError("pdl=True launches the pair form's lora_act and pass as a PDL pair: pass form='pair'")
-        _check_pdl(device, "the norm pass's pair form")
-    return 0 if form == "pair" else _check_blocks(m, k, device, block_m, block_k, split)
+        if form == "split":
+            raise ValueError("pdl=True launches the pair form's lora_act and pass as a PDL pair (the rows form's pass "
+                             "and lora_act): pass form='pair' or form='rows'")
+        _check_pdl(device, f"the norm pass's {form} form")
+    return _check_blocks(m, k, device, block_m, block_k, split) if form == "split" else 0
 
 
 def _check_blocks(m: int, k: int, device: torch.device, block_m: int, block_k: int, split: int | None) -> int:
@@ -493,8 +693,8 @@ def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
     split = _check_form(form, pdl, x.device, m, k, block_m, block_k, split)
     xq = torch.empty(m, k, device=x.device, dtype=out_dtype or x.dtype)
     lora = torch.empty(m, r, device=x.device, dtype=torch.bfloat16) if r else None
-    if m and form == "pair":
-        _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, xq, lora, False, False, pdl)
+    if m and form != "split":
+        _FORM_LAUNCH[_form_for(form, k)](x, shift, scale, eps, inv_smooth, pds, tokens, xq, lora, False, False, pdl)
     elif m:
         _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, xq, lora, False, False, split, block_m, block_k,
                       num_warps)
@@ -519,8 +719,9 @@ def ada_norm_fast(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps
     a8 = torch.empty(m, k, device=x.device, dtype=torch.float8_e4m3fn)
     sa = torch.empty(0, device=x.device, dtype=torch.float32)
     la = torch.empty(m, r, device=x.device, dtype=torch.bfloat16) if r else None
-    if m and form == "pair":
-        sa = _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, a8, la, True, gemm_order, pdl)
+    if m and form != "split":
+        sa = _FORM_LAUNCH[_form_for(form, k)](x, shift, scale, eps, inv_smooth, pds, tokens, a8, la, True, gemm_order,
+                                              pdl)
     elif m:
         sa = _split_launch(x, shift, scale, eps, inv_smooth, pds, tokens, a8, la, True, gemm_order, split, block_m,
                            block_k, num_warps)

@@ -269,9 +269,10 @@ def parse_ada_norm_tile(v: str) -> tuple[int, int]:
 # and the pass in small tiles as the written input's PDL pair runs them, the pair's PDL taken where SVDQ_SM90_PDL
 # says: by default in captured graphs; ah-2: 345 us against the split form's 380 at the exact fused q/k/v) or
 # "split" (the statistics, then split-K apply tiles that add lora_act's partial sums); the same xq / a8 / sa bits
-# (norm_pass's forms).
+# (norm_pass's forms). "rows" (forty-first session): whole rows a program, the statistics and the pass from one read
+# of x, then lora_act with those statistics; its statistics are summed in another order than the other two forms'.
 ENV_ADA_NORM_FORM = "SVDQ_SM90_ADA_NORM_FORM"
-ADA_NORM_FORMS = ("split", "pair")
+ADA_NORM_FORMS = ("split", "pair", "rows")
 
 
 def ada_norm_form() -> str:
