@@ -328,7 +328,7 @@ with compile_launches(GPUTarget("cuda", 90, 32)) as compiled:
         pds = torch.zeros(512, 32, dtype=torch.bfloat16)
         norm_pass.ada_norm_exact(x, mod[:1], mod[1:2], 1e-6, inv, pds, tokens=256, out_dtype=dt, split=2)
         norm_pass.ada_norm_fast(x, mod[:1], mod[1:2], 1e-6, inv, pds, tokens=256, split=2)
-        _norm_pair(kernels, norm_pass, x, mod, inv, pds)  # the pair form as svdq-precompile compiles it
+        _norm_pair(kernels, norm_pass, x, mod, inv, pds)  # the pair and rows forms as svdq-precompile compiles them
 for i, (name, ck) in enumerate(compiled):
     ptx = ck.asm["ptx"]
     out[f"{name}_{i}"] = {op: ptx.find(op) for op in ("fma.rn.bf16", "fma.rn.f16", "fma.rn.ftz.f16",
@@ -353,23 +353,29 @@ def test_norm_pass_modulation_keeps_both_roundings_when_compiled(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     names = {k.rsplit("_", 1)[0] for k in res}
-    assert names == {"_ada_stats_kernel", "_ada_apply_kernel", "_ada_lora_kernel", "_ada_pass_kernel"}, res
-    assert len(res) == 32, res
+    assert names == {"_ada_stats_kernel", "_ada_apply_kernel", "_ada_lora_kernel", "_ada_pass_kernel",
+                     "_ada_rows_kernel"}, res
+    assert len(res) == 48, res
     assert not [op for ops in res.values() for op in ops if op.startswith("fma")], res
-    # the pair form (svdq-precompile's _norm_pair compiles both modes, launched plainly and as the PDL pair): as a PDL
+    # the pair and rows forms (svdq-precompile's _norm_pair compiles both modes, launched plainly and with PDL): in the
     # pair lora_act waits for the statistics before it lets the pass start, and the pass lets the GEMM start first,
-    # stores its tile, and only then waits for lora_act's partials (its last k-tile); launched plainly neither holds
-    # a wait, nor do the split form and the statistics launch
+    # stores its tile, and only then waits for lora_act's partials (its last k-tile); the rows form's pass lets its
+    # lora_act start and never waits (the grid before it is a plain launch's), its lora_act waits for the pass's
+    # statistics and then lets the GEMM start; launched plainly none holds a wait, nor do the split form and the
+    # statistics launch
     gdc = {"_ada_lora_kernel": ["griddepcontrol.wait", "griddepcontrol.launch_dependents"],
-           "_ada_pass_kernel": ["griddepcontrol.launch_dependents", "st.global", "griddepcontrol.wait"]}
-    pair = {"plain": [0, 0], "pdl": [0, 0]}
+           "_ada_pass_kernel": ["griddepcontrol.launch_dependents", "st.global", "griddepcontrol.wait"],
+           "_ada_rows_kernel": ["griddepcontrol.launch_dependents"]}
+    seen = {}
     for k, ops in res.items():
         name = k.rsplit("_", 1)[0]
         keep = [op for op in ops if op.startswith("griddep") or (name == "_ada_pass_kernel" and op == "st.global")]
         pdl = any(op.startswith("griddep") for op in keep)
         assert sorted(keep, key=ops.get) == (gdc[name] if pdl else [op for op in keep if op == "st.global"]), (k, ops)
         if name in gdc:
-            pair["pdl" if pdl else "plain"][name == "_ada_pass_kernel"] += 1
+            seen[name, pdl] = seen.get((name, pdl), 0) + 1
         else:
             assert not pdl, (k, ops)
-    assert pair == {"plain": [4, 4], "pdl": [4, 4]}, res  # both modes at both dtypes
+    # both modes at both dtypes, plain and PDL (lora_act: the pair's and the rows form's)
+    assert seen == {("_ada_lora_kernel", False): 8, ("_ada_lora_kernel", True): 8, ("_ada_pass_kernel", False): 4,
+                    ("_ada_pass_kernel", True): 4, ("_ada_rows_kernel", False): 4, ("_ada_rows_kernel", True): 4}, res

@@ -21,6 +21,13 @@ sums in 64-row blocks, wgmma) and ``_ada_pass_kernel`` (one 8 x 256 tile a progr
 pair that reads x at once where the backend takes PDL (captured graphs by default), the pass's last k-tile adding
 the partials. The same ``xq`` / ``a8`` / ``sa`` bits as the split form; ``lora_act`` summed in another order.
 
+The rows form (``form="rows"``, forty-first session) reads x once for the statistics and the pass: whole rows a
+program in registers (``_ada_rows_kernel``, the one-pass FP8 kernel's blocks: 2 rows on 8 warps at 3072 columns)
+sum each row, then its squared deviations, normalize, and write ``xq`` or (fast) ``sa`` and ``a8``; then
+``_ada_lora_kernel`` (as the pair form launches it, as a PDL dependent where the backend takes PDL) reads x again with
+those statistics and adds its own partial sums into ``lora`` / ``la``. Its statistics are summed in another order than
+the other forms' (the same bits where the sums are exact); rows past ``ROWS_MAX_K`` columns take the pair form.
+
 The row statistics are summed in another order than PyTorch's layer norm (and the compiler's), so a normalized
 value may differ from the tensor's by one unit of its last place: the contract's "Inputs made by an adaLN norm".
 A first form (one launch, a 16-32-row block a program walking K) measured 2x slower than the compiled norm plus
