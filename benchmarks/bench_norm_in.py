@@ -3,7 +3,7 @@ the norm written out, each whole: norm + linear, as a Flux single block (and a d
 
     python benchmarks/bench_norm_in.py [--out FILE] [--shapes fused_qkv,single_fused_in] [--modes exact,fast]
                                        [--reps 20] [--rounds 5] [--splits 2,8] [--pair-nopdl]
-                                       [--pair-lora "64,8,4,3;32,8,4,3"] [--rows]
+                                       [--pair-lora "64,8,4,3;32,8,4,3"] [--rows [--rows-tiles 1x4,4x8]]
 
 Per layer (``bench_lowrank``'s whole-linear rows: what fuse_qkv_projections builds, R = 32 a part) and mode, in
 ``--rounds`` alternating rounds, each a CUDA graph of ``--reps`` back-to-back calls timed by its kernels' span
@@ -21,7 +21,7 @@ Per layer (``bench_lowrank``'s whole-linear rows: what fuse_qkv_projections buil
   the GEMM one after the other: whether the GEMM's time after the pair depends on the overlap); with ``--pair-lora``,
   the pair form alone and whole at each ``lora_act`` launch named (``SVDQ_SM90_ADA_PAIR_LORA``); with ``--rows``,
   the rows form (``rows``: whole rows a program, the statistics and the pass from one read, then ``lora_act``)
-  whole and alone, beside the pair form.
+  whole and alone, beside the pair form (and at ``--rows-tiles``, ``SVDQ_SM90_ADA_ROWS_TILE``).
 
 Ratios: bf16 / path, each round's to the bf16 of that round, median over the rounds. The fused output is
 checked against the written one first (the inputs differ by a rounding in a few elements).
@@ -63,6 +63,9 @@ def main() -> None:
     ap.add_argument("--rows", action="store_true",
                     help="also the rows form (SVDQ_SM90_ADA_NORM_FORM=rows: whole rows a program, the statistics and "
                          "the pass from one read of x, then lora_act), whole and its launches alone")
+    ap.add_argument("--rows-tiles", default="",
+                    help="with --rows, the rows form alone and whole at these SVDQ_SM90_ADA_ROWS_TILE tiles too "
+                         "(rows x warps, e.g. 1x4,2x4,4x8)")
     ap.add_argument("--pair-nopdl", action="store_true",
                     help="also the pair form with SVDQ_SM90_PDL=0 (its launches and the GEMM one after the other)")
     args = ap.parse_args()
@@ -136,6 +139,12 @@ def main() -> None:
                 if args.rows:
                     graphs["fused rows"] = graph_of(fused_in(mod, x, shift, scale, "rows"), args.reps)
                     graphs["rows pass"] = graph_of(npass(form="rows"), args.reps)
+                    for t in args.rows_tiles.split(",") if args.rows_tiles else ():
+                        tuning.parse_ada_rows_tile(t)  # a malformed one fails here, before any capture
+                        at = {tuning.ENV_ADA_ROWS_TILE: t}
+                        graphs[f"rows pass {t}"] = graph_of(with_env(at, npass(form="rows")), args.reps)
+                        graphs[f"fused rows {t}"] = graph_of(with_env(at, fused_in(mod, x, shift, scale, "rows")),
+                                                             args.reps)
                 if args.pair_nopdl:  # whether the GEMM's time after the pair depends on the PDL overlap
                     graphs["fused pair, no PDL"] = graph_of(fused_in(mod, x, shift, scale, "pair", "0"), args.reps)
                 for sp in args.splits.split(","):  # the pass alone at other splits
@@ -178,6 +187,11 @@ def main() -> None:
                         f"written / it {gain('fused rows'):.3f}x; pair / it {over_pair:.3f}x"
                         + f"); pass alone {med['rows pass']:.1f} (pair's {med['pair pass']:.1f}); max err / max "
                         f"{errs[2]:.2e}" + " |" * 15)
+                    tiles = [w_.removeprefix("rows pass ") for w_ in med if w_.startswith("rows pass ")]
+                    if tiles:
+                        log("|  | rows form at SVDQ_SM90_ADA_ROWS_TILE (rows x warps): pass alone / whole / bf16 over "
+                            "whole: " + "; ".join(f"{t} {med['rows pass ' + t]:.1f} / {med['fused rows ' + t]:.1f} / "
+                                                  f"{ratio('fused rows ' + t):.3f}x" for t in tiles) + " |" * 15)
                 if args.pair_nopdl:
                     log(f"|  | fused pair, no PDL: {med['fused pair, no PDL']:.1f} (bf16 / it "
                         f"{ratio('fused pair, no PDL'):.3f}x)" + " |" * 15)

@@ -446,6 +446,44 @@ def test_pair_lora_setting_past_shared_memory_is_named(monkeypatch):
         norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, tokens=8, form="pair")
 
 
+def test_rows_tile_setting_changes_no_bits_and_is_named(monkeypatch):
+    """``SVDQ_SM90_ADA_ROWS_TILE`` sets the rows form's first launch (``tuning.ada_rows_tile``): every listed tile
+    writes the same bits as the form's own (1 and 4 rows a program at 70 tokens straddle the batch elements where 2
+    do not); a value outside the list is refused by name, and a tile Triton refuses for want of resources names the
+    setting (``kernels.setting_launch``), its own tile Triton's error unchanged."""
+    from triton.runtime.errors import OutOfResources
+
+    from svdq_linear.backends.sm90 import tuning
+
+    x, shift, scale, smooth, pds = _case(70, 2, 384, 32, torch.bfloat16, device=DEV, seed=13, mean=1.0)
+    x2, inv = x.reshape(-1, 384), 1.0 / smooth
+    kw = dict(tokens=70, form="rows")
+    monkeypatch.delenv(tuning.ENV_ADA_ROWS_TILE, raising=False)
+    assert tuning.ada_rows_tile() is None
+    want_x = norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, **kw)
+    want_f = norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, **kw)
+    for tile in ("1x4", "4X8"):
+        monkeypatch.setenv(tuning.ENV_ADA_ROWS_TILE, tile)
+        assert tuning.ada_rows_tile() == tuple(int(p) for p in tile.lower().split("x"))
+        got_x = norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, **kw)
+        got_f = norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(got_x, want_x))
+        assert torch.equal(got_f[0].view(torch.uint8), want_f[0].view(torch.uint8))
+        assert torch.equal(got_f[1], want_f[1]) and torch.equal(got_f[2], want_f[2])
+    for bad in ("3x8", "2", "rows"):
+        monkeypatch.setenv(tuning.ENV_ADA_ROWS_TILE, bad)
+        with pytest.raises(ValueError, match=f"{tuning.ENV_ADA_ROWS_TILE}='{bad}': expected one of"):
+            norm_pass.ada_norm_fast(x2, shift, scale, 1e-6, inv, pds, **kw)
+    oor = _out_of_resources()
+    monkeypatch.setattr(norm_pass, "_ada_rows_kernel", _refusing(oor))
+    monkeypatch.setenv(tuning.ENV_ADA_ROWS_TILE, "4x8")
+    with pytest.raises(ValueError, match=f"{tuning.ENV_ADA_ROWS_TILE}='4x8': the rows form's pass at 4 x 8"):
+        norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, **kw)
+    monkeypatch.delenv(tuning.ENV_ADA_ROWS_TILE)
+    with pytest.raises(OutOfResources):
+        norm_pass.ada_norm_exact(x2, shift, scale, 1e-6, inv, pds, **kw)
+
+
 @pytest.mark.parametrize("fast", [False, True])
 def test_apply_tile_setting_past_the_gpus_resources_is_named(monkeypatch, fast):
     """A split-form apply launch at ``SVDQ_SM90_ADA_NORM_TILE``'s tile that Triton refuses for want of resources is a

@@ -49,8 +49,8 @@ from ..._env import getenv
 from .kernels import (_INTERPRET, _block_r, _check_pdl, _e4m3_bits, _gemm_k, _lora_dot, _nvfp4_dequant, _nvfp4_tile,
                       ROW_MAX_K, _pdl_opts, _round_to, _split_total, cdiv, fp8_rows_config, gdc_launch_dependents,
                       gdc_wait, next_pow2, setting_launch)
-from .tuning import (ADA_NORM_FORMS, ENV_ADA_NORM_TILE, ENV_ADA_PAIR_LORA, fit_split, parse_ada_norm_tile,
-                     parse_ada_pair_lora)
+from .tuning import (ADA_NORM_FORMS, ENV_ADA_NORM_TILE, ENV_ADA_PAIR_LORA, ENV_ADA_ROWS_TILE, fit_split,
+                     parse_ada_norm_tile, parse_ada_pair_lora, parse_ada_rows_tile)
 
 
 @triton.jit
@@ -594,14 +594,18 @@ def _rows_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast,
     m, k = x.shape
     r = 0 if pds is None else pds.shape[1]
     rows, c, nch, warps = rows_config(k)
+    env = getenv(ENV_ADA_ROWS_TILE)
+    rows, warps = parse_ada_rows_tile(env or "") or (rows, warps)  # tuning.ada_rows_tile
     mean = torch.empty(m, device=x.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
     sa = torch.empty_like(mean) if fast else mean
     pdl = pdl and r > 0
-    _ada_rows_kernel[(cdiv(m, rows),)](
-        x, shift, scale, inv_smooth, mean, rstd, sa, out, m, k, tokens, x.stride(0), shift.stride(0), float(eps),
-        ROWS=rows, C=c, NCH=nch, FAST=fast, GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, RELEASE=pdl,
-        DOT_F32=_INTERPRET, UNIFORM=tokens % rows == 0, num_warps=warps)
+    with setting_launch(ENV_ADA_ROWS_TILE, env, "the rows form's pass at {} x {} (rows x warps) and K = {}", rows,
+                        warps, k, hint="take fewer rows"):
+        _ada_rows_kernel[(cdiv(m, rows),)](
+            x, shift, scale, inv_smooth, mean, rstd, sa, out, m, k, tokens, x.stride(0), shift.stride(0), float(eps),
+            ROWS=rows, C=c, NCH=nch, FAST=fast, GEMM_ORDER=gemm_order, HW_CVT=not _INTERPRET, RELEASE=pdl,
+            DOT_F32=_INTERPRET, UNIFORM=tokens % rows == 0, num_warps=warps)
     if r:
         _lora_launch(x, shift, scale, mean, rstd, pds, tokens, pdl, finish=(sa, lora, fast))
     return sa

@@ -285,6 +285,34 @@ def ada_norm_form() -> str:
     return v
 
 
+# the norm pass's rows form, its first launch's rows x warps (SVDQ_SM90_ADA_ROWS_TILE, read per call): unset, the
+# one-pass FP8 kernel's block for the row's width (norm_pass.rows_config: 2 x 8 at 3072 columns); one of
+# ADA_ROWS_TILES to measure others (benchmarks/bench_norm_in.py --rows-tiles). The same bits at any tile.
+ENV_ADA_ROWS_TILE = "SVDQ_SM90_ADA_ROWS_TILE"
+ADA_ROWS_TILES = ((1, 4), (1, 8), (2, 4), (2, 8), (4, 8))
+
+
+def ada_rows_tile() -> tuple[int, int] | None:
+    """``(rows, num_warps)`` of the rows form's first launch from ``SVDQ_SM90_ADA_ROWS_TILE`` ("ROWSxWARPS", one of
+    ``ADA_ROWS_TILES``), else None (the form's own). A value outside the list is an error, not a silent default."""
+    return parse_ada_rows_tile(getenv(ENV_ADA_ROWS_TILE) or "")
+
+
+@functools.lru_cache(maxsize=16)
+def parse_ada_rows_tile(v: str) -> tuple[int, int] | None:
+    """A ``SVDQ_SM90_ADA_ROWS_TILE`` value's tile (``ada_rows_tile``'s rules; "" None)."""
+    if not v:
+        return None
+    try:
+        tile = tuple(int(p) for p in v.lower().split("x"))
+    except ValueError:
+        tile = ()
+    if tile not in ADA_ROWS_TILES:
+        raise ValueError(f"{ENV_ADA_ROWS_TILE}={v!r}: expected one of "
+                         + ", ".join(f"{b}x{w}" for b, w in ADA_ROWS_TILES))
+    return tile
+
+
 LORA_ACT_MIN_M = 128
 LORA_ACT_CONFIG = (64, 4, 4, 3)
 
