@@ -695,7 +695,11 @@ def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
     ``form="pair"``: the statistics, then ``lora_act`` alone (``tuning.ada_pair_lora``) and the pass alone in small
     tiles that fill the GPU (``PAIR_PASS``), with ``pdl`` as a PDL pair that reads x at once (CUDA, capability 9.0 or
     later), else one after the other; the tile arguments do not apply. The same ``xq`` bits as ``"split"``;
-    ``lora_act`` summed in another order. (``form`` defaults to "split" for direct callers such as
+    ``lora_act`` summed in another order. ``form="rows"``: whole rows a program (``rows_config``, or
+    ``SVDQ_SM90_ADA_ROWS_TILE``'s rows x warps) for the statistics and the pass from one read of x, then ``lora_act``
+    with those statistics (with ``pdl`` its PDL dependent); the row statistics summed in another order, so a value
+    may round the other way (the same bits as ``"pair"`` where the sums are exact); rows past ``ROWS_MAX_K`` columns
+    take the pair form. (``form`` defaults to "split" for direct callers such as
     ``svdq-precompile``; the backend always passes ``tuning.ada_norm_form()``, "pair" unless set.)"""
     tokens = tokens or x.shape[0]
     if x.stride(1) != 1:
