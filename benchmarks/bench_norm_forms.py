@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cuda import graph_of, with_env  # noqa: E402
-from timeline_exact import kernel_spans, summarize  # noqa: E402
+from timeline_exact import time_rounds  # noqa: E402
 
 from svdq_linear.backends.sm90 import norm_pass, tuning  # noqa: E402
 
@@ -90,13 +90,7 @@ def main() -> None:
                           "rows": graph_of(run("rows"), args.reps)}
                 for t in tiles:
                     graphs[f"rows {t}"] = graph_of(with_env({tuning.ENV_ADA_ROWS_TILE: t}, run("rows")), args.reps)
-                periods: dict[str, list[float]] = {}
-                kernels_of: dict[str, list] = {}
-                for _ in range(args.rounds):
-                    for what, gr in graphs.items():
-                        period, rows = summarize(kernel_spans(gr), args.reps)
-                        periods.setdefault(what, []).append(period)
-                        kernels_of.setdefault(what, rows)
+                periods, kernels_of = time_rounds(graphs, args.rounds, args.reps)
                 med = {what: statistics.median(p) for what, p in periods.items()}
                 gain = statistics.median(p / q for p, q in zip(periods["pair"], periods["rows"]))
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _cuda import graph_of, with_env  # noqa: E402
 from bench_lowrank import FLUX, whole_module  # noqa: E402
-from timeline_exact import kernel_spans, summarize  # noqa: E402
+from timeline_exact import time_rounds  # noqa: E402
 
 from svdq_linear import backends, nvfp4  # noqa: E402
 from svdq_linear.backends.sm90 import norm_pass, tuning  # noqa: E402
@@ -157,13 +157,7 @@ def main() -> None:
                     tile = tuning.parse_ada_norm_tile(t)
                     if tile != tuning.ada_norm_tile():
                         graphs[f"npass split auto, tile {t}"] = graph_of(npass(tile=tile), args.reps)
-                periods: dict[str, list[float]] = {}
-                kernels_of: dict[str, list] = {}
-                for _ in range(args.rounds):
-                    for what, gr in graphs.items():
-                        period, rows = summarize(kernel_spans(gr), args.reps)
-                        periods.setdefault(what, []).append(period)
-                        kernels_of.setdefault(what, rows)
+                periods, kernels_of = time_rounds(graphs, args.rounds, args.reps)
                 med = {what: statistics.median(p) for what, p in periods.items()}
 
                 def ratio(what: str) -> float:

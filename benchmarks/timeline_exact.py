@@ -75,6 +75,19 @@ def summarize(spans, reps: int) -> tuple[float, list[tuple[str, int, float, floa
     return period, out
 
 
+def time_rounds(graphs: dict, rounds: int, reps: int) -> tuple[dict[str, list[float]], dict[str, list]]:
+    """Each graph of ``graphs`` (name -> a graph of ``reps`` calls) timed in ``rounds`` alternating rounds:
+    ``(periods, kernels)``, per name the period of each round (``summarize``) and the first round's kernel rows."""
+    periods: dict[str, list[float]] = {}
+    kernels_of: dict[str, list] = {}
+    for _ in range(rounds):
+        for what, gr in graphs.items():
+            period, rows = summarize(kernel_spans(gr), reps)
+            periods.setdefault(what, []).append(period)
+            kernels_of.setdefault(what, rows)
+    return periods, kernels_of
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)

@@ -253,15 +253,18 @@ def ada_norm_tile() -> tuple[int, int]:
 @functools.lru_cache(maxsize=16)
 def parse_ada_norm_tile(v: str) -> tuple[int, int]:
     """A ``SVDQ_SM90_ADA_NORM_TILE`` value's tile (``ada_norm_tile``'s rules; "" the default)."""
-    if not v:
-        return 32, 4
+    return _tile_of(v, ENV_ADA_NORM_TILE, ADA_NORM_TILES) if v else (32, 4)
+
+
+def _tile_of(v: str, setting: str, allowed: tuple[tuple[int, int], ...]) -> tuple[int, int]:
+    """A "ROWSxWARPS" value of ``setting`` as its tile, which must be one of ``allowed``; else an error naming the
+    setting and the tiles it takes."""
     try:
         tile = tuple(int(p) for p in v.lower().split("x"))
     except ValueError:
         tile = ()
-    if tile not in ADA_NORM_TILES:
-        raise ValueError(f"{ENV_ADA_NORM_TILE}={v!r}: expected one of "
-                         + ", ".join(f"{b}x{w}" for b, w in ADA_NORM_TILES))
+    if tile not in allowed:
+        raise ValueError(f"{setting}={v!r}: expected one of " + ", ".join(f"{b}x{w}" for b, w in allowed))
     return tile
 
 
@@ -301,16 +304,7 @@ def ada_rows_tile() -> tuple[int, int] | None:
 @functools.lru_cache(maxsize=16)
 def parse_ada_rows_tile(v: str) -> tuple[int, int] | None:
     """A ``SVDQ_SM90_ADA_ROWS_TILE`` value's tile (``ada_rows_tile``'s rules; "" None)."""
-    if not v:
-        return None
-    try:
-        tile = tuple(int(p) for p in v.lower().split("x"))
-    except ValueError:
-        tile = ()
-    if tile not in ADA_ROWS_TILES:
-        raise ValueError(f"{ENV_ADA_ROWS_TILE}={v!r}: expected one of "
-                         + ", ".join(f"{b}x{w}" for b, w in ADA_ROWS_TILES))
-    return tile
+    return _tile_of(v, ENV_ADA_ROWS_TILE, ADA_ROWS_TILES) if v else None
 
 
 LORA_ACT_MIN_M = 128
