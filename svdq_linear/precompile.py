@@ -249,12 +249,12 @@ def _sm90_calls(quick: bool):
             def norm_in(x=x, mod=mod, inv=inv, pds=pds):
                 norm_pass.ada_norm_exact(x, mod[:1], mod[1:2], 1e-6, inv, pds, out_dtype=torch.bfloat16)
                 norm_pass.ada_norm_fast(x, mod[:1], mod[1:2], 1e-6, inv, pds)
-                _norm_pair(kernels, norm_pass, x, mod, inv, pds)
+                _norm_forms(kernels, norm_pass, x, mod, inv, pds)
 
             yield f"norm_in_m{m}_r{r}", norm_in
 
 
-def _norm_pair(kernels, norm_pass, x, mod, inv, pds) -> None:
+def _norm_forms(kernels, norm_pass, x, mod, inv, pds) -> None:
     """The norm pass's pair form (the backend's default form) and rows form in both modes: their launches one
     after the other (an eager call) and as the PDL pairs a captured graph launches (the device check is the
     target's, as ``_pdl_pair``'s; not where this Triton has no grid dependency control)."""

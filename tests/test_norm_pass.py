@@ -199,9 +199,9 @@ def test_rows_form_writes_the_pair_forms_bits_where_the_statistics_agree(tokens,
     if r:  # and lora_act is there: against float64 of the written input
         ref = nvfp4.ada_norm(x, shift, scale, 1e-6).reshape(-1, k).double() @ pds.double()
         torch.testing.assert_close(got[1].double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
-    # rows past the registers' ROWS_MAX_K columns take the pair form (norm_pass._form_for)
-    assert norm_pass._form_for("rows", norm_pass.ROWS_MAX_K) == "rows"
-    assert norm_pass._form_for("rows", norm_pass.ROWS_MAX_K + 16) == "pair"
+    # rows past the registers' kernels.ROW_MAX_K columns take the pair form (norm_pass._form_for)
+    assert norm_pass._form_for("rows", norm_pass.ROW_MAX_K) == "rows"
+    assert norm_pass._form_for("rows", norm_pass.ROW_MAX_K + 16) == "pair"
     assert norm_pass._form_for("split", 10 ** 6) == "split"
 
 

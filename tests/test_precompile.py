@@ -319,7 +319,7 @@ os.environ["TRITON_CACHE_DIR"] = sys.argv[1]
 import torch
 from triton.backends.compiler import GPUTarget
 from svdq_linear.backends.sm90 import kernels, norm_pass
-from svdq_linear.precompile import _norm_pair, compile_launches
+from svdq_linear.precompile import _norm_forms, compile_launches
 
 out = {}
 with compile_launches(GPUTarget("cuda", 90, 32)) as compiled:
@@ -328,7 +328,7 @@ with compile_launches(GPUTarget("cuda", 90, 32)) as compiled:
         pds = torch.zeros(512, 32, dtype=torch.bfloat16)
         norm_pass.ada_norm_exact(x, mod[:1], mod[1:2], 1e-6, inv, pds, tokens=256, out_dtype=dt, split=2)
         norm_pass.ada_norm_fast(x, mod[:1], mod[1:2], 1e-6, inv, pds, tokens=256, split=2)
-        _norm_pair(kernels, norm_pass, x, mod, inv, pds)  # the pair and rows forms as svdq-precompile compiles them
+        _norm_forms(kernels, norm_pass, x, mod, inv, pds)  # the pair and rows forms as svdq-precompile compiles them
 for i, (name, ck) in enumerate(compiled):
     ptx = ck.asm["ptx"]
     out[f"{name}_{i}"] = {op: ptx.find(op) for op in ("fma.rn.bf16", "fma.rn.f16", "fma.rn.ftz.f16",
@@ -357,7 +357,7 @@ def test_norm_pass_modulation_keeps_both_roundings_when_compiled(tmp_path):
                      "_ada_rows_kernel"}, res
     assert len(res) == 48, res
     assert not [op for ops in res.values() for op in ops if op.startswith("fma")], res
-    # the pair and rows forms (svdq-precompile's _norm_pair compiles both modes, launched plainly and with PDL): in the
+    # the pair and rows forms (svdq-precompile's _norm_forms compiles both modes, launched plainly and with PDL): in the
     # pair lora_act waits for the statistics before it lets the pass start, and the pass lets the GEMM start first,
     # stores its tile, and only then waits for lora_act's partials (its last k-tile); the rows form's pass lets its
     # lora_act start and never waits (the grid before it is a plain launch's), its lora_act waits for the pass's

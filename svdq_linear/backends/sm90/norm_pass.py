@@ -26,7 +26,8 @@ program in registers (``_ada_rows_kernel``, the one-pass FP8 kernel's blocks: 2 
 sum each row, then its squared deviations, normalize, and write ``xq`` or (fast) ``sa`` and ``a8``; then
 ``_ada_lora_kernel`` (as the pair form launches it, as a PDL dependent where the backend takes PDL) reads x again with
 those statistics and adds its own partial sums into ``lora`` / ``la``. Its statistics are summed in another order than
-the other forms' (the same bits where the sums are exact); rows past ``ROWS_MAX_K`` columns take the pair form.
+the other forms' (the same bits where the sums are exact); rows past ``kernels.ROW_MAX_K`` columns take the pair
+form.
 
 The row statistics are summed in another order than PyTorch's layer norm (and the compiler's), so a normalized
 value may differ from the tensor's by one unit of its last place: the contract's "Inputs made by an adaLN norm".
@@ -147,9 +148,21 @@ def _ada_stats_kernel(x_ptr, shift_ptr, scale_ptr, inv_ptr, mean_ptr, rstd_ptr, 
                              DOT_F32, UNIFORM)
             inv = tl.load(inv_ptr + rk, mask=rk < K, other=1.0)
             mx = tl.maximum(mx, tl.max((v * inv[None, :]).to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
-        ok = (mx > 0) & (mx <= 0x7F800000)
-        sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([ROWS], 448.0, tl.float32)), 1.0)
-        tl.store(sa_ptr + rm, sa, mask=m_ok)
+        tl.store(sa_ptr + rm, _sa_of(mx, ROWS), mask=m_ok)
+
+
+@triton.jit
+def _sa_of(mx, ROWS: tl.constexpr):
+    # the row scale sa from the bits of the rows' largest |value / smooth| (mx [ROWS]), as nvfp4.fast_act sets it:
+    # max / 448, 1 for an all-zero row and where a NaN is in the row
+    ok = (mx > 0) & (mx <= 0x7F800000)
+    return tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([ROWS], 448.0, tl.float32)), 1.0)
+
+
+@triton.jit
+def _inv_sa(sa, ROWS: tl.constexpr):
+    # 1 / sa kept finite (a row max below 448 / FLT_MAX would overflow it; a zero sa's row is zeros)
+    return tl.minimum(tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sa), 3.4028234663852886e38)
 
 
 @triton.jit
@@ -160,7 +173,7 @@ def _rows_of(mean_ptr, rstd_ptr, sa_ptr, rm, m_ok, BLOCK_M: tl.constexpr, FAST: 
     rstd = tl.load(rstd_ptr + rm, mask=m_ok, other=0.0)
     if FAST:
         sa = tl.load(sa_ptr + rm, mask=m_ok, other=1.0)
-        r = tl.minimum(tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sa), 3.4028234663852886e38)
+        r = _inv_sa(sa, BLOCK_M)
     else:
         sa = mean
         r = mean
@@ -449,11 +462,9 @@ def _ada_rows_kernel(x_ptr, shift_ptr, scale_ptr, inv_ptr, mean_ptr, rstd_ptr, s
             mx = tl.maximum(mx, _rows_max(v2, inv_ptr, K, 2, C, GEMM_ORDER))
         if NCH > 3:
             mx = tl.maximum(mx, _rows_max(v3, inv_ptr, K, 3, C, GEMM_ORDER))
-        # sa and 1 / sa as the statistics kernel and _rows_of make them
-        ok = (mx > 0) & (mx <= 0x7F800000)
-        sa = tl.where(ok, tl.math.div_rn(mx.to(tl.float32, bitcast=True), tl.full([ROWS], 448.0, tl.float32)), 1.0)
+        sa = _sa_of(mx, ROWS)  # and 1 / sa, as the statistics kernel and _rows_of make them
         tl.store(sa_ptr + rm, sa, mask=m_ok)
-        r = tl.minimum(tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), sa), 3.4028234663852886e38)
+        r = _inv_sa(sa, ROWS)
     _rows_store(v0, inv_ptr, out_ptr, r, rm, m_ok, K, 0, C, ROWS, FAST, GEMM_ORDER, HW_CVT)
     if NCH > 1:
         _rows_store(v1, inv_ptr, out_ptr, r, rm, m_ok, K, 1, C, ROWS, FAST, GEMM_ORDER, HW_CVT)
@@ -574,9 +585,6 @@ def _pair_launch(x, shift, scale, eps, inv_smooth, pds, tokens, out, lora, fast,
     return sa
 
 
-ROWS_MAX_K = ROW_MAX_K  # the rows form holds whole rows in registers up to this many columns; the pair form above
-
-
 def rows_config(k: int) -> tuple[int, int, int, int]:
     """``(rows, C, NCH, num_warps)`` of the rows form's first launch for rows of ``k`` columns: a row in at most 4
     power-of-two chunks of at least 16 columns (whole NVFP4 blocks), and the one-pass FP8 kernel's block
@@ -616,9 +624,9 @@ _FORM_LAUNCH = {"pair": _pair_launch, "rows": _rows_launch}
 
 
 def _form_for(form: str, k: int) -> str:
-    """The form that launches ``form`` at rows of ``k`` columns: the rows form's rows past ``ROWS_MAX_K`` columns
-    (more than a program's registers hold) take the pair form, the same arithmetic."""
-    return "pair" if form == "rows" and k > ROWS_MAX_K else form
+    """The form that launches ``form`` at rows of ``k`` columns: the rows form's rows past ``kernels.ROW_MAX_K``
+    columns (more than a program's registers hold) take the pair form, the same arithmetic."""
+    return "pair" if form == "rows" and k > ROW_MAX_K else form
 
 
 def _check_form(form: str, pdl: bool, device: torch.device, m: int, k: int, block_m: int, block_k: int,
@@ -698,8 +706,8 @@ def ada_norm_exact(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
     ``lora_act`` summed in another order. ``form="rows"``: whole rows a program (``rows_config``, or
     ``SVDQ_SM90_ADA_ROWS_TILE``'s rows x warps) for the statistics and the pass from one read of x, then ``lora_act``
     with those statistics (with ``pdl`` its PDL dependent); the row statistics summed in another order, so a value
-    may round the other way (the same bits as ``"pair"`` where the sums are exact); rows past ``ROWS_MAX_K`` columns
-    take the pair form. (``form`` defaults to "split" for direct callers such as
+    may round the other way (the same bits as ``"pair"`` where the sums are exact); rows past ``kernels.ROW_MAX_K``
+    columns take the pair form. (``form`` defaults to "split" for direct callers such as
     ``svdq-precompile``; the backend always passes ``tuning.ada_norm_form()``, "pair" unless set.)"""
     tokens = tokens or x.shape[0]
     if x.stride(1) != 1:
